@@ -1,0 +1,19 @@
+"""jax_blockscale: block-scaled low-precision GEMM (NVFP4, MXFP4, MXFP6, MXFP8) for JAX."""
+from . import lowering as _lowering_registry  # noqa: F401  (the backend registry)
+from .lowering import reference as _reference_backend  # noqa: F401  (registers "reference")
+from .api import gemm, scaled_matmul
+from .formats import FORMATS, Format, can_multiply, get_format, supported_pairs
+from .layout import from_blocked_scales, to_blocked_scales
+from .lowering import GemmSpec, backend_names, register_backend
+from .primitive import gemm_p
+from .quantize import (BlockScaled, dequantize, pack_fp4, quantize, to_blocked, to_plain,
+                       unpack_fp4)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockScaled", "FORMATS", "Format", "GemmSpec", "backend_names", "can_multiply", "dequantize",
+    "from_blocked_scales", "gemm", "gemm_p", "get_format", "pack_fp4", "quantize",
+    "register_backend", "scaled_matmul", "supported_pairs", "to_blocked", "to_blocked_scales",
+    "to_plain", "unpack_fp4",
+]

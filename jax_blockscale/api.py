@@ -1,0 +1,64 @@
+"""The user-facing entry points: `gemm` and `scaled_matmul` (a drop-in for jax.nn.scaled_matmul)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .formats import format_for
+from .lowering import forced_backend
+from .primitive import gemm_p, join_operands
+from .quantize import BlockScaled
+
+
+def _alpha(*operands) -> jax.Array:
+    """The product of the operands' global (decode) scales, as the f32 scalar gemm_p takes."""
+    alpha = jnp.float32(1.0)
+    for q in operands:
+        if isinstance(q, BlockScaled) and q.global_scale is not None:
+            alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
+    return alpha
+
+
+def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None) -> jax.Array:
+    """y[..., m, n] = sum_k A[..., m, k] * B[..., n, k]  (both operands K-major, "TN").
+
+    a: a `BlockScaled` (..., M, K), or a plain bf16/f16/f32 array for weight-only mode.
+    b: a `BlockScaled` (..., N, K), typically a weight stored with ``layout="blocked"``.
+    out_dtype: bf16 (default), f16 or f32; accumulation is always f32.
+    backend: force one ("reference", "sm90", ...); default: the fastest that can run it
+      (also settable with the JAX_BLOCKSCALE_BACKEND environment variable).
+    Leading batch dims of a and b broadcast against each other.
+    """
+    if not isinstance(b, BlockScaled):
+        raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
+                        "weight with jbs.quantize(w, fmt, layout='blocked')")
+    forced_backend(backend)  # an unknown name fails here, at trace time
+    if isinstance(a, BlockScaled):
+        a_elems, sa, fmt_a, layout_a = a.data, a.scales, a.fmt, a.layout
+    else:
+        a_elems, sa, fmt_a, layout_a = jnp.asarray(a), None, None, None
+    operands = join_operands(a_elems, b.data, sa, b.scales, _alpha(a, b))
+    return gemm_p.bind(*operands, fmt_a=fmt_a, fmt_b=b.fmt, layout_a=layout_a,
+                       layout_b=b.layout, out_dtype=np.dtype(out_dtype), backend=backend)
+
+
+def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
+    """Same contract as `jax.nn.scaled_matmul`: (B, M, K) x (B, N, K) -> (B, M, N).
+
+    The format is inferred from the element dtype, the scale dtype and the block size
+    K // scales.shape[-1] (e2m1 + e4m3 scales + 16 is nvfp4, e2m1 + e8m0 + 32 is mxfp4, ...).
+    """
+    def wrap(x, s, name):
+        x, s = jnp.asarray(x), jnp.asarray(s)
+        if x.ndim != 3 or s.ndim != 3:
+            raise ValueError(f"{name} and its scales must be rank 3 (B, MN, K), (B, MN, K/block); "
+                             f"got {x.shape} and {s.shape}")
+        if s.shape[-1] == 0 or x.shape[-1] % s.shape[-1]:
+            raise ValueError(f"{name} has K={x.shape[-1]}, which its scales' last axis "
+                             f"{s.shape[-1]} does not divide into blocks")
+        f = format_for(x.dtype, s.dtype, x.shape[-1] // s.shape[-1])
+        return BlockScaled(x, s, None, f.name, "plain")
+
+    return gemm(wrap(lhs, lhs_scales, "lhs"), wrap(rhs, rhs_scales, "rhs"),
+                out_dtype=preferred_element_type)

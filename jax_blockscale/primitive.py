@@ -1,0 +1,254 @@
+"""`gemm_p`: the block-scaled GEMM primitive (shape rules, batching, differentiation, lowering).
+
+Operands, in order: ``a, b, [sa], sb, alpha``.
+  a      (*batch_a, M, K): quantized elements, or (weight-only mode, ``fmt_a=None``) a plain
+         bf16/f16/f32 activation; then `sa` is absent.
+  b      (*batch_b, N, K): quantized elements.
+  sa, sb scales in `layout_a` / `layout_b` ("plain" or "blocked", see layout.py).
+  alpha  f32 scalar: the product of the global scales (1.0 when there are none).
+Result: (*broadcast(batch_a, batch_b), M, N) in `out_dtype`,
+``y[..., m, n] = alpha * sum_k A[..., m, k] * B[..., n, k]``.
+
+Differentiation policy: quantized operands (elements and scales) are not differentiable; a
+nonzero tangent reaching one raises a TypeError. In weight-only mode gemm is linear in the
+activation and in alpha, and both differentiate (the weight acts as its dequantized value).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import layout as _layout
+from .formats import OUT_DTYPES, PLAIN_DTYPES, can_multiply, get_format, supported_pairs
+from .lowering import ALL_PLATFORMS, GemmSpec, select_backend
+from .lowering.reference import operand_values
+
+gemm_p = Primitive("blockscale_gemm")
+
+
+def split_operands(args, fmt_a):
+    """(a, b, [sa], sb, alpha) -> (a, b, sa_or_None, sb, alpha)."""
+    if fmt_a is None:
+        a, b, sb, alpha = args
+        return a, b, None, sb, alpha
+    a, b, sa, sb, alpha = args
+    return a, b, sa, sb, alpha
+
+
+def join_operands(a, b, sa, sb, alpha):
+    return (a, b, sb, alpha) if sa is None else (a, b, sa, sb, alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape rules: every check raises at trace time with the argument named and the fix.
+
+
+def _check_elements(name, x, fmt):
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have shape (..., MN, K), got {x.shape}")
+    if fmt is None:
+        if np.dtype(x.dtype) not in PLAIN_DTYPES:
+            raise TypeError(f"{name} is a plain array of dtype {x.dtype}; weight-only mode takes "
+                            f"{[d.name for d in PLAIN_DTYPES]}, or pass a jbs.quantize(...) result")
+        return
+    f = get_format(fmt)
+    if np.dtype(x.dtype) != f.storage_dtype:
+        raise TypeError(f"{name} holds {x.dtype} elements but format {fmt} stores "
+                        f"{f.storage_dtype.name}; quantize with jbs.quantize(x, {fmt!r})")
+    if x.shape[-1] % f.block:
+        raise ValueError(f"{name} has K={x.shape[-1]}, not a multiple of the {fmt} block size "
+                         f"{f.block}; pad K with zeros to a multiple of {f.block}")
+
+
+def _check_scales(name, s, x, fmt, layout):
+    f = get_format(fmt)
+    if layout not in _layout.LAYOUTS:
+        raise ValueError(f"{name} layout must be one of {_layout.LAYOUTS}, got {layout!r}")
+    if np.dtype(s.dtype) != f.scale_dtype:
+        raise TypeError(f"{name} has dtype {s.dtype} but format {fmt} uses "
+                        f"{f.scale_dtype.name} scales")
+    *batch, mn, k = x.shape
+    sk = k // f.block
+    want = (tuple(batch) + (mn, sk) if layout == "plain"
+            else tuple(batch) + _layout.blocked_shape(mn, sk))
+    if tuple(s.shape) != want:
+        raise ValueError(f"{name} has shape {tuple(s.shape)}; {layout} scales for elements of "
+                         f"shape {tuple(x.shape)} ({fmt}, block {f.block}) must have shape "
+                         f"{want}" + ("; convert with jbs.to_blocked" if layout == "blocked"
+                                      else ""))
+
+
+def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=None) -> GemmSpec:
+    """Validate the operands' shapes and dtypes and describe the problem."""
+    a, b, sa, sb, alpha = split_operands(avals, fmt_a)
+    if fmt_b is None:
+        raise TypeError("b must be quantized (a jbs.BlockScaled); quantize the weight with "
+                        "jbs.quantize(w, fmt)")
+    _check_elements("a", a, fmt_a)
+    _check_elements("b", b, fmt_b)
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"a and b must agree on K (their last axis): a is {tuple(a.shape)}, "
+                         f"b is {tuple(b.shape)}")
+    if not can_multiply(fmt_a, fmt_b):
+        raise ValueError(f"formats {fmt_a} x {fmt_b} cannot be multiplied; supported pairs: "
+                         f"{supported_pairs()} and weight-only (plain activation x any format)")
+    if fmt_a is not None:
+        _check_scales("a scales", sa, a, fmt_a, layout_a)
+    _check_scales("b scales", sb, b, fmt_b, layout_b)
+    if alpha.shape != () or np.dtype(alpha.dtype) != np.float32:
+        raise TypeError(f"alpha must be an f32 scalar, got {alpha.dtype}{list(alpha.shape)}")
+    if np.dtype(out_dtype) not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
+                        f"got {np.dtype(out_dtype).name}")
+    try:
+        batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    except ValueError:
+        raise ValueError(f"the batch dims of a {tuple(a.shape[:-2])} and b "
+                         f"{tuple(b.shape[:-2])} do not broadcast") from None
+    return GemmSpec(fmt_a, fmt_b, layout_a if fmt_a else None, layout_b, np.dtype(a.dtype),
+                    np.dtype(out_dtype), tuple(batch), tuple(a.shape[:-2]), tuple(b.shape[:-2]),
+                    a.shape[-2], b.shape[-2], a.shape[-1])
+
+
+def _abstract_eval(*avals, **params):
+    spec = gemm_spec(avals, **params)
+    return jax.core.ShapedArray(spec.batch_shape + (spec.m, spec.n), spec.out_dtype)
+
+
+gemm_p.def_abstract_eval(_abstract_eval)
+
+
+def _impl(*args, **params):
+    return jax.jit(functools.partial(gemm_p.bind, **params))(*args)
+
+
+gemm_p.def_impl(_impl)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering: the registry picks a backend per platform; the backend is written in JAX.
+
+
+def _lowering(ctx, *args, platform, **params):
+    spec = gemm_spec(ctx.avals_in, **params)
+    backend = select_backend(spec, platform, params["backend"])
+
+    def run(*xs):
+        return backend(*split_operands(xs, params["fmt_a"]), spec=spec, platform=platform)
+
+    return mlir.lower_fun(run, multiple_results=False)(ctx, *args)
+
+
+for _platform in ALL_PLATFORMS:
+    mlir.register_lowering(gemm_p, functools.partial(_lowering, platform=_platform),
+                           platform=_platform)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching: vmap over the leading axis of any operands; the mapped axis leads the output.
+
+
+def _batch_rule(args, dims, **params):
+    fmt_a = params["fmt_a"]
+    a, b, sa, sb, alpha = split_operands(args, fmt_a)
+    da, db, dsa, dsb, dalpha = split_operands(dims, fmt_a)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    a_batch = a.ndim - 2 - (da is not None)  # batch rank before mapping
+    b_batch = b.ndim - 2 - (db is not None)
+    rank = max(a_batch, b_batch)
+
+    def lift(x, d, own_batch):
+        # Mapped axis first, then pad the operand's batch dims on the left to `rank`.
+        x = batching.bdim_at_front(x, d, size)
+        return lax.expand_dims(x, tuple(range(1, 1 + rank - own_batch)))
+
+    a_mapped = da is not None or dsa is not None  # dsa is None in weight-only mode too
+    b_mapped = db is not None or dsb is not None
+    if a_mapped:
+        a = lift(a, da, a_batch)
+        sa = sa if sa is None else lift(sa, dsa, a_batch)
+    if b_mapped:
+        b = lift(b, db, b_batch)
+        sb = lift(sb, dsb, b_batch)
+    if dalpha is None:
+        return gemm_p.bind(*join_operands(a, b, sa, sb, alpha), **params), 0
+    # A per-example alpha cannot ride in the scalar operand: apply it to an f32 result.
+    f32_params = dict(params, out_dtype=np.dtype(np.float32))
+    y = gemm_p.bind(*join_operands(a, b, sa, sb, jnp.float32(1.0)), **f32_params)
+    if not (a_mapped or b_mapped):  # only alpha was mapped: add the axis
+        y = jnp.broadcast_to(y, (size,) + y.shape)
+    alpha = batching.bdim_at_front(alpha, dalpha, size)
+    alpha = alpha.reshape((size,) + (1,) * (y.ndim - 1))
+    return (y * alpha).astype(params["out_dtype"]), 0
+
+
+batching.primitive_batchers[gemm_p] = _batch_rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiation (see the module docstring for the policy).
+
+_NOT_DIFFERENTIABLE = (
+    "jax_blockscale.gemm is not differentiable with respect to quantized operands (elements or "
+    "scales of a BlockScaled). Differentiate in weight-only mode (a plain activation times a "
+    "quantized weight), or wrap the quantized operand in jax.lax.stop_gradient.")
+
+
+def _is_zero(t):
+    return type(t) is ad.Zero
+
+
+def _jvp(primals, tangents, **params):
+    fmt_a = params["fmt_a"]
+    a, b, sa, sb, alpha = split_operands(primals, fmt_a)
+    ta, tb, tsa, tsb, talpha = split_operands(tangents, fmt_a)
+    quantized = [tb, tsb] + ([ta, tsa] if fmt_a is not None else [])
+    if not all(_is_zero(t) for t in quantized):
+        raise TypeError(_NOT_DIFFERENTIABLE)
+    y = gemm_p.bind(*primals, **params)
+    terms = []
+    if fmt_a is None and not _is_zero(ta):
+        terms.append(gemm_p.bind(*join_operands(ta, b, sa, sb, alpha), **params))
+    if not _is_zero(talpha):
+        terms.append(gemm_p.bind(*join_operands(a, b, sa, sb, talpha), **params))
+    if not terms:
+        return y, ad.Zero.from_primal_value(y)
+    return y, functools.reduce(jnp.add, terms)
+
+
+def _sum_to_shape(x, shape):
+    """Sum away the leading axes broadcasting added, and axes broadcast from size 1."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def _transpose(ct, *args, **params):
+    fmt_a = params["fmt_a"]
+    a, b, sa, sb, alpha = split_operands(args, fmt_a)
+    out = [None] * len(args)
+    if _is_zero(ct):
+        return out
+    ct = ct.astype(jnp.float32)
+    bv = operand_values(b, sb, params["fmt_b"], params["layout_b"], jnp.float32)
+    if ad.is_undefined_primal(a):  # weight-only: dL/da = alpha * ct @ B
+        if ad.is_undefined_primal(alpha):
+            raise NotImplementedError("gemm is bilinear in (a, alpha); transpose one at a time")
+        ct_a = jnp.einsum("...mn,...nk->...mk", ct, bv, precision=lax.Precision.HIGHEST) * alpha
+        out[0] = _sum_to_shape(ct_a, a.aval.shape).astype(a.aval.dtype)
+    if ad.is_undefined_primal(alpha):
+        y1 = gemm_p.bind(*join_operands(a, b, sa, sb, jnp.float32(1.0)),
+                         **dict(params, out_dtype=np.dtype(np.float32)))
+        out[-1] = jnp.sum(ct * y1)
+    return out
+
+
+ad.primitive_jvps[gemm_p] = _jvp
+ad.primitive_transposes[gemm_p] = _transpose
