@@ -1,0 +1,1018 @@
+"""Blackwell (sm_100a / sm_103a) block-scaled GEMM written in CuTeDSL.
+
+Build-time only: `aot.py` imports this module to compile and export every
+variant; the runtime never imports CuTeDSL.
+
+What one launch computes (the FFI contract, see docs/blackwell.md):
+
+    out[l, m, n] = alpha * sum_k A[l, m, k] * sfa(l, m, k) * B[l, n, k] * sfb(l, n, k)
+
+* a (L, M, K) and b (L, N, K), K-major.  fp4 is packed two per byte (low nibble
+  first), fp8 is one per byte, fp6 is packed four per three bytes (the tensor
+  map's packed-6-bit format; the TMA unpacks it into byte containers in SMEM).
+* sfa / sfb in the *blocked* layout (L, ceil(MN/128), ceil(SK/4), 32, 4, 4), where
+  plain s[mn, sk] lives at [mn//128, sk//4, mn%32, (mn%128)//32, sk%4], zero padded.
+  That is exactly the layout the tensor core reads from TMEM, so the kernel
+  copies whole 512-byte scale atoms GMEM -> SMEM (TMA) -> TMEM (tcgen05.cp).
+* out (L, M, N) row-major, f32 / bf16 / f16.  alpha is an f32 scalar (the
+  product of the operands' global scales, 1.0 for MX formats).
+
+Kernel shape: one persistent, warp-specialized CTA per SM (or a cluster of
+them), walking output tiles with the DSL's static persistent tile scheduler.
+
+    warp 5 (load)      TMA A, B, SFA, SFB tiles into an N-stage SMEM ring
+    warp 4 (mma)       tcgen05.cp scales SMEM -> TMEM, tcgen05.mma block-scaled
+                       into a TMEM accumulator (two accumulator buffers, so the
+                       epilogue of tile i overlaps the mainloop of tile i+1)
+    warps 0-3 (epi)    tcgen05.ld accumulator -> registers, * alpha, convert,
+                       registers -> SMEM -> TMA store
+
+M = 256 tiles use the 2-CTA ("pair") MMA: two CTAs of a cluster each hold half
+of A and SFA and the leader issues the MMA for both.
+
+The layout and pipeline helpers come from the DSL (`cutlass.utils.*`); the
+kernel's structure follows the public CuTeDSL Blackwell block-scaled example,
+re-written here for pointer arguments, runtime M/N/K/L, runtime
+`max_active_clusters` and an alpha epilogue.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads real annotation objects.
+import dataclasses
+import os
+from typing import Iterable, Optional, Sequence, Tuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as bw
+import cutlass.utils.blockscaled_layout as bsl
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.runtime import make_ptr
+
+# ---------------------------------------------------------------------------
+# Formats and variants (pure Python: importable without CuTeDSL)
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fmt:
+    element: str  # cutlass numeric type name
+    bits: int
+    block: int  # elements per scale along K
+    scale: str  # cutlass numeric type name of the scale
+
+
+# The hardware view of the formats in DESIGN.md.  `jax_blockscale/formats.py` is
+# the package's source of truth for names; this table only adds the CuTeDSL
+# type names the kernel needs.
+FORMATS = {
+    "nvfp4": _Fmt("Float4E2M1FN", 4, 16, "Float8E4M3FN"),
+    "mxfp4": _Fmt("Float4E2M1FN", 4, 32, "Float8E8M0FNU"),
+    "mxfp6_e2m3": _Fmt("Float6E2M3FN", 6, 32, "Float8E8M0FNU"),
+    "mxfp6_e3m2": _Fmt("Float6E3M2FN", 6, 32, "Float8E8M0FNU"),
+    "mxfp8_e4m3": _Fmt("Float8E4M3FN", 8, 32, "Float8E8M0FNU"),
+    "mxfp8_e5m2": _Fmt("Float8E5M2", 8, 32, "Float8E8M0FNU"),
+}
+
+OUT_DTYPES = {"float32": "Float32", "bfloat16": "BFloat16", "float16": "Float16"}
+
+# Architectures we export cubins for.  sm_100a = B200/GB200, sm_103a = B300/GB300.
+SM100_ARCHS = ("sm_100a", "sm_103a")
+
+
+def check_format_pair(fmt_a: str, fmt_b: str) -> None:
+    """Raise ValueError unless tcgen05 has a block-scaled MMA kind for the pair.
+
+    nvfp4 (16-element blocks, e4m3 scales) only exists as fp4 x fp4
+    (kind::mxf4nvf4); every MX pair maps to kind::mxf4 (fp4 x fp4) or
+    kind::mxf8f6f4 (anything else, all with e8m0 scales and 32-element blocks).
+    """
+    for f in (fmt_a, fmt_b):
+        if f not in FORMATS:
+            raise ValueError(f"unknown format {f!r}; expected one of {sorted(FORMATS)}")
+    if (fmt_a == "nvfp4") != (fmt_b == "nvfp4"):
+        raise ValueError(
+            f"nvfp4 can only be paired with nvfp4 on Blackwell, got ({fmt_a}, {fmt_b})"
+        )
+
+
+def mma_kind(fmt_a: str, fmt_b: str) -> str:
+    """The tcgen05.mma `.kind` the pair compiles to (for docs, tests and logs)."""
+    check_format_pair(fmt_a, fmt_b)
+    if fmt_a == "nvfp4":
+        return "mxf4nvf4"
+    if FORMATS[fmt_a].bits == 4 and FORMATS[fmt_b].bits == 4:
+        return "mxf4"
+    return "mxf8f6f4"
+
+
+def k_alignment(fmt_a: str, fmt_b: str) -> int:
+    """K must be a multiple of this (elements) for the kernel's TMA descriptors.
+
+    * a row of A/B must be a whole number of 16-byte units (TMA stride rule):
+      32 fp4 or 16 fp8 elements;
+    * when an operand is unpacked into byte containers (any fp6 operand, or
+      mixed widths) the TMA unpack formats need rows of 128 elements;
+    * and K is always a whole number of scale blocks.
+    """
+    a, b = FORMATS[fmt_a], FORMATS[fmt_b]
+    if a.bits != b.bits or 6 in (a.bits, b.bits):
+        return 128
+    per_16_bytes = 128 // a.bits
+    return max(per_16_bytes, a.block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100Variant:
+    """One compiled kernel: formats, output dtype, tile and cluster shape."""
+
+    fmt_a: str
+    fmt_b: str
+    out_dtype: str  # "float32" | "bfloat16" | "float16"
+    tile_m: int  # 128 (1 CTA per MMA) or 256 (2-CTA pair MMA)
+    tile_n: int  # 64 | 128 | 192 | 256
+    cluster_m: int = 1
+    cluster_n: int = 1
+
+    def __post_init__(self):
+        check_format_pair(self.fmt_a, self.fmt_b)
+        if self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype must be one of {sorted(OUT_DTYPES)}")
+        if self.tile_m not in (128, 256):
+            raise ValueError("tile_m must be 128 or 256")
+        if self.tile_n not in (64, 128, 192, 256):
+            raise ValueError("tile_n must be 64, 128, 192 or 256")
+        for c in (self.cluster_m, self.cluster_n):
+            if c not in (1, 2):
+                raise ValueError("cluster dims must be 1 or 2 (up to 2x2)")
+        if self.two_cta and self.cluster_m % 2:
+            raise ValueError("a 256-row tile (2-CTA MMA) needs cluster_m == 2")
+
+    @property
+    def two_cta(self) -> bool:
+        return self.tile_m == 256
+
+    @property
+    def kind(self) -> str:
+        return mma_kind(self.fmt_a, self.fmt_b)
+
+    @property
+    def block(self) -> int:
+        return FORMATS[self.fmt_a].block
+
+    @property
+    def k_align(self) -> int:
+        return k_alignment(self.fmt_a, self.fmt_b)
+
+    @property
+    def n_align(self) -> int:
+        """N must be a multiple of this: the output row stride must be 16 B."""
+        return 4 if self.out_dtype == "float32" else 8
+
+    @property
+    def name(self) -> str:
+        out = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[self.out_dtype]
+        return (
+            f"{self.fmt_a}_x_{self.fmt_b}_{out}_"
+            f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+        )
+
+
+def _family_variants(fmt_a, fmt_b, tiles, outs):
+    return [
+        Sm100Variant(fmt_a, fmt_b, o, tm, tn, cm, cn)
+        for (tm, tn, cm, cn) in tiles
+        for o in outs
+    ]
+
+
+# Tile menus.  "small" serves skinny N (decode), "base" is the 1-CTA default,
+# "pair" and "pair_wide" are the 2-CTA tiles for large M.
+_T_SMALL = (128, 64, 1, 1)
+_T_BASE = (128, 128, 1, 1)
+_T_WIDE = (128, 256, 1, 1)
+_T_PAIR = (256, 128, 2, 1)
+_T_PAIR_WIDE = (256, 256, 2, 1)
+_T_PAIR_192 = (256, 192, 2, 1)
+_T_PAIR_2X2 = (256, 256, 2, 2)
+
+_ALL_OUT = ("bfloat16", "float16", "float32")
+
+# The exported matrix.  Kept modest on purpose: every entry is compiled for
+# every arch in SM100_ARCHS at build time.
+VARIANTS: Tuple[Sm100Variant, ...] = tuple(
+    # NVFP4 and MXFP8 are the main inference formats: full tile menu.
+    _family_variants("nvfp4", "nvfp4", (_T_SMALL, _T_BASE, _T_PAIR, _T_PAIR_WIDE), _ALL_OUT)
+    + _family_variants("nvfp4", "nvfp4", (_T_PAIR_2X2,), ("bfloat16",))
+    + _family_variants("mxfp8_e4m3", "mxfp8_e4m3", (_T_SMALL, _T_BASE, _T_PAIR, _T_PAIR_WIDE), _ALL_OUT)
+    # Other MX families: one 1-CTA and one 2-CTA tile.
+    + _family_variants("mxfp4", "mxfp4", (_T_BASE, _T_PAIR_WIDE), _ALL_OUT)
+    + _family_variants("mxfp8_e5m2", "mxfp8_e5m2", (_T_BASE, _T_PAIR), ("bfloat16", "float32"))
+    + _family_variants("mxfp6_e2m3", "mxfp6_e2m3", (_T_BASE, _T_PAIR), ("bfloat16", "float32"))
+    + _family_variants("mxfp6_e3m2", "mxfp6_e3m2", (_T_BASE, _T_PAIR), ("bfloat16", "float32"))
+    # Mixed f8f6f4: fp8 activations x fp4 / fp6 weights.
+    + _family_variants("mxfp8_e4m3", "mxfp4", (_T_BASE, _T_PAIR_192), ("bfloat16", "float32"))
+    + _family_variants("mxfp8_e4m3", "mxfp6_e2m3", (_T_BASE,), ("bfloat16",))
+    # A 1-CTA wide tile, to keep the N = 256 (overlapped accumulator) path built.
+    + _family_variants("nvfp4", "nvfp4", (_T_WIDE,), ("bfloat16",))
+)
+
+
+def variants_for(fmt_a: str, fmt_b: str, out_dtype: str,
+                 variants: Sequence[Sm100Variant] = VARIANTS) -> list:
+    return [v for v in variants
+            if (v.fmt_a, v.fmt_b, v.out_dtype) == (fmt_a, fmt_b, out_dtype)]
+
+
+# ---------------------------------------------------------------------------
+# Dispatch heuristic (pure Python, mirrored by the C++ variant table)
+# ---------------------------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_sm100_variant(m: int, n: int, k: int, fmt_a: str, fmt_b: str,
+                         sm_count: int = 148, out_dtype: str = "bfloat16",
+                         variants: Sequence[Sm100Variant] = VARIANTS,
+                         ) -> Optional[Sm100Variant]:
+    """Pick the variant for one (M, N, K) problem, or None if none can run it.
+
+    A variant can run the problem when K and N meet its alignment rules (M has
+    none: TMA zero-fills partial tiles on load and clips them on store).
+    Among those, score each by an estimate of its time:
+
+      waves  = ceil(tiles / concurrent tiles), concurrent = sm_count per CTA tile
+               (a 256-row pair tile occupies two SMs);
+      work   = waves * (tile area), i.e. the padded work one SM does;
+      then prefer fewer wasted rows/cols, the 2-CTA tile when it is not worse
+      (it halves B traffic per SM), and clusters only when there are enough
+      tiles to fill them.
+
+    This is a model, not a measurement: the weights must be re-tuned on a
+    B200 (see docs/blackwell.md).
+    """
+    check_format_pair(fmt_a, fmt_b)
+    if min(m, n, k) <= 0:
+        raise ValueError(f"M, N, K must be positive, got {(m, n, k)}")
+    cands = [v for v in variants_for(fmt_a, fmt_b, out_dtype, variants)
+             if k % v.k_align == 0 and n % v.n_align == 0]
+    if not cands:
+        return None
+
+    def cost(v: Sm100Variant):
+        tiles_m = _ceil_div(m, v.tile_m)
+        tiles_n = _ceil_div(n, v.tile_n)
+        tiles = tiles_m * tiles_n
+        sms_per_tile = 2 if v.two_cta else 1
+        cluster_tiles = (v.cluster_m // sms_per_tile) * v.cluster_n
+        # The launch is rounded to whole clusters; a cluster larger than the
+        # problem leaves SMs idle.
+        concurrent = max(1, (sm_count // (v.cluster_m * v.cluster_n)) * cluster_tiles)
+        waves = _ceil_div(tiles, concurrent)
+        # Per-SM work in units of 128x128 output blocks per wave.
+        per_sm_area = (v.tile_m // sms_per_tile) * v.tile_n / (128.0 * 128.0)
+        t = waves * per_sm_area
+        # Operand traffic per output element falls with larger tiles: a small
+        # bonus for bigger per-MMA tiles when the time model ties.
+        reuse = 1.0 / v.tile_m + 1.0 / v.tile_n
+        waste = tiles_m * v.tile_m * tiles_n * v.tile_n / float(m * n)
+        too_few_for_cluster = tiles < 2 * concurrent and (v.cluster_m * v.cluster_n > sms_per_tile)
+        return (round(t, 6), too_few_for_cluster, round(waste, 3), reuse)
+
+    return min(cands, key=cost)
+
+
+# ---------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------
+
+
+class Sm100BlockScaledGemm:
+    """Persistent, warp-specialized block-scaled GEMM for one `Sm100Variant`.
+
+    Calling the object inside `cute.compile` traces the host launcher
+    (`__call__`), which builds the TMA descriptors from the runtime problem
+    size and launches `kernel`.
+    """
+
+    # Warp roles inside a CTA.  The four epilogue warps must be warps 0-3: a
+    # warp can only read the 32 TMEM lanes of its own quarter of the SM.
+    EPI_WARPS = (0, 1, 2, 3)
+    MMA_WARP = 4
+    LOAD_WARP = 5
+    THREADS = 32 * 6
+    # Four MMA atoms along K per pipeline stage = one 128-byte row of A/B per
+    # stage, and one 4-wide column group of a 512-byte scale atom.
+    MMA_ATOMS_PER_K_TILE = 4
+
+    def __init__(self, variant: Sm100Variant):
+        fa, fb = FORMATS[variant.fmt_a], FORMATS[variant.fmt_b]
+        self.variant = variant
+        self.a_dtype = getattr(cutlass, fa.element)
+        self.b_dtype = getattr(cutlass, fb.element)
+        self.sf_dtype = getattr(cutlass, fa.scale)
+        self.c_dtype = getattr(cutlass, OUT_DTYPES[variant.out_dtype])
+        self.acc_dtype = cutlass.Float32
+        self.sf_vec = fa.block
+        self.use_2cta = variant.two_cta
+        self.cluster_mn = (variant.cluster_m, variant.cluster_n)
+        self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta else tcgen05.CtaGroup.ONE
+        # kind::mxf8f6f4 reads every element from a byte container, so a 4- or
+        # 6-bit operand is unpacked by the TMA into Int8 slots in SMEM.  A
+        # same-width fp4 pair (mxf4 / mxf4nvf4) stays packed.
+        self.unpack = fa.bits != fb.bits or 6 in (fa.bits, fb.bits)
+        self.a_smem_dtype = cutlass.Int8 if self.unpack and fa.bits < 8 else self.a_dtype
+        self.b_smem_dtype = cutlass.Int8 if self.unpack and fb.bits < 8 else self.b_dtype
+        # Our FFI contract: A, B K-major, out row-major.
+        self.a_major = OperandMajorMode.K
+        self.b_major = OperandMajorMode.K
+        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.k_align = variant.k_align
+        self.n_align = variant.n_align
+
+        self.epi_barrier = pipeline.NamedBarrier(
+            barrier_id=1, num_threads=32 * len(self.EPI_WARPS))
+        self.tmem_ptr_barrier = pipeline.NamedBarrier(
+            barrier_id=2, num_threads=32 * (1 + len(self.EPI_WARPS)))
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_100")
+        self.tmem_alloc_cols = cute.arch.get_max_tmem_alloc_cols("sm_100")
+
+    # -- static configuration (runs at trace time) ---------------------------
+
+    def _tiled_mmas(self):
+        """The MMA used for the math, and one used only to lay out SFB.
+
+        SFB is moved in whole 128-row scale atoms, so for N = 64 / 192 its
+        layouts come from an MMA whose N is rounded up to a multiple of 128
+        (and which is always 1-CTA: each CTA of a pair holds all of SFB).
+        """
+        mn = (self.variant.tile_m, self.variant.tile_n)
+        mn_sfb = (mn[0] // (2 if self.use_2cta else 1), cute.round_up(mn[1], 128))
+        self.mma_inst_mn, self.mma_inst_mn_sfb = mn, mn_sfb
+        make = bw.make_blockscaled_trivial_tiled_mma
+        mma = make(self.a_dtype, self.b_dtype, self.a_major, self.b_major,
+                   self.sf_dtype, self.sf_vec, self.cta_group, mn)
+        mma_sfb = make(self.a_dtype, self.b_dtype, self.a_major, self.b_major,
+                       self.sf_dtype, self.sf_vec, tcgen05.CtaGroup.ONE, mn_sfb)
+        return mma, mma_sfb
+
+    def _configure(self, mma, mma_sfb):
+        """Tile shapes, cluster layouts, stage counts, SMEM and TMEM plans."""
+        inst_k = cute.size(mma.shape_mnk, mode=[2])
+        tile_k = inst_k * self.MMA_ATOMS_PER_K_TILE
+        self.mma_tiler = (*self.mma_inst_mn, tile_k)
+        self.mma_tiler_sfb = (*self.mma_inst_mn_sfb, tile_k)
+        cta_per_mma = cute.size(mma.thr_id.shape)
+        self.cta_tile = (self.mma_tiler[0] // cta_per_mma, self.mma_tiler[1], tile_k)
+        self.cta_tile_sfb = (self.mma_tiler_sfb[0] // cta_per_mma, self.mma_tiler_sfb[1], tile_k)
+
+        # Cluster as (V, M, N, K): V = the CTAs of one pair MMA.
+        cluster = cute.make_layout((*self.cluster_mn, 1))
+        self.cluster_vmnk = cute.tiled_divide(cluster, (mma.thr_id.shape,))
+        self.cluster_sfb_vmnk = cute.tiled_divide(cluster, (mma_sfb.thr_id.shape,))
+        # A (and SFA) are shared by the CTAs of a cluster row, B by a column.
+        self.mcast_a = cute.size(self.cluster_vmnk.shape[2])
+        self.mcast_b = cute.size(self.cluster_vmnk.shape[1])
+
+        self.epi_tile = bw.compute_epilogue_tile_shape(
+            self.cta_tile, self.use_2cta, self.c_layout, self.c_dtype)
+        self.epi_tile_n = cute.size(self.epi_tile[1])
+
+        self.acc_stages, self.ab_stages, self.c_stages = self._stage_counts(mma)
+
+        self.a_smem_staged = bw.make_smem_layout_a(
+            mma, self.mma_tiler, self.a_smem_dtype, self.ab_stages)
+        self.b_smem_staged = bw.make_smem_layout_b(
+            mma, self.mma_tiler, self.b_smem_dtype, self.ab_stages)
+        self.sfa_smem_staged = bsl.make_smem_layout_sfa(
+            mma, self.mma_tiler, self.sf_vec, self.ab_stages)
+        self.sfb_smem_staged = bsl.make_smem_layout_sfb(
+            mma, self.mma_tiler, self.sf_vec, self.ab_stages)
+        self.c_smem_staged = bw.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.c_stages)
+
+        # TMEM plan (512 columns of 32-bit cells):
+        #   [accumulator buffer(s) | SFA | SFB]
+        # With N = 256 two full accumulators plus the scales do not fit, so the
+        # two accumulator "buffers" overlap: buffer 1 starts where the scale
+        # columns end and the epilogue frees the overlapping columns first.
+        sf_atom_mn = 32
+        self.sfa_tmem_cols = (self.cta_tile[0] // sf_atom_mn) * self.MMA_ATOMS_PER_K_TILE
+        self.sfb_tmem_cols = (self.cta_tile_sfb[1] // sf_atom_mn) * self.MMA_ATOMS_PER_K_TILE
+        self.sf_tmem_cols = self.sfa_tmem_cols + self.sfb_tmem_cols
+        self.overlap_acc = self.acc_stages == 1
+        if self.overlap_acc:
+            self.acc_tmem_cols = self.cta_tile[1] * 2 - self.sf_tmem_cols
+        else:
+            self.acc_tmem_cols = self.cta_tile[1] * self.acc_stages
+        # Subtile after which the epilogue has drained the overlapped columns.
+        self.acc_early_release_subtile = self.sf_tmem_cols // self.epi_tile_n
+
+    def _stage_counts(self, mma):
+        """(accumulator, A/B/scale, output) pipeline depths.
+
+        Fill SMEM with as many A/B/SFA/SFB stages as fit next to two output
+        staging buffers, then give the remainder to the output buffers.
+        """
+        acc_stages = 1 if self.mma_tiler[1] == 256 else 2
+        one = dict(
+            a=bw.make_smem_layout_a(mma, self.mma_tiler, self.a_smem_dtype, 1),
+            b=bw.make_smem_layout_b(mma, self.mma_tiler, self.b_smem_dtype, 1),
+            sfa=bsl.make_smem_layout_sfa(mma, self.mma_tiler, self.sf_vec, 1),
+            sfb=bsl.make_smem_layout_sfb(mma, self.mma_tiler, self.sf_vec, 1),
+            c=bw.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1),
+        )
+        ab_bytes = (cute.size_in_bytes(self.a_smem_dtype, one["a"])
+                    + cute.size_in_bytes(self.b_smem_dtype, one["b"])
+                    + cute.size_in_bytes(self.sf_dtype, one["sfa"])
+                    + cute.size_in_bytes(self.sf_dtype, one["sfb"]))
+        c_bytes = cute.size_in_bytes(self.c_dtype, one["c"])
+        reserved = 1024  # mbarriers and the TMEM address slot
+        c_stages = 2
+        ab_stages = (self.smem_capacity - reserved - c_stages * c_bytes) // ab_bytes
+        c_stages += (self.smem_capacity - reserved - c_stages * c_bytes
+                     - ab_stages * ab_bytes) // c_bytes
+        return acc_stages, ab_stages, c_stages
+
+    # -- host side: descriptors and launch -----------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        alpha: cutlass.Float32,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        l: cutlass.Int32,
+        max_active_clusters: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        mma, mma_sfb = self._tiled_mmas()
+        self._configure(mma, mma_sfb)
+
+        # Global tensors as (rows, K, L) / (M, N, L) with the contiguous mode
+        # second; the divisibility hints let the TMA descriptor and the
+        # vectorized address math trust the 16-byte row alignment that the
+        # FFI handler checks before launching.
+        k_hint = cute.assume(k, divby=self.k_align)
+        n_hint = cute.assume(n, divby=self.n_align)
+        mA = cute.make_tensor(a_ptr, cute.make_ordered_layout((m, k_hint, l), order=(1, 0, 2)))
+        mB = cute.make_tensor(b_ptr, cute.make_ordered_layout((n, k_hint, l), order=(1, 0, 2)))
+        mC = cute.make_tensor(out_ptr, cute.make_ordered_layout((m, n_hint, l), order=(1, 0, 2)))
+        # Scales: the blocked (L, MN/128, SK/4, 32, 4, 4) buffer is exactly the
+        # DSL's scale atom tiled over (MN, K, L), K-tiles fastest.
+        mSFA = cute.make_tensor(sfa_ptr, bsl.tile_atom_to_shape_SF(mA.shape, self.sf_vec))
+        mSFB = cute.make_tensor(sfb_ptr, bsl.tile_atom_to_shape_SF(mB.shape, self.sf_vec))
+
+        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        sfa_smem = cute.slice_(self.sfa_smem_staged, (None, None, None, 0))
+        sfb_smem = cute.slice_(self.sfb_smem_staged, (None, None, None, 0))
+        cluster_shape = self.cluster_vmnk.shape
+
+        tma_a, tma_mA = cute.nvgpu.make_tiled_tma_atom_A(
+            bw.cluster_shape_to_tma_atom_A(self.cluster_mn, mma.thr_id),
+            mA, a_smem, self.mma_tiler, mma, cluster_shape,
+            internal_type=self.a_smem_dtype if self.a_smem_dtype is not self.a_dtype else None,
+        )
+        tma_b, tma_mB = cute.nvgpu.make_tiled_tma_atom_B(
+            bw.cluster_shape_to_tma_atom_B(self.cluster_mn, mma.thr_id),
+            mB, b_smem, self.mma_tiler, mma, cluster_shape,
+            internal_type=self.b_smem_dtype if self.b_smem_dtype is not self.b_dtype else None,
+        )
+        # Scales travel as 16-bit TMA elements (pairs of scale bytes).
+        tma_sfa, tma_mSFA = cute.nvgpu.make_tiled_tma_atom_A(
+            bw.cluster_shape_to_tma_atom_A(self.cluster_mn, mma.thr_id),
+            mSFA, sfa_smem, self.mma_tiler, mma, cluster_shape,
+            internal_type=cutlass.Int16,
+        )
+        tma_sfb, tma_mSFB = cute.nvgpu.make_tiled_tma_atom_B(
+            bw.cluster_shape_to_tma_atom_SFB(self.cluster_mn, mma.thr_id),
+            mSFB, sfb_smem, self.mma_tiler_sfb, mma_sfb, self.cluster_sfb_vmnk.shape,
+            internal_type=cutlass.Int16,
+        )
+        if cutlass.const_expr(self.cta_tile[1] == 192):
+            tma_mSFB = self._sfb_view_for_n192(tma_mSFB)
+
+        cta_per_mma = cute.size(mma.thr_id.shape)
+        self.tma_bytes_per_stage = cta_per_mma * (
+            cute.size_in_bytes(self.a_dtype, a_smem)
+            + cute.size_in_bytes(self.b_dtype, b_smem)
+            + cute.size_in_bytes(self.sf_dtype, sfa_smem)
+            + cute.size_in_bytes(self.sf_dtype, sfb_smem))
+
+        c_smem = cute.slice_(self.c_smem_staged, (None, None, 0))
+        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, c_smem, self.epi_tile)
+
+        # Persistent grid: (cluster_m, cluster_n, clusters that fit at once).
+        tiles_mnl = cute.zipped_divide(
+            mC, tiler=cute.slice_(self.cta_tile, (None, None, 0)))[(0, (None, None, None))].shape
+        sched_params = utils.PersistentTileSchedulerParams(
+            tiles_mnl, (*self.cluster_mn, 1), 1, True)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            sched_params, max_active_clusters)
+
+        self.storage_type = self._shared_storage_type()
+
+        self.kernel(
+            mma, mma_sfb,
+            tma_a, tma_mA, tma_b, tma_mB,
+            tma_sfa, tma_mSFA, tma_sfb, tma_mSFB,
+            tma_c, tma_mC,
+            self.cluster_vmnk, self.cluster_sfb_vmnk,
+            self.a_smem_staged, self.b_smem_staged,
+            self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
+            self.epi_tile, sched_params, alpha,
+        ).launch(
+            grid=grid,
+            block=[self.THREADS, 1, 1],
+            cluster=(*self.cluster_mn, 1),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def _sfb_view_for_n192(self, tma_mSFB):
+        """N = 192: consecutive N tiles start 1.5 scale atoms apart.
+
+        SFB is fetched as two whole 128-row atoms per tile.  Re-stride the
+        tile-N mode as (2, rest) : (1 atom, 3 atoms) so that even tiles fetch
+        atoms (3j, 3j+1) and odd tiles (3j+1, 3j+2); the MMA warp then skips
+        the first 64 rows of an odd tile's scales (a 2-column TMEM shift).
+        """
+        atom_stride = tma_mSFB.stride[0][1]
+        rest = cute.ceil_div(tma_mSFB.shape[0][1], 4)
+        shape = ((tma_mSFB.shape[0][0], ((2, 2), rest)), tma_mSFB.shape[1], tma_mSFB.shape[2])
+        # ScaledBasis strides only multiply from the left.
+        stride = ((tma_mSFB.stride[0][0], ((atom_stride, atom_stride), 3 * atom_stride)),
+                  tma_mSFB.stride[1], tma_mSFB.stride[2])
+        return cute.make_tensor(tma_mSFB.iterator, cute.make_layout(shape, stride=stride))
+
+    def _shared_storage_type(self):
+        align = 1024  # swizzled operand tiles and TMA destinations
+
+        @cute.struct
+        class SharedStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+            acc_full: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, self.acc_stages]
+            tmem_dealloc: cutlass.Int64
+            tmem_base: cutlass.Int32
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem_staged.outer)], align]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_smem_dtype, cute.cosize(self.a_smem_staged.outer)], align]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_smem_dtype, cute.cosize(self.b_smem_staged.outer)], align]
+            sSFA: cute.struct.Align[
+                cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfa_smem_staged)], align]
+            sSFB: cute.struct.Align[
+                cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfb_smem_staged)], align]
+
+        return SharedStorage
+
+    # -- device side ----------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        mma: cute.TiledMma,
+        mma_sfb: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_sfa: cute.CopyAtom,
+        mSFA: cute.Tensor,
+        tma_sfb: cute.CopyAtom,
+        mSFB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        cluster_vmnk: cute.Layout,
+        cluster_sfb_vmnk: cute.Layout,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        sfa_smem_staged: cute.Layout,
+        sfb_smem_staged: cute.Layout,
+        c_smem_staged: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+        sched_params: utils.PersistentTileSchedulerParams,
+        alpha: cutlass.Float32,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_per_mma = cute.size(mma.thr_id.shape)
+        use_2cta = cta_per_mma == 2
+
+        if warp == self.LOAD_WARP:
+            for atom in (tma_a, tma_b, tma_sfa, tma_sfb, tma_c):
+                cpasync.prefetch_descriptor(atom)
+
+        # Where this CTA sits: its half of a pair MMA (v) and its cluster coords.
+        bidx, _, _ = cute.arch.block_idx()
+        mma_v = bidx % cta_per_mma
+        is_leader = mma_v == 0
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        coord_vmnk = cluster_vmnk.get_flat_coord(rank)
+        coord_sfb_vmnk = cluster_sfb_vmnk.get_flat_coord(rank)
+
+        # ---- shared memory, barriers, TMEM allocator ----
+        storage = utils.SmemAllocator().allocate(self.storage_type)
+        # Producers: the TMA of every CTA that multicasts into this one.
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.mcast_a + self.mcast_b - 1),
+            tx_count=self.tma_bytes_per_stage,
+            cta_layout_vmnk=cluster_vmnk,
+            defer_sync=True,
+        )
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full.data_ptr(),
+            num_stages=self.acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread,
+                32 * len(self.EPI_WARPS) * (2 if use_2cta else 1)),
+            cta_layout_vmnk=cluster_vmnk,
+            defer_sync=True,
+        )
+        tmem = utils.TmemAllocator(
+            storage.tmem_base.ptr,
+            barrier_for_retrieve=self.tmem_ptr_barrier,
+            allocator_warp_id=self.EPI_WARPS[0],
+            is_two_cta=use_2cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr,
+        )
+        # Barrier inits must be visible cluster-wide before any remote arrive.
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sSFA = storage.sSFA.get_tensor(sfa_smem_staged)
+        sSFB = storage.sSFB.get_tensor(sfb_smem_staged)
+        sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
+
+        # ---- tile the global tensors: (tile, tile_K, RestMN, RestK, L) ----
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        gSFA = cute.local_tile(mSFA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gSFB = cute.local_tile(mSFB, cute.slice_(self.mma_tiler_sfb, (0, None, None)), (None, None, None))
+        gC = cute.local_tile(mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        thr_mma = mma.get_slice(mma_v)
+        thr_mma_sfb = mma_sfb.get_slice(mma_v)
+        tCgA = thr_mma.partition_A(gA)
+        tCgB = thr_mma.partition_B(gB)
+        tCgSFA = thr_mma.partition_A(gSFA)
+        tCgSFB = thr_mma_sfb.partition_B(gSFB)
+        tCgC = thr_mma.partition_C(gC)
+
+        # ---- TMA partitions (which bytes this CTA fetches / receives) ----
+        a_ctas = cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape)
+        b_ctas = cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape)
+        sfb_ctas = cute.make_layout(cute.slice_(cluster_sfb_vmnk, (0, None, 0, 0)).shape)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, coord_vmnk[2], a_ctas,
+            cute.group_modes(sA, 0, 3), cute.group_modes(tCgA, 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, coord_vmnk[1], b_ctas,
+            cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3))
+        tAsSFA, tAgSFA = cpasync.tma_partition(
+            tma_sfa, coord_vmnk[2], a_ctas,
+            cute.group_modes(sSFA, 0, 3), cute.group_modes(tCgSFA, 0, 3))
+        tBsSFB, tBgSFB = cpasync.tma_partition(
+            tma_sfb, coord_sfb_vmnk[1], sfb_ctas,
+            cute.group_modes(sSFB, 0, 3), cute.group_modes(tCgSFB, 0, 3))
+        # Drop the broadcast (stride-0) "vector" mode of the scale layouts.
+        tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
+        tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
+
+        # Multicast masks: which CTAs of the cluster receive each TMA load.
+        mask_a = mask_b = mask_sfa = mask_sfb = None
+        if cutlass.const_expr(self.mcast_a > 1 or self.mcast_b > 1 or use_2cta):
+            mask_a = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
+            mask_b = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
+            mask_sfa = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
+            mask_sfb = cpasync.create_tma_multicast_mask(
+                cluster_sfb_vmnk, coord_sfb_vmnk, mcast_mode=1)
+
+        # ---- MMA operand views and the TMEM accumulator layout ----
+        tCrA = mma.make_fragment_A(sA)
+        tCrB = mma.make_fragment_B(sB)
+        acc_shape = mma.partition_shape_C(self.mma_tiler[:2])
+        if cutlass.const_expr(self.overlap_acc):
+            # Two accumulators whose second one starts after (256 - scale
+            # columns): they share columns, see _configure.
+            acc2 = mma.make_fragment_C(cute.append(acc_shape, 2))
+            tCtAcc_layout = cute.make_layout(
+                acc2.shape,
+                stride=(acc2.stride[0], acc2.stride[1], acc2.stride[2],
+                        (256 - self.sf_tmem_cols) * acc2.stride[0][1]))
+        else:
+            tCtAcc_layout = mma.make_fragment_C(cute.append(acc_shape, self.acc_stages)).layout
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        # =================== load warp ===================
+        if warp == self.LOAD_WARP:
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+            while work.is_valid_tile:
+                tm = work.tile_idx[0] // cta_per_mma
+                tn = work.tile_idx[1]
+                tl = work.tile_idx[2]
+                gA_t = tAgA[(None, tm, None, tl)]
+                gB_t = tBgB[(None, tn, None, tl)]
+                gSFA_t = tAgSFA[(None, tm, None, tl)]
+                sfb_n = tn
+                if cutlass.const_expr(self.cta_tile[1] == 64):
+                    # Two 64-wide tiles share one 128-row SFB atom.
+                    sfb_n = tn // 2
+                gSFB_t = tBgSFB[(None, sfb_n, None, tl)]
+
+                prod.reset_count()
+                ready = cutlass.Boolean(1)
+                if prod.count < k_tiles:
+                    ready = ab_pipe.producer_try_acquire(prod)
+                for _kt in cutlass.range(0, k_tiles, 1, unroll=1):
+                    ab_pipe.producer_acquire(prod, ready)
+                    bar = ab_pipe.producer_get_barrier(prod)
+                    kt, st = prod.count, prod.index
+                    cute.copy(tma_a, gA_t[(None, kt)], tAsA[(None, st)], tma_bar_ptr=bar, mcast_mask=mask_a)
+                    cute.copy(tma_b, gB_t[(None, kt)], tBsB[(None, st)], tma_bar_ptr=bar, mcast_mask=mask_b)
+                    cute.copy(tma_sfa, gSFA_t[(None, kt)], tAsSFA[(None, st)], tma_bar_ptr=bar, mcast_mask=mask_sfa)
+                    cute.copy(tma_sfb, gSFB_t[(None, kt)], tBsSFB[(None, st)], tma_bar_ptr=bar, mcast_mask=mask_sfb)
+                    prod.advance()
+                    ready = cutlass.Boolean(1)
+                    if prod.count < k_tiles:
+                        ready = ab_pipe.producer_try_acquire(prod)
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_pipe.producer_tail(prod)
+
+        # =================== MMA warp ===================
+        if warp == self.MMA_WARP:
+            tmem.wait_for_alloc()
+            acc_base = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_all = cute.make_tensor(acc_base, tCtAcc_layout)
+
+            # Scale tensors in TMEM, right after the accumulator columns.
+            sfa_tmem_layout = bsl.make_tmem_layout_sfa(
+                mma, self.mma_tiler, self.sf_vec, cute.slice_(sfa_smem_staged, (None, None, None, 0)))
+            sfb_tmem_layout = bsl.make_tmem_layout_sfb(
+                mma, self.mma_tiler, self.sf_vec, cute.slice_(sfb_smem_staged, (None, None, None, 0)))
+            tCtSFA = cute.make_tensor(
+                cute.recast_ptr(acc_base + self.acc_tmem_cols, dtype=self.sf_dtype), sfa_tmem_layout)
+            tCtSFB = cute.make_tensor(
+                cute.recast_ptr(acc_base + self.acc_tmem_cols + self.sfa_tmem_cols, dtype=self.sf_dtype),
+                sfb_tmem_layout)
+            s2t_sfa, s2t_sSFA, s2t_tSFA = self._scale_s2t_copy(sSFA, tCtSFA)
+            s2t_sfb, s2t_sSFB, s2t_tSFB = self._scale_s2t_copy(sSFB, tCtSFB)
+
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            acc_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
+            while work.is_valid_tile:
+                tn = work.tile_idx[1]
+                if cutlass.const_expr(self.overlap_acc):
+                    acc_buf = acc_prod.phase ^ 1
+                else:
+                    acc_buf = acc_prod.index
+                tCtAcc = tCtAcc_all[(None, None, None, acc_buf)]
+
+                cons.reset_count()
+                full = cutlass.Boolean(1)
+                if cons.count < k_tiles and is_leader:
+                    full = ab_pipe.consumer_try_wait(cons)
+                if is_leader:
+                    acc_pipe.producer_acquire(acc_prod)
+
+                # N = 64 / 192: odd tiles use the second half of their first
+                # SFB atom; skip 64 rows = 2 TMEM columns.
+                tCtSFB_use = tCtSFB
+                if cutlass.const_expr(self.cta_tile[1] in (64, 192)):
+                    shift = cutlass.Int32((tn % 2) * 2)
+                    tCtSFB_use = cute.make_tensor(
+                        cute.recast_ptr(acc_base + self.acc_tmem_cols + self.sfa_tmem_cols + shift,
+                                        dtype=self.sf_dtype),
+                        sfb_tmem_layout)
+
+                for kt in range(k_tiles):
+                    if is_leader:
+                        ab_pipe.consumer_wait(cons, full)
+                        # tcgen05.cp and tcgen05.mma execute in issue order,
+                        # so the scales are in TMEM before the MMAs read them.
+                        st = (None, None, None, None, cons.index)
+                        cute.copy(s2t_sfa, s2t_sSFA[st], s2t_tSFA)
+                        cute.copy(s2t_sfb, s2t_sSFB[st], s2t_tSFB)
+                        mma.set(tcgen05.Field.ACCUMULATE, kt != 0)
+                        stage = (None, None, None, cons.index)
+                        cute.gemm(mma, tCtAcc, [tCrA[stage], tCtSFA],
+                                  [tCrB[stage], tCtSFB_use], tCtAcc)
+                        ab_pipe.consumer_release(cons)
+                    cons.advance()
+                    full = cutlass.Boolean(1)
+                    if cons.count < k_tiles:
+                        if is_leader:
+                            full = ab_pipe.consumer_try_wait(cons)
+
+                if is_leader:
+                    acc_pipe.producer_commit(acc_prod)
+                acc_prod.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            acc_pipe.producer_tail(acc_prod)
+
+        # =================== epilogue warps ===================
+        if warp < self.MMA_WARP:
+            tmem.allocate(self.tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            acc_base = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_all = cute.make_tensor(acc_base, tCtAcc_layout)
+
+            t2r, tTR_tAcc_all, tTR_rAcc = self._epi_tmem_to_regs(tidx, tCtAcc_all, tCgC, epi_tile, use_2cta)
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            r2s, tRS_rC, tRS_sC = self._epi_regs_to_smem(t2r, tTR_rC, tidx, sC)
+            bSG_sC, bSG_gC_all = self._epi_smem_to_gmem(tma_c, tCgC, epi_tile, sC)
+
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.acc_stages)
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.c_stages,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 32 * len(self.EPI_WARPS)),
+            )
+            while work.is_valid_tile:
+                tile_mnl = (work.tile_idx[0] // cta_per_mma, work.tile_idx[1], work.tile_idx[2])
+                bSG_gC = bSG_gC_all[(None, None, None, *tile_mnl)]
+                reverse = False
+                if cutlass.const_expr(self.overlap_acc):
+                    acc_buf = acc_cons.phase
+                    # Buffer 0 shares its *last* columns with the scales'
+                    # neighbour, so drain it back to front.
+                    reverse = acc_buf == 0
+                else:
+                    acc_buf = acc_cons.index
+                tTR_tAcc = tTR_tAcc_all[(None, None, None, None, None, acc_buf)]
+                acc_pipe.consumer_wait(acc_cons)
+
+                tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+                done_before = sched.num_tiles_executed * subtiles
+                for sub in cutlass.range(subtiles):
+                    real_sub = sub
+                    if cutlass.const_expr(self.overlap_acc):
+                        if reverse:
+                            real_sub = self.cta_tile[1] // self.epi_tile_n - 1 - sub
+                    cute.copy(t2r, tTR_tAcc[(None, None, None, real_sub)], tTR_rAcc)
+                    if cutlass.const_expr(self.overlap_acc):
+                        if sub == self.acc_early_release_subtile:
+                            cute.arch.fence_view_async_tmem_load()
+                            acc_pipe.consumer_release(acc_cons)
+                            acc_cons.advance()
+
+                    # alpha = product of the global scales; applied in f32
+                    # before the one rounding to the output type.
+                    acc = r2s.retile(tTR_rAcc).load()
+                    tRS_rC.store((acc * alpha).to(self.c_dtype))
+                    buf = (done_before + sub) % self.c_stages
+                    cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                    # Make the SMEM writes visible to the TMA (async proxy).
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_barrier.arrive_and_wait()
+                    if warp == self.EPI_WARPS[0]:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, real_sub)])
+                        c_pipe.producer_commit()
+                        c_pipe.producer_acquire()
+                    self.epi_barrier.arrive_and_wait()
+
+                if cutlass.const_expr(not self.overlap_acc):
+                    acc_pipe.consumer_release(acc_cons)
+                    acc_cons.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+
+            tmem.relinquish_alloc_permit()
+            self.epi_barrier.arrive_and_wait()
+            tmem.free(acc_base)
+            c_pipe.producer_tail()
+
+    # -- partition helpers (trace-time only, no control flow) -----------------
+
+    def _scale_s2t_copy(self, sSF, tSF):
+        """tcgen05.cp (32 lanes x 128 bit, replicated to the 4 lane quarters)
+        from the SMEM scale stages to the TMEM scale columns."""
+        sSF_c = cute.filter_zeros(sSF)
+        tSF_c = cute.filter_zeros(tSF)
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(self.cta_group), self.sf_dtype)
+        copy = tcgen05.make_s2t_copy(atom, tSF_c)
+        thr = copy.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(copy, thr.partition_S(sSF_c))
+        dst = thr.partition_D(tSF_c)
+        return copy, src, dst
+
+    def _epi_tmem_to_regs(self, tidx, tAcc, tCgC, epi_tile, use_2cta):
+        atom = bw.get_tmem_load_op(self.cta_tile, self.c_layout, self.c_dtype,
+                                   self.acc_dtype, epi_tile, use_2cta)
+        # (EPI_M, EPI_N, n_epi_m, n_epi_n, ACC_STAGE)
+        tAcc_epi = cute.flat_divide(tAcc[((None, None), 0, 0, None)], epi_tile)
+        copy = tcgen05.make_tmem_copy(atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr = copy.get_slice(tidx)
+        tTR_tAcc = thr.partition_S(tAcc_epi)
+        gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+        tTR_gC = thr.partition_D(gC_epi)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_gC[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
+        return copy, tTR_tAcc, tTR_rAcc
+
+    def _epi_regs_to_smem(self, t2r, tTR_rC, tidx, sC):
+        atom = bw.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype, t2r)
+        copy = cute.make_tiled_copy_D(atom, t2r)
+        tRS_sC = copy.get_slice(tidx).partition_D(sC)
+        return copy, copy.retile(tTR_rC), tRS_sC
+
+    def _epi_smem_to_gmem(self, tma_c, tCgC, epi_tile, sC):
+        gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+        bSG_sC, bSG_gC = cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1),
+            cute.group_modes(sC, 0, 2), cute.group_modes(gC_epi, 0, 2))
+        return bSG_sC, bSG_gC
+
+
+def compile_variant(variant: Sm100Variant, arch: str = "sm_100a"):
+    """cute.compile one variant for `arch` on any machine (no GPU needed)."""
+    if arch not in ("sm_100a", "sm_103a", "sm_100f", "sm_103f"):
+        raise ValueError(f"unsupported Blackwell arch {arch!r}")
+    gemm = Sm100BlockScaledGemm(variant)
+    fa, fb = FORMATS[variant.fmt_a], FORMATS[variant.fmt_b]
+    gmem = cute.AddressSpace.gmem
+    # Placeholder pointers: only their element type and alignment are traced;
+    # the exported launcher takes the real device addresses.
+    a = make_ptr(getattr(cutlass, fa.element), 0, gmem, assumed_align=16)
+    b = make_ptr(getattr(cutlass, fb.element), 0, gmem, assumed_align=16)
+    sfa = make_ptr(getattr(cutlass, fa.scale), 0, gmem, assumed_align=16)
+    sfb = make_ptr(getattr(cutlass, fb.scale), 0, gmem, assumed_align=16)
+    out = make_ptr(getattr(cutlass, OUT_DTYPES[variant.out_dtype]), 0, gmem, assumed_align=16)
+    i32 = cutlass.Int32
+    return cute.compile(
+        gemm, a, b, sfa, sfb, out, cutlass.Float32(1.0),
+        i32(1), i32(1), i32(1), i32(1), i32(1), cuda.CUstream(0),
+        options=f"--gpu-arch {arch}",
+    )
+
+
+def export_variant(variant: Sm100Variant, out_dir: str, function_prefix: str,
+                   arch: str = "sm_100a") -> Tuple[str, str]:
+    """Compile `variant` for `arch` and write `<prefix>.h` + `<prefix>.o`.
+
+    The generated launcher (see docs/blackwell.md for the exact prototype) is
+
+        <prefix>_wrapper(<prefix>_Kernel_Module_t *module, void *a, void *b,
+                         void *sfa, void *sfb, void *out, float alpha,
+                         int32_t m, int32_t n, int32_t k, int32_t l,
+                         int32_t max_active_clusters, cudaStream_t stream)
+
+    Returns the (header, object) paths.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    compiled = compile_variant(variant, arch)
+    compiled.export_to_c(file_path=out_dir, file_name=function_prefix,
+                         function_prefix=function_prefix)
+    return (os.path.join(out_dir, function_prefix + ".h"),
+            os.path.join(out_dir, function_prefix + ".o"))
+
+
+def default_function_prefix(variant: Sm100Variant, arch: str) -> str:
+    """A C identifier unique per (variant, arch)."""
+    return f"jbs_{arch}_{variant.name}"
+
+
+def export_all(out_dir: str, archs: Iterable[str] = SM100_ARCHS,
+               variants: Sequence[Sm100Variant] = VARIANTS) -> list:
+    """Export the whole matrix; returns [(variant, arch, header, object)]."""
+    built = []
+    for arch in archs:
+        for v in variants:
+            h, o = export_variant(v, out_dir, default_function_prefix(v, arch), arch)
+            built.append((v, arch, h, o))
+    return built
