@@ -243,21 +243,26 @@ def choose_sm100_variant(m: int, n: int, k: int, fmt_a: str, fmt_b: str,
 
     A variant can run the problem when K and N meet its alignment rules (M has
     none: TMA zero-fills partial tiles on load and clips them on store).
-    Among those, score each by an estimate of its time:
+    Among those, pick the smallest estimated time:
 
-      waves  = ceil(tiles / concurrent tiles), concurrent = sm_count per CTA tile
-               (a 256-row pair tile occupies two SMs);
-      work   = waves * (tile area), i.e. the padded work one SM does;
-      then prefer fewer wasted rows/cols, the 2-CTA tile when it is not worse
-      (it halves B traffic per SM), and clusters only when there are enough
-      tiles to fill them.
+      waves      = ceil(tiles / tiles in flight); a 256-row pair tile holds
+                   two SMs, and the launch is made of whole clusters;
+      per-wave   = the output area one SM computes per tile (padding included,
+                   so partial tiles cost what they occupy);
+      efficiency = 1 + 32 * (1/MMA_M + 1/MMA_N): a small MMA tile re-reads its
+                   operands from SMEM more often per flop, so 128x64 runs the
+                   tensor core at roughly 57% of a 256x256 pair MMA's rate;
+      ties go to the variant without an under-filled cluster, then to less
+      padding.
 
-    This is a model, not a measurement: the weights must be re-tuned on a
+    This is a model, not a measurement: the constants must be re-tuned on a
     B200 (see docs/blackwell.md).
     """
     check_format_pair(fmt_a, fmt_b)
     if min(m, n, k) <= 0:
         raise ValueError(f"M, N, K must be positive, got {(m, n, k)}")
+    if sm_count <= 0:
+        raise ValueError(f"sm_count must be positive, got {sm_count}")
     cands = [v for v in variants_for(fmt_a, fmt_b, out_dtype, variants)
              if k % v.k_align == 0 and n % v.n_align == 0]
     if not cands:
@@ -268,20 +273,16 @@ def choose_sm100_variant(m: int, n: int, k: int, fmt_a: str, fmt_b: str,
         tiles_n = _ceil_div(n, v.tile_n)
         tiles = tiles_m * tiles_n
         sms_per_tile = 2 if v.two_cta else 1
-        cluster_tiles = (v.cluster_m // sms_per_tile) * v.cluster_n
-        # The launch is rounded to whole clusters; a cluster larger than the
-        # problem leaves SMs idle.
-        concurrent = max(1, (sm_count // (v.cluster_m * v.cluster_n)) * cluster_tiles)
-        waves = _ceil_div(tiles, concurrent)
-        # Per-SM work in units of 128x128 output blocks per wave.
+        cluster_size = v.cluster_m * v.cluster_n
+        tiles_per_cluster = cluster_size // sms_per_tile
+        in_flight = max(1, sm_count // cluster_size) * tiles_per_cluster
+        waves = _ceil_div(tiles, in_flight)
         per_sm_area = (v.tile_m // sms_per_tile) * v.tile_n / (128.0 * 128.0)
-        t = waves * per_sm_area
-        # Operand traffic per output element falls with larger tiles: a small
-        # bonus for bigger per-MMA tiles when the time model ties.
-        reuse = 1.0 / v.tile_m + 1.0 / v.tile_n
+        efficiency = 1.0 + 32.0 * (1.0 / v.tile_m + 1.0 / v.tile_n)
+        time = waves * per_sm_area * efficiency
+        underfilled_cluster = tiles_per_cluster > 1 and tiles < 2 * in_flight
         waste = tiles_m * v.tile_m * tiles_n * v.tile_n / float(m * n)
-        too_few_for_cluster = tiles < 2 * concurrent and (v.cluster_m * v.cluster_n > sms_per_tile)
-        return (round(t, 6), too_few_for_cluster, round(waste, 3), reuse)
+        return (round(time, 6), underfilled_cluster, round(waste, 3), v.name)
 
     return min(cands, key=cost)
 
@@ -1016,3 +1017,30 @@ def export_all(out_dir: str, archs: Iterable[str] = SM100_ARCHS,
             h, o = export_variant(v, out_dir, default_function_prefix(v, arch), arch)
             built.append((v, arch, h, o))
     return built
+
+
+def _main(argv=None):
+    """`python -m jax_blockscale.kernels.sm100_blockscaled --out DIR` exports the
+    whole matrix (what aot.py will do) and prints one line per object."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(description=_main.__doc__)
+    p.add_argument("--out", required=True, help="directory for the .h/.o pairs")
+    p.add_argument("--arch", action="append", choices=("sm_100a", "sm_103a", "sm_100f"),
+                   help="repeatable; default: " + " ".join(SM100_ARCHS))
+    p.add_argument("--list", action="store_true", help="only list the variants")
+    args = p.parse_args(argv)
+    if args.list:
+        for v in VARIANTS:
+            print(v.name, v.kind)
+        return
+    t0 = time.time()
+    for v, arch, _h, o in export_all(args.out, args.arch or SM100_ARCHS):
+        print(f"{arch} {v.name} -> {o}", flush=True)
+    print(f"exported {len(VARIANTS) * len(args.arch or SM100_ARCHS)} objects "
+          f"in {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    _main()
