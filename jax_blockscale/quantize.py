@@ -12,6 +12,7 @@ block scales ``e4m3(amax_block / 6 * enc)`` and elements ``e2m1(x * (enc / scale
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -69,6 +70,13 @@ class BlockScaled:
         if self.format.element_bits != 4:
             raise ValueError(f"packed_data() is for fp4 formats; {self.fmt} is not one")
         return pack_fp4(self.data)
+
+
+# Let jax.export serialize functions that take or return BlockScaled (aux data: fmt, layout).
+jax.export.register_pytree_node_serialization(
+    BlockScaled, serialized_name="jax_blockscale.BlockScaled",
+    serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+    deserialize_auxdata=lambda raw: tuple(json.loads(raw.decode())))
 
 
 def to_blocked(q: BlockScaled) -> BlockScaled:

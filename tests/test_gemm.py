@@ -1,0 +1,113 @@
+"""gemm (reference backend) against the float64 oracle of the dequantized operands."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import jax_blockscale as jbs
+import oracle
+
+PAIRS = jbs.supported_pairs()
+TOL = 1e-5  # relative Frobenius error, f32 output
+
+
+def rel_err(got, want):
+    got = np.asarray(got, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def quantized(seed, shape, fmt, layout="plain"):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return jbs.quantize(x, fmt, layout=layout)
+
+
+def oracle_values(q):
+    if not isinstance(q, jbs.BlockScaled):
+        return np.asarray(q, np.float64)
+    return oracle.dequantize(q.data, q.scales, q.fmt, q.global_scale, q.layout)
+
+
+def oracle_gemm(a, b):
+    return oracle.gemm(oracle_values(a), oracle_values(b))
+
+
+jit_gemm = jax.jit(jbs.gemm, static_argnames=("out_dtype", "backend"))
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", PAIRS)
+def test_every_pair_matches_oracle(fmt_a, fmt_b):
+    k = 4 * max(jbs.get_format(fmt_a).block, jbs.get_format(fmt_b).block)
+    a = quantized(1, (33, k), fmt_a)
+    b = quantized(2, (47, k), fmt_b, "blocked")
+    y = jit_gemm(a, b, out_dtype=jnp.float32)
+    assert y.shape == (33, 47) and y.dtype == jnp.float32
+    assert rel_err(y, oracle_gemm(a, b)) < TOL
+
+
+@pytest.mark.parametrize("fmt_b", list(jbs.FORMATS))
+@pytest.mark.parametrize("act_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_weight_only_matches_oracle(fmt_b, act_dtype):
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((17, 64)), act_dtype)
+    w = quantized(4, (40, 64), fmt_b, "blocked")
+    y = jit_gemm(x, w, out_dtype=jnp.float32)
+    assert rel_err(y, oracle_gemm(x, w)) < TOL
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_out_dtypes(out_dtype):
+    a, b = quantized(5, (20, 64), "nvfp4"), quantized(6, (24, 64), "nvfp4", "blocked")
+    y = jit_gemm(a, b, out_dtype=out_dtype)
+    assert y.dtype == out_dtype
+    eps = float(jnp.finfo(out_dtype).eps)
+    assert rel_err(y.astype(jnp.float32), oracle_gemm(a, b)) < max(TOL, eps)
+
+
+def test_default_out_dtype_is_bf16_and_global_scales_apply_once():
+    a, b = quantized(7, (8, 32), "nvfp4"), quantized(8, (8, 32), "nvfp4")
+    assert a.global_scale is not None and b.global_scale is not None
+    assert jbs.gemm(a, b).dtype == jnp.bfloat16
+    assert rel_err(jbs.gemm(a, b, out_dtype=jnp.float32), oracle_gemm(a, b)) < TOL
+
+
+@st.composite
+def problems(draw):
+    fmt_a, fmt_b = draw(st.sampled_from(PAIRS + [(None, f) for f in jbs.FORMATS]))
+    block = max(jbs.get_format(f).block for f in (fmt_a, fmt_b) if f)
+    m, n = draw(st.integers(1, 70)), draw(st.integers(1, 70))
+    k = block * draw(st.integers(1, 6))
+    batch_a, batch_b = draw(st.sampled_from([((), ()), ((2,), (2,)), ((3,), ()), ((), (2,)),
+                                             ((2, 1), (3,)), ((2, 3), (2, 3))]))
+    layouts = draw(st.sampled_from(["plain", "blocked"])), draw(st.sampled_from(["plain",
+                                                                                 "blocked"]))
+    return fmt_a, fmt_b, batch_a + (m, k), batch_b + (n, k), layouts, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_problems_match_oracle(problem):
+    fmt_a, fmt_b, shape_a, shape_b, (layout_a, layout_b), seed = problem
+    a = (quantized(seed, shape_a, fmt_a, layout_a) if fmt_a else
+         jnp.asarray(np.random.default_rng(seed).standard_normal(shape_a), jnp.bfloat16))
+    b = quantized(seed + 1, shape_b, fmt_b, layout_b)
+    y = jit_gemm(a, b, out_dtype=jnp.float32)
+    want = oracle_gemm(a, b)
+    assert y.shape == want.shape
+    assert rel_err(y, want) < TOL
+
+
+def test_scaled_matmul_matches_gemm_semantics():
+    rng = np.random.default_rng(9)
+    for fmt in ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"):
+        a = jbs.quantize(rng.standard_normal((2, 16, 64)).astype(np.float32), fmt,
+                         global_scale=None)
+        b = jbs.quantize(rng.standard_normal((2, 24, 64)).astype(np.float32), fmt,
+                         global_scale=None)
+        y = jbs.scaled_matmul(a.data, b.data, a.scales, b.scales,
+                              preferred_element_type=jnp.float32)
+        assert y.shape == (2, 16, 24)
+        assert rel_err(y, oracle_gemm(a, b)) < TOL
+    with pytest.raises(ValueError, match="rank 3"):
+        jbs.scaled_matmul(a.data[0], b.data[0], a.scales[0], b.scales[0])
+    with pytest.raises(ValueError, match="no block-scaled format"):
+        jbs.scaled_matmul(a.data, b.data, a.scales[..., :1], b.scales[..., :1])

@@ -1,0 +1,135 @@
+"""quantize / dequantize against the float64 oracle, bit for bit, on fresh random data."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_blockscale as jbs
+import oracle
+
+FORMATS = list(oracle.SPEC)
+
+
+def _random(seed, shape, kind="normal"):
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return rng.standard_normal(shape).astype(np.float32)
+    if kind == "heavy":  # student-t: outliers stress the shared exponent
+        return (rng.standard_t(2, shape) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+    if kind == "wide":  # blocks of wildly different magnitudes
+        x = rng.standard_normal(shape)
+        return (x * 2.0 ** rng.integers(-40, 40, shape[:-1] + (1,))).astype(np.float32)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["normal", "heavy", "wide"])
+def test_quantize_matches_oracle(fmt, kind):
+    block = jbs.get_format(fmt).block
+    x = _random(hash((fmt, kind)) % 2**32, (3, 37, 4 * block), kind)
+    q = jax.jit(lambda x: jbs.quantize(x, fmt))(x)
+    want_vals, want_scales, want_g = oracle.quantize(x, fmt)
+    got_elems = oracle.decode_elements(q.data, fmt)
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8),
+                                  want_scales.view(np.uint8))
+    np.testing.assert_array_equal(got_elems, want_vals)
+    if want_g is None:
+        assert q.global_scale is None
+    else:
+        np.testing.assert_allclose(float(q.global_scale), float(want_g), rtol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_matches_oracle(fmt):
+    block = jbs.get_format(fmt).block
+    x = _random(7, (2, 50, 3 * block), "heavy")
+    for layout in ("plain", "blocked"):
+        q = jbs.quantize(x, fmt, layout=layout)
+        want = oracle.dequantize(q.data, q.scales, fmt, q.global_scale, layout)
+        got = np.asarray(jax.jit(jbs.dequantize)(q), np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt,expected", [("nvfp4", 0.1), ("mxfp4", 0.12), ("mxfp6_e2m3", 0.03),
+                                          ("mxfp8_e4m3", 0.03), ("mxfp8_e5m2", 0.06)])
+def test_quantization_error_is_that_of_the_format(fmt, expected):
+    x = _random(11, (64, 512))
+    rel = np.linalg.norm(np.asarray(jbs.dequantize(jbs.quantize(x, fmt))) - x) / np.linalg.norm(x)
+    assert expected / 3 < rel < expected * 1.5
+
+
+def test_all_zero_block_gets_a_finite_scale():
+    x = _random(3, (4, 64))
+    x[1, :32] = 0.0
+    for fmt in FORMATS:
+        q = jbs.quantize(x, fmt)
+        s = np.asarray(q.scales).astype(np.float32)
+        assert np.all(np.isfinite(s))
+        np.testing.assert_array_equal(np.asarray(jbs.dequantize(q))[1, :32], 0.0)
+
+
+def test_mx_saturates_and_rounds_to_nearest_even():
+    # One block of 32: amax 6 -> shared exponent floor(log2 6) - 2 = 0, so elements are x itself.
+    x = np.zeros((1, 32), np.float32)
+    x[0, :6] = [6.0, 2.5, 0.75, -5.0, 0.25, 3.5]  # ties go to even codes: 2.5->2, .75->1, -5->-4
+    x[0, 6:] = 0.5
+    q = jbs.quantize(x, "mxfp4")
+    assert float(np.asarray(q.scales).astype(np.float32)[0, 0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(q.data.astype(jnp.float32))[0, :6],
+                                  [6.0, 2.0, 1.0, -4.0, 0.0, 4.0])
+
+
+def test_nvfp4_global_scale_options():
+    x = _random(5, (8, 64)) * 1e-3
+    auto = jbs.quantize(x, "nvfp4")
+    amax = np.abs(x).max()
+    np.testing.assert_allclose(float(auto.global_scale), amax / (6 * 448), rtol=1e-6)
+    # the largest block scale lands at the top of e4m3's range
+    assert np.asarray(auto.scales).astype(np.float32).max() == 448.0
+    off = jbs.quantize(x, "nvfp4", global_scale=None)
+    assert off.global_scale is None
+    fixed = jbs.quantize(x, "nvfp4", global_scale=2.0 ** -10)
+    assert float(fixed.global_scale) == 2.0 ** -10
+    for q in (auto, fixed):
+        err = np.linalg.norm(np.asarray(jbs.dequantize(q)) - x) / np.linalg.norm(x)
+        assert err < 0.15
+
+
+def test_fp4_pack_roundtrip_and_nibble_order():
+    x = _random(9, (3, 5, 64))
+    q = jbs.quantize(x, "mxfp4")
+    packed = jbs.pack_fp4(q.data)
+    assert packed.shape == (3, 5, 32) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(jbs.unpack_fp4(packed)).view(np.uint8),
+                                  np.asarray(q.data).view(np.uint8))
+    codes = np.asarray(q.data).view(np.uint8) & 0xF  # ml_dtypes keeps one code per byte
+    np.testing.assert_array_equal(np.asarray(packed), codes[..., 0::2] | (codes[..., 1::2] << 4))
+    np.testing.assert_array_equal(np.asarray(q.packed_data()), np.asarray(packed))
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of the block"):
+        jbs.quantize(np.ones((4, 40), np.float32), "mxfp8_e4m3")
+    with pytest.raises(ValueError, match="unknown block-scaled format"):
+        jbs.quantize(np.ones((4, 32), np.float32), "fp3")
+    with pytest.raises(TypeError, match="floating-point"):
+        jbs.quantize(np.ones((4, 32), np.int32), "mxfp4")
+    with pytest.raises(ValueError, match="no global scale"):
+        jbs.quantize(np.ones((4, 32), np.float32), "mxfp4", global_scale=1.0)
+    with pytest.raises(ValueError, match="layout"):
+        jbs.quantize(np.ones((4, 32), np.float32), "mxfp4", layout="swizzled")
+
+
+def test_formats_table():
+    for name, (elem, block, scale, emax, elem_max) in oracle.SPEC.items():
+        f = jbs.get_format(name)
+        assert (f.block, f.scale_dtype, f.emax, f.elem_max) == (block, np.dtype(scale), emax,
+                                                                 elem_max)
+        assert f.element_dtype == np.dtype(elem)
+        assert ml_dtypes.finfo(elem).max == elem_max
+        assert f.has_global_scale == (name == "nvfp4")
+    assert jbs.can_multiply("nvfp4", "nvfp4") and not jbs.can_multiply("nvfp4", "mxfp4")
+    assert jbs.can_multiply("mxfp8_e4m3", "mxfp4") and jbs.can_multiply("mxfp6_e3m2", "mxfp8_e5m2")
+    assert jbs.can_multiply(None, "nvfp4")
+    assert len(jbs.supported_pairs()) == 1 + 5 * 5
