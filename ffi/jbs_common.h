@@ -1,0 +1,56 @@
+// Shared declarations of the jax_blockscale native library (no XLA, no CUDA calls here).
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+// Operand-kind and output codes. Must match jax_blockscale/aot.py (KIND_CODES, OUT_CODES)
+// and jax_blockscale/lowering/ffi.py.
+enum JbsKind { JBS_NVFP4 = 1, JBS_MXFP4 = 2, JBS_MXFP8 = 3, JBS_BF16 = 4 };
+enum JbsOut { JBS_OUT_BF16 = 1, JBS_OUT_F16 = 2, JBS_OUT_F32 = 3 };
+
+#ifndef JBS_EXPORT
+#define JBS_EXPORT __attribute__((visibility("default")))
+#endif
+
+namespace jbs {
+void RecordLoadError(int cuda_error);  // jbs_ffi.cc: remembers the first module-load failure
+}
+
+// The generated launchers print module-load errors by default; record them instead so the
+// FFI instantiate stage can return them as ffi::Error.
+#define CUTE_DSL_CUDA_ERROR_CHECK(err)   \
+  do {                                   \
+    int jbs_err_ = (int)(err);           \
+    if (jbs_err_ != 0) jbs::RecordLoadError(jbs_err_); \
+  } while (0)
+
+#ifdef __cplusplus
+#include <cuda_runtime_api.h>
+namespace jbs {
+struct LaunchArgs {
+  void *a, *b, *sa, *sb, *c, *alpha;
+  int32_t m, n, k, l, a_e5m2, b_e5m2, max_ctas;
+  cudaStream_t stream;
+};
+struct Variant {
+  const char* name;
+  int a_kind, b_kind, out, tile_m, tile_n, sm;
+  void (*load)();
+  int32_t (*launch)(const LaunchArgs&);
+};
+
+// Everything the kernel assumes about one call, as plain numbers (pointers as integers).
+struct Problem {
+  int a_kind, b_kind, out, a_e5m2, b_e5m2;
+  int64_t m, n, k, l;
+  uint64_t a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr;
+  int64_t a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes;
+  int cc_major, cc_minor;
+};
+
+// Pure check (no CUDA): returns nullptr when the kernel can run `p`, else a message.
+// `variants` is the compiled table; the matching variant is returned through *found.
+const char* ValidateProblem(const Problem& p, const Variant* variants, int num_variants,
+                            const Variant** found, char* buf, size_t buf_len);
+}  // namespace jbs
+#endif

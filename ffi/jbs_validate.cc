@@ -1,0 +1,130 @@
+// Validation of one GEMM call against every assumption the sm90 kernel makes.
+// Pure arithmetic: no CUDA calls, so tests can exercise it through jbs_check_problem (ctypes)
+// on a machine without a GPU. The FFI handler calls it before every launch.
+#include <stdio.h>
+#include <string.h>
+
+#include "jbs_common.h"
+
+namespace jbs {
+namespace {
+
+int BlockOf(int kind) {
+  switch (kind) {
+    case JBS_NVFP4: return 16;
+    case JBS_MXFP4: return 32;
+    case JBS_MXFP8: return 32;
+    default: return 0;  // bf16: no blocks
+  }
+}
+// bytes of packed data per row of K elements
+int64_t RowBytes(int kind, int64_t k) {
+  switch (kind) {
+    case JBS_NVFP4:
+    case JBS_MXFP4: return k / 2;
+    case JBS_MXFP8: return k;
+    case JBS_BF16: return 2 * k;
+    default: return -1;
+  }
+}
+int OutBytes(int out) { return out == JBS_OUT_F32 ? 4 : (out == JBS_OUT_BF16 || out == JBS_OUT_F16) ? 2 : 0; }
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// bytes of a blocked scale tensor [L, ceil(MN/128), ceil(SK/4), 32, 4, 4]
+int64_t BlockedScaleBytes(int64_t l, int64_t mn, int64_t k, int block) {
+  return l * CeilDiv(mn, 128) * CeilDiv(k / block, 4) * 512;
+}
+const char* KindName(int kind) {
+  switch (kind) {
+    case JBS_NVFP4: return "nvfp4";
+    case JBS_MXFP4: return "mxfp4";
+    case JBS_MXFP8: return "mxfp8";
+    case JBS_BF16: return "bf16";
+    default: return "unknown";
+  }
+}
+
+}  // namespace
+
+#define JBS_FAIL(...)                        \
+  do {                                       \
+    snprintf(buf, buf_len, __VA_ARGS__);     \
+    return buf;                              \
+  } while (0)
+
+const char* ValidateProblem(const Problem& p, const Variant* variants, int num_variants,
+                            const Variant** found, char* buf, size_t buf_len) {
+  if (found) *found = nullptr;
+  const int64_t kInt32Max = 2147483647LL;
+  if (p.cc_major != 9 || p.cc_minor != 0)
+    JBS_FAIL("jax_blockscale sm90 kernels need compute capability 9.0 (sm_90a), device has %d.%d",
+             p.cc_major, p.cc_minor);
+  if (p.a_kind < JBS_NVFP4 || p.a_kind > JBS_BF16 || p.b_kind < JBS_NVFP4 || p.b_kind > JBS_MXFP8)
+    JBS_FAIL("unknown operand kinds a=%d b=%d", p.a_kind, p.b_kind);
+  if (OutBytes(p.out) == 0) JBS_FAIL("unknown output dtype code %d", p.out);
+  const Variant* v = nullptr;
+  for (int i = 0; i < num_variants; ++i) {
+    const Variant& c = variants[i];
+    if (c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out && c.sm == 90) {
+      v = &c;
+      break;
+    }
+  }
+  if (!v) JBS_FAIL("no sm90 kernel for %s x %s with output code %d", KindName(p.a_kind),
+                   KindName(p.b_kind), p.out);
+  if ((p.a_e5m2 != 0 && p.a_e5m2 != 1) || (p.b_e5m2 != 0 && p.b_e5m2 != 1))
+    JBS_FAIL("a_e5m2/b_e5m2 must be 0 or 1");
+  if ((p.a_e5m2 && p.a_kind != JBS_MXFP8) || (p.b_e5m2 && p.b_kind != JBS_MXFP8))
+    JBS_FAIL("e5m2 elements are only valid for mxfp8 operands");
+  if (p.m < 1 || p.n < 1 || p.k < 1 || p.l < 1)
+    JBS_FAIL("empty problem: M=%lld N=%lld K=%lld L=%lld (M, N, K, L must be >= 1)",
+             (long long)p.m, (long long)p.n, (long long)p.k, (long long)p.l);
+  // TMA needs 16-byte row pitches: K/2 bytes (fp4), K bytes (fp8), 2K bytes (bf16).
+  if (p.k % 32 != 0) JBS_FAIL("K=%lld must be a multiple of 32", (long long)p.k);
+  const int ba = BlockOf(p.a_kind), bb = BlockOf(p.b_kind);
+  if (ba && p.k % ba) JBS_FAIL("K=%lld not a multiple of A's block %d", (long long)p.k, ba);
+  if (p.k % bb) JBS_FAIL("K=%lld not a multiple of B's block %d", (long long)p.k, bb);
+  // The kernel indexes with 32-bit integers.
+  const int64_t a_row = RowBytes(p.a_kind, p.k), b_row = RowBytes(p.b_kind, p.k);
+  if (p.m > kInt32Max / p.n / p.l || p.m > kInt32Max / a_row / p.l ||
+      p.n > kInt32Max / b_row / p.l || p.k > kInt32Max)
+    JBS_FAIL("problem too large for 32-bit indexing (M=%lld N=%lld K=%lld L=%lld)",
+             (long long)p.m, (long long)p.n, (long long)p.k, (long long)p.l);
+  // Buffer sizes.
+  const int64_t a_bytes = p.l * p.m * a_row, b_bytes = p.l * p.n * b_row;
+  if (p.a_bytes != a_bytes)
+    JBS_FAIL("A buffer has %lld bytes, expected %lld", (long long)p.a_bytes, (long long)a_bytes);
+  if (p.b_bytes != b_bytes)
+    JBS_FAIL("B buffer has %lld bytes, expected %lld", (long long)p.b_bytes, (long long)b_bytes);
+  if (ba) {
+    const int64_t want = BlockedScaleBytes(p.l, p.m, p.k, ba);
+    if (p.sa_bytes != want)
+      JBS_FAIL("A scale buffer has %lld bytes, expected %lld (blocked layout)",
+               (long long)p.sa_bytes, (long long)want);
+  }
+  const int64_t want_sb = BlockedScaleBytes(p.l, p.n, p.k, bb);
+  if (p.sb_bytes != want_sb)
+    JBS_FAIL("B scale buffer has %lld bytes, expected %lld (blocked layout)",
+             (long long)p.sb_bytes, (long long)want_sb);
+  if (p.c_bytes != p.l * p.m * p.n * OutBytes(p.out))
+    JBS_FAIL("output buffer has %lld bytes, expected %lld", (long long)p.c_bytes,
+             (long long)(p.l * p.m * p.n * OutBytes(p.out)));
+  if (p.alpha_bytes != 4) JBS_FAIL("alpha must be one float32, got %lld bytes", (long long)p.alpha_bytes);
+  if (BlockedScaleBytes(p.l, p.n, p.k, bb) / 128 > kInt32Max ||
+      (ba && BlockedScaleBytes(p.l, p.m, p.k, ba) / 128 > kInt32Max))
+    JBS_FAIL("scale tensors too large for 32-bit indexing");
+  // Alignment: TMA needs 16-byte aligned global addresses.
+  struct { const char* name; uint64_t ptr; int align; bool used; } ptrs[] = {
+      {"A", p.a_ptr, 16, true},       {"B", p.b_ptr, 16, true},
+      {"A scales", p.sa_ptr, 16, ba != 0}, {"B scales", p.sb_ptr, 16, true},
+      {"output", p.c_ptr, OutBytes(p.out), true}, {"alpha", p.alpha_ptr, 4, true}};
+  for (const auto& q : ptrs) {
+    if (!q.used) continue;
+    if (q.ptr == 0) JBS_FAIL("%s pointer is null", q.name);
+    if (q.ptr % q.align) JBS_FAIL("%s pointer 0x%llx is not %d-byte aligned", q.name,
+                                  (unsigned long long)q.ptr, q.align);
+  }
+  if (found) *found = v;
+  return nullptr;
+}
+
+}  // namespace jbs
