@@ -44,6 +44,8 @@ from typing import Iterable, Optional, Sequence, Tuple
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
+import cutlass.tensor_utils
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as bw
@@ -331,7 +333,7 @@ class Sm100BlockScaledGemm:
         # Our FFI contract: A, B K-major, out row-major.
         self.a_major = OperandMajorMode.K
         self.b_major = OperandMajorMode.K
-        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         self.k_align = variant.k_align
         self.n_align = variant.n_align
 
@@ -339,7 +341,7 @@ class Sm100BlockScaledGemm:
             barrier_id=1, num_threads=32 * len(self.EPI_WARPS))
         self.tmem_ptr_barrier = pipeline.NamedBarrier(
             barrier_id=2, num_threads=32 * (1 + len(self.EPI_WARPS)))
-        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_100")
+        self.smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
         self.tmem_alloc_cols = cute.arch.get_max_tmem_alloc_cols("sm_100")
 
     # -- static configuration (runs at trace time) ---------------------------
@@ -628,7 +630,7 @@ class Sm100BlockScaledGemm:
         coord_sfb_vmnk = cluster_sfb_vmnk.get_flat_coord(rank)
 
         # ---- shared memory, barriers, TMEM allocator ----
-        storage = utils.SmemAllocator().allocate(self.storage_type)
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage_type)
         # Producers: the TMA of every CTA that multicasts into this one.
         ab_pipe = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_full.data_ptr(),
@@ -650,7 +652,7 @@ class Sm100BlockScaledGemm:
             cta_layout_vmnk=cluster_vmnk,
             defer_sync=True,
         )
-        tmem = utils.TmemAllocator(
+        tmem = cutlass.memory.TmemAllocator(
             storage.tmem_base.ptr,
             barrier_for_retrieve=self.tmem_ptr_barrier,
             allocator_warp_id=self.EPI_WARPS[0],

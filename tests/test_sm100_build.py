@@ -1,0 +1,199 @@
+"""The Blackwell kernel compiles and exports for sm_100a / sm_103a without a GPU,
+and what it exports is what we think it is: the launcher prototype of the FFI
+contract, and cubins whose SASS holds the block-scaled MMA, the scale copies
+into tensor memory and the tensor-memory loads.
+
+Fast subset (CI): one variant per (MMA kind x 1/2-CTA) plus the special N
+paths, for both archs.  Whole matrix: `pytest -m slow tests/test_sm100_build.py`.
+
+Needs nvidia-cutlass-dsl; the SASS checks also need the pip packages
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (skipped, with the reason, if absent).
+"""
+
+import os
+import re
+import struct
+
+import pytest
+
+from jax_blockscale import _cubins
+
+sm100 = pytest.importorskip(
+    "jax_blockscale.kernels.sm100_blockscaled",
+    reason="needs nvidia-cutlass-dsl (build-time dependency)")
+V = sm100.Sm100Variant
+
+# One per MMA kind x CTA group, plus N = 64 / 192 (SFB offset tricks), the
+# overlapped N = 256 accumulator, a 2x2 cluster and mixed / fp6 operands.
+FAST = [
+    V("nvfp4", "nvfp4", "bfloat16", 128, 128),
+    V("nvfp4", "nvfp4", "float32", 256, 256, 2, 2),
+    V("mxfp4", "mxfp4", "float16", 128, 128),
+    V("mxfp4", "mxfp4", "bfloat16", 256, 256, 2, 1),
+    V("mxfp8_e4m3", "mxfp8_e4m3", "bfloat16", 128, 64),
+    V("mxfp8_e4m3", "mxfp8_e4m3", "float32", 256, 128, 2, 1),
+    V("mxfp8_e4m3", "mxfp4", "bfloat16", 256, 192, 2, 1),
+    V("mxfp6_e3m2", "mxfp6_e3m2", "bfloat16", 128, 128),
+    V("nvfp4", "nvfp4", "bfloat16", 128, 256),
+]
+
+ARCH_SM = {"sm_100a": 100, "sm_103a": 103}
+
+# SASS mnemonic of the block-scaled MMA per kind.  nvfp4's scale_vec::4X
+# disassembles as ".4X" for sm_100a and as its alias ".BLOCK16" for sm_103a.
+MMA_OPCODE = {"mxf4nvf4": "UTCOMMA", "mxf4": "UTCOMMA", "mxf8f6f4": "UTCQMMA"}
+
+PROTOTYPE = re.compile(
+    r"static inline int32_t cute_dsl_(?P<prefix>\w+)_wrapper\("
+    r"(?P=prefix)_Kernel_Module_t \*module, void \*a_ptr, void \*b_ptr, "
+    r"void \*sfa_ptr, void \*sfb_ptr, void \*out_ptr, float alpha, int32_t m, "
+    r"int32_t n, int32_t k, int32_t l, int32_t max_active_clusters, "
+    r"cudaStream_t stream\)")
+
+
+def _export(variant, arch, tmp_path):
+    prefix = sm100.default_function_prefix(variant, arch)
+    h, o = sm100.export_variant(variant, str(tmp_path), prefix, arch)
+    return prefix, h, o
+
+
+def _check_export(variant, arch, tmp_path):
+    prefix, h, o = _export(variant, arch, tmp_path)
+    assert os.path.getsize(o) > 0
+    header = open(h).read()
+    m = PROTOTYPE.search(header)
+    assert m, f"launcher prototype changed:\n{header}"
+    assert m.group("prefix") == prefix
+
+    cubins = _cubins.find_cubins_in_file(o)
+    assert len(cubins) == 1, f"expected one embedded cubin, found {len(cubins)}"
+    assert cubins[0].sm == ARCH_SM[arch]
+
+    missing = _cubins.sass_tools_missing()
+    if missing:
+        pytest.skip(f"SASS not checked: {missing}")
+    (sass,) = _cubins.sass_of_object(o, str(tmp_path / "cubins"))
+    ops = _cubins.opcodes(sass)
+    _check_sass(variant, arch, ops)
+
+
+def _check_sass(variant, arch, ops):
+    mma_ops = {op for op in ops if op.split(".")[0] in ("UTCOMMA", "UTCQMMA", "UTCHMMA", "UTCIMMA")}
+    base = MMA_OPCODE[variant.kind]
+    assert mma_ops, f"no tcgen05.mma in SASS: {sorted(ops)}"
+    assert all(op.split(".")[0] == base for op in mma_ops), (variant.kind, mma_ops)
+    for op in mma_ops:
+        mods = set(op.split(".")[1:])
+        assert ("2CTA" in mods) == variant.two_cta, op
+        if variant.kind == "mxf4nvf4":
+            assert mods & {"4X", "BLOCK16"}, f"nvfp4 must use 16-element scale blocks: {op}"
+        else:
+            assert not mods & {"4X", "BLOCK16"}, op
+    # Scales SMEM -> TMEM (tcgen05.cp, replicated to the 4 lane quarters).
+    assert any(op.startswith("UTCCP") and "4x32dp128bit" in op for op in ops), sorted(ops)
+    # Accumulator TMEM -> registers (tcgen05.ld).
+    assert any(op.startswith("LDTM") for op in ops)
+    # TMA loads and the TMA store of the epilogue.
+    assert any(op.startswith("UTMALDG") for op in ops)
+    assert any(op.startswith("UTMASTG") for op in ops)
+    if variant.two_cta:
+        assert any(op.startswith("UTMALDG") and "2CTA" in op for op in ops)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_SM))
+@pytest.mark.parametrize("variant", FAST, ids=lambda v: v.name)
+def test_fast_subset_exports(variant, arch, tmp_path):
+    _check_export(variant, arch, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCH_SM))
+@pytest.mark.parametrize("variant", sm100.VARIANTS, ids=lambda v: v.name)
+def test_whole_matrix_exports(variant, arch, tmp_path):
+    _check_export(variant, arch, tmp_path)
+
+
+def test_fast_subset_is_in_the_matrix_or_a_valid_config():
+    # The fast subset may include configs outside the shipped matrix (to cover
+    # code paths), but every family of the matrix must be represented.
+    kinds = {(v.kind, v.two_cta) for v in sm100.VARIANTS}
+    assert kinds <= {(v.kind, v.two_cta) for v in FAST}
+
+
+def test_variant_names_and_prefixes_are_unique():
+    names = [v.name for v in sm100.VARIANTS]
+    assert len(names) == len(set(names))
+    prefixes = {sm100.default_function_prefix(v, a) for v in sm100.VARIANTS for a in sm100.SM100_ARCHS}
+    assert len(prefixes) == len(names) * len(sm100.SM100_ARCHS)
+    assert all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in prefixes)
+
+
+def test_variant_validation():
+    with pytest.raises(ValueError, match="nvfp4"):
+        V("nvfp4", "mxfp4", "bfloat16", 128, 128)
+    with pytest.raises(ValueError, match="tile_n"):
+        V("mxfp4", "mxfp4", "bfloat16", 128, 96)
+    with pytest.raises(ValueError, match="cluster_m"):
+        V("mxfp4", "mxfp4", "bfloat16", 256, 128, 1, 1)
+    with pytest.raises(ValueError, match="out_dtype"):
+        V("mxfp4", "mxfp4", "int8", 128, 128)
+
+
+def test_kinds_and_alignment_rules():
+    assert sm100.mma_kind("nvfp4", "nvfp4") == "mxf4nvf4"
+    assert sm100.mma_kind("mxfp4", "mxfp4") == "mxf4"
+    assert sm100.mma_kind("mxfp8_e4m3", "mxfp4") == "mxf8f6f4"
+    assert sm100.mma_kind("mxfp6_e2m3", "mxfp6_e2m3") == "mxf8f6f4"
+    assert sm100.k_alignment("nvfp4", "nvfp4") == 32  # 16 bytes of fp4
+    assert sm100.k_alignment("mxfp4", "mxfp4") == 32
+    assert sm100.k_alignment("mxfp8_e5m2", "mxfp8_e4m3") == 32  # one MX block
+    assert sm100.k_alignment("mxfp8_e4m3", "mxfp4") == 128  # unpacked fp4
+    assert sm100.k_alignment("mxfp6_e3m2", "mxfp6_e3m2") == 128  # unpacked fp6
+
+
+def test_kinds_agree_with_the_format_table():
+    formats = pytest.importorskip("jax_blockscale.formats")
+    for name, f in sm100.FORMATS.items():
+        g = formats.FORMATS[name]
+        assert g.block == f.block
+        assert g.element_bits == f.bits
+        assert g.mma_kind == sm100.mma_kind(name, name)
+
+
+# ---- the cubin extractor itself (no DSL needed) -----------------------------
+
+
+def _fake_cubin(sm: int, payload: bytes = b"\xab" * 40) -> bytes:
+    """A minimal valid ELF64 image with e_machine CUDA and one section header."""
+    ehdr_size, shent = 64, 64
+    shoff = ehdr_size + len(payload)
+    ident = b"\x7fELF" + bytes([2, 1, 1, 0x41, 8]) + b"\0" * 7
+    hdr = ident + struct.pack("<HHIQQQIHHHHHH", 2, _cubins.EM_CUDA, 1, 0, 0, shoff,
+                              sm << 8, ehdr_size, 0, 0, shent, 1, 0)
+    sh = struct.pack("<IIQQQQIIQQ", 0, 1, 0, 0, ehdr_size, len(payload), 0, 0, 1, 0)
+    return hdr + payload + sh
+
+
+def test_find_cubins_in_a_host_object():
+    one, two = _fake_cubin(100), _fake_cubin(103, b"\xcd" * 100)
+    host_elf = b"\x7fELF" + bytes([2, 1, 1]) + b"\0" * 11 + struct.pack("<H", 62) + b"\0" * 50
+    blob = host_elf + b"junk" * 10 + one + b"\0" * 7 + two + b"tail"
+    found = _cubins.find_cubins(blob)
+    assert [c.data for c in found] == [one, two]
+    assert [c.sm for c in found] == [100, 103]
+    assert found[0].offset == blob.index(one)
+
+
+def test_truncated_cubin_is_ignored():
+    img = _fake_cubin(100)
+    assert _cubins.find_cubins(img[:-10]) == []
+
+
+def test_opcode_parser():
+    sass = """
+        /*0090*/                   UTCQMMA.2CTA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR11], UPT ;  /* 0x... */
+        /*00a0*/              @!P0 LDTM.x32 R4, tmem[UR4] ;
+        /*00b0*/                   UTCCP.T.S.4x32dp128bit tmem[UR4], gdesc[UR6] ;
+                                                                      /* 0x000fe2000800000c */
+    """
+    assert _cubins.opcodes(sass) == {"UTCQMMA.2CTA", "LDTM.x32", "UTCCP.T.S.4x32dp128bit"}
