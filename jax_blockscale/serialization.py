@@ -1,0 +1,290 @@
+"""Save and load quantized parameters: one ``.npz`` file, raw bits, metadata checked on load.
+
+    save_params("model.npz", qparams)            # nested dicts of BlockScaled and plain arrays
+    qparams = load_params("model.npz", fmt="nvfp4", like=expected)
+
+Why ``np.savez``: it needs nothing beyond NumPy, and every array is stored as its raw bits
+(uint8/16/32/64 of the same width), so FP4, FP8, e8m0 and bf16 values round-trip bit for bit
+whatever dtypes the reader's NumPy or checkpoint library knows. FP4 elements are packed two per
+byte (low nibble first), so a file is as small as the weights. The format, layout, shapes and
+dtypes of every entry are stored beside the arrays as JSON and checked on load. (Orbax can save
+the *bit arrays* too; see docs/serving.md for why we do not hand it BlockScaled pytrees.)
+
+Only nested dicts are stored (Linen ``params``, ``nnx.State.to_pure_dict()``, the output of
+`jax_blockscale.nn.quantize_params`); keys are strings or ints, leaves BlockScaled or arrays.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers the low-precision dtypes with NumPy)
+import numpy as np
+
+from . import layout as _layout
+from .formats import get_format
+from .quantize import BlockScaled
+
+__all__ = ["FILE_VERSION", "ParamsFileError", "load_params", "save_params"]
+
+FILE_VERSION = 1
+_META = "__jax_blockscale_meta__"
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class ParamsFileError(ValueError):
+    """The file is not a jax_blockscale params file, is inconsistent, or is not what was asked."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Bits in, bits out
+
+
+def _dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    except TypeError:
+        raise ParamsFileError(f"unknown dtype {name!r} in the file") from None
+
+
+def _to_bits(x) -> tuple[np.ndarray, dict]:
+    """An array as raw bits of the same width (FP4: two elements per byte) and how to undo it."""
+    x = np.asarray(x)
+    info = {"dtype": x.dtype.name, "shape": list(x.shape)}
+    if x.dtype == np.dtype(ml_dtypes.float4_e2m1fn):
+        codes = x.view(np.uint8) & 0xF
+        if x.shape[-1] % 2:
+            raise ValueError(f"cannot pack fp4 with an odd last axis {x.shape}")
+        info["encoding"] = "fp4_packed"
+        return codes[..., 0::2] | (codes[..., 1::2] << 4), info
+    if x.dtype.itemsize not in _UINT:
+        raise TypeError(f"cannot store dtype {x.dtype}")
+    info["encoding"] = "bits"
+    return x.view(_UINT[x.dtype.itemsize]), info
+
+
+def _from_bits(bits: np.ndarray, info: dict, where: str) -> np.ndarray:
+    dtype = _dtype(info["dtype"])
+    shape = tuple(info["shape"])
+    if info.get("encoding") == "fp4_packed":
+        want = shape[:-1] + (shape[-1] // 2,) if shape else None
+        if bits.dtype != np.uint8 or bits.shape != want:
+            raise ParamsFileError(f"{where}: packed fp4 bits have {bits.dtype}{list(bits.shape)}, "
+                                  f"the metadata says uint8{list(want or ())}")
+        codes = np.stack([bits & 0xF, bits >> 4], axis=-1).reshape(shape)
+        return codes.view(dtype)
+    if info.get("encoding") != "bits" or bits.dtype != _UINT.get(dtype.itemsize):
+        raise ParamsFileError(f"{where}: stored as {bits.dtype}, which cannot hold "
+                              f"{dtype.name} bits ({info.get('encoding')!r} encoding)")
+    if bits.shape != shape:
+        raise ParamsFileError(f"{where}: array has shape {bits.shape}, the metadata says {shape}")
+    return bits.view(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+
+
+def _flatten(tree, prefix=()):
+    """(path, leaf) pairs of a nested dict; BlockScaled and arrays are leaves."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"save_params stores dicts with str or int keys; "
+                                f"{'/'.join(map(str, prefix + (key,)))!r} has a {type(key)}")
+            yield from _flatten(value, prefix + (key,))
+    elif tree is None:
+        return
+    elif isinstance(tree, BlockScaled) or hasattr(tree, "shape"):
+        yield prefix, tree
+    else:
+        raise TypeError(f"save_params takes nested dicts of BlockScaled and arrays (Linen params, "
+                        f"nnx.State.to_pure_dict()); found a {type(tree).__name__} at "
+                        f"{'/'.join(map(str, prefix))!r}")
+
+
+def _describe(q: BlockScaled) -> dict:
+    return {"kind": "blockscaled", "fmt": q.fmt, "layout": q.layout, "shape": list(q.shape),
+            "has_global_scale": q.global_scale is not None}
+
+
+def save_params(path: str | os.PathLike, params) -> None:
+    """Write `params` (nested dicts of BlockScaled and plain arrays) to one ``.npz`` file."""
+    if hasattr(params, "to_pure_dict"):  # an nnx.State
+        params = params.to_pure_dict()
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    for i, (keys, leaf) in enumerate(_flatten(params)):
+        entry: dict[str, Any] = {"path": list(keys)}
+        if isinstance(leaf, BlockScaled):
+            entry.update(_describe(leaf))
+            parts = {"data": leaf.data, "scales": leaf.scales}
+            if leaf.global_scale is not None:
+                parts["global_scale"] = leaf.global_scale
+        else:
+            entry["kind"] = "array"
+            parts = {"value": leaf}
+        entry["arrays"] = {}
+        for part, value in parts.items():
+            bits, info = _to_bits(jax.device_get(value))
+            name = f"{i}.{part}"
+            arrays[name] = bits
+            entry["arrays"][part] = dict(info, name=name)
+        entries.append(entry)
+    meta = {"version": FILE_VERSION, "library": "jax_blockscale", "entries": entries}
+    arrays[_META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    with open(path, "wb") as f:  # an open file: np.savez would append ".npz" to a bare name
+        np.savez(f, **arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+
+
+def _check_blockscaled(where: str, entry: dict, data, scales, gs) -> None:
+    """The file's own consistency: the arrays are what the format and layout say."""
+    fmt = get_format(entry["fmt"])
+    if entry["layout"] not in _layout.LAYOUTS:
+        raise ParamsFileError(f"{where}: unknown scale layout {entry['layout']!r}")
+    if list(data.shape) != entry["shape"]:
+        raise ParamsFileError(f"{where}: data has shape {data.shape}, metadata says "
+                              f"{tuple(entry['shape'])}")
+    if data.dtype != fmt.storage_dtype:
+        raise ParamsFileError(f"{where}: {fmt.name} stores {fmt.storage_dtype.name} elements, "
+                              f"the file holds {data.dtype.name}")
+    if fmt.is_code_stored and data.size and int(data.max()) >= 64:
+        raise ParamsFileError(f"{where}: FP6 codes must be below 64, found {int(data.max())}")
+    if scales.dtype != fmt.scale_dtype:
+        raise ParamsFileError(f"{where}: {fmt.name} uses {fmt.scale_dtype.name} scales, the file "
+                              f"holds {scales.dtype.name}")
+    *batch, mn, k = data.shape
+    if k % fmt.block:
+        raise ParamsFileError(f"{where}: K={k} is not a multiple of the {fmt.name} block "
+                              f"{fmt.block}")
+    sk = k // fmt.block
+    want = tuple(batch) + ((mn, sk) if entry["layout"] == "plain"
+                           else _layout.blocked_shape(mn, sk))
+    if scales.shape != want:
+        raise ParamsFileError(f"{where}: {entry['layout']} scales have shape {scales.shape}, "
+                              f"expected {want} for {fmt.name} elements of shape {data.shape}")
+    if gs is not None and not fmt.has_global_scale:
+        raise ParamsFileError(f"{where}: {fmt.name} has no global scale, the file holds one")
+    if gs is not None and (gs.shape != () or gs.dtype != np.float32):
+        raise ParamsFileError(f"{where}: the global scale must be an f32 scalar, got "
+                              f"{gs.dtype}{list(gs.shape)}")
+
+
+def _unflatten(items):
+    tree: dict = {}
+    for keys, value in items:
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return tree
+
+
+def _signature(leaf) -> tuple:
+    """What `like` compares: format, layout, shape, dtypes (values never)."""
+    if isinstance(leaf, BlockScaled):
+        return ("BlockScaled", leaf.fmt, leaf.layout, tuple(leaf.data.shape),
+                np.dtype(leaf.data.dtype).name, tuple(leaf.scales.shape),
+                leaf.global_scale is not None)
+    return ("array", tuple(leaf.shape), np.dtype(leaf.dtype).name)
+
+
+def _describe_signature(sig) -> str:
+    if sig[0] == "BlockScaled":
+        return (f"BlockScaled {sig[1]} {sig[2]} {sig[3]}" +
+                (" with global scale" if sig[6] else ""))
+    return f"array {sig[2]}{list(sig[1])}"
+
+
+def _check_like(loaded: dict, like) -> None:
+    if hasattr(like, "to_pure_dict"):
+        like = like.to_pure_dict()
+    got = {tuple(k): _signature(v) for k, v in _flatten(loaded)}
+    want = {tuple(k): _signature(v) for k, v in _flatten(like)}
+    problems = []
+    for keys in sorted(set(got) | set(want), key=str):
+        name = "/".join(map(str, keys))
+        if keys not in got:
+            problems.append(f"{name}: missing from the file")
+        elif keys not in want:
+            problems.append(f"{name}: in the file but not expected")
+        elif got[keys] != want[keys]:
+            problems.append(f"{name}: the file holds {_describe_signature(got[keys])}, expected "
+                            f"{_describe_signature(want[keys])}")
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise ParamsFileError("the params file does not match what was expected:\n  "
+                              + "\n  ".join(problems[:8]) + more)
+
+
+def load_params(path: str | os.PathLike, *, fmt: str | None = None, like=None,
+                as_numpy: bool = False):
+    """Read a file written by `save_params`; returns the same nested dicts (jax arrays).
+
+    Every quantized entry is checked against its own metadata (format, layout, element and
+    scale dtypes and shapes). Then, optionally:
+      fmt:  every quantized entry must be in this format;
+      like: a pytree with the expected structure, formats, layouts, shapes and dtypes: e.g. the
+            params you quantized, or ``jax.eval_shape(lambda: quantize_params(params, fmt))``.
+    A mismatch raises `ParamsFileError` (a ValueError) naming the entry and both sides.
+    """
+    if fmt is not None:
+        get_format(fmt)
+    with np.load(path, allow_pickle=False) as z:
+        if _META not in z.files:
+            raise ParamsFileError(f"{os.fspath(path)!r} is not a jax_blockscale params file "
+                                  "(no metadata entry); write it with save_params")
+        meta = json.loads(z[_META].tobytes().decode())
+        if meta.get("version") != FILE_VERSION:
+            raise ParamsFileError(f"{os.fspath(path)!r} has file version {meta.get('version')}; "
+                                  f"this jax_blockscale reads version {FILE_VERSION}")
+        items = []
+        for entry in meta["entries"]:
+            where = "/".join(map(str, entry["path"]))
+
+            def part(name, entry=entry, where=where):
+                info = entry["arrays"].get(name)
+                if info is None:
+                    return None
+                if info["name"] not in z.files:
+                    raise ParamsFileError(f"{where}: array {info['name']!r} missing from the file")
+                return _from_bits(z[info["name"]], info, f"{where} ({name})")
+
+            if entry["kind"] == "blockscaled":
+                try:
+                    get_format(entry["fmt"])
+                except ValueError as e:
+                    raise ParamsFileError(f"{where}: {e}") from None
+                data, scales, gs = part("data"), part("scales"), part("global_scale")
+                if data is None or scales is None:
+                    raise ParamsFileError(f"{where}: data or scales missing from the file")
+                if entry["has_global_scale"] != (gs is not None):
+                    raise ParamsFileError(f"{where}: global scale presence does not match the "
+                                          "metadata")
+                _check_blockscaled(where, entry, data, scales, gs)
+                if fmt is not None and entry["fmt"] != fmt:
+                    raise ParamsFileError(f"{where}: the file holds {entry['fmt']} weights, "
+                                          f"expected {fmt}")
+                conv = (lambda a: a) if as_numpy else jnp.asarray
+                value = BlockScaled(conv(data), conv(scales),
+                                    None if gs is None else conv(gs), entry["fmt"],
+                                    entry["layout"])
+            elif entry["kind"] == "array":
+                value = part("value")
+                if value is None:
+                    raise ParamsFileError(f"{where}: value missing from the file")
+                value = value if as_numpy else jnp.asarray(value)
+            else:
+                raise ParamsFileError(f"{where}: unknown entry kind {entry['kind']!r}")
+            items.append((tuple(entry["path"]), value))
+    loaded = _unflatten(items)
+    if like is not None:
+        _check_like(loaded, like)
+    return loaded
