@@ -153,6 +153,10 @@ void RecordLoadError(int cuda_error) {
 
 }  // namespace jbs
 
+// Declared first so the symbols are exported despite -fvisibility=hidden.
+extern "C" JBS_EXPORT XLA_FFI_Error* jax_blockscale_gemm_sm90_instantiate(XLA_FFI_CallFrame*);
+extern "C" JBS_EXPORT XLA_FFI_Error* jax_blockscale_gemm_sm90(XLA_FFI_CallFrame*);
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_blockscale_gemm_sm90_instantiate, jbs::Instantiate,
                               ffi::Ffi::BindInstantiate());
 

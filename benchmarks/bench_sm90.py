@@ -1,0 +1,94 @@
+"""Time the sm90 backend against the anchors (bf16 jnp.dot, jitted dequantize+dot,
+jax.nn.scaled_matmul) side by side in one process, on the GPU.
+
+    python benchmarks/bench_sm90.py [--quick] [--json OUT.json]
+
+Timing: jitted function, 2 warm-up calls, then the mean over `iters` back-to-back calls bracketed
+by block_until_ready (the method of /work/shared/anchors/bench_anchors.py, so the numbers are
+comparable with the anchor file). Fresh random data per shape; the sm90 result is checked
+against the reference backend (relative Frobenius error) before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import jax_blockscale as jbs
+from jax_blockscale.lowering import ffi as _sm90  # noqa: F401  (registers "sm90")
+
+
+def timeit(f, *args, iters=30):
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--fmts", default="nvfp4,mxfp4,mxfp8_e4m3,w:nvfp4")
+    args = ap.parse_args()
+    print(jax.__version__, jax.devices(), flush=True)
+    if args.quick:
+        shapes = [(16, 8192, 8192), (1024, 8192, 8192), (8192, 8192, 8192)]
+    else:
+        shapes = [(m, nk, nk) for nk in (8192, 16384) for m in (16, 128, 1024, 8192)]
+    rows = []
+    key = jax.random.PRNGKey(0)
+    for fmt in args.fmts.split(","):
+        weight_only = fmt.startswith("w:")
+        fmt_b = fmt[2:] if weight_only else fmt
+        fmt_a = None if weight_only else fmt_b
+        for (M, N, K) in shapes:
+            key, k1, k2 = jax.random.split(key, 3)
+            x = jax.random.normal(k1, (M, K), jnp.float32)
+            w = jax.random.normal(k2, (N, K), jnp.float32)
+            b = jbs.quantize(w, fmt_b, layout="blocked")
+            a = x.astype(jnp.bfloat16) if weight_only else jbs.quantize(x, fmt_a, layout="blocked")
+            xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+            del x, w
+            r = dict(fmt=fmt, M=M, N=N, K=K)
+            sm90 = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend="sm90"))
+            ref = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend="reference"))
+            dot = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32
+                                               ).astype(jnp.bfloat16))
+            try:
+                y = np.asarray(sm90(a, b), np.float32)
+                yr = np.asarray(ref(a, b), np.float32)
+                r["rel_err_vs_reference"] = float(np.linalg.norm(y - yr) / np.linalg.norm(yr))
+                r["sm90_us"] = timeit(sm90, a, b) * 1e6
+            except Exception as e:  # noqa: BLE001
+                r["sm90_err"] = repr(e)[:300]
+            r["deq_dot_us"] = timeit(ref, a, b) * 1e6
+            r["bf16_dot_us"] = timeit(dot, xb, wb) * 1e6
+            fl = 2.0 * M * N * K
+            for k in ("sm90_us", "deq_dot_us", "bf16_dot_us"):
+                if k in r:
+                    r[k.replace("_us", "_tflops")] = fl / (r[k] * 1e-6) / 1e12
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            del a, b, xb, wb
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\nfmt          M     N     K | sm90 us (TF)     | deq+dot us (TF)  | bf16 dot us (TF) | err")
+    for r in rows:
+        f = lambda k: ("%9.1f (%5.0f)" % (r[k + "_us"], r[k + "_tflops"])) if k + "_us" in r else "      err       "  # noqa: E731
+        print("%-10s %5d %5d %5d | %s | %s | %s | %s" % (
+            r["fmt"], r["M"], r["N"], r["K"], f("sm90"), f("deq_dot"), f("bf16_dot"),
+            "%.1e" % r["rel_err_vs_reference"] if "rel_err_vs_reference" in r else "-"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The `sm90` backend: gemm_p lowered to the XLA FFI custom call into libjax_blockscale.so.
+
+Chosen (priority 10 > reference's 0) on CUDA when every visible GPU has compute capability 9.0
+and the problem is one the Hopper kernel implements; otherwise `unsupported_reason` says why and
+the registry falls back (to `reference`), logging the reason.
+
+The backend only reshapes operands into what the kernel reads:
+  * elements -> uint8 bytes (fp4 pairs packed low nibble first, fp8 bitcast); bf16 activations
+    pass through;
+  * scales -> the blocked layout (converted here if given plain), as raw bytes;
+  * batch dims -> one L axis; a batched A times an unbatched B is folded into M instead
+    (one large GEMM, the weight read once);
+  * NVFP4 with K % 32 == 16 gets 16 zero elements of K padding (TMA needs 16-byte rows).
+Every runtime assumption is re-checked by the FFI handler, which returns an error rather than
+launching anything it cannot run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _plugin
+from .. import layout as _layout
+from ..aot import KIND_CODES
+from . import GemmSpec, register_backend
+
+# The pairs the sm90 kernel implements (jax_blockscale/kernels/sm90_blockscaled.py: PAIRS),
+# spelled with the package's format names. None = weight-only (bf16 activation).
+_KIND = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8",
+         None: "bf16"}
+_KERNEL_PAIRS = {("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("mxfp8", "mxfp4"),
+                 ("bf16", "nvfp4"), ("bf16", "mxfp4"), ("bf16", "mxfp8")}
+_OUT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+_INT32_MAX = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason() -> str | None:
+    """None if every visible CUDA GPU is compute capability 9.0, else why not."""
+    try:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError as e:  # no GPU backend at all
+        return f"no CUDA devices ({e})"
+    if not gpus:
+        return "no CUDA devices"
+    ccs = sorted({str(getattr(d, "compute_capability", "?")) for d in gpus})
+    if ccs != ["9.0"]:
+        return f"the sm90 kernels need compute capability 9.0, found {', '.join(ccs)}"
+    return None
+
+
+def _padded_k(spec: GemmSpec) -> int:
+    return spec.k + (spec.k % 32)  # only NVFP4 (block 16) can leave 16 over
+
+
+class Sm90Backend:
+    name = "sm90"
+    platforms = ("cuda",)
+    priority = 10
+
+    def unsupported_reason(self, spec: GemmSpec) -> str | None:
+        ka, kb = _KIND.get(spec.fmt_a, "?"), _KIND.get(spec.fmt_b, "?")
+        if (ka, kb) not in _KERNEL_PAIRS:
+            return f"the sm90 kernel has no {spec.fmt_a or 'plain'} x {spec.fmt_b} variant"
+        if spec.fmt_a is None and np.dtype(spec.a_dtype) != np.dtype(jnp.bfloat16):
+            return (f"weight-only sm90 needs bf16 activations ({np.dtype(spec.a_dtype).name} is "
+                    "not exact in bf16)")
+        if np.dtype(spec.out_dtype) not in _OUT:
+            return f"out dtype {np.dtype(spec.out_dtype).name} not supported"
+        if min(spec.m, spec.n, spec.k) < 1 or 0 in spec.batch_shape:
+            return "empty problem"
+        m, l = self._mnl(spec)
+        k = _padded_k(spec)
+        a_row = 2 * k if ka == "bf16" else k // (2 if "fp4" in ka else 1)
+        b_row = k // (2 if "fp4" in kb else 1)
+        if m * spec.n * l > _INT32_MAX or m * a_row * l > _INT32_MAX or \
+                spec.n * b_row * l > _INT32_MAX:
+            return "problem too large for the kernel's 32-bit indexing"
+        why = _device_reason()
+        if why is not None:
+            return why
+        return _plugin.unavailable_reason()
+
+    @staticmethod
+    def _mnl(spec: GemmSpec) -> tuple[int, int]:
+        """(rows, batch) of the kernel's problem: an unbatched B folds A's batch into M."""
+        if not spec.b_batch:
+            return spec.m * math.prod(spec.a_batch), 1
+        return spec.m, math.prod(spec.batch_shape)
+
+    def __call__(self, a, b, sa, sb, alpha, *, spec: GemmSpec, platform: str = "cuda"):
+        if not _plugin.register_targets():
+            raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
+        fold = not spec.b_batch  # weights shared by every batch element: one big GEMM
+        M, L = self._mnl(spec)
+        N, K = spec.n, spec.k
+        Kp = _padded_k(spec)
+        ka, kb = _KIND[spec.fmt_a], _KIND[spec.fmt_b]
+
+        def elements(x, fmt, rows, batch_in):
+            if fold:
+                x = x.reshape((1, rows, K)) if batch_in is not None else x.reshape((1,) + x.shape[-2:])
+            else:
+                x = jnp.broadcast_to(x, spec.batch_shape + x.shape[-2:]).reshape((L,) + x.shape[-2:])
+            if Kp != K:
+                x = jnp.pad(x, [(0, 0), (0, 0), (0, Kp - K)])
+            if fmt is None:
+                return x  # bf16 activation
+            if x.dtype == jnp.float4_e2m1fn:  # two elements a byte, element 2i in the low nibble
+                return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (Kp // 2, 2)), jnp.uint8)
+            return lax.bitcast_convert_type(x, jnp.uint8)
+
+        def scales(s, fmt, layout, rows, mn):
+            sk = K // _fmt_block(fmt)
+            if fold and layout == "blocked" and s.ndim > 5:  # re-tile A's scales over folded M
+                s = _layout.from_blocked_scales(s, mn, sk)
+                layout = "plain"
+            if layout == "plain":
+                s = s.reshape((1, rows, sk)) if fold else jnp.broadcast_to(
+                    s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
+                s = _layout.to_blocked_scales(s)
+            else:
+                s = s.reshape((1,) + s.shape[-5:]) if fold else jnp.broadcast_to(
+                    s, spec.batch_shape + s.shape[-5:]).reshape((L,) + s.shape[-5:])
+            return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
+
+        a8 = elements(a, spec.fmt_a, M, spec.a_batch)
+        b8 = elements(b, spec.fmt_b, N, None)
+        sb8 = scales(sb, spec.fmt_b, spec.layout_b, N, N)
+        if spec.fmt_a is None:
+            sa8 = jnp.zeros((16,), jnp.uint8)  # unused by the weight-only kernel
+        else:
+            sa8 = scales(sa, spec.fmt_a, spec.layout_a, M, spec.m)
+        call = jax.ffi.ffi_call(
+            _plugin.SM90_TARGET,
+            jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
+        )
+        y = call(a8, b8, sa8, sb8, jnp.reshape(alpha.astype(jnp.float32), (1,)),
+                 a_kind=np.int32(KIND_CODES[ka]), b_kind=np.int32(KIND_CODES[kb]),
+                 a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
+                 b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
+                 m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L))
+        return y.reshape(spec.batch_shape + (spec.m, N))
+
+
+def _fmt_block(fmt: str) -> int:
+    from ..formats import get_format
+
+    return get_format(fmt).block
+
+
+SM90 = Sm90Backend()
+register_backend(SM90)

@@ -1,0 +1,200 @@
+"""The sm90 backend on a Hopper GPU equals the reference backend (skipped without one).
+
+Every check draws fresh random data (never zeros), fills the allocator with NaN first so an
+unwritten output cannot pass by reusing an earlier result, and compares the relative Frobenius
+error against the reference backend: < 1e-5 for f32 output (only the accumulation order
+differs: dequantization to bf16 is exact), output rounding only for bf16/f16.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_blockscale as jbs
+from jax_blockscale import _plugin
+from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: F401  (registers "sm90")
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
+
+
+needs_sm90 = pytest.mark.skipif(
+    not _hopper() or _plugin.unavailable_reason() is not None,
+    reason="needs an sm90 GPU and libjax_blockscale.so")
+
+PAIRS = [
+    ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"),
+    ("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp8_e4m3", "mxfp8_e5m2"), ("mxfp8_e5m2", "mxfp8_e4m3"),
+    ("mxfp8_e4m3", "mxfp4"), ("mxfp8_e5m2", "mxfp4"),
+    (None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "mxfp8_e5m2"),
+]
+OUTS = {"f32": (jnp.float32, 1e-5), "bf16": (jnp.bfloat16, 8e-3), "f16": (jnp.float16, 1e-3)}
+_seed = [1000]
+
+
+def _key():
+    _seed[0] += 1
+    return jax.random.PRNGKey(_seed[0])
+
+
+def _poison():
+    # Hand the allocator NaN-filled memory, so a kernel that skips an output element is caught.
+    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+
+
+def _operands(fmt_a, fmt_b, batch_a, batch_b, m, n, k, layout="plain"):
+    ka, kb, kw = jax.random.split(_key(), 3)
+    x = jax.random.normal(ka, batch_a + (m, k), jnp.float32)
+    w = jax.random.normal(kb, batch_b + (n, k), jnp.float32) * 0.5
+    a = x.astype(jnp.bfloat16) if fmt_a is None else jbs.quantize(x, fmt_a, layout=layout)
+    b = jbs.quantize(w, fmt_b, layout=layout)
+    return a, b
+
+
+def _rel(y, ref):
+    y = np.asarray(y, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert np.isfinite(y).all(), "non-finite output (unwritten element?)"
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _check(a, b, out, fn=None):
+    dtype, tol = OUTS[out]
+    f = fn or (lambda a, b: jbs.gemm(a, b, out_dtype=dtype, backend="sm90"))
+    _poison()
+    y = jax.block_until_ready(f(a, b))
+    ref = jbs.gemm(a, b, out_dtype=jnp.float32, backend="reference")
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = _rel(y, ref)
+    assert err < tol, f"rel err {err:.3e} >= {tol}"
+    return err
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b", PAIRS)
+@pytest.mark.parametrize("out", list(OUTS))
+def test_pairs_and_outputs(fmt_a, fmt_b, out):
+    a, b = _operands(fmt_a, fmt_b, (), (), 200, 136, 320)
+    _check(a, b, out, jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=OUTS[out][0], backend="sm90")))
+
+
+SHAPES = [(1, 1, 32), (1, 7, 64), (7, 1, 96), (33, 65, 32), (129, 257, 160), (128, 128, 64),
+          (255, 129, 1024), (3, 300, 2048), (517, 3, 128)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("fmt_a,fmt_b", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp4"),
+                                         (None, "mxfp4"), ("mxfp8_e5m2", "mxfp8_e4m3")])
+def test_shapes(m, n, k, fmt_a, fmt_b):
+    a, b = _operands(fmt_a, fmt_b, (), (), m, n, k)
+    _check(a, b, "f32")
+
+
+@needs_sm90
+@pytest.mark.parametrize("k", [16, 48, 80])  # NVFP4 K % 32 == 16: padded by the lowering
+def test_nvfp4_odd_k(k):
+    a, b = _operands("nvfp4", "nvfp4", (), (), 37, 45, k)
+    _check(a, b, "f32")
+    a, b = _operands(None, "nvfp4", (), (), 37, 45, k)
+    _check(a, b, "f32")
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["plain", "blocked"])
+@pytest.mark.parametrize("fmt_a,fmt_b", [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"),
+                                         (None, "nvfp4")])
+def test_batched(layout, fmt_a, fmt_b):
+    # batched A and B (L axis), and a batched A times a shared weight (folded into M)
+    a, b = _operands(fmt_a, fmt_b, (3,), (3,), 70, 90, 128, layout)
+    _check(a, b, "f32")
+    a, b = _operands(fmt_a, fmt_b, (2, 3), (), 45, 131, 96, layout)
+    _check(a, b, "f32")
+    a, b = _operands(fmt_a, fmt_b, (1,), (4,), 33, 20, 64, layout)
+    _check(a, b, "f32")
+
+
+@needs_sm90
+def test_vmap():
+    a, b = _operands("mxfp8_e4m3", "mxfp4", (4,), (4,), 65, 130, 256)
+    f = jax.jit(jax.vmap(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90")))
+    _check(a, b, "f32", f)
+    a, b = _operands(None, "nvfp4", (5,), (), 17, 64, 64)
+    f = jax.jit(jax.vmap(lambda a: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90")))
+    _check(a, b, "f32", lambda a, b: f(a))
+
+
+@needs_sm90
+def test_float64_oracle():
+    """One check straight against float64 NumPy, independent of the reference backend."""
+    from oracle import dequantize as np_dequantize  # tests/oracle.py
+
+    a, b = _operands("nvfp4", "nvfp4", (), (), 77, 91, 256)
+    y = jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90")
+    av = np_dequantize(a.data, a.scales, "nvfp4", a.global_scale, a.layout)
+    bv = np_dequantize(b.data, b.scales, "nvfp4", b.global_scale, b.layout)
+    assert _rel(y, av @ bv.T) < 1e-5
+
+
+@needs_sm90
+def test_default_backend_is_sm90_on_hopper():
+    a, b = _operands("mxfp8_e4m3", "mxfp8_e4m3", (), (), 64, 64, 64)
+    text = jax.jit(lambda a, b: jbs.gemm(a, b)).lower(a, b).as_text()
+    assert _plugin.SM90_TARGET in text
+
+
+@needs_sm90
+def test_cuda_graph():
+    """The custom call inside an XLA command buffer (CUDA graph), in a fresh process."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        import jax_blockscale as jbs
+        from jax_blockscale.lowering import ffi
+        ka, kb = jax.random.split(jax.random.PRNGKey(7))
+        a = jbs.quantize(jax.random.normal(ka, (96, 512)), "nvfp4")
+        b = jbs.quantize(jax.random.normal(kb, (160, 512)), "nvfp4", layout="blocked")
+        f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90") * 2.0 + 1.0)
+        ref = np.asarray(jbs.gemm(a, b, out_dtype=jnp.float32, backend="reference")) * 2.0 + 1.0
+        for _ in range(5):
+            y = np.asarray(f(a, b))
+            err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+            assert err < 1e-5, err
+        print("GRAPH_OK", err)
+    """)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "GRAPH_OK" in r.stdout, r.stdout + r.stderr
+
+
+@needs_sm90
+def test_handler_rejects_bad_input():
+    """A call the kernel cannot take returns an error from the handler, never a crash."""
+    call = jax.ffi.ffi_call(_plugin.SM90_TARGET, jax.ShapeDtypeStruct((1, 8, 8), jnp.float32))
+    u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
+    with pytest.raises(Exception, match="scale buffer"):
+        jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(100), u8(512),
+                                   jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
+                                   b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
+                                   m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1)))
