@@ -294,6 +294,19 @@ def choose_sm100_variant(m: int, n: int, k: int, fmt_a: str, fmt_b: str,
 # ---------------------------------------------------------------------------
 
 
+def blocked_scale_layout(operand_shape, sf_vec: int):
+    """CuTe layout of a scale buffer in our blocked format, indexed like its operand.
+
+    `operand_shape` is the operand's (MN, K, L) (K in elements).  The DSL tiles
+    the tensor core's 512-byte scale atom ((32, 4) rows x (sf_vec, 4) K) over
+    it, K-tiles fastest, then MN-tiles, then L; the stride-0 `sf_vec` mode makes
+    all K elements of one block read the same scale.  Flattened, that is the
+    C-order (L, ceil(MN/128), ceil(SK/4), 32, 4, 4) array of docs/blackwell.md,
+    which tests/test_sm100_layout.py checks against `layout.to_blocked_scales`.
+    """
+    return bsl.tile_atom_to_shape_SF(operand_shape, sf_vec)
+
+
 class Sm100BlockScaledGemm:
     """Persistent, warp-specialized block-scaled GEMM for one `Sm100Variant`.
 
@@ -473,8 +486,8 @@ class Sm100BlockScaledGemm:
         mC = cute.make_tensor(out_ptr, cute.make_ordered_layout((m, n_hint, l), order=(1, 0, 2)))
         # Scales: the blocked (L, MN/128, SK/4, 32, 4, 4) buffer is exactly the
         # DSL's scale atom tiled over (MN, K, L), K-tiles fastest.
-        mSFA = cute.make_tensor(sfa_ptr, bsl.tile_atom_to_shape_SF(mA.shape, self.sf_vec))
-        mSFB = cute.make_tensor(sfb_ptr, bsl.tile_atom_to_shape_SF(mB.shape, self.sf_vec))
+        mSFA = cute.make_tensor(sfa_ptr, blocked_scale_layout(mA.shape, self.sf_vec))
+        mSFB = cute.make_tensor(sfb_ptr, blocked_scale_layout(mB.shape, self.sf_vec))
 
         a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
         b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
