@@ -216,7 +216,10 @@ class QuantizedDense(linen.Module):
             return quantize_kernel(self.kernel_init(key, (k, self.features), self.param_dtype),
                                    self.fmt)
 
-        kernel = self.param("kernel", init_kernel)
+        if self.fmt is None and self.has_variable("params", "kernel"):
+            kernel = self.get_variable("params", "kernel")  # any format: nothing to check against
+        else:
+            kernel = self.param("kernel", init_kernel)  # Linen checks the shapes against init's
         if not isinstance(kernel, BlockScaled):
             raise TypeError(f"QuantizedDense's kernel is a {type(kernel).__name__}, not a "
                             "BlockScaled; convert the float params with "
@@ -232,6 +235,13 @@ class QuantizedDense(linen.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Converting parameters
+
+
+def _pure_dict(tree):
+    """An nnx.State as nested dicts (other pytrees unchanged)."""
+    if isinstance(tree, nnx.State):
+        return nnx.to_pure_dict(tree)
+    return tree
 
 
 def _key_name(key) -> str:
@@ -273,7 +283,7 @@ def quantize_params(params, fmt: str, *, filter: Callable | str | None = None,
     """Convert float Dense kernels in a parameter pytree into BlockScaled weights, once.
 
     params: a pytree of arrays: Linen ``variables["params"]``, a dict, or an NNX state
-      (``nnx.state(model, nnx.Param)``, converted with ``to_pure_dict()``; the result is a pure
+      (``nnx.state(model, nnx.Param)``, converted with ``nnx.to_pure_dict``; the result is a pure
       dict either way).
     filter: which leaves to convert. None: `default_filter` (2-D "kernel" leaves whose in-dim is
       a multiple of the block; others are left alone). A string: a regular expression searched in
@@ -284,8 +294,7 @@ def quantize_params(params, fmt: str, *, filter: Callable | str | None = None,
     installed); None shows one from PROGRESS_MIN_KERNELS kernels up.
     """
     get_format(fmt)
-    if hasattr(params, "to_pure_dict"):  # an nnx.State
-        params = params.to_pure_dict()
+    params = _pure_dict(params)
     strict = isinstance(filter, str)
     if filter is None:
         select = default_filter(fmt)
@@ -346,8 +355,7 @@ def from_quantized_params(model: nnx.Module, qparams, *, act_fmt: str | None = N
     (``nnx.eval_shape(lambda: MyModel(...))``), so a float copy is never allocated. Returns the
     model; pass ``nnx.clone(model)`` to keep the float one.
     """
-    if hasattr(qparams, "to_pure_dict"):
-        qparams = qparams.to_pure_dict()
+    qparams = _pure_dict(qparams)
     linears = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear)}
     for path in _quantized_paths(qparams):
         layer_path = path[:-1]

@@ -10,7 +10,7 @@ byte (low nibble first), so a file is as small as the weights. The format, layou
 dtypes of every entry are stored beside the arrays as JSON and checked on load. (Orbax can save
 the *bit arrays* too; see docs/serving.md for why we do not hand it BlockScaled pytrees.)
 
-Only nested dicts are stored (Linen ``params``, ``nnx.State.to_pure_dict()``, the output of
+Only nested dicts are stored (Linen ``params``, ``nnx.to_pure_dict(state)``, the output of
 `jax_blockscale.nn.quantize_params`); keys are strings or ints, leaves BlockScaled or arrays.
 """
 from __future__ import annotations
@@ -102,8 +102,16 @@ def _flatten(tree, prefix=()):
         yield prefix, tree
     else:
         raise TypeError(f"save_params takes nested dicts of BlockScaled and arrays (Linen params, "
-                        f"nnx.State.to_pure_dict()); found a {type(tree).__name__} at "
+                        f"nnx.to_pure_dict(state)); found a {type(tree).__name__} at "
                         f"{'/'.join(map(str, prefix))!r}")
+
+
+def _pure_dict(tree):
+    """An nnx.State (from flax, if the caller uses it) as nested dicts."""
+    if hasattr(tree, "to_pure_dict"):
+        from flax import nnx
+        return nnx.to_pure_dict(tree)
+    return tree
 
 
 def _describe(q: BlockScaled) -> dict:
@@ -113,8 +121,7 @@ def _describe(q: BlockScaled) -> dict:
 
 def save_params(path: str | os.PathLike, params) -> None:
     """Write `params` (nested dicts of BlockScaled and plain arrays) to one ``.npz`` file."""
-    if hasattr(params, "to_pure_dict"):  # an nnx.State
-        params = params.to_pure_dict()
+    params = _pure_dict(params)
     arrays: dict[str, np.ndarray] = {}
     entries = []
     for i, (keys, leaf) in enumerate(_flatten(params)):
@@ -204,8 +211,7 @@ def _describe_signature(sig) -> str:
 
 
 def _check_like(loaded: dict, like) -> None:
-    if hasattr(like, "to_pure_dict"):
-        like = like.to_pure_dict()
+    like = _pure_dict(like)
     got = {tuple(k): _signature(v) for k, v in _flatten(loaded)}
     want = {tuple(k): _signature(v) for k, v in _flatten(like)}
     problems = []

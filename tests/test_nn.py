@@ -1,0 +1,281 @@
+"""jax_blockscale.nn: the Flax layers, quantize_params / quantize_model, and jax.export of a model."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import linen, nnx  # noqa: E402
+
+import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale import nn as jnn  # noqa: E402
+
+# (weight format, activation format); None = weight-only
+LAYER_CASES = [("nvfp4", "nvfp4"), ("mxfp4", "mxfp8_e4m3"), ("mxfp8_e4m3", "mxfp8_e4m3"),
+               ("mxfp6_e2m3", "mxfp6_e3m2"), ("nvfp4", None), ("mxfp8_e5m2", None)]
+
+
+def normal(seed, shape, dtype=np.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+class MLP(nnx.Module):
+    def __init__(self, sizes, rngs):
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+@pytest.mark.parametrize("fmt,act_fmt", LAYER_CASES)
+def test_layer_matches_gemm(fmt, act_fmt):
+    """QuantizedLinear == gemm on the same operands (+ bias), for a (batch, seq, in) input."""
+    k, n = 64, 48
+    layer = jnn.QuantizedLinear(k, n, fmt=fmt, act_fmt=act_fmt, dtype=jnp.float32,
+                                kernel=normal(0, (k, n)), bias=normal(1, (n,)))
+    x = normal(2, (3, 5, k))
+    w = layer.kernel.get_value()
+    assert w.shape == (n, k) and w.layout == "blocked" and w.fmt == fmt
+    a = x.reshape(15, k)
+    a = jbs.quantize(a, act_fmt) if act_fmt else a
+    want = jbs.gemm(a, w, out_dtype=jnp.float32) + layer.bias[...]
+    got = layer(x)
+    assert got.shape == (3, 5, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got.reshape(15, n), want, rtol=1e-6, atol=1e-6)
+    jitted = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(jitted, got, rtol=1e-6, atol=1e-6)
+
+
+def test_from_linear_transposes_once_and_keeps_dtype():
+    """The (in, out) Flax kernel becomes an (out, in) weight: weight-only output equals the float
+    layer run with the dequantized kernel (so a wrong transpose or swizzle would show)."""
+    lin = nnx.Linear(64, 64, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    lin.bias[...] = normal(3, (64,))
+    q = jnn.QuantizedLinear.from_linear(lin, "mxfp8_e4m3")
+    assert q.dtype == jnp.bfloat16 and q.act_fmt is None
+    x = normal(4, (8, 64))
+    y = q(x)
+    assert y.dtype == jnp.bfloat16
+    w = jbs.dequantize(q.kernel.get_value(), jnp.float32)  # (out, in)
+    want = x @ w.T + lin.bias[...]
+    got = jnn.dense(x, q.kernel.get_value(), q.bias[...], dtype=jnp.float32)
+    assert rel_err(got, want) < 1e-6
+    assert rel_err(y, lin(x)) < 0.05  # and close to the float layer (mxfp8 weights)
+
+
+def test_layer_rejects_bad_input():
+    with pytest.raises(ValueError, match="cannot multiply"):
+        jnn.QuantizedLinear(32, 8, fmt="nvfp4", act_fmt="mxfp8_e4m3", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="block size"):
+        jnn.QuantizedLinear(24, 8, fmt="mxfp4", rngs=nnx.Rngs(0))
+    layer = jnn.QuantizedLinear(32, 8, fmt="mxfp4", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="in_features=32"):
+        layer(normal(0, (2, 16)))
+    with pytest.raises(ValueError, match="is mxfp4, but fmt='nvfp4'"):
+        jnn.QuantizedLinear(32, 8, fmt="nvfp4", kernel=layer.kernel.get_value(), use_bias=False)
+
+
+def test_weight_only_layer_trains_bias_and_input():
+    """Weight-only mode differentiates through the activation and the bias."""
+    layer = jnn.QuantizedLinear(32, 16, fmt="nvfp4", dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = normal(5, (4, 32))
+
+    def loss(bias, x):
+        return jnp.sum(jnn.dense(x, layer.kernel.get_value(), bias) ** 2)
+
+    gb, gx = jax.grad(loss, argnums=(0, 1))(layer.bias[...], x)
+    y = jnn.dense(x, layer.kernel.get_value(), layer.bias[...])
+    np.testing.assert_allclose(gb, 2 * y.sum(0), rtol=1e-5)
+    w = jbs.dequantize(layer.kernel.get_value())
+    np.testing.assert_allclose(gx, 2 * y @ w, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_params
+
+
+def _params():
+    return {
+        "fc1": {"kernel": normal(10, (64, 40)), "bias": normal(11, (40,))},
+        "fc2": {"kernel": normal(12, (48, 24)), "bias": normal(13, (24,))},  # 48: nvfp4 only
+        "embed": {"embedding": normal(14, (96, 64))},
+        "conv": {"kernel": normal(15, (3, 3, 32, 8))},
+        "norm": {"scale": normal(16, (64,))},
+    }
+
+
+def test_quantize_params_touches_only_the_default_selection():
+    params = _params()
+    q = jnn.quantize_params(params, "mxfp4")  # block 32: fc1 (64 in) yes, fc2 (48 in) no
+    assert isinstance(q["fc1"]["kernel"], jbs.BlockScaled)
+    assert q["fc1"]["kernel"].shape == (40, 64) and q["fc1"]["kernel"].layout == "blocked"
+    np.testing.assert_array_equal(  # exactly quantize(kernel.T)
+        np.asarray(q["fc1"]["kernel"].data, np.float32),
+        np.asarray(jbs.quantize(params["fc1"]["kernel"].T, "mxfp4").data, np.float32))
+    untouched = [("fc1", "bias"), ("fc2", "kernel"), ("fc2", "bias"), ("embed", "embedding"),
+                 ("conv", "kernel"), ("norm", "scale")]
+    for a, b in untouched:
+        assert q[a][b] is params[a][b], (a, b)
+    q16 = jnn.quantize_params(params, "nvfp4")  # block 16: fc2's 48 divides
+    assert isinstance(q16["fc2"]["kernel"], jbs.BlockScaled)
+    assert q16["fc2"]["kernel"].global_scale is not None
+    assert q16["embed"]["embedding"] is params["embed"]["embedding"]
+
+
+def test_quantize_params_filters():
+    params = _params()
+    q = jnn.quantize_params(params, "nvfp4", filter="fc2")  # regex over 2-D leaves' paths
+    assert isinstance(q["fc2"]["kernel"], jbs.BlockScaled)
+    assert q["fc1"]["kernel"] is params["fc1"]["kernel"]
+    q = jnn.quantize_params(params, "nvfp4", filter=lambda path, leaf: path == "embed/embedding")
+    assert q["embed"]["embedding"].shape == (64, 96)
+    assert q["fc1"]["kernel"] is params["fc1"]["kernel"]
+    with pytest.raises(ValueError, match="fc2/kernel"):  # selected but 48 % 32 != 0
+        jnn.quantize_params(params, "mxfp4", filter="kernel")
+    with pytest.raises(ValueError, match="unknown block-scaled format"):
+        jnn.quantize_params(params, "fp3")
+
+
+def test_quantize_params_progress_bar_is_optional(monkeypatch, capsys):
+    params = {f"l{i}": {"kernel": normal(i, (32, 8))} for i in range(3)}
+    q = jnn.quantize_params(params, "mxfp8_e4m3", progress=True)
+    assert "quantize_params" in capsys.readouterr().err  # tqdm wrote its bar
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # tqdm not installed
+    q2 = jnn.quantize_params(params, "mxfp8_e4m3", progress=True)
+    assert capsys.readouterr().err == ""
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(q[f"l{i}"]["kernel"].data, np.float32),
+                                      np.asarray(q2[f"l{i}"]["kernel"].data, np.float32))
+
+
+def test_import_does_not_pull_in_flax():
+    code = "import sys, jax_blockscale; assert 'flax' not in sys.modules, 'flax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models
+
+
+def test_quantize_model_nnx():
+    model = MLP([64, 96, 32, 10], nnx.Rngs(0))  # in-dims 64, 96, 32: all multiples of 32
+    x = normal(20, (16, 64))
+    want = model(x)
+    q = jnn.quantize_model(nnx.clone(model), "mxfp8_e4m3", act_fmt="mxfp8_e4m3")
+    assert all(isinstance(layer, jnn.QuantizedLinear) for layer in q.layers)
+    assert rel_err(q(x), want) < 0.15  # a transposed or mis-swizzled weight gives ~1.0
+    np.testing.assert_array_equal(q.layers[0].bias[...], model.layers[0].bias[...])
+    # A layer the filter skips stays a float nnx.Linear, unchanged.
+    q2 = jnn.quantize_model(nnx.clone(model), "mxfp4", filter="layers/0/")
+    assert isinstance(q2.layers[0], jnn.QuantizedLinear)
+    assert type(q2.layers[1]) is nnx.Linear and type(q2.layers[2]) is nnx.Linear
+    np.testing.assert_array_equal(q2.layers[1].kernel[...], model.layers[1].kernel[...])
+    y = nnx.jit(lambda m, x: m(x))(q, x)
+    np.testing.assert_allclose(y, q(x), rtol=1e-6, atol=1e-6)
+    # Only biases remain nnx.Params (what an optimizer would see).
+    assert all(p[-1] == "bias" for p, _ in nnx.to_flat_state(nnx.state(q, nnx.Param)))
+
+
+def test_from_quantized_params_checks_what_it_loads():
+    model = MLP([64, 32, 16], nnx.Rngs(0))
+    qparams = jnn.quantize_params(nnx.state(model, nnx.Param), "nvfp4")
+    other = MLP([64, 48, 16], nnx.Rngs(0))
+    with pytest.raises(ValueError, match="layers/0: the quantized kernel has shape"):
+        jnn.from_quantized_params(other, qparams)
+    qparams["extra"] = {"kernel": qparams["layers"][0]["kernel"]}
+    with pytest.raises(ValueError, match="no nnx.Linear there"):
+        jnn.from_quantized_params(nnx.clone(model), qparams)
+    del qparams["extra"]
+    abstract = nnx.eval_shape(lambda: MLP([64, 32, 16], nnx.Rngs(0)))  # no float weights made
+    q = jnn.from_quantized_params(abstract, qparams, act_fmt="nvfp4")
+    x = normal(21, (4, 64))
+    assert rel_err(q(x), model(x)) < 0.3  # nvfp4 weights and activations
+
+
+class LinenMLP(linen.Module):
+    quantized: bool = False
+
+    @linen.compact
+    def __call__(self, x):
+        def dense(features, name):  # explicit names: Linen auto-names by class
+            if self.quantized:
+                return jnn.QuantizedDense(features, fmt=None, act_fmt="nvfp4", name=name)
+            return linen.Dense(features, name=name)
+        return dense(16, "fc2")(jax.nn.relu(dense(64, "fc1")(x)))
+
+
+def test_linen_quantized_dense():
+    x = normal(30, (8, 32))
+    params = LinenMLP().init(jax.random.key(0), x)["params"]
+    qparams = jnn.quantize_params(params, "nvfp4")
+    y = jax.jit(LinenMLP(quantized=True).apply)({"params": qparams}, x)
+    h = jnn.dense(x, qparams["fc1"]["kernel"], params["fc1"]["bias"], act_fmt="nvfp4")
+    want = jnn.dense(jax.nn.relu(h), qparams["fc2"]["kernel"], params["fc2"]["bias"],
+                     act_fmt="nvfp4")
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert rel_err(y, LinenMLP().apply({"params": params}, x)) < 0.2
+    with pytest.raises(TypeError, match="quantize_params"):
+        LinenMLP(quantized=True).apply({"params": params}, x)
+    init = jnn.QuantizedDense(8, fmt="mxfp4").init(jax.random.key(1), x)["params"]
+    assert init["kernel"].fmt == "mxfp4" and init["kernel"].shape == (8, 32)
+    with pytest.raises(ValueError, match="expects a nvfp4 kernel"):
+        jnn.QuantizedDense(8, fmt="nvfp4").apply({"params": init}, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# jax.export
+
+
+def test_exported_nnx_model_round_trips(tmp_path):
+    """A jitted NNX model with quantized weights (baked in as constants) exports for CPU and CUDA,
+    serializes, and runs again after deserialization, in this process and in a fresh one that
+    does not import jax_blockscale (the reference lowering is plain StableHLO)."""
+    model = MLP([64, 64, 16], nnx.Rngs(0))
+    q = jnn.quantize_model(model, "nvfp4", act_fmt="nvfp4")
+    fn = jax.jit(lambda x: q(x))
+    x = normal(40, (8, 64))
+    exp = jax.export.export(fn, platforms=("cpu", "cuda"))(x)
+    assert "custom_call @jax_blockscale" not in exp.mlir_module()
+    blob = exp.serialize()
+    y = jax.export.deserialize(blob).call(x)
+    np.testing.assert_array_equal(y, fn(x))
+    (tmp_path / "model.bin").write_bytes(blob)
+    np.save(tmp_path / "x.npy", np.asarray(x))
+    np.save(tmp_path / "y.npy", np.asarray(y))
+    code = f"""
+import sys, jax, numpy as np
+d = {str(tmp_path)!r}
+exp = jax.export.deserialize(open(d + "/model.bin", "rb").read())
+y = exp.call(np.load(d + "/x.npy"))
+np.testing.assert_array_equal(np.asarray(y), np.load(d + "/y.npy"))
+assert "jax_blockscale" not in sys.modules
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_exported_linen_model_takes_quantized_params():
+    """Parameters (BlockScaled inside dicts) as arguments of the exported function."""
+    x = normal(41, (8, 32))
+    params = LinenMLP().init(jax.random.key(0), x)["params"]
+    qparams = jnn.quantize_params(params, "nvfp4")
+    fn = jax.jit(LinenMLP(quantized=True).apply)
+    exp = jax.export.export(fn)({"params": qparams}, x)
+    again = jax.export.deserialize(exp.serialize())
+    np.testing.assert_array_equal(again.call({"params": qparams}, x),
+                                  fn({"params": qparams}, x))
