@@ -1,0 +1,184 @@
+"""save_params / load_params: bit-exact round trips, metadata checks, clear errors."""
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_blockscale as jbs
+from jax_blockscale.serialization import ParamsFileError, load_params, save_params
+
+
+def normal(seed, shape, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def heavy(seed, shape):
+    """Student-t values (df 2) spanning many binades: exercises many scale and element codes."""
+    return np.random.default_rng(seed).standard_t(2, shape).astype(np.float32)
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.dtype.name, x.shape, x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.itemsize])
+
+
+def assert_same_bits(a, b):
+    ad, ash, ab = bits(a)
+    bd, bsh, bb = bits(b)
+    assert (ad, ash) == (bd, bsh)
+    np.testing.assert_array_equal(ab, bb)
+
+
+def assert_same_blockscaled(a, b):
+    assert (a.fmt, a.layout) == (b.fmt, b.layout)
+    assert_same_bits(a.data, b.data)
+    assert_same_bits(a.scales, b.scales)
+    assert (a.global_scale is None) == (b.global_scale is None)
+    if a.global_scale is not None:
+        assert_same_bits(a.global_scale, b.global_scale)
+
+
+def sample_params():
+    """Every format and layout, odd (padded) shapes, nvfp4 with and without the global scale,
+    plain arrays in bf16 / f32 / int32, and an int-keyed level as NNX lists produce."""
+    p = {}
+    for i, fmt in enumerate(jbs.FORMATS):
+        shape = (40, 96) if jbs.get_format(fmt).block == 32 else (40, 80)
+        p[fmt] = {"kernel": jbs.quantize(heavy(i, shape), fmt, layout="blocked"),
+                  "plain": jbs.quantize(heavy(100 + i, (3, 7, shape[1])), fmt),
+                  "bias": jnp.asarray(normal(200 + i, (40,)), jnp.bfloat16)}
+    p["nvfp4"]["no_global"] = jbs.quantize(heavy(300, (16, 32)), "nvfp4", global_scale=None)
+    p["layers"] = {0: {"scale": jnp.asarray(normal(301, (5,))),
+                       "steps": jnp.arange(3, dtype=jnp.int32)}}
+    return p
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    params = sample_params()
+    path = tmp_path / "params.npz"
+    save_params(path, params)
+    loaded = load_params(path)
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    for fmt in jbs.FORMATS:
+        assert_same_blockscaled(params[fmt]["kernel"], loaded[fmt]["kernel"])
+        assert_same_blockscaled(params[fmt]["plain"], loaded[fmt]["plain"])
+        assert_same_bits(params[fmt]["bias"], loaded[fmt]["bias"])
+    assert loaded["nvfp4"]["no_global"].global_scale is None
+    assert_same_blockscaled(params["nvfp4"]["no_global"], loaded["nvfp4"]["no_global"])
+    assert_same_bits(params["layers"][0]["steps"], loaded["layers"][0]["steps"])
+    # and the loaded weights compute the same thing
+    x = jnp.asarray(normal(5, (4, 96)), jnp.bfloat16)
+    np.testing.assert_array_equal(jbs.gemm(x, loaded["mxfp4"]["kernel"]),
+                                  jbs.gemm(x, params["mxfp4"]["kernel"]))
+
+
+def test_fp4_is_stored_packed(tmp_path):
+    q = jbs.quantize(normal(6, (64, 128)), "nvfp4", layout="blocked")
+    save_params(tmp_path / "w.npz", {"w": q})
+    with np.load(tmp_path / "w.npz") as z:
+        data = z["0.data"]
+    assert data.dtype == np.uint8 and data.shape == (64, 64)
+    np.testing.assert_array_equal(data, np.asarray(q.packed_data()))  # torch/Triton order
+
+
+def test_load_checks_format_and_expected_tree(tmp_path):
+    w = normal(7, (32, 64))
+    params = {"fc": {"kernel": jbs.quantize(w, "mxfp8_e4m3", layout="blocked"),
+                     "bias": jnp.asarray(normal(8, (32,)))}}
+    path = tmp_path / "p.npz"
+    save_params(path, params)
+    with pytest.raises(ParamsFileError, match="fc/kernel: the file holds mxfp8_e4m3 weights, "
+                                              "expected nvfp4"):
+        load_params(path, fmt="nvfp4")
+    load_params(path, fmt="mxfp8_e4m3", like=params)  # what was saved: accepted
+    load_params(path, like=jax.eval_shape(lambda: params))  # abstract expectations work too
+    wrong_fmt = {"fc": dict(params["fc"], kernel=jbs.quantize(w, "mxfp4", layout="blocked"))}
+    with pytest.raises(ValueError, match="fc/kernel: the file holds BlockScaled mxfp8_e4m3 "
+                                         "blocked .*expected BlockScaled mxfp4 blocked"):
+        load_params(path, like=wrong_fmt)
+    wrong_layout = {"fc": dict(params["fc"], kernel=jbs.quantize(w, "mxfp8_e4m3"))}
+    with pytest.raises(ParamsFileError, match="expected BlockScaled mxfp8_e4m3 plain"):
+        load_params(path, like=wrong_layout)
+    wrong_shape = {"fc": dict(params["fc"], bias=jnp.zeros((16,)))}
+    with pytest.raises(ParamsFileError, match=r"fc/bias: the file holds array float32\[32\]"):
+        load_params(path, like=wrong_shape)
+    missing = {"fc": params["fc"], "head": {"bias": jnp.zeros((3,))}}
+    with pytest.raises(ParamsFileError, match="head/bias: missing from the file"):
+        load_params(path, like=missing)
+
+
+def _rewrite(path, edit):
+    """Load the raw npz, let `edit(arrays, meta)` change it, write it back."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta_key = "__jax_blockscale_meta__"
+    meta = json.loads(arrays[meta_key].tobytes().decode())
+    edit(arrays, meta)
+    arrays[meta_key] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    np.savez(path, **arrays)
+
+
+def test_load_rejects_inconsistent_files(tmp_path):
+    path = tmp_path / "p.npz"
+    q = jbs.quantize(normal(9, (48, 64)), "mxfp4", layout="blocked")
+
+    def claim(field, value):
+        save_params(path, {"w": q})
+        _rewrite(path, lambda arrays, meta: meta["entries"][0].__setitem__(field, value))
+
+    claim("fmt", "nvfp4")  # the arrays are mxfp4-shaped: block 32 scales, e8m0
+    with pytest.raises(ParamsFileError, match="nvfp4"):
+        load_params(path)
+    claim("layout", "plain")
+    with pytest.raises(ParamsFileError, match="plain scales have shape"):
+        load_params(path)
+    claim("fmt", "fp5")
+    with pytest.raises(ParamsFileError, match="unknown block-scaled format"):
+        load_params(path)
+    save_params(path, {"w": q})
+    _rewrite(path, lambda arrays, meta: arrays.__setitem__("0.data", arrays["0.data"][:-1]))
+    with pytest.raises(ParamsFileError, match="metadata says"):
+        load_params(path)
+    np.savez(tmp_path / "other.npz", w=np.ones(3))
+    with pytest.raises(ParamsFileError, match="not a jax_blockscale params file"):
+        load_params(tmp_path / "other.npz")
+
+
+def test_fp6_codes_are_checked(tmp_path):
+    path = tmp_path / "p.npz"
+    save_params(path, {"w": jbs.quantize(normal(10, (8, 32)), "mxfp6_e2m3")})
+    _rewrite(path, lambda arrays, meta: arrays["0.data"].__setitem__((0, 0), 200))
+    with pytest.raises(ParamsFileError, match="FP6 codes must be below 64"):
+        load_params(path)
+
+
+def test_save_rejects_other_containers(tmp_path):
+    with pytest.raises(TypeError, match="nested dicts"):
+        save_params(tmp_path / "p.npz", {"layers": [jnp.ones(3)]})
+
+
+def test_nnx_model_saves_and_loads(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_blockscale import nn as jnn
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(64, 32, rngs=rngs)
+            self.fc2 = nnx.Linear(32, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(jax.nn.relu(self.fc1(x)))
+
+    model = Net(nnx.Rngs(0))
+    qparams = jnn.quantize_params(nnx.state(model, nnx.Param), "nvfp4")
+    save_params(tmp_path / "net.npz", qparams)
+    served = jnn.quantize_model(nnx.clone(model), "nvfp4", act_fmt="nvfp4")
+    loaded = load_params(tmp_path / "net.npz", fmt="nvfp4",
+                         like=jax.eval_shape(lambda: qparams))
+    skeleton = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+    restored = jnn.from_quantized_params(skeleton, loaded, act_fmt="nvfp4")
+    x = jnp.asarray(normal(11, (4, 64)))
+    np.testing.assert_array_equal(restored(x), served(x))
