@@ -884,8 +884,9 @@ class Sm100BlockScaledGemm:
                 reverse = False
                 if cutlass.const_expr(self.overlap_acc):
                     acc_buf = acc_cons.phase
-                    # Buffer 0 shares its *last* columns with the scales'
-                    # neighbour, so drain it back to front.
+                    # Buffer 0's last columns are buffer 1's first ones.
+                    # Drain buffer 0 back to front and buffer 1 front to back
+                    # so the shared columns are read, and released, first.
                     reverse = acc_buf == 0
                 else:
                     acc_buf = acc_cons.index
