@@ -15,10 +15,19 @@ import subprocess
 
 import numpy as np
 
+# The generated headers print CUDA errors of module loading; record the first
+# one instead so load_<prefix>() can return it.
+_SHIM_HEAD = """#include <stdint.h>
+#include <cuda_runtime.h>
+static int g_load_error = 0;
+#define CUTE_DSL_CUDA_ERROR_CHECK(err) \\
+  do { if ((int)(err) != 0 && g_load_error == 0) g_load_error = (int)(err); } while (0)
+"""
+
 _SHIM_FN = """
 static {p}_Kernel_Module_t g_{p};
-int load_{p}(void) {{ {p}_Kernel_Module_Load(&g_{p}); return (int)cudaGetLastError(); }}
-int run_{p}(void *a, void *b, void *sfa, void *sfb, void *out, float alpha, int32_t m,
+int load_{p}(void) {{ g_load_error = 0; {p}_Kernel_Module_Load(&g_{p}); return g_load_error; }}
+int run_{p}(void *a, void *b, void *sfa, void *sfb, void *out, void *alpha, int32_t m,
             int32_t n, int32_t k, int32_t l, int32_t max_active_clusters, void *stream) {{
   return cute_dsl_{p}_wrapper(&g_{p}, a, b, sfa, sfb, out, alpha, m, n, k, l,
                               max_active_clusters, (cudaStream_t)stream);
@@ -68,7 +77,7 @@ def build_library(exports, out_dir):
     root = cuda_home()
     shim = os.path.join(out_dir, "sm100_shim.c")
     with open(shim, "w") as f:
-        f.write("#include <stdint.h>\n#include <cuda_runtime.h>\n")
+        f.write(_SHIM_HEAD)
         for p, h, _ in exports:
             f.write(f'#include "{os.path.abspath(h)}"\n')
         for p, _, _ in exports:
@@ -101,7 +110,7 @@ class Library:
 
     def run(self, prefix, a, b, sfa, sfb, out, alpha, m, n, k, l, max_active_clusters, stream):
         vp, i32 = ctypes.c_void_p, ctypes.c_int32
-        fn = self._fn(f"run_{prefix}", [vp] * 5 + [ctypes.c_float] + [i32] * 5 + [vp])
+        fn = self._fn(f"run_{prefix}", [vp] * 6 + [i32] * 5 + [vp])
         return fn(a, b, sfa, sfb, out, alpha, m, n, k, l, max_active_clusters, stream)
 
 

@@ -46,7 +46,7 @@ MMA_OPCODE = {"mxf4nvf4": "UTCOMMA", "mxf4": "UTCOMMA", "mxf8f6f4": "UTCQMMA"}
 PROTOTYPE = re.compile(
     r"static inline int32_t cute_dsl_(?P<prefix>\w+)_wrapper\("
     r"(?P=prefix)_Kernel_Module_t \*module, void \*a_ptr, void \*b_ptr, "
-    r"void \*sfa_ptr, void \*sfb_ptr, void \*out_ptr, float alpha, int32_t m, "
+    r"void \*sfa_ptr, void \*sfb_ptr, void \*out_ptr, void \*alpha_ptr, int32_t m, "
     r"int32_t n, int32_t k, int32_t l, int32_t max_active_clusters, "
     r"cudaStream_t stream\)")
 

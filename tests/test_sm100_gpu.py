@@ -214,8 +214,9 @@ def test_matches_float64_reference(library, variant, shape):
     try:
         ptrs, out, da, db = _launch_args(variant, shape, rng, dev)
         alpha = 0.75
+        alpha_dev = dev.put(np.array([alpha], np.float32))
         rc = library.run(sm100.default_function_prefix(variant, DEVICE[0]), *ptrs,
-                         alpha, m, n, k, nl, _max_active_clusters(variant), None)
+                         alpha_dev, m, n, k, nl, _max_active_clusters(variant), None)
         assert rc == 0, f"launcher returned {rc}"
         got = dev.get(ptrs[4], out).astype(np.float64)
     finally:
@@ -238,7 +239,8 @@ def test_bench(library, variant, shape):
     try:
         ptrs, _, _, _ = _launch_args(variant, shape, np.random.default_rng(1), dev)
         prefix = sm100.default_function_prefix(variant, DEVICE[0])
-        args = (*ptrs, 1.0, m, n, k, nl, _max_active_clusters(variant), None)
+        one = dev.put(np.array([1.0], np.float32))
+        args = (*ptrs, one, m, n, k, nl, _max_active_clusters(variant), None)
         for _ in range(3):
             assert library.run(prefix, *args) == 0
         _, start = rt.cudaEventCreate()

@@ -14,8 +14,9 @@ What one launch computes (the FFI contract, see docs/blackwell.md):
   plain s[mn, sk] lives at [mn//128, sk//4, mn%32, (mn%128)//32, sk%4], zero padded.
   That is exactly the layout the tensor core reads from TMEM, so the kernel
   copies whole 512-byte scale atoms GMEM -> SMEM (TMA) -> TMEM (tcgen05.cp).
-* out (L, M, N) row-major, f32 / bf16 / f16.  alpha is an f32 scalar (the
-  product of the operands' global scales, 1.0 for MX formats).
+* out (L, M, N) row-major, f32 / bf16 / f16.
+* alpha: f32[1] in device memory (the product of the operands' global scales,
+  1.0 for MX formats), read by the epilogue.  Same as the Hopper kernel.
 
 Kernel shape: one persistent, warp-specialized CTA per SM (or a cluster of
 them), walking output tiles with the DSL's static persistent tile scheduler.
@@ -464,7 +465,7 @@ class Sm100BlockScaledGemm:
         sfa_ptr: cute.Pointer,
         sfb_ptr: cute.Pointer,
         out_ptr: cute.Pointer,
-        alpha: cutlass.Float32,
+        alpha_ptr: cute.Pointer,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -488,6 +489,9 @@ class Sm100BlockScaledGemm:
         # DSL's scale atom tiled over (MN, K, L), K-tiles fastest.
         mSFA = cute.make_tensor(sfa_ptr, blocked_scale_layout(mA.shape, self.sf_vec))
         mSFB = cute.make_tensor(sfb_ptr, blocked_scale_layout(mB.shape, self.sf_vec))
+        # alpha is an XLA operand (f32[1] in device memory): the epilogue reads
+        # it, so launching never waits on the host.
+        mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(1))
 
         a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
         b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
@@ -548,7 +552,7 @@ class Sm100BlockScaledGemm:
             self.cluster_vmnk, self.cluster_sfb_vmnk,
             self.a_smem_staged, self.b_smem_staged,
             self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
-            self.epi_tile, sched_params, alpha,
+            self.epi_tile, sched_params, mAlpha,
         ).launch(
             grid=grid,
             block=[self.THREADS, 1, 1],
@@ -623,7 +627,7 @@ class Sm100BlockScaledGemm:
         c_smem_staged: cute.ComposedLayout,
         epi_tile: cute.Tile,
         sched_params: utils.PersistentTileSchedulerParams,
-        alpha: cutlass.Float32,
+        mAlpha: cute.Tensor,
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -868,6 +872,7 @@ class Sm100BlockScaledGemm:
             tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
             r2s, tRS_rC, tRS_sC = self._epi_regs_to_smem(t2r, tTR_rC, tidx, sC)
             bSG_sC, bSG_gC_all = self._epi_smem_to_gmem(tma_c, tCgC, epi_tile, sC)
+            alpha = mAlpha[0]
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
@@ -990,9 +995,10 @@ def compile_variant(variant: Sm100Variant, arch: str = "sm_100a"):
     sfa = make_ptr(getattr(cutlass, fa.scale), 0, gmem, assumed_align=16)
     sfb = make_ptr(getattr(cutlass, fb.scale), 0, gmem, assumed_align=16)
     out = make_ptr(getattr(cutlass, OUT_DTYPES[variant.out_dtype]), 0, gmem, assumed_align=16)
+    alpha = make_ptr(cutlass.Float32, 0, gmem, assumed_align=4)
     i32 = cutlass.Int32
     return cute.compile(
-        gemm, a, b, sfa, sfb, out, cutlass.Float32(1.0),
+        gemm, a, b, sfa, sfb, out, alpha,
         i32(1), i32(1), i32(1), i32(1), i32(1), cuda.CUstream(0),
         options=f"--gpu-arch {arch}",
     )
@@ -1005,7 +1011,7 @@ def export_variant(variant: Sm100Variant, out_dir: str, function_prefix: str,
     The generated launcher (see docs/blackwell.md for the exact prototype) is
 
         <prefix>_wrapper(<prefix>_Kernel_Module_t *module, void *a, void *b,
-                         void *sfa, void *sfb, void *out, float alpha,
+                         void *sfa, void *sfb, void *out, void *alpha,
                          int32_t m, int32_t n, int32_t k, int32_t l,
                          int32_t max_active_clusters, cudaStream_t stream)
 
