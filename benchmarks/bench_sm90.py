@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -38,9 +39,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fmts", default="nvfp4,mxfp4,mxfp8_e4m3,w:nvfp4")
+    ap.add_argument("--tiles", default="", help="also time these tile N values (64,128,256)")
+    ap.add_argument("--shapes", default="", help="M,N,K;M,N,K;...")
     args = ap.parse_args()
     print(jax.__version__, jax.devices(), flush=True)
-    if args.quick:
+    if args.shapes:
+        shapes = [tuple(int(v) for v in t.split(",")) for t in args.shapes.split(";")]
+    elif args.quick:
         shapes = [(16, 8192, 8192), (1024, 8192, 8192), (8192, 8192, 8192)]
     else:
         shapes = [(m, nk, nk) for nk in (8192, 16384) for m in (16, 128, 1024, 8192)]
@@ -68,6 +73,10 @@ def main():
                 yr = np.asarray(ref(a, b), np.float32)
                 r["rel_err_vs_reference"] = float(np.linalg.norm(y - yr) / np.linalg.norm(yr))
                 r["sm90_us"] = timeit(sm90, a, b) * 1e6
+                for t in filter(None, args.tiles.split(",")):  # the FFI reads it per call
+                    os.environ["JAX_BLOCKSCALE_SM90_TILE_N"] = t
+                    r[f"sm90_n{t}_us"] = timeit(sm90, a, b) * 1e6
+                    del os.environ["JAX_BLOCKSCALE_SM90_TILE_N"]
             except Exception as e:  # noqa: BLE001
                 r["sm90_err"] = repr(e)[:300]
             r["deq_dot_us"] = timeit(ref, a, b) * 1e6
@@ -76,6 +85,9 @@ def main():
             for k in ("sm90_us", "deq_dot_us", "bf16_dot_us"):
                 if k in r:
                     r[k.replace("_us", "_tflops")] = fl / (r[k] * 1e-6) / 1e12
+            for t in filter(None, args.tiles.split(",")):
+                if f"sm90_n{t}_us" in r:
+                    r[f"sm90_n{t}_tflops"] = fl / (r[f"sm90_n{t}_us"] * 1e-6) / 1e12
             rows.append(r)
             print(json.dumps(r), flush=True)
             del a, b, xb, wb

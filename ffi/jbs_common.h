@@ -46,7 +46,12 @@ struct Problem {
   uint64_t a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr;
   int64_t a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes;
   int cc_major, cc_minor;
+  int sm_count;     // SMs of the device (persistent grid size, tile heuristic)
+  int tile_n_pref;  // 0: heuristic; else the tile N to use (JAX_BLOCKSCALE_SM90_TILE_N)
 };
+
+// Tile N for a problem: 64 when 128x128 tiles would leave SMs idle, else 128.
+int PreferredTileN(int64_t m, int64_t n, int64_t l, int sm_count);
 
 // Pure check (no CUDA): returns nullptr when the kernel can run `p`, else a message.
 // `variants` is the compiled table; the matching variant is returned through *found.

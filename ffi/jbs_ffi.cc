@@ -12,6 +12,8 @@
 //              Only stream-ordered work, so it is CUDA-graph (command buffer) compatible.
 #include <cuda_runtime_api.h>
 
+#include <stdlib.h>
+
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -127,6 +129,8 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   p.c_bytes = c->size_bytes(); p.alpha_bytes = alpha.size_bytes();
   p.cc_major = d->cc_major;
   p.cc_minor = d->cc_minor;
+  p.sm_count = d->sm_count;
+  if (const char* t = getenv("JAX_BLOCKSCALE_SM90_TILE_N")) p.tile_n_pref = atoi(t);  // tuning aid
   char msg[512];
   const Variant* v = nullptr;
   if (const char* why = ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, msg, sizeof(msg)))
@@ -201,14 +205,18 @@ JBS_EXPORT int jbs_check_problem(int a_kind, int b_kind, int out, int a_e5m2, in
                                  unsigned long long c_ptr, unsigned long long alpha_ptr,
                                  long long a_bytes, long long b_bytes, long long sa_bytes,
                                  long long sb_bytes, long long c_bytes, long long alpha_bytes,
-                                 int cc_major, int cc_minor, char* msg, int msg_len) {
+                                 int cc_major, int cc_minor, int sm_count, char* msg,
+                                 int msg_len) {
   jbs::Problem p{a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l,
                  a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr,
-                 a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor};
+                 a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor,
+                 sm_count, 0};
   char buf[512];
-  const char* why = jbs::ValidateProblem(p, kJbsVariants, kJbsNumVariants, nullptr, buf, sizeof(buf));
+  const jbs::Variant* v = nullptr;
+  const char* why = jbs::ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, buf, sizeof(buf));
   if (msg && msg_len > 0) {
-    snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : "");
+    // accepted: the chosen variant's name; rejected: the reason
+    snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : v->name);
   }
   return why ? 1 : 0;
 }

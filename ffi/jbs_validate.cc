@@ -45,6 +45,11 @@ const char* KindName(int kind) {
 
 }  // namespace
 
+int PreferredTileN(int64_t m, int64_t n, int64_t l, int sm_count) {
+  const int64_t tiles128 = CeilDiv(m, 128) * CeilDiv(n, 128) * l;
+  return (sm_count > 0 && tiles128 < sm_count) ? 64 : 128;
+}
+
 #define JBS_FAIL(...)                        \
   do {                                       \
     snprintf(buf, buf_len, __VA_ARGS__);     \
@@ -61,12 +66,14 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.a_kind < JBS_NVFP4 || p.a_kind > JBS_BF16 || p.b_kind < JBS_NVFP4 || p.b_kind > JBS_MXFP8)
     JBS_FAIL("unknown operand kinds a=%d b=%d", p.a_kind, p.b_kind);
   if (OutBytes(p.out) == 0) JBS_FAIL("unknown output dtype code %d", p.out);
+  // The variant: operand kinds and output must match; among tiles prefer the requested one.
+  const int want_n = p.tile_n_pref ? p.tile_n_pref : PreferredTileN(p.m, p.n, p.l, p.sm_count);
   const Variant* v = nullptr;
   for (int i = 0; i < num_variants; ++i) {
     const Variant& c = variants[i];
     if (c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out && c.sm == 90) {
-      v = &c;
-      break;
+      if (!v || (c.tile_n == want_n && v->tile_n != want_n) ||
+          (v->tile_n != want_n && c.tile_n == 128)) v = &c;
     }
   }
   if (!v) JBS_FAIL("no sm90 kernel for %s x %s with output code %d", KindName(p.a_kind),

@@ -39,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.jbs_variant_info.restype = c.c_int
     lib.jbs_check_problem.argtypes = (
         [c.c_int] * 5 + [c.c_longlong] * 4 + [c.c_ulonglong] * 6 + [c.c_longlong] * 6
-        + [c.c_int] * 2 + [c.c_char_p, c.c_int])
+        + [c.c_int] * 3 + [c.c_char_p, c.c_int])
     lib.jbs_check_problem.restype = c.c_int
 
 
@@ -120,14 +120,16 @@ def manifest() -> dict | None:
         return json.load(f)
 
 
-def check_problem(**kw) -> str | None:
-    """Run the FFI handler's pure validation (no GPU): None if accepted, else the message."""
+def check_problem(**kw) -> tuple[bool, str]:
+    """Run the FFI handler's pure validation (no GPU): (True, chosen variant name) if the call
+    is accepted, else (False, the reason)."""
     lib = load()
     if lib is None:
         raise RuntimeError(unavailable_reason())
     names = ["a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "m", "n", "k", "l", "a_ptr",
              "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "a_bytes", "b_bytes",
-             "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor"]
+             "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor", "sm_count"]
+    kw.setdefault("sm_count", 132)
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_check_problem(*(kw[n] for n in names), buf, len(buf))
-    return None if rc == 0 else buf.value.decode()
+    return rc == 0, buf.value.decode()

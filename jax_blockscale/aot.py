@@ -31,7 +31,8 @@ def variant_matrix():
     """(a_kind, b_kind, out, tile_m, tile_n) for every variant the library ships."""
     from jax_blockscale.kernels.sm90_blockscaled import OUT_DTYPES, PAIRS
 
-    tiles = [(128, 128)]
+    # 128x64 keeps small-M problems spread over all SMs; 128x256 halves B re-reads at large M
+    tiles = [(128, 64), (128, 128), (128, 256)]
     return [
         (a, b, out, tm, tn) for (a, b) in PAIRS for out in OUT_DTYPES for (tm, tn) in tiles
     ]

@@ -81,18 +81,17 @@ _BF16X2_2P126 = 0x7E807E80  # 2^126: undoes the e2m1 bit trick
 # arithmetic keeps). One exact multiply by the inverse power and one by the block scale
 # (bf16x2) give the dequantized value. Products stay exact: at most 6 significant bits.
 # ----------------------------------------------------------------------------------------------
+# Scale byte ($6) -> bf16x2 `sp` (both halves the scale).
 _SCALE_E8M0 = """
-    ld.shared.u8 s, [$1];
-    shl.b32 sp, s, 7;
-    setp.eq.u32 p, s, 0;
+    shl.b32 sp, $6, 7;
+    setp.eq.u32 p, $6, 0;
     selp.b32 sp, 0x40, sp, p;            // e8m0 0 is 2^-127: a bf16 subnormal
     prmt.b32 sp, sp, sp, 0x1010;
 """
 _SCALE_E4M3 = f"""
-    ld.shared.u8 s, [$1];
-    and.b32 sp, s, 0x7F;
+    and.b32 sp, $6, 0x7F;
     shl.b32 sp, sp, 4;
-    and.b32 t, s, 0x80;
+    and.b32 t, $6, 0x80;
     shl.b32 t, t, 8;
     or.b32 sp, sp, t;
     prmt.b32 sp, sp, sp, 0x1010;
@@ -102,14 +101,14 @@ _SCALE_E4M3 = f"""
 
 
 def _fp8_pair(word, sel_lo, sel_sign, out):
-    # out = bf16x2 of two e4m3/e5m2 bytes of `word`; $3 = shift, $4 = mask, $5 = 2^-bias fix
+    # bf16x2 of two e4m3/e5m2 bytes of `word`; $7 = shift, $8 = mask, $9 = 2^bias fix
     return f"""
     prmt.b32 t, {word}, 0, {sel_lo:#x};
-    shl.b32 t, t, $3;
-    and.b32 t, t, $4;
+    shl.b32 t, t, $7;
+    and.b32 t, t, $8;
     prmt.b32 g, {word}, 0, {sel_sign:#x};
     lop3.b32 t, t, g, 0x80008000, 0xF8;   // t | (g & 0x80008000)
-    mul.rn.bf16x2 t, t, $5;
+    mul.rn.bf16x2 t, t, $9;
     mul.rn.bf16x2 {out}, t, sp;
 """
 
@@ -128,57 +127,60 @@ def _fp4_pair(j, out):
 """
 
 
-def _asm_fp8(scale_asm):
-    body = (
-        "{\n.reg .b32 w0, w1, s, sp, t, g, r0, r1, r2, r3;\n.reg .pred p;\n"
-        "ld.shared.v2.b32 {w0, w1}, [$0];\n"
-        + scale_asm
-        + _fp8_pair("w0", 0x4140, 0x9484, "r0")
-        + _fp8_pair("w0", 0x4342, 0xB4A4, "r1")
-        + _fp8_pair("w1", 0x4140, 0x9484, "r2")
-        + _fp8_pair("w1", 0x4342, 0xB4A4, "r3")
-        + "st.shared.v4.b32 [$2], {r0, r1, r2, r3};\n}"
-    )
-    return body
+def _cvt_asm(kind: str) -> str:
+    """PTX: ($4, $5) = chunk words, $6 = scale byte -> ($0..$3) = 8 bf16."""
+    scale = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
+    if KINDS[kind]["bits"] == 8:
+        body = (scale + _fp8_pair("$4", 0x4140, 0x9484, "$0") + _fp8_pair("$4", 0x4342, 0xB4A4, "$1")
+                + _fp8_pair("$5", 0x4140, 0x9484, "$2") + _fp8_pair("$5", 0x4342, 0xB4A4, "$3"))
+        regs = ".reg .b32 sp, t, g;"
+    else:
+        body = ("and.b32 xl, $4, 0x0F0F0F0F;\nshr.b32 xh, $4, 4;\nand.b32 xh, xh, 0x0F0F0F0F;\n"
+                f"mov.b32 k126, {_BF16X2_2P126:#x};\n" + scale
+                + "".join(_fp4_pair(j, f"$%d" % j) for j in range(4)))
+        regs = ".reg .b32 sp, t, g, xl, xh, k126;"
+    return "{\n" + regs + "\n.reg .pred p;\n" + body + "}"
 
 
-def _asm_fp4(scale_asm):
-    body = (
-        "{\n.reg .b32 w, xl, xh, s, sp, t, g, k126, r0, r1, r2, r3;\n.reg .pred p;\n"
-        f"mov.b32 k126, {_BF16X2_2P126:#x};\n"
-        "ld.shared.b32 w, [$0];\n"
-        "and.b32 xl, w, 0x0F0F0F0F;\n"
-        "shr.b32 xh, w, 4;\n"
-        "and.b32 xh, xh, 0x0F0F0F0F;\n"
-        + scale_asm
-        + _fp4_pair(0, "r0")
-        + _fp4_pair(1, "r1")
-        + _fp4_pair(2, "r2")
-        + _fp4_pair(3, "r3")
-        + "st.shared.v4.b32 [$2], {r0, r1, r2, r3};\n}"
-    )
-    return body
+def _i32(x, loc, ip):
+    return cutlass.Int32(x).ir_value(loc=loc, ip=ip)
 
 
 @dsl_user_op
-def _dequant_chunk(kind: str, src, scale, dst, shift, mask, fix, *, loc=None, ip=None):
-    """Dequantize 8 elements at smem address `src` with the scale byte at `scale` into 8 bf16 at
-    `dst` (16-byte aligned). Addresses are 32-bit shared-window addresses."""
-    scale_asm = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
-    if KINDS[kind]["bits"] == 4:
-        asm = _asm_fp4(scale_asm)
-    else:
-        asm = _asm_fp8(scale_asm)
-    ops = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for x in (src, scale, dst, shift, mask, fix)]
+def _load_chunk(kind: str, src, scale, ok, *, loc=None, ip=None):
+    """Load one chunk (4 bytes of fp4 or 8 bytes of fp8) and its scale byte from smem, if `ok`.
+    Volatile: stays ordered after the pipeline wait that made the stage valid."""
+    fp8 = KINDS[kind]["bits"] == 8
+    asm = ("{\n.reg .pred p;\nsetp.ne.u32 p, $5, 0;\n"
+           + ("@p ld.shared.v2.b32 {$0, $1}, [$3];\n" if fp8 else "@p ld.shared.b32 $0, [$3];\n")
+           + "@p ld.shared.u8 $2, [$4];\n}")
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 3),
+        [_i32(x, loc, ip) for x in (src, scale, ok)],
+        asm, "=r,=r,=r,r,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(3)]
+
+
+@dsl_user_op
+def _convert_chunk(kind: str, words, shift, mask, fix, *, loc=None, ip=None):
+    """Pure arithmetic: 8 elements and their scale -> 4 bf16x2 words (exact)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        list(words) + [_i32(x, loc, ip) for x in (shift, mask, fix)],
+        _cvt_asm(kind), "=r,=r,=r,=r,r,r,r,r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(4)]
+
+
+@dsl_user_op
+def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
+    """16-byte st.shared of 8 bf16 at `dst`, if `ok`."""
     llvm.inline_asm(
-        None,
-        ops,
-        asm,
-        "r,r,r,r,r,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+        None, [_i32(dst, loc, ip)] + list(vals) + [_i32(ok, loc, ip)],
+        "{\n.reg .pred p;\nsetp.ne.u32 p, $5, 0;\n@p st.shared.v4.b32 [$0], {$1, $2, $3, $4};\n}",
+        "r,r,r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 class Sm90BlockScaledGemm:
@@ -190,7 +192,8 @@ class Sm90BlockScaledGemm:
         self.a_kind, self.b_kind, self.out = a_kind, b_kind, out
         self.a_quant = a_kind != "bf16"
         self.bm, self.bn = tile_mn
-        assert self.bm == 128 and self.bn == 128, "v1 implements the 128x128 tile only"
+        assert self.bm == 128 and self.bn in (64, 128, 256), tile_mn
+        self.nsb = max(1, self.bn // 128)  # 128-row scale tiles of B per stage
         self.c_dtype = OUT_DTYPES[out]
         self.acc_dtype = cutlass.Float32
         # raw (packed) bytes per row of one k-tile
@@ -200,9 +203,11 @@ class Sm90BlockScaledGemm:
         self.threads = 128 * (1 + self.num_consumer_wg)
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.bf16_buffers = 3  # see the consumer loop for why three
+        # chunks dequantized per load/convert/store group (registers vs latency hiding)
+        self.group = 8 if self.bn <= 128 else 6
         # shared memory budget -> number of raw stages
         raw_stage = self.bm * self.a_row_bytes + self.bn * self.b_row_bytes + SCALE_CHUNK * (
-            2 if self.a_quant else 1
+            self.nsb + (1 if self.a_quant else 0)
         )
         bufs = self.bf16_buffers * ((self.bm * BK * 2 if self.a_quant else 0) + self.bn * BK * 2)
         smem_cap = 227 * 1024 - 4096  # leave room for barriers and alignment padding
@@ -310,7 +315,9 @@ class Sm90BlockScaledGemm:
                 cute.struct.MemRange[cutlass.Uint8, b_raw_cosize], 1024
             ]
             sa: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCALE_CHUNK * self.stages], 128]
-            sb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SCALE_CHUNK * self.stages], 128]
+            sb: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, SCALE_CHUNK * self.stages * self.nsb], 128
+            ]
 
         self.storage = Storage
 
@@ -340,6 +347,8 @@ class Sm90BlockScaledGemm:
             stride=(self.b_row_bytes, 1, bn * self.b_row_bytes),
         )
         self.s_layout = cute.make_layout((4, 128, self.stages), stride=(128, 1, SCALE_CHUNK))
+        self.sb_layout = cute.make_layout(
+            (4, 128, self.stages * self.nsb), stride=(128, 1, SCALE_CHUNK))
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -397,7 +406,7 @@ class Sm90BlockScaledGemm:
             sA_raw = st.a_raw.get_tensor(self.a_raw_layout.outer, swizzle=self.a_raw_layout.inner)
         sB_raw = st.b_raw.get_tensor(self.b_raw_layout)
         sSA = st.sa.get_tensor(self.s_layout)
-        sSB = st.sb.get_tensor(self.s_layout)
+        sSB = st.sb.get_tensor(self.sb_layout)
         sB16 = st.b16.get_tensor(self.b16_layout.outer, swizzle=self.b16_layout.inner)
         sA16 = sA_raw
         if cutlass.const_expr(self.a_quant):
@@ -429,8 +438,8 @@ class Sm90BlockScaledGemm:
         b_blk = KINDS[self.b_kind]["block"]
         sk4_a = (k // a_blk + 3) // 4
         sk4_b = (k // b_blk + 3) // 4
-        tiles_m = (m + bm - 1) // bm
-        tiles_n = (n + bn - 1) // bn
+        tiles_m = (m + bm - 1) // bm  # 128-row tiles: also the blocked scale layout's tiles
+        scale_tiles_n = (n + 127) // 128
 
         if wg_idx == 0:
             # ============================ producer ============================================
@@ -449,8 +458,11 @@ class Sm90BlockScaledGemm:
                         cute.copy(tma_a, tAg[(None, tm, kt, tl)], tAs[(None, ps.index)], tma_bar_ptr=bar)
                         cute.copy(tma_b, tBg[(None, tn, kt, tl)], tBs[(None, ps.index)], tma_bar_ptr=bar)
                         # the 128x4 scale tile holding this k-tile's blocks
-                        row_b = (tl * tiles_n + tn) * sk4_b + (kt * BK // b_blk) // 4
-                        cute.copy(tma_sb, tSBg[(None, row_b)], tSBs[(None, ps.index)], tma_bar_ptr=bar)
+                        for j in cutlass.range_constexpr(self.nsb):
+                            row_b = (tl * scale_tiles_n + (tn * bn) // 128 + j) * sk4_b + (
+                                kt * BK // b_blk) // 4
+                            cute.copy(tma_sb, tSBg[(None, row_b)],
+                                      tSBs[(None, ps.index * self.nsb + j)], tma_bar_ptr=bar)
                         if cutlass.const_expr(self.a_quant):
                             row_a = (tl * tiles_m + tm) * sk4_a + (kt * BK // a_blk) // 4
                             cute.copy(tma_sa, tSAg[(None, row_a)], tSAs[(None, ps.index)], tma_bar_ptr=bar)
@@ -507,6 +519,9 @@ class Sm90BlockScaledGemm:
             it = cutlass.Int32(0)  # k-tiles consumed by this CTA so far: picks the bf16 buffer
             while work.is_valid_tile:
                 tm, tn, tl = work.tile_idx
+                rows_a = m - tm * bm  # valid rows of this tile (may exceed the tile)
+                rows_b = n - tn * bn
+                b_row0 = (tn * bn) % 128  # first B row's offset inside its 128-row scale tile
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
@@ -514,32 +529,53 @@ class Sm90BlockScaledGemm:
                     pipe.consumer_wait(rs)
                     buf = it % self.bf16_buffers
                     stage = rs.index
-                    # -- dequantize: 128 rows x 8 chunks of 8 elements per operand, 4 per thread
-                    for i in cutlass.range_constexpr(bm * (BK // 8) // self.num_consumer_threads):
-                        c = ctid + i * self.num_consumer_threads
-                        row = c // 8
-                        kc = c % 8
-                        soff = (row % 32) * 16 + (row // 32) * 4
-                        dst = row * 128 + ((kc ^ (row % 8)) * 16)
-                        if cutlass.const_expr(self.a_quant):
+                    # -- dequantize the stage into bf16 buffer `buf`: rows x 8 chunks of 8
+                    # elements per operand, spread over the 256 consumer threads. Rows past M/N
+                    # are skipped: they only feed output rows/columns that are never stored.
+                    jobs = []
+                    if cutlass.const_expr(self.a_quant):
+                        for i in cutlass.range_constexpr(bm * 8 // self.num_consumer_threads):
+                            c = ctid + i * self.num_consumer_threads
+                            row = c // 8
+                            kc = c % 8
                             kblk = (kt * BK + kc * 8) // a_blk
-                            _dequant_chunk(
+                            jobs.append((
                                 self.a_kind,
                                 a_raw_base + stage * (bm * self.a_row_bytes)
                                 + row * self.a_row_bytes + kc * (self.a_row_bytes // 8),
-                                sa_base + stage * SCALE_CHUNK + soff + kblk % 4,
-                                a16_base + buf * (bm * BK * 2) + dst,
+                                sa_base + stage * SCALE_CHUNK + (row % 32) * 16
+                                + (row // 32) * 4 + kblk % 4,
+                                a16_base + buf * (bm * BK * 2) + row * 128
+                                + ((kc ^ (row % 8)) * 16),
+                                cutlass.Int32(row < rows_a),
                                 a_shift, a_mask, a_fix,
-                            )
-                        kblk_b = (kt * BK + kc * 8) // b_blk
-                        _dequant_chunk(
+                            ))
+                    for i in cutlass.range_constexpr(bn * 8 // self.num_consumer_threads):
+                        c = ctid + i * self.num_consumer_threads
+                        row = c // 8
+                        kc = c % 8
+                        kblk = (kt * BK + kc * 8) // b_blk
+                        rg = b_row0 + row  # row inside the stage's scale tiles
+                        jobs.append((
                             self.b_kind,
                             b_raw_base + stage * (bn * self.b_row_bytes)
                             + row * self.b_row_bytes + kc * (self.b_row_bytes // 8),
-                            sb_base + stage * SCALE_CHUNK + soff + kblk_b % 4,
-                            b16_base + buf * (bn * BK * 2) + dst,
+                            sb_base + (stage * self.nsb + rg // 128) * SCALE_CHUNK
+                            + (rg % 32) * 16 + ((rg % 128) // 32) * 4 + kblk % 4,
+                            b16_base + buf * (bn * BK * 2) + row * 128 + ((kc ^ (row % 8)) * 16),
+                            cutlass.Int32(row < rows_b),
                             b_shift, b_mask, b_fix,
-                        )
+                        ))
+                    # In groups: all loads, then the arithmetic, then all stores, so the shared
+                    # memory latency overlaps (a store may alias a later load, so ptxas keeps
+                    # loads behind earlier stores).
+                    for g0 in cutlass.range_constexpr(0, len(jobs), self.group):
+                        grp = jobs[g0:g0 + self.group]
+                        loaded = [_load_chunk(j[0], j[1], j[2], j[4]) for j in grp]
+                        vals = [_convert_chunk(j[0], w, j[5], j[6], j[7])
+                                for j, w in zip(grp, loaded)]
+                        for j, v in zip(grp, vals):
+                            _store_chunk(j[3], v, j[4])
                     # generic-proxy smem writes must be visible to the wgmma (async proxy)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     sync_consumers.arrive_and_wait()
