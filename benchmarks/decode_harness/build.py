@@ -1,0 +1,107 @@
+"""Build the decode harness library (no GPU needed): export decode variants, link one .so.
+
+    python benchmarks/decode_harness/build.py [--out benchmarks/decode_harness/build] [--only PAT]
+
+For every selected variant of jax_blockscale.kernels.sm90_decode it runs cute.compile for sm_90a
+and export_to_c, then links the objects, a small C shim (one `load_<name>` and `run_<name>` per
+variant: the header's launcher is `static inline`), the DSL's libcuda_dialect_runtime_static.a
+and a static cudart into `libdecode_harness.so` (the plugin's recipe, DESIGN.md "AOT build").
+Writes `variants.json` (name -> variant fields) next to it. run_decode.py loads the result.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+
+_SHIM = """
+static {p}_Kernel_Module_t g_{p};
+int load_{p}(void) {{ {p}_Kernel_Module_Load(&g_{p}); return (int)cudaGetLastError(); }}
+int run_{p}(void *a, void *b, void *sa, void *sb, void *c, void *alpha, void *ws, int32_t m,
+            int32_t n, int32_t k, int32_t l, int32_t a_e5m2, int32_t b_e5m2, int32_t splits,
+            void *stream) {{
+  return cute_dsl_{p}_wrapper(&g_{p}, a, b, sa, sb, c, alpha, ws, m, n, k, l, a_e5m2, b_e5m2,
+                              splits, (cudaStream_t)stream);
+}}
+"""
+
+
+def cuda_root():
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+    raise SystemExit("no CUDA toolkit (set CUDA_HOME)")
+
+
+def static_cudart(root):
+    for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
+        p = os.path.join(root, sub, "libcudart_static.a")
+        if os.path.exists(p):
+            return p
+    raise SystemExit("no libcudart_static.a")
+
+
+def dsl_runtime():
+    import nvidia_cutlass_dsl
+
+    hits = glob.glob(os.path.join(nvidia_cutlass_dsl.__path__[0], "cu13", "lib",
+                                  "libcuda_dialect_runtime_static.a"))
+    if not hits:
+        raise SystemExit("nvidia-cutlass-dsl[cu13] runtime library not found")
+    return hits[0]
+
+
+def link(exports, out_dir, lib_name="libdecode_harness.so"):
+    """exports: [(prefix, header, object)] -> path of the linked shared library."""
+    root = cuda_root()
+    shim = os.path.join(out_dir, "decode_shim.c")
+    with open(shim, "w") as f:
+        f.write("#include <stdint.h>\n#include <cuda_runtime.h>\n")
+        for _, h, _ in exports:
+            f.write(f'#include "{os.path.basename(h)}"\n')
+        for p, _, _ in exports:
+            f.write(_SHIM.format(p=p))
+    lib = os.path.join(out_dir, lib_name)
+    cmd = ["gcc", "-O2", "-fPIC", "-shared", "-o", lib, shim, *[o for _, _, o in exports],
+           f"-I{root}/include", f"-I{out_dir}", dsl_runtime(), static_cudart(root),
+           "-ldl", "-lpthread", "-lrt", "-Wl,--exclude-libs,ALL", "-Wl,--no-undefined"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"link failed:\n{' '.join(cmd)}\n{res.stderr}")
+    return lib
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(HERE, "build"))
+    ap.add_argument("--only", default="*", help="fnmatch pattern on variant names")
+    args = ap.parse_args(argv)
+    from jax_blockscale.kernels import sm90_decode as dec
+
+    os.makedirs(args.out, exist_ok=True)
+    exports, table = [], {}
+    for v in dec.VARIANTS:
+        if not fnmatch.fnmatch(v.name, args.only):
+            continue
+        t0 = time.time()
+        h, o = dec.export_variant(v, args.out, v.name)
+        exports.append((v.name, h, o))
+        table[v.name] = dataclasses.asdict(v)
+        print(f"[build] {v.name}: {time.time() - t0:.1f}s", flush=True)
+    lib = link(exports, args.out)
+    with open(os.path.join(args.out, "variants.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    print(f"[build] {len(exports)} variants -> {lib}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,678 @@
+"""Hopper (sm_90a) decode kernel: block-scaled GEMM for small M (1..16), weight streaming.
+
+    y[l, m, n] = alpha * sum_k A[l, m, k] * B[l, n, k]
+
+At decode shapes (M <= 16) the GEMM is a matrix-vector product in disguise: every weight byte is
+read once and used M times, so the time floor is "bytes of B and its scales / HBM bandwidth"
+(N = K = 16384 NVFP4: ~144 MB, ~48 us on an H100). The tensor-core GEMM of sm90_blockscaled.py
+tiles M by 128 and wastes most of its work here; this kernel is built for the bandwidth instead.
+
+How it works (one CTA = 8 warps = 256 rows of N x one K range):
+
+* Swap A/B: the weights are the MMA's "A" operand (16 rows of N per mma.sync.m16n8k16) and the
+  activations its "B" operand (8 rows of M per n8 tile; NT = 1 tile for M <= 8, 2 for M <= 16).
+  Each warp owns 32 rows of N (two m16 row tiles).
+* Weights are read straight from global memory into registers, 16 bytes per thread per row per
+  step (`ld.global.nc.L1::no_allocate.v4`), never through shared memory, and prefetched one
+  sub-chunk ahead. In a warp, lane = 4*g + t reads rows g and g+8 of each row tile, bytes
+  [16t, 16t+16) of the step's 64-byte slice of the row: 64 contiguous bytes per row.
+* The K index inside an MMA may be any permutation, as long as weights and activations use the
+  same one. Each thread feeds its own 16 contiguous weight bytes to consecutive MMAs, so no weight
+  shuffle is needed. The fp4 -> bf16 bit trick gives nibbles (j, j+4) of a 32-bit word as one
+  bf16x2 pair (the same shift serves both halves); the activations are staged into shared memory
+  in exactly that order, in "fragment order" (each lane's two MMA B registers for two consecutive
+  MMAs are one 16-byte word: conflict-free `ld.shared.v4`).
+* Dequantization: the element's exponent/mantissa bits are placed into a bf16 (value times a fixed
+  power of two), multiplied back (exact) and by the block scale (exact: e2m1/e4m3/e5m2 times a
+  power of two or an e4m3 scale has at most 7 significant bits, bf16 holds 8). So the MMA sees
+  the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
+* Split-K: grid = (ceil(N/256), splits, L * ceil(M / (8*NT))). Each CTA adds alpha * its partial
+  sum into an f32 workspace with `red.global.add.f32` (L2 atomics; M*N*splits of them, a few
+  hundred thousand at most, ~1-2 us). The exported launcher runs three kernels on the stream:
+  zero the workspace, the main kernel, convert the workspace to the output dtype. The workspace
+  (L*M*N f32) is the caller's (FFI scratch); `splits` is a run-time argument chosen by
+  `choose_decode_variant` so that about one CTA per SM runs.
+
+Operands (device pointers; the contract shared with sm90_blockscaled.py and the FFI handler):
+  a   : bf16 [L, M, K] (weight-only) | uint8 [L, M, K/2] (fp4) | uint8 [L, M, K] (fp8)
+  b   : uint8 [L, N, K/2] (fp4, two per byte, low nibble first) | uint8 [L, N, K] (fp8)
+  sa, sb : uint8 blocked scales [L, ceil(MN/128), ceil(SK/4), 32, 4, 4] (sa unused for bf16 A)
+  c   : out dtype [L, M, N];  alpha : f32 [1] in device memory;  ws : f32 [L, M, N] scratch
+Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
+with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# ----------------------------------------------------------------------------------------------
+# Formats
+# ----------------------------------------------------------------------------------------------
+KINDS = {
+    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
+    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
+    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 picked at run time
+    "bf16": dict(block=None, bits=16, scale=None),
+}
+B_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+# (a_kind, b_kind) pairs: weight-only first (the common decode case), then quantized activations.
+PAIRS = [("bf16", b) for b in B_KINDS] + [(b, b) for b in B_KINDS]
+OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
+
+WARPS = 8  # warps per CTA
+THREADS = 32 * WARPS
+ROWS_PER_WARP = 32  # two m16 row tiles
+BN = WARPS * ROWS_PER_WARP  # rows of N per CTA
+STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
+SUB_STEPS = 2  # steps per sub-chunk (one shared-memory activation buffer, one barrier)
+
+_K126 = 0x7E807E80  # bf16x2 2^126: undoes the e2m1 bit trick
+_K120 = 0x7B807B80  # bf16x2 2^120: undoes the e4m3 bit trick
+_K112 = 0x77807780  # bf16x2 2^112: undoes the e5m2 bit trick
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant:
+    """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16; larger M
+    runs ceil(M / (8*nt)) chunks, re-reading the weights)."""
+
+    a_kind: str  # "bf16" (weight-only) or the quantized kind of A
+    b_kind: str  # "nvfp4" | "mxfp4" | "mxfp8"
+    out: str  # "bf16" | "f16" | "f32"
+    nt: int
+
+    @property
+    def name(self) -> str:
+        return f"jbs_sm90_decode_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
+
+
+VARIANTS = [
+    DecodeVariant(a, b, out, nt) for (a, b) in PAIRS for out in OUT_DTYPES for nt in (1, 2)
+]
+
+# fmt names as the rest of the package spells them -> kernel kind
+_FMT_TO_KIND = {
+    None: "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4",
+    "mxfp8": "mxfp8", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8",
+}
+
+
+def steps_elems(b_kind: str) -> int:
+    """K elements one step covers (64 bytes of a weight row)."""
+    return STEP_BYTES * 8 // KINDS[b_kind]["bits"]
+
+
+def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16"):
+    """Pick (variant, splits) for a decode-shaped call, or None if this kernel should not run it.
+
+    Pure Python (the FFI handler mirrors it in C++). fmt_a is None/"bf16" for weight-only.
+    splits: K ranges per output tile, so that the grid has about one CTA per SM (one 256-thread
+    CTA per SM is what the register budget allows), each range a whole number of sub-chunks.
+    """
+    a_kind = _FMT_TO_KIND.get(fmt_a)
+    b_kind = _FMT_TO_KIND.get(fmt_b)
+    if a_kind is None or b_kind not in B_KINDS:
+        return None
+    if (a_kind, b_kind) not in PAIRS or out not in OUT_DTYPES:
+        return None
+    if m < 1 or n < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
+        return None
+    if m > 64:  # past this the tensor-core GEMM wins (weights are re-read per 16 rows of M)
+        return None
+    nt = 1 if m <= 8 else 2
+    variant = DecodeVariant(a_kind, b_kind, out, nt)
+    chunk = SUB_STEPS * steps_elems(b_kind)
+    k_chunks = -(-k // chunk)
+    ctas = -(-n // BN) * -(-m // (8 * nt))
+    splits = max(1, min(k_chunks, sm_count // max(1, ctas)))
+    # equalize: every split gets the same number of sub-chunks (the last one may be short)
+    per = -(-k_chunks // splits)
+    splits = -(-k_chunks // per)
+    return variant, splits
+
+
+# ----------------------------------------------------------------------------------------------
+# Inline PTX helpers. Each returns DSL scalars; has_side_effects keeps their order.
+# ----------------------------------------------------------------------------------------------
+def _asm(n_out, out_kind, ins, body, in_cons, loc=None, ip=None, side_effects=True):
+    """Run `body` with n_out results of out_kind ("r" i32 / "f" f32) and inputs `ins`."""
+    ty = T.i32() if out_kind == "r" else T.f32()
+    cons = ",".join([f"={out_kind}"] * n_out + in_cons)
+    vals = [x.ir_value(loc=loc, ip=ip) if hasattr(x, "ir_value") else x for x in ins]
+    if n_out == 1:
+        res = llvm.inline_asm(ty, vals, body, cons, has_side_effects=side_effects,
+                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        outs = [res]
+    elif n_out == 0:
+        llvm.inline_asm(None, vals, body, cons, has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        return []
+    else:
+        st = llvm.StructType.get_literal([ty] * n_out)
+        res = llvm.inline_asm(st, vals, body, cons, has_side_effects=side_effects,
+                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        outs = [llvm.extractvalue(ty, res, [i]) for i in range(n_out)]
+    wrap = cutlass.Int32 if out_kind == "r" else cutlass.Float32
+    return [wrap(o) for o in outs]
+
+
+@dsl_user_op
+def ldg_stream_v4(addr, pred, *, loc=None, ip=None):
+    """16 bytes of streamed weights (not kept in L1; 256-byte L2 prefetch); zeros if !pred."""
+    body = (
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
+    )
+    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
+
+
+@dsl_user_op
+def ldg_v4(addr, pred, *, loc=None, ip=None):
+    """16 bytes through L1 (activations: read by every CTA of a K range); zeros if !pred."""
+    body = (
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
+    )
+    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
+
+
+@dsl_user_op
+def ldg_bytes(addr, pred, nbytes, *, loc=None, ip=None):
+    """1, 2, 4 or 8 bytes (zero-extended into 1 or 2 i32) through L1; zeros if !pred."""
+    if nbytes == 8:
+        body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
+                "@p ld.global.nc.v2.b32 {$0, $1}, [$2];\n}")
+        return _asm(2, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
+    ty = {1: "u8", 2: "u16", 4: "b32"}[nbytes]
+    body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n"
+            f"@p ld.global.nc.{ty} $0, [$1];\n}}")
+    return _asm(1, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)[0]
+
+
+@dsl_user_op
+def lds_v4(addr, *, loc=None, ip=None):
+    return _asm(4, "r", [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                ["r"], loc, ip)
+
+
+@dsl_user_op
+def sts_v4(addr, v, *, loc=None, ip=None):
+    _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in v],
+         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", ["r", "r", "r", "r", "r"], loc, ip)
+
+
+@dsl_user_op
+def red_add_f32(addr, val, pred, *, loc=None, ip=None):
+    body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p red.global.add.f32 [$0], $1;\n}"
+    _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,
+         ["l", "f", "r"], loc, ip)
+
+
+@dsl_user_op
+def ldg_f32(addr, *, loc=None, ip=None):
+    return _asm(1, "f", [cutlass.Int64(addr)], "ld.global.f32 $0, [$1];", ["l"], loc, ip)[0]
+
+
+# --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
+_SCALE_E4M3 = f"""{{
+.reg .b32 t, k;
+and.b32 t, $1, 0xFF;
+shl.b32 t, t, 4;                 // e4m3 (non-negative) bits -> bf16 bits: value * 2^-120
+prmt.b32 t, t, 0, 0x1010;
+mov.b32 k, {_K120:#x};
+mul.rn.bf16x2 $0, t, k;
+}}"""
+_SCALE_E8M0 = """{
+.reg .b32 t;
+.reg .pred p;
+and.b32 t, $1, 0xFF;
+setp.eq.u32 p, t, 0;
+shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
+selp.b32 t, 0x40, t, p;          // 2^-127 is a bf16 subnormal
+prmt.b32 $0, t, 0, 0x1010;
+}"""
+
+
+@dsl_user_op
+def scale_bf16x2(kind, byte, *, loc=None, ip=None):
+    """Block-scale byte (low 8 bits of `byte`) -> bf16x2 with the scale in both halves."""
+    body = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
+    return _asm(1, "r", [cutlass.Int32(byte)], body, ["r"], loc, ip)[0]
+
+
+# --- element conversion (PTX text generators) --------------------------------------------------
+def _fp4_pairs_ptx(w, s, outs, tmp="cv"):
+    """8 e2m1 nibbles of register `w` -> 4 bf16x2 in `outs`: outs[j] = (nibble j, nibble j+4),
+    times the bf16x2 scale `s`. The same shift serves both halves (they are 16 bits apart):
+    magnitude bits (eem) go to bf16 bits 6..8 (value * 2^-126), the sign bit to bit 15."""
+    code = [f"mov.b32 {tmp}k, {_K126:#x};"]
+    shifts = [("shl", 6, "shl", 12), ("shl", 2, "shl", 8), ("shr", 2, "shl", 4), ("shr", 6, None, 0)]
+    for j, (op_m, sh_m, op_s, sh_s) in enumerate(shifts):
+        o = outs[j]
+        code.append(f"{op_m}.b32 {tmp}0, {w}, {sh_m};")
+        code.append(f"and.b32 {tmp}0, {tmp}0, 0x01C001C0;")
+        if op_s is None:
+            code.append(f"lop3.b32 {o}, {tmp}0, {w}, 0x80008000, 0xF8;")
+        else:
+            code.append(f"{op_s}.b32 {tmp}1, {w}, {sh_s};")
+            code.append(f"lop3.b32 {o}, {tmp}0, {tmp}1, 0x80008000, 0xF8;")
+        code.append(f"mul.rn.bf16x2 {o}, {o}, {tmp}k;")
+        code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
+    return "\n".join(code)
+
+
+def _fp8_pairs_ptx(w, s, outs, shift, mask, fix, tmp="cv"):
+    """4 e4m3/e5m2 bytes of `w` -> 2 bf16x2: outs[0] = (byte0, byte1), outs[1] = (byte2, byte3).
+    Bytes go to the high byte of each half (sign in place), the magnitude shifts right by
+    `shift` (4: e4m3, 3: e5m2) into the bf16 exponent/mantissa; `fix` undoes the power of two."""
+    code = []
+    for j, sel in enumerate((0x1404, 0x3424)):
+        o = outs[j]
+        code.append(f"prmt.b32 {tmp}1, {w}, 0, {sel:#x};")
+        code.append(f"shr.b32 {tmp}0, {tmp}1, {shift};")
+        code.append(f"and.b32 {tmp}0, {tmp}0, {mask};")
+        code.append(f"lop3.b32 {o}, {tmp}0, {tmp}1, 0x80008000, 0xF8;")
+        code.append(f"mul.rn.bf16x2 {o}, {o}, {fix};")
+        code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
+    return "\n".join(code)
+
+
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, "
+        "{{{d0}, {d1}, {d2}, {d3}}};")
+
+
+@dsl_user_op
+def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, *, loc=None, ip=None):
+    """Two k16 MMAs per n8 tile for one 8-element (fp4) / 2x4-element (fp8) group of rows g and
+    g+8 of a row tile: convert the weights, then acc[nt] += W (16 x 16) @ act[nt] (16 x 8).
+
+    wg, wh: the group's weight words of rows g / g+8 (1 word fp4, 2 words fp8); sg, sh: their
+    bf16x2 scales; act[nt]: 4 words (B registers of the two MMAs); acc[nt]: 4 f32 each."""
+    n_acc = 4 * nt
+    ins = list(acc)  # tied to the outputs 0..n_acc-1
+    cons = [str(i) for i in range(n_acc)]
+    ins += [cutlass.Int32(x) for x in wg] + [cutlass.Int32(x) for x in wh]
+    cons += ["r"] * (len(wg) + len(wh))
+    ins += [cutlass.Int32(sg), cutlass.Int32(sh)]
+    cons += ["r", "r"]
+    for x in act:
+        ins += [cutlass.Int32(v) for v in x]
+        cons += ["r"] * 4
+    base = 2 * n_acc  # operands: outputs 0..n_acc-1, then the tied accumulator inputs
+    wreg = [f"${base + i}" for i in range(len(wg) + len(wh))]
+    nw = len(wg)
+    base += 2 * nw
+    s_g, s_h = f"${base}", f"${base + 1}"
+    base += 2
+    act_reg = [[f"${base + 4 * i + j}" for j in range(4)] for i in range(nt)]
+    base += 4 * nt
+    if b_kind == "mxfp8":
+        ins += [cutlass.Int32(x) for x in fp8_params]
+        cons += ["r"] * 3
+        shift, mask, fix = f"${base}", f"${base + 1}", f"${base + 2}"
+    code = ["{", ".reg .b32 cv0, cv1, cvk, pg<4>, ph<4>;"]
+    if b_kind == "mxfp8":
+        code.append(_fp8_pairs_ptx(wreg[0], s_g, ["pg0", "pg1"], shift, mask, fix))
+        code.append(_fp8_pairs_ptx(wreg[1], s_g, ["pg2", "pg3"], shift, mask, fix))
+        code.append(_fp8_pairs_ptx(wreg[2], s_h, ["ph0", "ph1"], shift, mask, fix))
+        code.append(_fp8_pairs_ptx(wreg[3], s_h, ["ph2", "ph3"], shift, mask, fix))
+    else:
+        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"]))
+        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"]))
+    for h in range(2):
+        for i in range(nt):
+            d = [f"${4 * i + c}" for c in range(4)]
+            code.append(_MMA.format(
+                d0=d[0], d1=d[1], d2=d[2], d3=d[3],
+                a0=f"pg{2 * h}", a1=f"ph{2 * h}", a2=f"pg{2 * h + 1}", a3=f"ph{2 * h + 1}",
+                b0=act_reg[i][2 * h], b1=act_reg[i][2 * h + 1]))
+    code.append("}")
+    return _asm(n_acc, "f", ins, "\n".join(code), cons, loc, ip)
+
+
+@dsl_user_op
+def permute_fp4_order(v, *, loc=None, ip=None):
+    """8 bf16 (x0x1, x2x3, x4x5, x6x7) -> (x0x4, x1x5, x2x6, x3x7): the fp4 weight pair order."""
+    body = ("prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
+            "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;")
+    return _asm(4, "r", [cutlass.Int32(x) for x in v], body, ["r"] * 4, loc, ip,
+                side_effects=False)
+
+
+@dsl_user_op
+def dequant_group(kind, words, s, fp8_params, *, loc=None, ip=None):
+    """Quantized activations: 8 elements (1 word fp4, 2 words fp8) -> 4 bf16x2 in the weight pair
+    order of `kind` (fp4: nibbles (j, j+4); fp8: natural), times the bf16x2 scale s."""
+    ins = [cutlass.Int32(x) for x in words] + [cutlass.Int32(s)]
+    cons = ["r"] * (len(words) + 1)
+    code = ["{", ".reg .b32 cv0, cv1, cvk;"]
+    if kind == "mxfp8":
+        ins += [cutlass.Int32(x) for x in fp8_params]
+        cons += ["r"] * 3
+        code.append(_fp8_pairs_ptx("$4", "$6", ["$0", "$1"], "$7", "$8", "$9"))
+        code.append(_fp8_pairs_ptx("$5", "$6", ["$2", "$3"], "$7", "$8", "$9"))
+    else:
+        code.append(_fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"]))
+    code.append("}")
+    return _asm(4, "r", ins, "\n".join(code), cons, loc, ip, side_effects=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------
+class Sm90DecodeGemm:
+    def __init__(self, variant: DecodeVariant):
+        v = variant
+        assert (v.a_kind, v.b_kind) in PAIRS and v.out in OUT_DTYPES and v.nt in (1, 2), v
+        self.v = v
+        self.a_quant = v.a_kind != "bf16"
+        self.b_bits = KINDS[v.b_kind]["bits"]
+        self.b_block = KINDS[v.b_kind]["block"]
+        self.se = steps_elems(v.b_kind)  # K elements per step
+        self.e = self.se // 4  # K elements per thread per step (32 fp4 / 16 fp8)
+        self.q = self.e // 8  # 8-element groups per thread per step
+        self.c_dtype = OUT_DTYPES[v.out]
+        # activation buffer: per step, per n8 tile, per group, 32 lanes x 16 bytes
+        self.step_act_bytes = v.nt * self.q * 32 * 16
+        self.buf_bytes = SUB_STEPS * self.step_act_bytes
+        self.items = SUB_STEPS * v.nt * self.q * 32  # 16-byte staging items per sub-chunk
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        ws_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        l: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        splits: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        total = l * m * n
+        mWs = cute.make_tensor(ws_ptr, cute.make_layout(total))
+        mC = cute.make_tensor(c_ptr, cute.make_layout(total))
+        ew_grid = cutlass.min((total + 1023) // 1024, 1024)
+        self.zero_kernel(mWs, total).launch(grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+        mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
+        self.kernel(
+            a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
+            mchunks,
+        ).launch(
+            grid=[(n + BN - 1) // BN, splits, l * mchunks],
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+        self.finalize_kernel(mWs, mC, total).launch(
+            grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+
+    @cute.kernel
+    def zero_kernel(self, ws: cute.Tensor, total: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        for i in range(bid * 256 + tid, total, nb * 256):
+            ws[i] = cutlass.Float32(0.0)
+
+    @cute.kernel
+    def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, total: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        for i in range(bid * 256 + tid, total, nb * 256):
+            c[i] = self.c_dtype(ws[i])
+
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        ws_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        splits: cutlass.Int32,
+        mchunks: cutlass.Int32,
+    ):
+        v = self.v
+        nt, se, e, Q = v.nt, self.se, self.e, self.q
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, bz = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        li = bz // mchunks
+        m0 = (bz % mchunks) * (8 * nt)
+
+        smem = cutlass.memory.SmemAllocator()
+        act_base = smem.allocate(2 * self.buf_bytes, byte_alignment=128).toint()
+
+        a_addr = a_ptr.toint()
+        b_addr = b_ptr.toint()
+        sa_addr = sa_ptr.toint()
+        sb_addr = sb_ptr.toint()
+        ws_addr = ws_ptr.toint()
+
+        # ---- K range of this CTA (whole sub-chunks; only the last range may be short) -------
+        chunk = SUB_STEPS * se
+        k_chunks = (k + chunk - 1) // chunk
+        per = (k_chunks + splits - 1) // splits
+        k_begin = by * per * chunk
+        k_end = cutlass.min(k, k_begin + per * chunk)
+        n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
+
+        # ---- per-row constants (4 rows per thread: 2 row tiles x {g, g+8}) --------------------
+        b_pitch = cutlass.Int64(k * self.b_bits // 8)
+        sk4_b = (k // self.b_block + 3) // 4
+        nb128 = (n + 127) // 128
+        row_addr = []  # byte address of the row start
+        srow_addr = []  # byte address of the row's entry in scale tile column 0
+        for rt in cutlass.range_constexpr(2):
+            for r2 in cutlass.range_constexpr(2):
+                row = bx * BN + warp * ROWS_PER_WARP + rt * 16 + r2 * 8 + g
+                row = cutlass.min(row, n - 1)  # rows past N: read row N-1, never stored
+                row_addr.append(b_addr + (cutlass.Int64(li) * n + row) * b_pitch + t * 16)
+                soff = ((li * nb128 + row // 128) * sk4_b) * 512 + (row % 32) * 16 + (
+                    (row % 128) // 32) * 4
+                srow_addr.append(sb_addr + cutlass.Int64(soff))
+
+        # ---- run-time fp8 flavour (shift, mask, power-of-two fix) ----------------------------
+        b_fp8 = [cutlass.Int32(4), cutlass.Int32(0x07F007F0), cutlass.Int32(_K120)]
+        if b_e5m2 != 0:
+            b_fp8 = [cutlass.Int32(3), cutlass.Int32(0x0FE00FE0), cutlass.Int32(_K112)]
+        a_fp8 = [cutlass.Int32(4), cutlass.Int32(0x07F007F0), cutlass.Int32(_K120)]
+        if a_e5m2 != 0:
+            a_fp8 = [cutlass.Int32(3), cutlass.Int32(0x0FE00FE0), cutlass.Int32(_K112)]
+
+        # registers: weights and raw scale bytes of the current and the next sub-chunk
+        n_w = SUB_STEPS * 4 * 4  # steps x rows x 4 words
+        n_s = SUB_STEPS * 4
+        w_cur = cute.make_rmem_tensor((n_w,), cutlass.Int32)
+        w_nxt = cute.make_rmem_tensor((n_w,), cutlass.Int32)
+        s_cur = cute.make_rmem_tensor((n_s,), cutlass.Int32)
+        s_nxt = cute.make_rmem_tensor((n_s,), cutlass.Int32)
+        acc = cute.make_rmem_tensor((2 * nt * 4,), cutlass.Float32)
+        acc.fill(0.0)
+
+        # ---- prefetch sub-chunk 0 ------------------------------------------------------------
+        self._load_weights(w_nxt, s_nxt, row_addr, srow_addr, k_begin, k_end, t, n_sub > 0)
+
+        for it in range(n_sub):
+            for i in cutlass.range_constexpr(n_w):
+                w_cur[i] = w_nxt[i]
+            for i in cutlass.range_constexpr(n_s):
+                s_cur[i] = s_nxt[i]
+            kc = k_begin + it * chunk
+            # issue the next sub-chunk's loads before this one's work (their latency overlaps it)
+            self._load_weights(w_nxt, s_nxt, row_addr, srow_addr, kc + chunk, k_end, t,
+                               it + 1 < n_sub)
+            buf = act_base + (it % 2) * self.buf_bytes
+            self._stage_activations(buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8)
+            cute.arch.sync_threads()
+            # ---- compute: per step, per group: dequantize + MMAs for both row tiles
+            for c in cutlass.range_constexpr(SUB_STEPS):
+                for q in cutlass.range_constexpr(Q):
+                    act = []
+                    for i in cutlass.range_constexpr(nt):
+                        act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
+                    for rt in cutlass.range_constexpr(2):
+                        sc = []
+                        for r2 in cutlass.range_constexpr(2):
+                            raw = s_cur[(c * 2 + rt) * 2 + r2]
+                            if cutlass.const_expr(v.b_kind == "nvfp4"):
+                                # two scales: elements 0-15 (groups 0, 1), 16-31 (groups 2, 3)
+                                raw = raw >> (8 * (q // 2))
+                            sc.append(scale_bf16x2(v.b_kind, raw))
+                        wpg = 1 if self.b_bits == 4 else 2  # words per group
+                        wbase = ((c * 2 + rt) * 2) * 4
+                        wg = [w_cur[wbase + q * wpg + x] for x in range(wpg)]
+                        wh = [w_cur[wbase + 4 + q * wpg + x] for x in range(wpg)]
+                        a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
+                        res = dequant_mma(v.b_kind, nt, wg, wh, sc[0], sc[1], act, a_in, b_fp8)
+                        for x in cutlass.range_constexpr(4 * nt):
+                            acc[(rt * nt) * 4 + x] = res[x]
+
+        # ---- epilogue: ws[l, m, n] += alpha * acc (f32 L2 atomics) ---------------------------
+        alpha = ldg_f32(alpha_ptr.toint())
+        for rt in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(nt):
+                for x in cutlass.range_constexpr(4):
+                    row = bx * BN + warp * ROWS_PER_WARP + rt * 16 + (x // 2) * 8 + g
+                    mm = m0 + i * 8 + 2 * t + (x % 2)
+                    ok = (row < n) & (mm < m) & (n_sub > 0)
+                    addr = ws_addr + ((cutlass.Int64(li) * m + mm) * n + row) * 4
+                    red_add_f32(addr, acc[(rt * nt + i) * 4 + x] * alpha, cutlass.Int32(ok))
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _load_weights(self, w, s, row_addr, srow_addr, kc, k_end, t, active):
+        """Issue one sub-chunk's weight (16 B per row per step) and scale loads."""
+        for c in cutlass.range_constexpr(SUB_STEPS):
+            k0 = kc + c * self.se  # first K element of the step
+            kt = k0 + t * self.e  # first K element of this thread's 16 bytes
+            ok = cutlass.Int32(active & (kt < k_end))
+            boff = cutlass.Int64(k0 * self.b_bits // 8)
+            kb = kt // self.b_block
+            soff = cutlass.Int64((kb // 4) * 512 + kb % 4)
+            for r in cutlass.range_constexpr(4):  # (rt, r2)
+                vals = ldg_stream_v4(row_addr[r] + boff, ok)
+                for x in cutlass.range_constexpr(4):
+                    w[(c * 4 + r) * 4 + x] = vals[x]
+                nbytes = 2 if self.v.b_kind == "nvfp4" else 1
+                s[c * 4 + r] = ldg_bytes(srow_addr[r] + soff, ok, nbytes)
+
+    @cute.jit
+    def _stage_activations(self, buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8):
+        """Write the sub-chunk's activations (bf16, fragment order) into shared memory.
+        Item (c, nt, q, lane=4g+t) = 8 elements of row m0 + 8nt + g at K
+        kc + c*se + t*e + 8q; rows >= M and K >= k_end are zeros."""
+        v = self.v
+        nt, Q = v.nt, self.q
+        for j in cutlass.range_constexpr((self.items + THREADS - 1) // THREADS):
+            idx = tid + j * THREADS
+            if idx < self.items:
+                lane = idx % 32
+                q = (idx // 32) % Q
+                i = (idx // (32 * Q)) % nt
+                c = idx // (32 * Q * nt)
+                row = m0 + i * 8 + lane // 4
+                kk = kc + c * self.se + (lane % 4) * self.e + q * 8
+                ok = cutlass.Int32((row < m) & (kk < k_end))
+                rowc = cutlass.min(row, m - 1)
+                if cutlass.const_expr(not self.a_quant):
+                    addr = a_addr + (cutlass.Int64(li) * m + rowc) * k * 2 + cutlass.Int64(kk) * 2
+                    x = ldg_v4(addr, ok)
+                    if cutlass.const_expr(self.b_bits == 4):
+                        x = permute_fp4_order(x)
+                else:
+                    a_bits = KINDS[v.a_kind]["bits"]
+                    a_blk = KINDS[v.a_kind]["block"]
+                    pitch = cutlass.Int64(k * a_bits // 8)
+                    addr = a_addr + (cutlass.Int64(li) * m + rowc) * pitch + cutlass.Int64(
+                        kk * a_bits // 8)
+                    words = [ldg_bytes(addr, ok, 4)] if a_bits == 4 else ldg_bytes(addr, ok, 8)
+                    sk4 = (k // a_blk + 3) // 4
+                    mb128 = (m + 127) // 128
+                    kb = kk // a_blk
+                    soff = ((li * mb128 + rowc // 128) * sk4 + kb // 4) * 512 + (rowc % 32) * 16 + (
+                        (rowc % 128) // 32) * 4 + kb % 4
+                    sbyte = ldg_bytes(sa_addr + cutlass.Int64(soff), ok, 1)
+                    x = dequant_group(v.a_kind, words, scale_bf16x2(v.a_kind, sbyte), a_fp8)
+                sts_v4(buf + idx * 16, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Build / export
+# ----------------------------------------------------------------------------------------------
+def compile_variant(variant: DecodeVariant, arch: str = "sm_90a"):
+    """cute.compile one variant for `arch` (no GPU needed) with placeholder pointers."""
+    from cutlass.cute.runtime import make_ptr
+
+    gemm = Sm90DecodeGemm(variant)
+    gmem = cute.AddressSpace.gmem
+    a_t = cutlass.BFloat16 if variant.a_kind == "bf16" else cutlass.Uint8
+    args = (
+        make_ptr(a_t, 16, gmem, assumed_align=16),
+        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
+        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
+        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
+        make_ptr(OUT_DTYPES[variant.out], 16, gmem, assumed_align=16),
+        make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),
+        make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),
+        *(cutlass.Int32(1) for _ in range(4)),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        cutlass.Int32(1),
+        cuda.CUstream(0),
+    )
+    # The DSL takes the target from CUTE_DSL_ARCH (read once); set it on the DSL itself so that
+    # no GPU is probed and the caller's environment does not matter.
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    env = CuTeDSL._get_dsl().envar
+    prev = env._arch
+    env.arch = arch
+    try:
+        return cute.compile(gemm, *args)
+    finally:
+        env._arch = prev
+
+
+def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | None = None,
+                   arch: str = "sm_90a"):
+    """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
+
+    The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,
+    l, a_e5m2, b_e5m2, splits, stream)`; returns (header path, object path)."""
+    prefix = function_prefix or variant.name
+    compiled = compile_variant(variant, arch)
+    os.makedirs(out_dir, exist_ok=True)
+    compiled.export_to_c(file_path=out_dir, file_name=prefix, function_prefix=prefix)
+    return os.path.join(out_dir, prefix + ".h"), os.path.join(out_dir, prefix + ".o")
