@@ -99,3 +99,9 @@ def test_pick_keeps_padded_work_bounded():
 def test_fewer_sms_never_break_the_pick():
     for sms in (1, 2, 8, 148, 160):
         assert choose(4096, 4096, 4096, "nvfp4", "nvfp4", sm_count=sms) is not None
+
+
+def test_every_served_pair_and_output_has_a_kernel():
+    for (a, b), out in itertools.product(sm100.PAIRS, ["bfloat16", "float16", "float32"]):
+        v = choose(256, 256, 512, a, b, out_dtype=out)
+        assert v is not None and (v.fmt_a, v.fmt_b, v.out_dtype) == (a, b, out)

@@ -203,23 +203,37 @@ _T_PAIR_2X2 = (256, 256, 2, 2)
 
 _ALL_OUT = ("bfloat16", "float16", "float32")
 
-# The exported matrix.  Kept modest on purpose: every entry is compiled for
-# every arch in SM100_ARCHS at build time.
+# Format pairs the library serves on Blackwell.  mxfp8 covers e4m3 and e5m2 on
+# either side (the Hopper FFI passes them as runtime flags; here each is its own
+# variant because the element types are baked into the MMA instruction).
+PAIRS = (
+    ("nvfp4", "nvfp4"),
+    ("mxfp4", "mxfp4"),
+    ("mxfp8_e4m3", "mxfp8_e4m3"),
+    ("mxfp8_e4m3", "mxfp8_e5m2"),
+    ("mxfp8_e5m2", "mxfp8_e4m3"),
+    ("mxfp8_e5m2", "mxfp8_e5m2"),
+    ("mxfp8_e4m3", "mxfp4"),
+    ("mxfp8_e5m2", "mxfp4"),
+    ("mxfp6_e2m3", "mxfp6_e2m3"),
+    ("mxfp6_e3m2", "mxfp6_e3m2"),
+    ("mxfp8_e4m3", "mxfp6_e2m3"),
+)
+
+# The exported matrix, compiled for every arch in SM100_ARCHS at build time.
+# Every pair gets the 1-CTA 128x128 tile for every output dtype, so dispatch
+# always has a kernel for a supported pair; the main inference families add
+# tiles for decode (128x64) and for large problems (2-CTA pair tiles).
 VARIANTS: Tuple[Sm100Variant, ...] = tuple(
-    # NVFP4 and MXFP8 are the main inference formats: full tile menu.
-    _family_variants("nvfp4", "nvfp4", (_T_SMALL, _T_BASE, _T_PAIR, _T_PAIR_WIDE), _ALL_OUT)
-    + _family_variants("nvfp4", "nvfp4", (_T_PAIR_2X2,), ("bfloat16",))
-    + _family_variants("mxfp8_e4m3", "mxfp8_e4m3", (_T_SMALL, _T_BASE, _T_PAIR, _T_PAIR_WIDE), _ALL_OUT)
-    # Other MX families: one 1-CTA and one 2-CTA tile.
-    + _family_variants("mxfp4", "mxfp4", (_T_BASE, _T_PAIR_WIDE), _ALL_OUT)
-    + _family_variants("mxfp8_e5m2", "mxfp8_e5m2", (_T_BASE, _T_PAIR), ("bfloat16", "float32"))
-    + _family_variants("mxfp6_e2m3", "mxfp6_e2m3", (_T_BASE, _T_PAIR), ("bfloat16", "float32"))
-    + _family_variants("mxfp6_e3m2", "mxfp6_e3m2", (_T_BASE, _T_PAIR), ("bfloat16", "float32"))
-    # Mixed f8f6f4: fp8 activations x fp4 / fp6 weights.
-    + _family_variants("mxfp8_e4m3", "mxfp4", (_T_BASE, _T_PAIR_192), ("bfloat16", "float32"))
-    + _family_variants("mxfp8_e4m3", "mxfp6_e2m3", (_T_BASE,), ("bfloat16",))
-    # A 1-CTA wide tile, to keep the N = 256 (overlapped accumulator) path built.
-    + _family_variants("nvfp4", "nvfp4", (_T_WIDE,), ("bfloat16",))
+    [v for a, b in PAIRS for v in _family_variants(a, b, (_T_BASE,), _ALL_OUT)]
+    + _family_variants("nvfp4", "nvfp4", (_T_SMALL, _T_PAIR, _T_PAIR_WIDE), _ALL_OUT)
+    + _family_variants("nvfp4", "nvfp4", (_T_PAIR_2X2, _T_WIDE), ("bfloat16",))
+    + _family_variants("mxfp8_e4m3", "mxfp8_e4m3", (_T_SMALL, _T_PAIR, _T_PAIR_WIDE), _ALL_OUT)
+    + _family_variants("mxfp4", "mxfp4", (_T_PAIR_WIDE,), _ALL_OUT)
+    + _family_variants("mxfp8_e5m2", "mxfp8_e5m2", (_T_PAIR,), ("bfloat16", "float32"))
+    + _family_variants("mxfp6_e2m3", "mxfp6_e2m3", (_T_PAIR,), ("bfloat16", "float32"))
+    + _family_variants("mxfp6_e3m2", "mxfp6_e3m2", (_T_PAIR,), ("bfloat16", "float32"))
+    + _family_variants("mxfp8_e4m3", "mxfp4", (_T_PAIR_192,), ("bfloat16", "float32"))
 )
 
 
@@ -1030,15 +1044,26 @@ def default_function_prefix(variant: Sm100Variant, arch: str) -> str:
     return f"jbs_{arch}_{variant.name}"
 
 
+def _export_job(job):
+    v, arch, out_dir = job
+    return (v, arch, *export_variant(v, out_dir, default_function_prefix(v, arch), arch))
+
+
 def export_all(out_dir: str, archs: Iterable[str] = SM100_ARCHS,
-               variants: Sequence[Sm100Variant] = VARIANTS) -> list:
-    """Export the whole matrix; returns [(variant, arch, header, object)]."""
-    built = []
-    for arch in archs:
-        for v in variants:
-            h, o = export_variant(v, out_dir, default_function_prefix(v, arch), arch)
-            built.append((v, arch, h, o))
-    return built
+               variants: Sequence[Sm100Variant] = VARIANTS, jobs: int = 1) -> list:
+    """Export the whole matrix; returns [(variant, arch, header, object)].
+
+    `jobs` > 1 compiles in that many fresh processes (each compile is
+    single-threaded; spawn, not fork, so no MLIR state is shared)."""
+    work = [(v, arch, out_dir) for arch in archs for v in variants]
+    if jobs <= 1:
+        return [_export_job(w) for w in work]
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        return list(pool.map(_export_job, work))
 
 
 def _main(argv=None):
@@ -1052,13 +1077,15 @@ def _main(argv=None):
     p.add_argument("--arch", action="append", choices=("sm_100a", "sm_103a", "sm_100f"),
                    help="repeatable; default: " + " ".join(SM100_ARCHS))
     p.add_argument("--list", action="store_true", help="only list the variants")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="parallel compile processes (default: all cores)")
     args = p.parse_args(argv)
     if args.list:
         for v in VARIANTS:
             print(v.name, v.kind)
         return
     t0 = time.time()
-    for v, arch, _h, o in export_all(args.out, args.arch or SM100_ARCHS):
+    for v, arch, _h, o in export_all(args.out, args.arch or SM100_ARCHS, jobs=args.jobs):
         print(f"{arch} {v.name} -> {o}", flush=True)
     print(f"exported {len(VARIANTS) * len(args.arch or SM100_ARCHS)} objects "
           f"in {time.time() - t0:.1f} s")
