@@ -1,7 +1,7 @@
 """Train a small Flax NNX MLP in bf16, quantize it once, save, load and serve it in NVFP4 / MXFP8.
 
     pip install ".[flax]"           # flax, optax (pulled in by flax) and tqdm
-    python examples/flax_mlp.py     # about a minute on a laptop CPU
+    python examples/flax_mlp.py     # about 30 s on a laptop CPU
     python examples/flax_mlp.py --smoke   # tiny sizes, a few seconds (what CI runs)
 
 The task is synthetic: a Gaussian mixture with several clusters per class. The student
@@ -100,7 +100,7 @@ def main(argv=None):
     model = MLP(sizes, dtype=jnp.bfloat16, rngs=nnx.Rngs(k_model))
     t0 = time.perf_counter()
     loss = train(model, x_train, y_train, steps=steps, batch=batch, lr=2e-3, seed=args.seed)
-    print(f"trained MLP {sizes} in bf16: {steps} steps, final loss {loss:.3f} "
+    print(f"trained MLP {sizes} in bf16: {steps} steps, final loss {loss:.4f} "
           f"({time.perf_counter() - t0:.1f} s, backend {jax.default_backend()})")
 
     ref = logits_of(model, x_test)

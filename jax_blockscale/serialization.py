@@ -7,8 +7,13 @@ Why ``np.savez``: it needs nothing beyond NumPy, and every array is stored as it
 (uint8/16/32/64 of the same width), so FP4, FP8, e8m0 and bf16 values round-trip bit for bit
 whatever dtypes the reader's NumPy or checkpoint library knows. FP4 elements are packed two per
 byte (low nibble first), so a file is as small as the weights. The format, layout, shapes and
-dtypes of every entry are stored beside the arrays as JSON and checked on load. (Orbax can save
-the *bit arrays* too; see docs/serving.md for why we do not hand it BlockScaled pytrees.)
+dtypes of every entry are stored beside the arrays as JSON and checked on load.
+
+Orbax also stores these dtypes bit-exactly, but a BlockScaled's format and layout are static
+pytree metadata that an Orbax checkpoint does not record: it restores into whatever target it is
+given, casting silently (an mxfp8_e4m3 checkpoint restored into an mxfp8_e5m2 target comes back
+re-rounded). With Orbax, store `describe_params(qparams)` (JSON) beside the checkpoint and call
+`check_description(restored, description)` after restoring; docs/serving.md shows how.
 
 Only nested dicts are stored (Linen ``params``, ``nnx.to_pure_dict(state)``, the output of
 `jax_blockscale.nn.quantize_params`); keys are strings or ints, leaves BlockScaled or arrays.
@@ -28,7 +33,8 @@ from . import layout as _layout
 from .formats import get_format
 from .quantize import BlockScaled
 
-__all__ = ["FILE_VERSION", "ParamsFileError", "load_params", "save_params"]
+__all__ = ["FILE_VERSION", "ParamsFileError", "check_description", "describe_params",
+           "load_params", "save_params"]
 
 FILE_VERSION = 1
 _META = "__jax_blockscale_meta__"
@@ -228,6 +234,32 @@ def _check_like(loaded: dict, like) -> None:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
         raise ParamsFileError("the params file does not match what was expected:\n  "
                               + "\n  ".join(problems[:8]) + more)
+
+
+def describe_params(params) -> dict:
+    """A JSON-able description of every leaf: path -> format, layout, shapes, dtypes."""
+    return {"/".join(map(str, keys)): list(_signature(leaf))
+            for keys, leaf in _flatten(_pure_dict(params))}
+
+
+def check_description(params, description: dict) -> None:
+    """Raise `ParamsFileError` unless `params` matches a `describe_params` result (e.g. one
+    saved as JSON beside an Orbax checkpoint, checked after restoring it)."""
+    got = describe_params(params)
+    want = {k: list(v) for k, v in description.items()}
+    got = json.loads(json.dumps(got))  # tuples -> lists, as the JSON round trip makes them
+    problems = []
+    for name in sorted(set(got) | set(want)):
+        if name not in got:
+            problems.append(f"{name}: missing from the params")
+        elif name not in want:
+            problems.append(f"{name}: not in the description")
+        elif got[name] != want[name]:
+            problems.append(f"{name}: the params hold {_describe_signature(got[name])}, the "
+                            f"description says {_describe_signature(want[name])}")
+    if problems:
+        raise ParamsFileError("the params do not match their description:\n  "
+                              + "\n  ".join(problems[:8]))
 
 
 def load_params(path: str | os.PathLike, *, fmt: str | None = None, like=None,

@@ -182,3 +182,27 @@ def test_nnx_model_saves_and_loads(tmp_path):
     restored = jnn.from_quantized_params(skeleton, loaded, act_fmt="nvfp4")
     x = jnp.asarray(normal(11, (4, 64)))
     np.testing.assert_array_equal(restored(x), served(x))
+
+
+def test_orbax_recipe_detects_a_wrong_target(tmp_path):
+    """docs/serving.md: Orbax restores into any target (casting); the saved description of the
+    params catches a wrong one."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from jax_blockscale.serialization import check_description, describe_params
+
+    x = normal(12, (32, 64))
+    qparams = {"fc": {"kernel": jbs.quantize(x, "mxfp8_e4m3", layout="blocked"),
+                      "bias": jnp.asarray(normal(13, (32,)), jnp.bfloat16)}}
+    description = json.loads(json.dumps(describe_params(qparams)))  # as stored beside it
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", qparams)
+    ckpt.wait_until_finished()
+    right = ckpt.restore(tmp_path / "ckpt", jax.eval_shape(lambda: qparams))
+    check_description(right, description)
+    assert_same_blockscaled(right["fc"]["kernel"], qparams["fc"]["kernel"])
+    wrong_target = {"fc": dict(qparams["fc"], kernel=jbs.quantize(x, "mxfp8_e5m2",
+                                                                    layout="blocked"))}
+    wrong = ckpt.restore(tmp_path / "ckpt", jax.eval_shape(lambda: wrong_target))
+    assert wrong["fc"]["kernel"].fmt == "mxfp8_e5m2"  # Orbax cast it without a word
+    with pytest.raises(ParamsFileError, match="fc/kernel: the params hold BlockScaled mxfp8_e5m2"):
+        check_description(wrong, description)
