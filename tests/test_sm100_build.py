@@ -157,3 +157,34 @@ def test_kinds_agree_with_the_format_table():
         assert g.block == f.block
         assert g.element_bits == f.bits
         assert g.mma_kind == sm100.mma_kind(name, name)
+
+
+# ---- static resource plan ---------------------------------------------------
+
+SMEM_BYTES_SM100 = 232448  # 227 KiB usable per CTA on sm_100 / sm_103
+TMEM_COLUMNS = 512
+
+
+def _check_plan(variant):
+    _, g = sm100.compile_variant_with_plan(variant, "sm_100a")
+    # A pipeline needs at least two stages to overlap loads with MMAs.
+    assert g.ab_stages >= 2, g.ab_stages
+    assert g.c_stages >= 2, g.c_stages
+    # Accumulator buffer(s) and both scale tiles must fit in the 512 TMEM columns.
+    assert g.acc_tmem_cols + g.sf_tmem_cols <= TMEM_COLUMNS, (g.acc_tmem_cols, g.sf_tmem_cols)
+    assert g.acc_stages == (1 if variant.tile_n == 256 else 2)
+    # Everything the kernel puts in shared memory fits in one SM's.
+    assert g.storage_type.size_in_bytes() <= SMEM_BYTES_SM100, g.storage_type.size_in_bytes()
+    # The per-CTA tile is what the scheduler and the epilogue assume.
+    assert g.cta_tile[:2] == (variant.tile_m // (2 if variant.two_cta else 1), variant.tile_n)
+
+
+@pytest.mark.parametrize("variant", FAST, ids=lambda v: v.name)
+def test_resource_plan_fast(variant):
+    _check_plan(variant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sm100.VARIANTS, ids=lambda v: v.name)
+def test_resource_plan_whole_matrix(variant):
+    _check_plan(variant)

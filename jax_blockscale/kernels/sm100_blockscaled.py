@@ -997,6 +997,12 @@ class Sm100BlockScaledGemm:
 
 def compile_variant(variant: Sm100Variant, arch: str = "sm_100a"):
     """cute.compile one variant for `arch` on any machine (no GPU needed)."""
+    return compile_variant_with_plan(variant, arch)[0]
+
+
+def compile_variant_with_plan(variant: Sm100Variant, arch: str = "sm_100a"):
+    """(compiled, kernel object): the object carries the static plan that
+    tracing computed (stage counts, TMEM columns, shared-storage type)."""
     if arch not in ("sm_100a", "sm_103a", "sm_100f", "sm_103f"):
         raise ValueError(f"unsupported Blackwell arch {arch!r}")
     gemm = Sm100BlockScaledGemm(variant)
@@ -1011,11 +1017,12 @@ def compile_variant(variant: Sm100Variant, arch: str = "sm_100a"):
     out = make_ptr(getattr(cutlass, OUT_DTYPES[variant.out_dtype]), 0, gmem, assumed_align=16)
     alpha = make_ptr(cutlass.Float32, 0, gmem, assumed_align=4)
     i32 = cutlass.Int32
-    return cute.compile(
+    compiled = cute.compile(
         gemm, a, b, sfa, sfb, out, alpha,
         i32(1), i32(1), i32(1), i32(1), i32(1), cuda.CUstream(0),
         options=f"--gpu-arch {arch}",
     )
+    return compiled, gemm
 
 
 def export_variant(variant: Sm100Variant, out_dir: str, function_prefix: str,
