@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # The lowering's axis contexts say whether an SPMD partitioner will split the op; JAX has no
 # public name for them.
+from jax._src import dispatch
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
@@ -294,7 +295,9 @@ def _sdy_rule(pt, mesh, operand_types, result_types):
         return name
 
     def compound(*names):
-        return CompoundFactor(*names)
+        # Shardy rejects size-1 factors inside a compound; such a factor cannot be split anyway.
+        names = [f for f in names if sizes[f] > 1] or [names[-1]]
+        return names[0] if len(names) == 1 else CompoundFactor(*names)
 
     blocked_any = g.a_blocked or g.b_blocked
     k_tiled = blocked_any and g.sk % COLS_PER_TILE == 0
@@ -356,8 +359,12 @@ def _sdy_rule(pt, mesh, operand_types, result_types):
     out = ArrayMapping(*[f"b{i}" for i in range(g.nb)], m_dim, n_dim)
 
     whole = {d for mapping in operands + (out,) for d in mapping if isinstance(d, str)}
-    compound_only = {f: s for f, s in sizes.items() if f not in whole}
-    need_rep = tuple(dict.fromkeys(f for f in need_rep if f != reduction))
+    # Shardy numbers factors in order of first use and wants special factors in that order.
+    order = list(dict.fromkeys(f for mapping in operands + (out,) for d in mapping
+                               for f in ((d,) if isinstance(d, str) else d)))
+    compound_only = {f: sizes[f] for f in order if f not in whole}
+    need_rep = tuple(sorted(set(need_rep) & set(order) - {reduction}, key=order.index))
+    reduction = reduction if reduction in order else None
     return SdyShardingRule(operands, (out,),
                            reduction_factors=(reduction,) if reduction else (),
                            need_replication_factors=need_rep, **compound_only)
@@ -409,6 +416,10 @@ def _lowering(ctx, *args, platform, **params):
     return mlir.lower_fun(lambda *xs: _partitioned_gemm(pt, *xs),
                           multiple_results=False)(ctx, *args)
 
+
+# The partitioning callbacks need the mesh (axis names, device order). JAX hands a lowering rule
+# the devices and the mesh only for primitives in this set (jax.nn.scaled_matmul does the same).
+dispatch.prim_requires_devices_during_lowering.add(gemm_p)
 
 # Replace primitive.py's per-platform lowering: the local case delegates straight back to it.
 for _platform in ALL_PLATFORMS:
