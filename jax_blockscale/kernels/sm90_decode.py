@@ -43,7 +43,6 @@ with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale f
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import cuda.bindings.driver as cuda
@@ -54,89 +53,13 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 # ----------------------------------------------------------------------------------------------
-# Formats
+# Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
 # ----------------------------------------------------------------------------------------------
-KINDS = {
-    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
-    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
-    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 picked at run time
-    "bf16": dict(block=None, bits=16, scale=None),
-}
-B_KINDS = ("nvfp4", "mxfp4", "mxfp8")
-# (a_kind, b_kind) pairs: weight-only first (the common decode case), then quantized activations.
-PAIRS = [("bf16", b) for b in B_KINDS] + [(b, b) for b in B_KINDS]
+from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
+    B_KINDS, BN, KINDS, OUTS, PAIRS, ROWS_PER_WARP, STEP_BYTES, SUB_STEPS, THREADS, VARIANTS, WARPS,
+    DecodeVariant, _K112, _K120, _K126, choose_decode_variant, steps_elems)
+
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
-
-WARPS = 8  # warps per CTA
-THREADS = 32 * WARPS
-ROWS_PER_WARP = 32  # two m16 row tiles
-BN = WARPS * ROWS_PER_WARP  # rows of N per CTA
-STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
-SUB_STEPS = 2  # steps per sub-chunk (one shared-memory activation buffer, one barrier)
-
-_K126 = 0x7E807E80  # bf16x2 2^126: undoes the e2m1 bit trick
-_K120 = 0x7B807B80  # bf16x2 2^120: undoes the e4m3 bit trick
-_K112 = 0x77807780  # bf16x2 2^112: undoes the e5m2 bit trick
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeVariant:
-    """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16; larger M
-    runs ceil(M / (8*nt)) chunks, re-reading the weights)."""
-
-    a_kind: str  # "bf16" (weight-only) or the quantized kind of A
-    b_kind: str  # "nvfp4" | "mxfp4" | "mxfp8"
-    out: str  # "bf16" | "f16" | "f32"
-    nt: int
-
-    @property
-    def name(self) -> str:
-        return f"jbs_sm90_decode_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
-
-
-VARIANTS = [
-    DecodeVariant(a, b, out, nt) for (a, b) in PAIRS for out in OUT_DTYPES for nt in (1, 2)
-]
-
-# fmt names as the rest of the package spells them -> kernel kind
-_FMT_TO_KIND = {
-    None: "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4",
-    "mxfp8": "mxfp8", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8",
-}
-
-
-def steps_elems(b_kind: str) -> int:
-    """K elements one step covers (64 bytes of a weight row)."""
-    return STEP_BYTES * 8 // KINDS[b_kind]["bits"]
-
-
-def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16"):
-    """Pick (variant, splits) for a decode-shaped call, or None if this kernel should not run it.
-
-    Pure Python (the FFI handler mirrors it in C++). fmt_a is None/"bf16" for weight-only.
-    splits: K ranges per output tile, so that the grid has about one CTA per SM (one 256-thread
-    CTA per SM is what the register budget allows), each range a whole number of sub-chunks.
-    """
-    a_kind = _FMT_TO_KIND.get(fmt_a)
-    b_kind = _FMT_TO_KIND.get(fmt_b)
-    if a_kind is None or b_kind not in B_KINDS:
-        return None
-    if (a_kind, b_kind) not in PAIRS or out not in OUT_DTYPES:
-        return None
-    if m < 1 or n < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
-        return None
-    if m > 64:  # past this the tensor-core GEMM wins (weights are re-read per 16 rows of M)
-        return None
-    nt = 1 if m <= 8 else 2
-    variant = DecodeVariant(a_kind, b_kind, out, nt)
-    chunk = SUB_STEPS * steps_elems(b_kind)
-    k_chunks = -(-k // chunk)
-    ctas = -(-n // BN) * -(-m // (8 * nt))
-    splits = max(1, min(k_chunks, sm_count // max(1, ctas)))
-    # equalize: every split gets the same number of sub-chunks (the last one may be short)
-    per = -(-k_chunks // splits)
-    splits = -(-k_chunks // per)
-    return variant, splits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,6 +215,42 @@ _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{{{d0}, {d1}, {d2}, {d3}}};")
 
 
+def dequant_mma_ptx(b_kind: str, nt: int) -> str:
+    """PTX of dequant_mma. Operands: $0..$(4nt-1) accumulators (outputs), the same again as tied
+    inputs, then the weight words of row g and of row g+8 (1 each for fp4, 2 each for fp8), the
+    two bf16x2 scales, 4 activation words per n8 tile, and for fp8 (shift, mask, fix)."""
+    n_acc = 4 * nt
+    nw = 1 if KINDS[b_kind]["bits"] == 4 else 2
+    base = 2 * n_acc  # operands: outputs 0..n_acc-1, then the tied accumulator inputs
+    wreg = [f"${base + i}" for i in range(2 * nw)]
+    base += 2 * nw
+    s_g, s_h = f"${base}", f"${base + 1}"
+    base += 2
+    act_reg = [[f"${base + 4 * i + j}" for j in range(4)] for i in range(nt)]
+    base += 4 * nt
+    code = ["{", ".reg .b32 cv0, cv1, cvk, pg<4>, ph<4>;"]
+    if nw == 2:
+        shift, mask, fix = f"${base}", f"${base + 1}", f"${base + 2}"
+        code.append(_fp8_pairs_ptx(wreg[0], s_g, ["pg0", "pg1"], shift, mask, fix))
+        code.append(_fp8_pairs_ptx(wreg[1], s_g, ["pg2", "pg3"], shift, mask, fix))
+        code.append(_fp8_pairs_ptx(wreg[2], s_h, ["ph0", "ph1"], shift, mask, fix))
+        code.append(_fp8_pairs_ptx(wreg[3], s_h, ["ph2", "ph3"], shift, mask, fix))
+    else:
+        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"]))
+        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"]))
+    # MMA h of the group takes pairs (2h, 2h+1) of each row: A = [pg, ph, pg', ph'] is rows
+    # g / g+8 at K slots (2t, 2t+1) and (2t+8, 2t+9); B = activation words 2h, 2h+1.
+    for h in range(2):
+        for i in range(nt):
+            d = [f"${4 * i + c}" for c in range(4)]
+            code.append(_MMA.format(
+                d0=d[0], d1=d[1], d2=d[2], d3=d[3],
+                a0=f"pg{2 * h}", a1=f"ph{2 * h}", a2=f"pg{2 * h + 1}", a3=f"ph{2 * h + 1}",
+                b0=act_reg[i][2 * h], b1=act_reg[i][2 * h + 1]))
+    code.append("}")
+    return "\n".join(code)
+
+
 @dsl_user_op
 def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, *, loc=None, ip=None):
     """Two k16 MMAs per n8 tile for one 8-element (fp4) / 2x4-element (fp8) group of rows g and
@@ -309,45 +268,35 @@ def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, *, loc=None, i
     for x in act:
         ins += [cutlass.Int32(v) for v in x]
         cons += ["r"] * 4
-    base = 2 * n_acc  # operands: outputs 0..n_acc-1, then the tied accumulator inputs
-    wreg = [f"${base + i}" for i in range(len(wg) + len(wh))]
-    nw = len(wg)
-    base += 2 * nw
-    s_g, s_h = f"${base}", f"${base + 1}"
-    base += 2
-    act_reg = [[f"${base + 4 * i + j}" for j in range(4)] for i in range(nt)]
-    base += 4 * nt
     if b_kind == "mxfp8":
         ins += [cutlass.Int32(x) for x in fp8_params]
         cons += ["r"] * 3
-        shift, mask, fix = f"${base}", f"${base + 1}", f"${base + 2}"
-    code = ["{", ".reg .b32 cv0, cv1, cvk, pg<4>, ph<4>;"]
-    if b_kind == "mxfp8":
-        code.append(_fp8_pairs_ptx(wreg[0], s_g, ["pg0", "pg1"], shift, mask, fix))
-        code.append(_fp8_pairs_ptx(wreg[1], s_g, ["pg2", "pg3"], shift, mask, fix))
-        code.append(_fp8_pairs_ptx(wreg[2], s_h, ["ph0", "ph1"], shift, mask, fix))
-        code.append(_fp8_pairs_ptx(wreg[3], s_h, ["ph2", "ph3"], shift, mask, fix))
-    else:
-        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"]))
-        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"]))
-    for h in range(2):
-        for i in range(nt):
-            d = [f"${4 * i + c}" for c in range(4)]
-            code.append(_MMA.format(
-                d0=d[0], d1=d[1], d2=d[2], d3=d[3],
-                a0=f"pg{2 * h}", a1=f"ph{2 * h}", a2=f"pg{2 * h + 1}", a3=f"ph{2 * h + 1}",
-                b0=act_reg[i][2 * h], b1=act_reg[i][2 * h + 1]))
-    code.append("}")
-    return _asm(n_acc, "f", ins, "\n".join(code), cons, loc, ip)
+    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt), cons, loc, ip)
+
+
+# outputs $0..$3, inputs $4..$7 = (x0x1, x2x3, x4x5, x6x7)
+PERMUTE_FP4_PTX = ("prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
+                   "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;")
 
 
 @dsl_user_op
 def permute_fp4_order(v, *, loc=None, ip=None):
     """8 bf16 (x0x1, x2x3, x4x5, x6x7) -> (x0x4, x1x5, x2x6, x3x7): the fp4 weight pair order."""
-    body = ("prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
-            "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;")
-    return _asm(4, "r", [cutlass.Int32(x) for x in v], body, ["r"] * 4, loc, ip,
+    return _asm(4, "r", [cutlass.Int32(x) for x in v], PERMUTE_FP4_PTX, ["r"] * 4, loc, ip,
                 side_effects=False)
+
+
+def dequant_group_ptx(kind: str) -> str:
+    """PTX of dequant_group: outputs $0..$3; inputs: the word(s), the bf16x2 scale, for fp8
+    (shift, mask, fix)."""
+    code = ["{", ".reg .b32 cv0, cv1, cvk;"]
+    if KINDS[kind]["bits"] == 8:
+        code.append(_fp8_pairs_ptx("$4", "$6", ["$0", "$1"], "$7", "$8", "$9"))
+        code.append(_fp8_pairs_ptx("$5", "$6", ["$2", "$3"], "$7", "$8", "$9"))
+    else:
+        code.append(_fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"]))
+    code.append("}")
+    return "\n".join(code)
 
 
 @dsl_user_op
@@ -356,16 +305,10 @@ def dequant_group(kind, words, s, fp8_params, *, loc=None, ip=None):
     order of `kind` (fp4: nibbles (j, j+4); fp8: natural), times the bf16x2 scale s."""
     ins = [cutlass.Int32(x) for x in words] + [cutlass.Int32(s)]
     cons = ["r"] * (len(words) + 1)
-    code = ["{", ".reg .b32 cv0, cv1, cvk;"]
-    if kind == "mxfp8":
+    if KINDS[kind]["bits"] == 8:
         ins += [cutlass.Int32(x) for x in fp8_params]
         cons += ["r"] * 3
-        code.append(_fp8_pairs_ptx("$4", "$6", ["$0", "$1"], "$7", "$8", "$9"))
-        code.append(_fp8_pairs_ptx("$5", "$6", ["$2", "$3"], "$7", "$8", "$9"))
-    else:
-        code.append(_fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"]))
-    code.append("}")
-    return _asm(4, "r", ins, "\n".join(code), cons, loc, ip, side_effects=False)
+    return _asm(4, "r", ins, dequant_group_ptx(kind), cons, loc, ip, side_effects=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,13 +446,9 @@ class Sm90DecodeGemm:
                     (row % 128) // 32) * 4
                 srow_addr.append(sb_addr + cutlass.Int64(soff))
 
-        # ---- run-time fp8 flavour (shift, mask, power-of-two fix) ----------------------------
-        b_fp8 = [cutlass.Int32(4), cutlass.Int32(0x07F007F0), cutlass.Int32(_K120)]
-        if b_e5m2 != 0:
-            b_fp8 = [cutlass.Int32(3), cutlass.Int32(0x0FE00FE0), cutlass.Int32(_K112)]
-        a_fp8 = [cutlass.Int32(4), cutlass.Int32(0x07F007F0), cutlass.Int32(_K120)]
-        if a_e5m2 != 0:
-            a_fp8 = [cutlass.Int32(3), cutlass.Int32(0x0FE00FE0), cutlass.Int32(_K112)]
+        # ---- run-time fp8 flavour: (shift, mask, power-of-two fix) of the bit trick ------------
+        b_fp8 = self._fp8_params(b_e5m2)
+        a_fp8 = self._fp8_params(a_e5m2)
 
         # registers: weights and raw scale bytes of the current and the next sub-chunk
         n_w = SUB_STEPS * 4 * 4  # steps x rows x 4 words
@@ -571,6 +510,12 @@ class Sm90DecodeGemm:
                     red_add_f32(addr, acc[(rt * nt + i) * 4 + x] * alpha, cutlass.Int32(ok))
 
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _fp8_params(self, e5m2: cutlass.Int32):
+        """e4m3: (4, 0x07F007F0, 2^120); e5m2: (3, 0x0FE00FE0, 2^112), without a branch."""
+        f = cutlass.Int32(e5m2 != 0)
+        return [4 - f, cutlass.Int32(0x07F007F0) << f, cutlass.Int32(_K120) - f * 0x04000400]
+
     @cute.jit
     def _load_weights(self, w, s, row_addr, srow_addr, kc, k_end, t, active):
         """Issue one sub-chunk's weight (16 B per row per step) and scale loads."""

@@ -1,0 +1,370 @@
+"""Check and time the sm90 decode kernel on a Hopper GPU (cupy + the harness library).
+
+    python benchmarks/decode_harness/run_decode.py --lib benchmarks/decode_harness/build \
+        --json $OUT/decode_h100.json [--quick]
+
+Correctness: fresh random operands for every case (never zeros: random fp4/fp8 codes, random
+block scales including subnormal e4m3 and tiny e8m0 ones, random bf16 activations), output and
+workspace poisoned with NaN before the launch, compared with a float64 reference of the
+dequantized operands (computed with cupy in float64 on the GPU: dequantize, then DGEMM).
+Relative Frobenius error must be < 1e-5 for f32 output (bf16 8e-3, f16 1e-3 rounding).
+
+Timing: CUDA events around every launch (the launcher's three kernels), median of many reps,
+rotating through enough weight/scale buffer sets (> 150 MB) that L2 cannot hold them. Reports
+the bytes that must move (B + its scales + A + out), the achieved TB/s on them, and the time.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import cupy as cp
+import ml_dtypes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_variants_module():
+    """jax_blockscale/kernels/sm90_decode_variants.py by path: pure Python, and this way the
+    package's __init__ (jax, the plugin) stays out of the harness process."""
+    import importlib.util
+
+    path = os.path.join(HERE, "..", "..", "jax_blockscale", "kernels", "sm90_decode_variants.py")
+    spec = importlib.util.spec_from_file_location("sm90_decode_variants", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up while building the class
+    spec.loader.exec_module(mod)
+    return mod
+
+
+dec = _load_variants_module()
+
+FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+FMTS = {  # fmt -> (kernel kind, element kind)
+    "nvfp4": ("nvfp4", "e2m1"), "mxfp4": ("mxfp4", "e2m1"),
+    "mxfp8_e4m3": ("mxfp8", "e4m3"), "mxfp8_e5m2": ("mxfp8", "e5m2"),
+}
+TOL = {"f32": 1e-5, "bf16": 8e-3, "f16": 1e-3}
+OUT_NP = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
+OUT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def _lut256(elem):
+    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[elem]
+    return np.arange(256, dtype=np.uint8).view(dt).astype(np.float64)
+
+
+class Lib:
+    def __init__(self, build_dir):
+        self.dll = ctypes.CDLL(os.path.join(build_dir, "libdecode_harness.so"))
+        self.loaded = set()
+
+    def run(self, name, a, b, sa, sb, c, alpha, ws, m, n, k, l, a_e5m2, b_e5m2, splits, stream):
+        if name not in self.loaded:
+            fn = getattr(self.dll, f"load_{name}")
+            fn.restype = ctypes.c_int
+            err = fn()
+            if err:
+                raise RuntimeError(f"load_{name}: cuda error {err}")
+            self.loaded.add(name)
+        fn = getattr(self.dll, f"run_{name}")
+        fn.restype = ctypes.c_int
+        vp, i32 = ctypes.c_void_p, ctypes.c_int32
+        fn.argtypes = [vp] * 7 + [i32] * 7 + [vp]
+        return fn(a, b, sa, sb, c, alpha, ws, m, n, k, l, a_e5m2, b_e5m2, splits, stream)
+
+
+# ---- operands -----------------------------------------------------------------------------------
+def blocked(s_plain):
+    """(L, MN, SK) uint8 plain scales -> (L, ceil(MN/128), ceil(SK/4), 32, 4, 4) blocked."""
+    L, mn, sk = s_plain.shape
+    r, c = -(-mn // 128) * 128, -(-sk // 4) * 4
+    p = np.zeros((L, r, c), np.uint8)
+    p[:, :mn, :sk] = s_plain
+    return np.ascontiguousarray(
+        p.reshape(L, r // 128, 4, 32, c // 4, 4).transpose(0, 1, 4, 3, 2, 5))
+
+
+def rand_scales(rng, shape, kind):
+    if kind == "nvfp4":  # e4m3, non-negative: exponents 0..10 (0: subnormal, incl. exact zero)
+        e = rng.integers(0, 11, shape)
+        mant = rng.integers(0, 8, shape)
+        return ((e << 3) | mant).astype(np.uint8)
+    s = (127 + rng.integers(-6, 7, shape)).astype(np.uint8)  # e8m0 around 1
+    s[rng.random(shape) < 0.01] = 0  # a few 2^-127 (a bf16 subnormal)
+    return s
+
+
+def scale_values(s, kind):
+    if kind == "nvfp4":
+        return s.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return np.exp2(s.astype(np.float64) - 127)
+
+
+class Operand:
+    """A quantized (L, R, K) operand on the GPU: packed data, blocked scales, and its float64
+    dequantized value (on the GPU, for the reference)."""
+
+    def __init__(self, rng, fmt, L, R, K, with_ref=True):
+        kind, elem = FMTS[fmt]
+        block = dec.KINDS[kind]["block"]
+        self.fmt, self.kind, self.e5m2 = fmt, kind, int(elem == "e5m2")
+        if elem == "e2m1":
+            data = cp.random.randint(0, 256, (L, R, K // 2), dtype=cp.int32).astype(cp.uint8)
+        else:
+            lut = _lut256(elem)
+            data = cp.random.randint(0, 256, (L, R, K), dtype=cp.int32).astype(cp.uint8)
+            finite = cp.asarray(np.isfinite(lut))
+            data = cp.where(finite[data], data, cp.uint8(0x38 if elem == "e4m3" else 0x3C))
+        s_plain = rand_scales(rng, (L, R, K // block), kind)
+        self.data = data
+        self.scales = cp.asarray(blocked(s_plain))
+        self.nbytes = data.nbytes + s_plain.nbytes  # unpadded scales: what must be read
+        self.ref = None
+        if with_ref:
+            if elem == "e2m1":
+                lut = cp.asarray(FP4_VALUES)
+                lo = lut[data & 0xF]
+                hi = lut[data >> 4]
+                vals = cp.stack([lo, hi], axis=-1).reshape(L, R, K)
+            else:
+                vals = cp.asarray(_lut256(elem))[data]
+            sv = cp.asarray(scale_values(s_plain, kind))
+            self.ref = (vals.reshape(L, R, K // block, block) * sv[..., None]).reshape(L, R, K)
+
+
+def rand_bf16(L, M, K):
+    x = cp.random.standard_normal((L, M, K), dtype=cp.float32)
+    bits = x.view(cp.uint32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+    b16 = bits.astype(cp.uint16)
+    ref = (b16.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
+    return b16, ref
+
+
+def out_to_f64(c, out):
+    h = cp.asnumpy(c)
+    if out == "bf16":
+        return h.view(ml_dtypes.bfloat16).astype(np.float64)
+    return h.astype(np.float64)
+
+
+# ---- one case -----------------------------------------------------------------------------------
+def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True, time_it=False,
+             reps=60, sm_count=132, log=print):
+    kind_b = FMTS[fmt_b][0]
+    choice = dec.choose_decode_variant(M, N, K, fmt_a, fmt_b, sm_count, out)
+    assert choice is not None, (M, N, K, fmt_a, fmt_b)
+    variant, auto_splits = choice
+    splits = auto_splits if splits is None else splits
+    # operands
+    if fmt_a is None:
+        a, a_ref = rand_bf16(L, M, K)
+        a_bytes, sa, a_e5m2 = a.nbytes, cp.zeros(16, cp.uint8), 0
+    else:
+        qa = Operand(rng, fmt_a, L, M, K, with_ref=check)
+        a, a_ref, sa, a_e5m2, a_bytes = qa.data, qa.ref, qa.scales, qa.e5m2, qa.nbytes
+    n_sets = 1
+    qb = Operand(rng, fmt_b, L, N, K, with_ref=check)
+    if time_it:
+        n_sets = max(1, math.ceil(160e6 / qb.nbytes))
+    sets = [qb] + [Operand(rng, fmt_b, L, N, K, with_ref=False) for _ in range(n_sets - 1)]
+    alpha_val = np.float32(rng.choice([0.75, 1.0, 1.5, 0.3125]))
+    alpha = cp.asarray(np.array([alpha_val], np.float32))
+    c = cp.empty((L, M, N), {"f32": cp.float32, "bf16": cp.uint16, "f16": cp.float16}[out])
+    ws = cp.empty((L, M, N), cp.float32)
+    stream = cp.cuda.get_current_stream()
+
+    def launch(bset):
+        err = lib.run(variant.name, a.data.ptr, bset.data.data.ptr, sa.data.ptr,
+                      bset.scales.data.ptr, c.data.ptr, alpha.data.ptr, ws.data.ptr,
+                      M, N, K, L, a_e5m2, bset.e5m2, splits, stream.ptr)
+        if err:
+            raise RuntimeError(f"{variant.name}: launcher returned {err}")
+
+    rec = dict(fmt_a=fmt_a or "bf16", fmt_b=fmt_b, out=out, M=M, N=N, K=K, L=L,
+               variant=variant.name, splits=splits, auto_splits=auto_splits)
+    if check:
+        # poison: NaN everywhere the kernel writes or reads back (bf16/f16 NaN bit patterns too)
+        c.view(cp.uint8).fill(0xFF)
+        ws.fill(cp.nan)
+        launch(qb)
+        stream.synchronize()
+        cp.cuda.runtime.deviceSynchronize()
+        y = out_to_f64(c, out)
+        ref = float(alpha_val) * cp.asnumpy(cp.matmul(a_ref, qb.ref.transpose(0, 2, 1)))
+        finite = bool(np.isfinite(y).all())
+        err = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if finite else float("inf")
+        rec.update(rel_err=err, finite=finite, ok=bool(finite and err < TOL[out]))
+    if time_it:
+        for i in range(5):
+            launch(sets[i % n_sets])
+        stream.synchronize()
+        # (1) eager: events between back-to-back launches
+        evs = [cp.cuda.Event() for _ in range(reps + 1)]
+        evs[0].record(stream)
+        for i in range(reps):
+            launch(sets[i % n_sets])
+            evs[i + 1].record(stream)
+        evs[-1].synchronize()
+        ts = np.array([cp.cuda.get_elapsed_time(evs[i], evs[i + 1]) for i in range(reps)]) * 1e3
+        us_eager = float(np.median(ts))
+        # (2) CUDA graph of `per` launches (as XLA's command buffers run it): no host gaps
+        us_graph, per = None, 20
+        try:
+            gs = cp.cuda.Stream(non_blocking=True)
+            with gs:
+                gs.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+                for i in range(per):
+                    err = lib.run(variant.name, a.data.ptr, sets[i % n_sets].data.data.ptr,
+                                  sa.data.ptr, sets[i % n_sets].scales.data.ptr, c.data.ptr,
+                                  alpha.data.ptr, ws.data.ptr, M, N, K, L, a_e5m2,
+                                  sets[i % n_sets].e5m2, splits, gs.ptr)
+                    assert err == 0, err
+                graph = gs.end_capture()
+            graph.upload(gs)
+            graph.launch(gs)
+            gs.synchronize()
+            gts = []
+            for _ in range(max(5, reps // per * 2)):
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(gs)
+                graph.launch(gs)
+                e1.record(gs)
+                e1.synchronize()
+                gts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / per)
+            us_graph = float(np.median(gts))
+        except Exception as e:  # capture not possible: keep the eager numbers
+            rec["graph_error"] = repr(e)[:200]
+        us = us_graph if us_graph is not None else us_eager
+        moved = qb.nbytes + a_bytes + L * M * N * OUT_BYTES[out]
+        rec.update(us=us, us_eager=us_eager, us_graph=us_graph,
+                   us_eager_p10=float(np.percentile(ts, 10)),
+                   us_eager_p90=float(np.percentile(ts, 90)),
+                   bytes=int(moved), tbps=moved / (us * 1e-6) / 1e12, buffer_sets=n_sets)
+    log(json.dumps(rec))
+    del sets, qb
+    cp.get_default_memory_pool().free_all_blocks()
+    return rec
+
+
+def copy_bandwidth(log=print):
+    """Device-to-device copy of 1 GiB, counting bytes read + written (the HBM ceiling)."""
+    x = cp.empty(1 << 30, cp.uint8)
+    y = cp.empty_like(x)
+    x.fill(1)
+    for _ in range(3):
+        y[...] = x
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for _ in range(10):
+        y[...] = x
+    e.record()
+    e.synchronize()
+    ms = cp.cuda.get_elapsed_time(s, e) / 10
+    tb = 2 * x.nbytes / (ms * 1e-3) / 1e12
+    log(json.dumps(dict(copy_tbps=tb)))
+    del x, y
+    cp.get_default_memory_pool().free_all_blocks()
+    return tb
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default=os.path.join(HERE, "build"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="correctness subset only")
+    ap.add_argument("--no-perf", action="store_true")
+    args = ap.parse_args()
+    lib = Lib(args.lib)
+    built = set(json.load(open(os.path.join(args.lib, "variants.json"))))
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    sm_count = props["multiProcessorCount"]
+    info = dict(device=props["name"].decode(), sm_count=sm_count, cc=f"{props['major']}.{props['minor']}")
+    print(json.dumps(info), flush=True)
+    rng = np.random.default_rng(int(time.time()))
+    cp.random.seed(int(rng.integers(1 << 30)))
+    results = dict(info=info, correctness=[], perf=[])
+    failures = 0
+
+    def have(fmt_a, fmt_b, out, m):
+        v = dec.choose_decode_variant(m, 64, 64, fmt_a, fmt_b, sm_count, out)
+        return v is not None and v[0].name in built
+
+    # ---- correctness ----------------------------------------------------------------------
+    pairs = [(None, f) for f in FMTS] + [(f, f) for f in FMTS] + [("mxfp8_e4m3", "mxfp8_e5m2")]
+    shapes = [  # (M, N, K, L, splits)
+        (1, 256, 512, 1, None), (3, 1000, 4096 + 96, 1, None), (16, 1000, 4096 + 96, 1, 3),
+        (8, 520, 2080, 2, None), (13, 777, 1056, 1, 1), (16, 8192, 8192, 1, None),
+        (24, 300, 1024, 1, None), (64, 264, 544, 1, 5),
+    ]
+    if args.quick:
+        shapes = shapes[:3]
+    for fmt_a, fmt_b in pairs:
+        for out in ("f32", "bf16", "f16"):
+            for (M, N, K, L, sp) in shapes:
+                if out != "f32" and (M, N) not in ((3, 1000), (16, 8192)):
+                    continue  # the other output dtypes: two shapes each
+                if not have(fmt_a, fmt_b, out, M):
+                    continue
+                try:
+                    r = run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L, splits=sp,
+                                 sm_count=sm_count)
+                except Exception as e:  # keep going: report every failing case
+                    r = dict(fmt_a=fmt_a, fmt_b=fmt_b, out=out, M=M, N=N, K=K, error=repr(e)[:300])
+                    print(json.dumps(r), flush=True)
+                results["correctness"].append(r)
+                failures += not r.get("ok", False)
+    print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed", flush=True)
+
+    # ---- performance ----------------------------------------------------------------------
+    def guarded(fmt_a, fmt_b, out, M, N, K, **kw):
+        try:
+            return run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, sm_count=sm_count, **kw)
+        except Exception as e:
+            r = dict(fmt_a=fmt_a or "bf16", fmt_b=fmt_b, out=out, M=M, N=N, K=K,
+                     error=repr(e)[:300], splits=kw.get("splits"), us=float("nan"),
+                     tbps=float("nan"))
+            print(json.dumps(r), flush=True)
+            return r
+
+    if not args.no_perf:
+        results["copy_tbps"] = copy_bandwidth()
+        perf = []
+        for (M, NK) in [(1, 8192), (16, 8192), (1, 16384), (16, 16384)]:
+            for fmt_a, fmt_b in [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"),
+                                 ("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")]:
+                if fmt_a is not None and M == 1:
+                    continue
+                if not have(fmt_a, fmt_b, "bf16", M):
+                    continue
+                perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=True, time_it=True))
+        # split-K sweep on two shapes (checks the heuristic's choice)
+        for (M, NK) in [(16, 8192), (16, 16384)]:
+            for sp in (1, 2, 4, 8, 16):
+                if have(None, "nvfp4", "bf16", M):
+                    perf.append(guarded(None, "nvfp4", "bf16", M, NK, NK, splits=sp, check=False,
+                                        time_it=True))
+        results["perf"] = perf
+        print("\n fmt_a      fmt_b       M     N     K splits | us(graph) us(eager)  TB/s  rel_err")
+        for r in perf:
+            print(f" {str(r['fmt_a']):10s} {r['fmt_b']:10s} {r['M']:3d} {r['N']:5d} {r['K']:5d} "
+                  f"{str(r.get('splits')):>5s} | {r['us']:8.1f} {r.get('us_eager', float('nan')):8.1f} "
+                  f"{r['tbps']:5.2f}  {r.get('rel_err', float('nan')):.2e}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

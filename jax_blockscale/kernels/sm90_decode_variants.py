@@ -1,0 +1,94 @@
+"""Variants and dispatch heuristic of the sm90 decode kernel (pure Python, no DSL needed).
+
+The kernel itself is in sm90_decode.py (build time only). This module is what the runtime, the
+FFI variant table and the tests need: the frozen `DecodeVariant`, the list `VARIANTS` that the
+AOT step compiles, and `choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# ----------------------------------------------------------------------------------------------
+# Formats
+# ----------------------------------------------------------------------------------------------
+KINDS = {
+    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
+    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
+    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 picked at run time
+    "bf16": dict(block=None, bits=16, scale=None),
+}
+B_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+# (a_kind, b_kind) pairs: weight-only first (the common decode case), then quantized activations.
+PAIRS = [("bf16", b) for b in B_KINDS] + [(b, b) for b in B_KINDS]
+OUTS = ("bf16", "f16", "f32")
+
+WARPS = 8  # warps per CTA
+THREADS = 32 * WARPS
+ROWS_PER_WARP = 32  # two m16 row tiles
+BN = WARPS * ROWS_PER_WARP  # rows of N per CTA
+STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
+SUB_STEPS = 2  # steps per sub-chunk (one shared-memory activation buffer, one barrier)
+
+_K126 = 0x7E807E80  # bf16x2 2^126: undoes the e2m1 bit trick
+_K120 = 0x7B807B80  # bf16x2 2^120: undoes the e4m3 bit trick
+_K112 = 0x77807780  # bf16x2 2^112: undoes the e5m2 bit trick
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant:
+    """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16; larger M
+    runs ceil(M / (8*nt)) chunks, re-reading the weights)."""
+
+    a_kind: str  # "bf16" (weight-only) or the quantized kind of A
+    b_kind: str  # "nvfp4" | "mxfp4" | "mxfp8"
+    out: str  # "bf16" | "f16" | "f32"
+    nt: int
+
+    @property
+    def name(self) -> str:
+        return f"jbs_sm90_decode_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
+
+
+VARIANTS = [
+    DecodeVariant(a, b, out, nt) for (a, b) in PAIRS for out in OUTS for nt in (1, 2)
+]
+
+# fmt names as the rest of the package spells them -> kernel kind
+_FMT_TO_KIND = {
+    None: "bf16", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4",
+    "mxfp8": "mxfp8", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8",
+}
+
+
+def steps_elems(b_kind: str) -> int:
+    """K elements one step covers (64 bytes of a weight row)."""
+    return STEP_BYTES * 8 // KINDS[b_kind]["bits"]
+
+
+def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16"):
+    """Pick (variant, splits) for a decode-shaped call, or None if this kernel should not run it.
+
+    Pure Python (the FFI handler mirrors it in C++). fmt_a is None/"bf16" for weight-only.
+    splits: K ranges per output tile, so that the grid has about one CTA per SM (one 256-thread
+    CTA per SM is what the register budget allows), each range a whole number of sub-chunks.
+    """
+    a_kind = _FMT_TO_KIND.get(fmt_a)
+    b_kind = _FMT_TO_KIND.get(fmt_b)
+    if a_kind is None or b_kind not in B_KINDS:
+        return None
+    if (a_kind, b_kind) not in PAIRS or out not in OUTS:
+        return None
+    if m < 1 or n < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
+        return None
+    if m > 64:  # past this the tensor-core GEMM wins (weights are re-read per 16 rows of M)
+        return None
+    nt = 1 if m <= 8 else 2
+    variant = DecodeVariant(a_kind, b_kind, out, nt)
+    chunk = SUB_STEPS * steps_elems(b_kind)
+    k_chunks = -(-k // chunk)
+    ctas = -(-n // BN) * -(-m // (8 * nt))
+    splits = max(1, min(k_chunks, sm_count // max(1, ctas)))
+    # equalize: every split gets the same number of sub-chunks (the last one may be short)
+    per = -(-k_chunks // splits)
+    splits = -(-k_chunks // per)
+    return variant, splits

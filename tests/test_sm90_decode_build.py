@@ -1,0 +1,282 @@
+"""sm90 decode kernel, no GPU needed: the PTX bit tricks and fragment bookkeeping (emulated on the
+CPU for every code), the variant heuristic, and that the variants compile and export for sm_90a.
+
+The export tests need nvidia-cutlass-dsl; they are skipped where it is not installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests import _ptx_emu as emu
+
+from jax_blockscale.kernels import sm90_decode_variants as dv  # pure Python: always importable
+
+# the kernel module (PTX text generators, export) needs nvidia-cutlass-dsl
+dec = pytest.importorskip("jax_blockscale.kernels.sm90_decode")
+
+FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+E5M2 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float64)
+FP8_PARAMS = {  # (shift, mask, fix) the kernel passes for each fp8 flavour
+    "e4m3": (4, 0x07F007F0, dec._K120), "e5m2": (3, 0x0FE00FE0, dec._K112)}
+
+
+def lanes(x):
+    return np.broadcast_to(np.asarray(x, np.uint32), (32,)).copy()
+
+
+def halves(r):
+    return (emu.bf16_to_f64((r & 0xFFFF).astype(np.uint16)),
+            emu.bf16_to_f64((r >> 16).astype(np.uint16)))
+
+
+def scale_reg(kind, byte):
+    body = dec._SCALE_E4M3 if dec.KINDS[kind]["scale"] == "e4m3" else dec._SCALE_E8M0
+    return emu.run(body, {"$1": lanes(byte)})["$0"]
+
+
+def scale_value(kind, byte):
+    if kind == "nvfp4":
+        return E4M3[byte]
+    return 2.0 ** (int(byte) - 127)
+
+
+# ---- bit tricks, every code ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_scale_to_bf16x2_every_code(kind):
+    codes = range(127) if kind == "nvfp4" else range(255)  # non-negative e4m3; no NaN codes
+    for byte in codes:
+        lo, hi = halves(scale_reg(kind, byte))
+        assert lo[0] == hi[0] == scale_value(kind, byte), byte
+
+
+def test_fp4_pairs_every_nibble_every_position():
+    rng = np.random.default_rng(0)
+    s = scale_reg("nvfp4", 0x3A)  # 1.25
+    ptx = "{\n.reg .b32 cv0, cv1, cvk;\n" + dec._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"]) + "\n}"
+    for rep in range(8):
+        words = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+        if rep == 0:  # every nibble value at every position
+            words = np.array([sum(((n + p) % 16) << (4 * p) for p in range(8)) for n in range(16)] * 2,
+                             np.uint32)
+        out = emu.run(ptx, {"$4": words, "$5": s})
+        for j in range(4):
+            lo, hi = halves(out[f"${j}"])
+            np.testing.assert_array_equal(lo, FP4[(words >> (4 * j)) & 0xF] * 1.25)
+            np.testing.assert_array_equal(hi, FP4[(words >> (4 * (j + 4))) & 0xF] * 1.25)
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_fp8_pairs_every_byte(elem):
+    table = E4M3 if elem == "e4m3" else E5M2
+    finite = np.flatnonzero(np.isfinite(table))
+    shift, mask, fix = FP8_PARAMS[elem]
+    s = scale_reg("mxfp8", 127 + 3)  # 8
+    ptx = "{\n.reg .b32 cv0, cv1, cvk;\n" + dec._fp8_pairs_ptx("$2", "$3", ["$0", "$1"], "$4", "$5", "$6") + "\n}"
+    for start in range(0, len(finite), 32):
+        b = finite[np.arange(start, start + 32) % len(finite)].astype(np.uint32)
+        words = b | (np.roll(b, 1) << 8) | (np.roll(b, 2) << 16) | (np.roll(b, 3) << 24)
+        out = emu.run(ptx, {"$2": words, "$3": s, "$4": lanes(shift), "$5": lanes(mask),
+                            "$6": lanes(fix)})
+        got = [*halves(out["$0"]), *halves(out["$1"])]
+        for i in range(4):
+            np.testing.assert_array_equal(got[i], table[(words >> (8 * i)) & 0xFF] * 8)
+
+
+# ---- one step of a row tile, end to end (staging order + conversion + mma fragments) -----------
+def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0):
+    """One k-step of one 16-row tile: weights W (16 x se), activations X (8nt x se), as the kernel
+    lays them out (thread 4g+t: bytes [16t, 16t+16) of rows g and g+8; activations staged in
+    fragment order). Returns (kernel result (16, 8nt), float64 reference)."""
+    rng = np.random.default_rng(seed)
+    bits, block = dec.KINDS[b_kind]["bits"], dec.KINDS[b_kind]["block"]
+    se = dec.steps_elems(b_kind)
+    e, Q = se // 4, se // 32
+    table = FP4 if bits == 4 else (E4M3 if elem == "e4m3" else E5M2)
+    # weights: 16 rows x 64 bytes
+    wbytes = rng.integers(0, 256, (16, 64), dtype=np.uint8)
+    if bits == 8:
+        wbytes = np.where(np.isfinite(table[wbytes]), wbytes, 0x38).astype(np.uint8)
+        W = table[wbytes]
+    else:
+        W = np.stack([FP4[wbytes & 0xF], FP4[wbytes >> 4]], -1).reshape(16, se)
+    nblk = se // block
+    sbytes = (rng.integers(0, 120, (16, nblk)) if b_kind == "nvfp4"
+              else 127 + rng.integers(-5, 6, (16, nblk))).astype(np.uint32)
+    svals = np.vectorize(lambda b: scale_value(b_kind, b))(sbytes)
+    W = W * np.repeat(svals, block, axis=1)
+    # activations (bf16) and their staged fragment-order words, as _stage_activations writes them
+    X = rng.standard_normal((8 * nt, se)).astype(ml_dtypes.bfloat16)
+    Xbits = X.view(np.uint16).astype(np.uint32)
+    X = X.astype(np.float64)
+    smem = {}
+    for i in range(nt):
+        for q in range(Q):
+            words = []
+            for w in range(4):
+                lane = np.arange(32)
+                row = i * 8 + lane // 4
+                k = (lane % 4) * e + q * 8 + 2 * w
+                words.append(Xbits[row, k] | (Xbits[row, k + 1] << 16))
+            if bits == 4:
+                res = emu.run(dec.PERMUTE_FP4_PTX, {f"${4 + w}": words[w] for w in range(4)})
+                words = [res[f"${w}"] for w in range(4)]
+            smem[(i, q)] = words
+    # per-thread registers: 4 words of row g and of row g+8
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    wr = wbytes.view(np.uint32)  # (16, 16): 16 words per row, thread t owns words 4t..4t+3
+    acc = {f"${x}": np.zeros(32) for x in range(4 * nt)}
+    ptx = dec.dequant_mma_ptx(b_kind, nt)
+    wpg = 1 if bits == 4 else 2
+    for q in range(Q):
+        ops = dict(acc)
+        n_acc = 4 * nt
+        for x in range(n_acc):
+            ops[f"${n_acc + x}"] = acc[f"${x}"]
+        base = 2 * n_acc
+        for r2, rows in enumerate((g, g + 8)):
+            for x in range(wpg):
+                ops[f"${base + r2 * wpg + x}"] = wr[rows, 4 * t + q * wpg + x]
+        base += 2 * wpg
+        for r2, rows in enumerate((g, g + 8)):
+            kb = (t * e + q * 8) // block
+            ops[f"${base + r2}"] = np.array(
+                [scale_reg(b_kind, sbytes[r, b])[0] for r, b in zip(rows, kb)], np.uint32)
+        base += 2
+        for i in range(nt):
+            for w in range(4):
+                ops[f"${base + 4 * i + w}"] = smem[(i, q)][w]
+        base += 4 * nt
+        if bits == 8:
+            for x, val in enumerate(FP8_PARAMS[elem]):
+                ops[f"${base + x}"] = lanes(val)
+        res = emu.run(ptx, ops)
+        acc = {f"${x}": res[f"${x}"] for x in range(4 * nt)}
+    D = np.zeros((16, 8 * nt))
+    for i in range(nt):
+        for x, (roff, coff) in enumerate([(0, 0), (0, 1), (8, 0), (8, 1)]):
+            D[g + roff, i * 8 + 2 * t + coff] = acc[f"${4 * i + x}"]
+    return D, W @ X.T
+
+
+@pytest.mark.parametrize("b_kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"),
+                                         ("mxfp8", "e4m3"), ("mxfp8", "e5m2")])
+@pytest.mark.parametrize("nt", [1, 2])
+def test_warp_step_matches_reference(b_kind, elem, nt):
+    D, ref = _emulate_step(b_kind, elem, nt)
+    np.testing.assert_allclose(D, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind,elem", [("nvfp4", "e2m1"), ("mxfp8", "e4m3"), ("mxfp8", "e5m2")])
+def test_activation_dequant_group(kind, elem):
+    """Quantized activations: dequant_group gives the same pair order the weights use."""
+    rng = np.random.default_rng(1)
+    bits = dec.KINDS[kind]["bits"]
+    nbytes = 4 if bits == 4 else 8
+    b = rng.integers(0, 256, (32, nbytes), dtype=np.uint8)
+    table = FP4 if bits == 4 else (E4M3 if elem == "e4m3" else E5M2)
+    if bits == 8:
+        b = np.where(np.isfinite(table[b]), b, 0x38).astype(np.uint8)
+        vals = table[b]
+        order = list(range(8))
+    else:
+        vals = np.stack([FP4[b & 0xF], FP4[b >> 4]], -1).reshape(32, 8)
+        order = [0, 4, 1, 5, 2, 6, 3, 7]
+    words = b.view(np.uint32)
+    sbyte = 0x30 if kind == "nvfp4" else 125  # 0.5 / 0.25
+    ops = {"$4": words[:, 0].copy()}
+    if bits == 8:
+        ops["$5"] = words[:, 1].copy()
+        ops["$6"] = scale_reg(kind, sbyte)
+        for x, val in enumerate(FP8_PARAMS[elem]):
+            ops[f"${7 + x}"] = lanes(val)
+    else:
+        ops["$5"] = scale_reg(kind, sbyte)
+    out = emu.run(dec.dequant_group_ptx(kind), ops)
+    got = np.stack([h for j in range(4) for h in halves(out[f"${j}"])], -1)
+    np.testing.assert_array_equal(got, vals[:, order] * scale_value(kind, sbyte))
+
+
+# ---- heuristic ---------------------------------------------------------------------------------
+def test_choose_decode_variant():
+    v, s = dec.choose_decode_variant(1, 16384, 16384, None, "nvfp4", 132)
+    assert (v.a_kind, v.b_kind, v.nt, v.out) == ("bf16", "nvfp4", 1, "bf16")
+    assert 1 <= s and -(-16384 // dec.BN) * s <= 132
+    v, s = dec.choose_decode_variant(16, 8192, 8192, "bf16", "mxfp8_e5m2", 132, "f32")
+    assert (v.b_kind, v.nt, v.out) == ("mxfp8", 2, "f32")
+    assert 32 * s <= 132 and s >= 4  # 32 CTAs over N: split K to fill the GPU
+    v, s = dec.choose_decode_variant(12, 1000, 4192, "nvfp4", "nvfp4", 132)
+    assert v.a_kind == "nvfp4" and v.nt == 2
+    # every split gets whole sub-chunks, none is empty
+    for (m, n, k) in [(1, 256, 512), (3, 1000, 4192), (16, 300, 32 * 7), (8, 100000, 8192)]:
+        for fmt in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
+            v, s = dec.choose_decode_variant(m, n, k, None, fmt, 132)
+            chunk = dec.SUB_STEPS * dec.steps_elems(v.b_kind)
+            k_chunks = -(-k // chunk)
+            per = -(-k_chunks // s)
+            assert (s - 1) * per < k_chunks, (m, n, k, fmt, s)
+    # not this kernel's job
+    assert dec.choose_decode_variant(128, 4096, 4096, None, "nvfp4", 132) is None
+    assert dec.choose_decode_variant(4, 4096, 4100, None, "nvfp4", 132) is None  # K % 32
+    assert dec.choose_decode_variant(4, 4096, 4096, "mxfp4", "nvfp4", 132) is None  # pair
+    assert dec.choose_decode_variant(4, 4096, 4096, None, "mxfp6_e2m3", 132) is None
+
+
+def test_variant_list():
+    names = [v.name for v in dec.VARIANTS]
+    assert len(names) == len(set(names)) == len(dec.PAIRS) * 3 * 2
+    for (a, b) in dec.PAIRS:
+        assert b in dec.B_KINDS and a in ("bf16", b)
+
+
+# ---- compile + export for sm_90a ---------------------------------------------------------------
+needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                               reason="needs nvidia-cutlass-dsl")
+
+
+def _sass_of(obj, tmp):
+    from jax_blockscale import _cubins
+
+    if _cubins.sass_tools_missing():
+        pytest.skip(_cubins.sass_tools_missing())
+    cubins = _cubins.find_cubins_in_file(obj)
+    assert cubins and all(c.sm == 90 for c in cubins), [c.sm for c in cubins]
+    return _cubins.dump_sass(cubins[0].write(os.path.join(tmp, "k.cubin")))
+
+
+FAST = [dec.DecodeVariant("bf16", "nvfp4", "bf16", 1), dec.DecodeVariant("bf16", "mxfp8", "f32", 2),
+        dec.DecodeVariant("mxfp4", "mxfp4", "f16", 2)]
+
+
+@needs_dsl
+@pytest.mark.parametrize("variant", FAST, ids=lambda v: v.name)
+def test_export_sm90a(variant, tmp_path):
+    h, o = dec.export_variant(variant, str(tmp_path), variant.name)
+    text = open(h).read()
+    proto = re.search(r"static inline int32_t cute_dsl_(\w+)_wrapper\(([^)]*)\)", text)
+    assert proto and proto.group(1) == variant.name
+    params = [p.strip().split()[-1].lstrip("*") for p in proto.group(2).split(",")]
+    assert params == ["module", "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr",
+                      "ws_ptr", "m", "n", "k", "l", "a_e5m2", "b_e5m2", "splits", "stream"]
+    sass = _sass_of(o, str(tmp_path))
+    main = sass[sass.index("Function : kernel_cutlass_kernel"):]
+    main = main[:main.index("Function", 10)] if "Function" in main[10:] else main
+    assert "HMMA.16816.F32.BF16" in main  # tensor cores, bf16 in / f32 accumulate
+    assert "LDG.E.NA.LTC256B.128" in main  # 16-byte streaming weight loads
+    assert "LDS.128" in main and "REDG.E.ADD.F32" in main
+    assert "LDL" not in main and "STL" not in main  # no spills to local memory
+
+
+@needs_dsl
+@pytest.mark.slow
+def test_export_every_variant(tmp_path):
+    for v in dec.VARIANTS:
+        h, o = dec.export_variant(v, str(tmp_path), v.name)
+        assert os.path.getsize(o) > 0 and os.path.exists(h)
