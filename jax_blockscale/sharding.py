@@ -405,7 +405,15 @@ def _devices(axis_context) -> int:
     if isinstance(axis_context, SPMDAxisContext):
         auto = set(axis_context.mesh.axis_names) - set(axis_context.manual_axes)
         # Fully manual (shard_map, and our own per-device function): the op is already local.
-        return math.prod(axis_context.mesh.shape[x] for x in auto) if auto else 1
+        if not auto:
+            return 1
+        if not jax.config.jax_use_shardy_partitioner:
+            # Partially manual shard_map: GSPMD cannot hand these shardings to a
+            # custom-partitioning callback (XLA aborts), so leave the op to XLA.
+            _log_once(logging.INFO, "jax_blockscale gemm: inside a partially manual shard_map "
+                      "under GSPMD the gemm is not custom-partitioned; XLA places it")
+            return 1
+        return math.prod(axis_context.mesh.shape[x] for x in auto)
     return 1  # pmap's replica context and anything else: per-device code
 
 

@@ -391,3 +391,33 @@ else:
             in_specs=(P("x", "y"), P(None, "y"), P(None, "y", None, None, None)),
             out_specs=P("x", None)))
         assert rel_err(f(x, w.data, w.scales), want) < TOL
+
+    def test_partially_manual_shard_map():
+        """shard_map manual over 'y' only; inside, gemm's tokens stay split over the auto 'x'."""
+        x = rand(34, (64, 512))
+        w = jbs.quantize(rand(35, (256, 512)), "nvfp4", layout="blocked")
+        want = np.asarray(gemm_f32(x, w))
+
+        def row_parallel(x, wd, ws):
+            q = jbs.BlockScaled(wd, ws, w.global_scale, w.fmt, w.layout)
+            return jax.lax.psum(jbs.gemm(x, q, out_dtype=jnp.float32), "y")
+
+        f = jax.jit(jax.shard_map(
+            row_parallel, mesh=MESH_2D, axis_names={"y"},
+            in_specs=(P(None, "y"), P(None, "y"), P(None, "y", None, None, None)),
+            out_specs=P()))
+        xs = jax.device_put(x, NamedSharding(MESH_2D, P("x", "y")))
+        assert rel_err(f(xs, w.data, w.scales), want) < TOL
+
+    @pytest.mark.parametrize("x_spec,w_spec", [
+        (P("x", None), P("y", None)),  # data + column parallel
+        (P("x", "y"), P(None, "y")),  # data + row parallel (K)
+    ])
+    def test_explicit_axes_mesh(x_spec, w_spec):
+        mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+        x = rand(36, (64, 512))
+        w = jbs.quantize(rand(37, (1024, 512)), "nvfp4", layout="blocked")
+        want = np.asarray(gemm_f32(x, w))
+        with jax.set_mesh(mesh):
+            y = gemm_f32(place(mesh, x, x_spec), place(mesh, w, w_spec))
+        assert rel_err(y, want) < TOL
