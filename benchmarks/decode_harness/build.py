@@ -84,19 +84,28 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "build"))
     ap.add_argument("--only", default="*", help="fnmatch pattern on variant names")
+    ap.add_argument("--extra-tunings", default="",
+                    help="comma list of pipeline:stages:sub_steps:min_blocks:ctas_per_sm; each "
+                         "adds the bf16/f32-output variants under the name suffix _T<tag>")
     args = ap.parse_args(argv)
     from jax_blockscale.kernels import sm90_decode as dec
 
     os.makedirs(args.out, exist_ok=True)
+    jobs = [(v, dec.DEFAULT_TUNING, v.name) for v in dec.VARIANTS]
+    for spec in filter(None, args.extra_tunings.split(",")):
+        p, st, sub, mb, cps = spec.split(":")
+        tun = dec.Tuning(p, int(st), int(sub), int(mb), int(cps))
+        jobs += [(v, tun, f"{v.name}_T{tun.tag}") for v in dec.VARIANTS if v.out in ("bf16", "f32")]
     exports, table = [], {}
-    for v in dec.VARIANTS:
-        if not fnmatch.fnmatch(v.name, args.only):
+    for v, tun, name in jobs:
+        if not fnmatch.fnmatch(name, args.only):
             continue
         t0 = time.time()
-        h, o = dec.export_variant(v, args.out, v.name)
-        exports.append((v.name, h, o))
-        table[v.name] = dataclasses.asdict(v)
-        print(f"[build] {v.name}: {time.time() - t0:.1f}s", flush=True)
+        h, o = dec.export_variant(v, args.out, name, tuning=tun)
+        exports.append((name, h, o))
+        table[name] = dict(variant=dataclasses.asdict(v), tuning=dataclasses.asdict(tun),
+                           default=tun == dec.DEFAULT_TUNING)
+        print(f"[build] {name}: {time.time() - t0:.1f}s", flush=True)
     lib = link(exports, args.out)
     with open(os.path.join(args.out, "variants.json"), "w") as f:
         json.dump(table, f, indent=1)

@@ -157,11 +157,13 @@ def out_to_f64(c, out):
 
 # ---- one case -----------------------------------------------------------------------------------
 def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True, time_it=False,
-             reps=60, sm_count=132, log=print):
-    kind_b = FMTS[fmt_b][0]
-    choice = dec.choose_decode_variant(M, N, K, fmt_a, fmt_b, sm_count, out)
+             reps=60, sm_count=132, log=print, tuning=None):
+    """tuning: None = the library default (plain variant names), else (tag, Tuning)."""
+    tun = tuning[1] if tuning else None
+    choice = dec.choose_decode_variant(M, N, K, fmt_a, fmt_b, sm_count, out, tuning=tun)
     assert choice is not None, (M, N, K, fmt_a, fmt_b)
     variant, auto_splits = choice
+    name = variant.name + (f"_T{tuning[0]}" if tuning else "")
     splits = auto_splits if splits is None else splits
     # operands
     if fmt_a is None:
@@ -182,15 +184,24 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
     stream = cp.cuda.get_current_stream()
 
     def launch(bset):
-        err = lib.run(variant.name, a.data.ptr, bset.data.data.ptr, sa.data.ptr,
+        err = lib.run(name, a.data.ptr, bset.data.data.ptr, sa.data.ptr,
                       bset.scales.data.ptr, c.data.ptr, alpha.data.ptr, ws.data.ptr,
                       M, N, K, L, a_e5m2, bset.e5m2, splits, stream.ptr)
         if err:
-            raise RuntimeError(f"{variant.name}: launcher returned {err}")
+            raise RuntimeError(f"{name}: launcher returned {err}")
 
     rec = dict(fmt_a=fmt_a or "bf16", fmt_b=fmt_b, out=out, M=M, N=N, K=K, L=L,
-               variant=variant.name, splits=splits, auto_splits=auto_splits)
+               variant=name, tuning=tuning[0] if tuning else "default", splits=splits,
+               auto_splits=auto_splits)
     if check:
+        ref = cp.asnumpy(cp.matmul(a_ref, qb.ref.transpose(0, 2, 1)))
+        if out == "f16":  # keep the result inside f16's range (max 65504): a power-of-two alpha
+            amax = float(np.abs(ref).max())
+            if amax * float(alpha_val) > 4096:
+                alpha_val = np.float32(2.0 ** np.floor(np.log2(4096 / amax)))
+                alpha[...] = cp.float32(alpha_val)
+        ref = float(alpha_val) * ref
+        rec["alpha"] = float(alpha_val)
         # poison: NaN everywhere the kernel writes or reads back (bf16/f16 NaN bit patterns too)
         c.view(cp.uint8).fill(0xFF)
         ws.fill(cp.nan)
@@ -198,7 +209,6 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
         stream.synchronize()
         cp.cuda.runtime.deviceSynchronize()
         y = out_to_f64(c, out)
-        ref = float(alpha_val) * cp.asnumpy(cp.matmul(a_ref, qb.ref.transpose(0, 2, 1)))
         finite = bool(np.isfinite(y).all())
         err = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if finite else float("inf")
         rec.update(rel_err=err, finite=finite, ok=bool(finite and err < TOL[out]))
@@ -222,7 +232,7 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
             with gs:
                 gs.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
                 for i in range(per):
-                    err = lib.run(variant.name, a.data.ptr, sets[i % n_sets].data.data.ptr,
+                    err = lib.run(name, a.data.ptr, sets[i % n_sets].data.data.ptr,
                                   sa.data.ptr, sets[i % n_sets].scales.data.ptr, c.data.ptr,
                                   alpha.data.ptr, ws.data.ptr, M, N, K, L, a_e5m2,
                                   sets[i % n_sets].e5m2, splits, gs.ptr)
@@ -283,22 +293,42 @@ def main():
     ap.add_argument("--no-perf", action="store_true")
     args = ap.parse_args()
     lib = Lib(args.lib)
-    built = set(json.load(open(os.path.join(args.lib, "variants.json"))))
+    table = json.load(open(os.path.join(args.lib, "variants.json")))
+    built = set(table)
+    # extra tunings present in the library: tag -> Tuning
+    extra = {}
+    for name, ent in table.items():
+        if not ent["default"]:
+            tun = dec.Tuning(**ent["tuning"])
+            extra[tun.tag] = tun
+    extra = sorted(extra.items())
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     sm_count = props["multiProcessorCount"]
-    info = dict(device=props["name"].decode(), sm_count=sm_count, cc=f"{props['major']}.{props['minor']}")
+    info = dict(device=props["name"].decode(), sm_count=sm_count,
+                cc=f"{props['major']}.{props['minor']}", default_tuning=dec.DEFAULT_TUNING.tag,
+                extra_tunings=[t for t, _ in extra])
     print(json.dumps(info), flush=True)
     rng = np.random.default_rng(int(time.time()))
     cp.random.seed(int(rng.integers(1 << 30)))
     results = dict(info=info, correctness=[], perf=[])
     failures = 0
 
-    def have(fmt_a, fmt_b, out, m):
+    def have(fmt_a, fmt_b, out, m, tuning=None):
         v = dec.choose_decode_variant(m, 64, 64, fmt_a, fmt_b, sm_count, out)
-        return v is not None and v[0].name in built
+        return v is not None and (v[0].name + (f"_T{tuning[0]}" if tuning else "")) in built
 
-    # ---- correctness ----------------------------------------------------------------------
+    def guarded(fmt_a, fmt_b, out, M, N, K, **kw):
+        try:
+            return run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, sm_count=sm_count, **kw)
+        except Exception as e:  # keep going: report every failing case
+            r = dict(fmt_a=fmt_a or "bf16", fmt_b=fmt_b, out=out, M=M, N=N, K=K,
+                     error=repr(e)[:300], splits=kw.get("splits"), us=float("nan"),
+                     tbps=float("nan"), tuning=kw["tuning"][0] if kw.get("tuning") else "default")
+            print(json.dumps(r), flush=True)
+            return r
+
+    # ---- correctness: every pair, output dtype, odd shapes; default tuning ----------------
     pairs = [(None, f) for f in FMTS] + [(f, f) for f in FMTS] + [("mxfp8_e4m3", "mxfp8_e5m2")]
     shapes = [  # (M, N, K, L, splits)
         (1, 256, 512, 1, None), (3, 1000, 4096 + 96, 1, None), (16, 1000, 4096 + 96, 1, 3),
@@ -314,54 +344,53 @@ def main():
                     continue  # the other output dtypes: two shapes each
                 if not have(fmt_a, fmt_b, out, M):
                     continue
-                try:
-                    r = run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L, splits=sp,
-                                 sm_count=sm_count)
-                except Exception as e:  # keep going: report every failing case
-                    r = dict(fmt_a=fmt_a, fmt_b=fmt_b, out=out, M=M, N=N, K=K, error=repr(e)[:300])
-                    print(json.dumps(r), flush=True)
+                r = guarded(fmt_a, fmt_b, out, M, N, K, L=L, splits=sp)
                 results["correctness"].append(r)
                 failures += not r.get("ok", False)
+    # the other tunings in the library: f32 output, the odd shapes
+    for tag, tun in extra:
+        for fmt_a, fmt_b in pairs:
+            for (M, N, K, L, sp) in [shapes[1], shapes[2], shapes[3], shapes[4]]:
+                if have(fmt_a, fmt_b, "f32", M, (tag, tun)):
+                    r = guarded(fmt_a, fmt_b, "f32", M, N, K, L=L, splits=sp, tuning=(tag, tun))
+                    results["correctness"].append(r)
+                    failures += not r.get("ok", False)
     print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed", flush=True)
 
     # ---- performance ----------------------------------------------------------------------
-    def guarded(fmt_a, fmt_b, out, M, N, K, **kw):
-        try:
-            return run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, sm_count=sm_count, **kw)
-        except Exception as e:
-            r = dict(fmt_a=fmt_a or "bf16", fmt_b=fmt_b, out=out, M=M, N=N, K=K,
-                     error=repr(e)[:300], splits=kw.get("splits"), us=float("nan"),
-                     tbps=float("nan"))
-            print(json.dumps(r), flush=True)
-            return r
-
     if not args.no_perf:
         results["copy_tbps"] = copy_bandwidth()
         perf = []
-        for (M, NK) in [(1, 8192), (16, 8192), (1, 16384), (16, 16384)]:
-            for fmt_a, fmt_b in [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"),
-                                 ("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")]:
-                if fmt_a is not None and M == 1:
-                    continue
-                if not have(fmt_a, fmt_b, "bf16", M):
-                    continue
-                perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=True, time_it=True))
-        # split-K sweep on two shapes (checks the heuristic's choice)
-        for (M, NK) in [(16, 8192), (16, 16384)]:
-            for sp in (1, 2, 4, 8, 16):
+        for tuning in [None] + list(extra):
+            for (M, NK) in [(1, 8192), (16, 8192), (1, 16384), (16, 16384)]:
+                for fmt_a, fmt_b in [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"),
+                                     ("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")]:
+                    if fmt_a is not None and M == 1:
+                        continue
+                    if not have(fmt_a, fmt_b, "bf16", M, tuning):
+                        continue
+                    perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=tuning is None,
+                                        time_it=True, tuning=tuning))
+        # split-K sweep, default tuning (checks the heuristic's choice)
+        for (M, NK) in [(1, 8192), (16, 8192), (16, 16384)]:
+            for sp in (1, 2, 3, 4, 6, 8, 16):
                 if have(None, "nvfp4", "bf16", M):
                     perf.append(guarded(None, "nvfp4", "bf16", M, NK, NK, splits=sp, check=False,
                                         time_it=True))
         results["perf"] = perf
-        print("\n fmt_a      fmt_b       M     N     K splits | us(graph) us(eager)  TB/s  rel_err")
+        print("\n tuning            fmt_a      fmt_b       M     N     K splits | us(graph) us(eager)  TB/s  rel_err")
         for r in perf:
-            print(f" {str(r['fmt_a']):10s} {r['fmt_b']:10s} {r['M']:3d} {r['N']:5d} {r['K']:5d} "
-                  f"{str(r.get('splits')):>5s} | {r['us']:8.1f} {r.get('us_eager', float('nan')):8.1f} "
-                  f"{r['tbps']:5.2f}  {r.get('rel_err', float('nan')):.2e}")
+            print(f" {r.get('tuning', ''):17s} {str(r['fmt_a']):10s} {r['fmt_b']:10s} {r['M']:3d} "
+                  f"{r['N']:5d} {r['K']:5d} {str(r.get('splits')):>5s} | {r['us']:8.1f} "
+                  f"{r.get('us_eager', float('nan')):8.1f} {r['tbps']:5.2f}  "
+                  f"{r.get('rel_err', float('nan')):.2e}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    bad = [r for r in results["correctness"] if not r.get("ok", False)]
+    for r in bad[:20]:
+        print("FAILED", json.dumps(r))
     print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed")
     return 1 if failures else 0
 

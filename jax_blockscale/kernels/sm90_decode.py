@@ -56,8 +56,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 # Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
 # ----------------------------------------------------------------------------------------------
 from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
-    B_KINDS, BN, KINDS, OUTS, PAIRS, ROWS_PER_WARP, STEP_BYTES, SUB_STEPS, THREADS, VARIANTS, WARPS,
-    DecodeVariant, _K112, _K120, _K126, choose_decode_variant, steps_elems)
+    B_KINDS, BN, KINDS, OUTS, PAIRS, ROWS_PER_WARP, STEP_BYTES, THREADS, VARIANTS, WARPS,
+    DEFAULT_TUNING, DecodeVariant, Tuning, _K112, _K120, _K126, choose_decode_variant, steps_elems)
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
@@ -144,6 +144,33 @@ def red_add_f32(addr, val, pred, *, loc=None, ip=None):
 @dsl_user_op
 def ldg_f32(addr, *, loc=None, ip=None):
     return _asm(1, "f", [cutlass.Int64(addr)], "ld.global.f32 $0, [$1];", ["l"], loc, ip)[0]
+
+
+@dsl_user_op
+def cp_async(dst, src, nbytes, pred, *, loc=None, ip=None):
+    """Asynchronous global -> shared copy of 16 bytes (L1 bypass, 256-byte L2 prefetch) or 4
+    bytes; zero-filled when !pred (no global read then)."""
+    qual = "cg.shared.global.L2::256B" if nbytes == 16 else "ca.shared.global"
+    body = ("{\n.reg .pred p;\n.reg .b32 sz;\nsetp.ne.b32 p, $2, 0;\n"
+            f"selp.b32 sz, {nbytes}, 0, p;\ncp.async.{qual} [$0], [$1], {nbytes}, sz;\n}}")
+    _asm(0, "r", [cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(pred)], body,
+         ["r", "l", "r"], loc, ip)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None):
+    _asm(0, "r", [], "cp.async.commit_group;", [], loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait(n, *, loc=None, ip=None):
+    """Wait until at most n of this thread's committed copy groups are still in flight."""
+    _asm(0, "r", [], f"cp.async.wait_group {n};", [], loc, ip)
+
+
+@dsl_user_op
+def lds_b32(addr, *, loc=None, ip=None):
+    return _asm(1, "r", [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", ["r"], loc, ip)[0]
 
 
 # --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
@@ -315,7 +342,9 @@ def dequant_group(kind, words, s, fp8_params, *, loc=None, ip=None):
 # The kernel
 # ----------------------------------------------------------------------------------------------
 class Sm90DecodeGemm:
-    def __init__(self, variant: DecodeVariant):
+    def __init__(self, variant: DecodeVariant, tuning: Tuning = DEFAULT_TUNING):
+        self.tuning = tuning
+        self.sub = tuning.sub_steps
         v = variant
         assert (v.a_kind, v.b_kind) in PAIRS and v.out in OUT_DTYPES and v.nt in (1, 2), v
         self.v = v
@@ -328,8 +357,11 @@ class Sm90DecodeGemm:
         self.c_dtype = OUT_DTYPES[v.out]
         # activation buffer: per step, per n8 tile, per group, 32 lanes x 16 bytes
         self.step_act_bytes = v.nt * self.q * 32 * 16
-        self.buf_bytes = SUB_STEPS * self.step_act_bytes
-        self.items = SUB_STEPS * v.nt * self.q * 32  # 16-byte staging items per sub-chunk
+        self.buf_bytes = self.sub * self.step_act_bytes
+        self.items = self.sub * v.nt * self.q * 32  # 16-byte staging items per sub-chunk
+        # cp.async ring: per stage, per step, per row, per thread 16 weight bytes + 4 scale bytes
+        self.ring_w = tuning.stages * self.sub * 4 * THREADS * 16
+        self.ring_s = tuning.stages * self.sub * 4 * THREADS * 4
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -363,7 +395,9 @@ class Sm90DecodeGemm:
         ).launch(
             grid=[(n + BN - 1) // BN, splits, l * mchunks],
             block=[THREADS, 1, 1],
-            min_blocks_per_mp=1,
+            min_blocks_per_mp=self.tuning.min_blocks,
+            # with min_blocks > 1 the DSL wants the carveout (else it probes a GPU at build time)
+            preferred_smem_carveout=100 if self.tuning.pipeline == "cpasync" else None,
             stream=stream,
         )
         self.finalize_kernel(mWs, mC, total).launch(
@@ -424,7 +458,7 @@ class Sm90DecodeGemm:
         ws_addr = ws_ptr.toint()
 
         # ---- K range of this CTA (whole sub-chunks; only the last range may be short) -------
-        chunk = SUB_STEPS * se
+        chunk = self.sub * se
         k_chunks = (k + chunk - 1) // chunk
         per = (k_chunks + splits - 1) // splits
         k_begin = by * per * chunk
@@ -450,15 +484,43 @@ class Sm90DecodeGemm:
         b_fp8 = self._fp8_params(b_e5m2)
         a_fp8 = self._fp8_params(a_e5m2)
 
+        acc = cute.make_rmem_tensor((2 * nt * 4,), cutlass.Float32)
+        acc.fill(0.0)
+        if cutlass.const_expr(self.tuning.pipeline == "regs"):
+            self._mainloop_regs(acc, act_base, row_addr, srow_addr, a_addr, sa_addr, li, m, m0,
+                                k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
+        else:
+            ring_w = smem.allocate(self.ring_w, byte_alignment=128).toint()
+            ring_s = smem.allocate(self.ring_s, byte_alignment=128).toint()
+            self._mainloop_cpasync(acc, act_base, ring_w, ring_s, row_addr, srow_addr, a_addr,
+                                   sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t,
+                                   a_fp8, b_fp8)
+
+        # ---- epilogue: ws[l, m, n] += alpha * acc (f32 L2 atomics) ---------------------------
+        alpha = ldg_f32(alpha_ptr.toint())
+        for rt in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(nt):
+                for x in cutlass.range_constexpr(4):
+                    row = bx * BN + warp * ROWS_PER_WARP + rt * 16 + (x // 2) * 8 + g
+                    mm = m0 + i * 8 + 2 * t + (x % 2)
+                    ok = (row < n) & (mm < m) & (n_sub > 0)
+                    addr = ws_addr + ((cutlass.Int64(li) * m + mm) * n + row) * 4
+                    red_add_f32(addr, acc[(rt * nt + i) * 4 + x] * alpha, cutlass.Int32(ok))
+
+    @cute.jit
+    def _mainloop_regs(self, acc, act_base, row_addr, srow_addr, a_addr, sa_addr, li, m, m0, k,
+                       k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8):
+        """v1: weights straight into registers, one sub-chunk ahead."""
+        v = self.v
+        nt, se, Q = v.nt, self.se, self.q
+        chunk = self.sub * se
         # registers: weights and raw scale bytes of the current and the next sub-chunk
-        n_w = SUB_STEPS * 4 * 4  # steps x rows x 4 words
-        n_s = SUB_STEPS * 4
+        n_w = self.sub * 4 * 4  # steps x rows x 4 words
+        n_s = self.sub * 4
         w_cur = cute.make_rmem_tensor((n_w,), cutlass.Int32)
         w_nxt = cute.make_rmem_tensor((n_w,), cutlass.Int32)
         s_cur = cute.make_rmem_tensor((n_s,), cutlass.Int32)
         s_nxt = cute.make_rmem_tensor((n_s,), cutlass.Int32)
-        acc = cute.make_rmem_tensor((2 * nt * 4,), cutlass.Float32)
-        acc.fill(0.0)
 
         # ---- prefetch sub-chunk 0 ------------------------------------------------------------
         self._load_weights(w_nxt, s_nxt, row_addr, srow_addr, k_begin, k_end, t, n_sub > 0)
@@ -476,7 +538,7 @@ class Sm90DecodeGemm:
             self._stage_activations(buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8)
             cute.arch.sync_threads()
             # ---- compute: per step, per group: dequantize + MMAs for both row tiles
-            for c in cutlass.range_constexpr(SUB_STEPS):
+            for c in cutlass.range_constexpr(self.sub):
                 for q in cutlass.range_constexpr(Q):
                     act = []
                     for i in cutlass.range_constexpr(nt):
@@ -498,16 +560,77 @@ class Sm90DecodeGemm:
                         for x in cutlass.range_constexpr(4 * nt):
                             acc[(rt * nt) * 4 + x] = res[x]
 
-        # ---- epilogue: ws[l, m, n] += alpha * acc (f32 L2 atomics) ---------------------------
-        alpha = ldg_f32(alpha_ptr.toint())
-        for rt in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(nt):
-                for x in cutlass.range_constexpr(4):
-                    row = bx * BN + warp * ROWS_PER_WARP + rt * 16 + (x // 2) * 8 + g
-                    mm = m0 + i * 8 + 2 * t + (x % 2)
-                    ok = (row < n) & (mm < m) & (n_sub > 0)
-                    addr = ws_addr + ((cutlass.Int64(li) * m + mm) * n + row) * 4
-                    red_add_f32(addr, acc[(rt * nt + i) * 4 + x] * alpha, cutlass.Int32(ok))
+
+    @cute.jit
+    def _mainloop_cpasync(self, acc, act_base, ring_w, ring_s, row_addr, srow_addr, a_addr,
+                          sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t, a_fp8,
+                          b_fp8):
+        """v2: weights and scale words by cp.async into a per-thread shared-memory ring
+        `stages` sub-chunks deep. Each thread reads back only what it copied itself, so
+        cp.async.wait_group alone orders it; the barrier is for the shared activations."""
+        v = self.v
+        nt, se, Q = v.nt, self.se, self.q
+        S = self.tuning.stages
+        chunk = self.sub * se
+        for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
+            self._issue_copies(ring_w, ring_s, j, row_addr, srow_addr, k_begin + j * chunk,
+                               k_end, t, tid, j < n_sub)
+        for it in range(n_sub):
+            j = it + S - 1
+            self._issue_copies(ring_w, ring_s, j % S, row_addr, srow_addr, k_begin + j * chunk,
+                               k_end, t, tid, j < n_sub)
+            kc = k_begin + it * chunk
+            buf = act_base + (it % 2) * self.buf_bytes
+            self._stage_activations(buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8)
+            cp_async_wait(S - 1)  # this thread's copies of sub-chunk `it` have landed
+            cute.arch.sync_threads()  # everyone's activations are staged
+            stage = it % S
+            for c in cutlass.range_constexpr(self.sub):
+                kt = kc + c * se + t * self.e
+                sshift = ((kt // self.b_block) % 4) * 8  # scale byte within the 4-byte word
+                w = []  # [rt][r2] -> 4 words
+                sraw = []
+                for r in cutlass.range_constexpr(4):
+                    slot = ((stage * self.sub + c) * 4 + r) * THREADS + tid
+                    w.append(lds_v4(ring_w + slot * 16))
+                    sraw.append(lds_b32(ring_s + slot * 4) >> sshift)
+                for q in cutlass.range_constexpr(Q):
+                    act = []
+                    for i in cutlass.range_constexpr(nt):
+                        act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
+                    for rt in cutlass.range_constexpr(2):
+                        sc = []
+                        for r2 in cutlass.range_constexpr(2):
+                            raw = sraw[rt * 2 + r2]
+                            if cutlass.const_expr(v.b_kind == "nvfp4"):
+                                raw = raw >> (8 * (q // 2))
+                            sc.append(scale_bf16x2(v.b_kind, raw))
+                        wpg = 1 if self.b_bits == 4 else 2
+                        wg = [w[rt * 2][q * wpg + x] for x in range(wpg)]
+                        wh = [w[rt * 2 + 1][q * wpg + x] for x in range(wpg)]
+                        a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
+                        res = dequant_mma(v.b_kind, nt, wg, wh, sc[0], sc[1], act, a_in, b_fp8)
+                        for x in cutlass.range_constexpr(4 * nt):
+                            acc[(rt * nt) * 4 + x] = res[x]
+        cp_async_wait(0)
+
+    @cute.jit
+    def _issue_copies(self, ring_w, ring_s, stage, row_addr, srow_addr, kc, k_end, t, tid,
+                      active):
+        """cp.async one sub-chunk (16 weight bytes + the 4-byte scale word per row per step)
+        into ring stage `stage`, then commit it as one group (empty groups keep the count)."""
+        for c in cutlass.range_constexpr(self.sub):
+            k0 = kc + c * self.se
+            kt = k0 + t * self.e
+            ok = cutlass.Int32(active & (kt < k_end))
+            boff = cutlass.Int64(k0 * self.b_bits // 8)
+            kb = kt // self.b_block
+            soff = cutlass.Int64((kb // 4) * 512)
+            for r in cutlass.range_constexpr(4):
+                slot = ((stage * self.sub + c) * 4 + r) * THREADS + tid
+                cp_async(ring_w + slot * 16, row_addr[r] + boff, 16, ok)
+                cp_async(ring_s + slot * 4, srow_addr[r] + soff, 4, ok)
+        cp_async_commit()
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -519,7 +642,7 @@ class Sm90DecodeGemm:
     @cute.jit
     def _load_weights(self, w, s, row_addr, srow_addr, kc, k_end, t, active):
         """Issue one sub-chunk's weight (16 B per row per step) and scale loads."""
-        for c in cutlass.range_constexpr(SUB_STEPS):
+        for c in cutlass.range_constexpr(self.sub):
             k0 = kc + c * self.se  # first K element of the step
             kt = k0 + t * self.e  # first K element of this thread's 16 bytes
             ok = cutlass.Int32(active & (kt < k_end))
@@ -576,11 +699,11 @@ class Sm90DecodeGemm:
 # ----------------------------------------------------------------------------------------------
 # Build / export
 # ----------------------------------------------------------------------------------------------
-def compile_variant(variant: DecodeVariant, arch: str = "sm_90a"):
+def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning = DEFAULT_TUNING):
     """cute.compile one variant for `arch` (no GPU needed) with placeholder pointers."""
     from cutlass.cute.runtime import make_ptr
 
-    gemm = Sm90DecodeGemm(variant)
+    gemm = Sm90DecodeGemm(variant, tuning)
     gmem = cute.AddressSpace.gmem
     a_t = cutlass.BFloat16 if variant.a_kind == "bf16" else cutlass.Uint8
     args = (
@@ -611,13 +734,13 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a"):
 
 
 def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | None = None,
-                   arch: str = "sm_90a"):
+                   arch: str = "sm_90a", tuning: Tuning = DEFAULT_TUNING):
     """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
 
     The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,
     l, a_e5m2, b_e5m2, splits, stream)`; returns (header path, object path)."""
     prefix = function_prefix or variant.name
-    compiled = compile_variant(variant, arch)
+    compiled = compile_variant(variant, arch, tuning)
     os.makedirs(out_dir, exist_ok=True)
     compiled.export_to_c(file_path=out_dir, file_name=prefix, function_prefix=prefix)
     return os.path.join(out_dir, prefix + ".h"), os.path.join(out_dir, prefix + ".o")

@@ -27,11 +27,35 @@ THREADS = 32 * WARPS
 ROWS_PER_WARP = 32  # two m16 row tiles
 BN = WARPS * ROWS_PER_WARP  # rows of N per CTA
 STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
-SUB_STEPS = 2  # steps per sub-chunk (one shared-memory activation buffer, one barrier)
 
 _K126 = 0x7E807E80  # bf16x2 2^126: undoes the e2m1 bit trick
 _K120 = 0x7B807B80  # bf16x2 2^120: undoes the e4m3 bit trick
 _K112 = 0x77807780  # bf16x2 2^112: undoes the e5m2 bit trick
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the weights reach the registers (measured choices; see docs/sm90_decode_notes.md).
+
+    pipeline "regs": 16-byte loads straight into registers, one sub-chunk ahead.
+    pipeline "cpasync": cp.async 16-byte copies into a per-thread shared-memory ring `stages`
+        sub-chunks deep (no registers held by loads in flight, so more CTAs per SM fit).
+    sub_steps: 64-byte row steps per sub-chunk (one activation staging + one barrier each).
+    min_blocks: CTAs per SM the register allocation must allow (__launch_bounds__)."""
+
+    pipeline: str = "regs"
+    stages: int = 2
+    sub_steps: int = 2
+    min_blocks: int = 1
+    ctas_per_sm: int = 1  # what the heuristic sizes the grid for (registers/shared memory)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.pipeline}_s{self.stages}_k{self.sub_steps}_b{self.min_blocks}"
+
+
+# Measured on the H100 (docs/sm90_decode_notes.md): cp.async ring 4 steps deep, 2 CTAs per SM.
+DEFAULT_TUNING = Tuning("cpasync", stages=4, sub_steps=1, min_blocks=2, ctas_per_sm=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +89,13 @@ def steps_elems(b_kind: str) -> int:
     return STEP_BYTES * 8 // KINDS[b_kind]["bits"]
 
 
-def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16"):
+def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=None):
     """Pick (variant, splits) for a decode-shaped call, or None if this kernel should not run it.
 
     Pure Python (the FFI handler mirrors it in C++). fmt_a is None/"bf16" for weight-only.
-    splits: K ranges per output tile, so that the grid has about one CTA per SM (one 256-thread
-    CTA per SM is what the register budget allows), each range a whole number of sub-chunks.
+    splits: K ranges per output tile, so that the grid has about `tuning.ctas_per_sm` CTAs per
+    SM (as many as registers and shared memory let run at once: one wave, no tail), each range
+    a whole number of sub-chunks. `tuning` defaults to DEFAULT_TUNING (what the library ships).
     """
     a_kind = _FMT_TO_KIND.get(fmt_a)
     b_kind = _FMT_TO_KIND.get(fmt_b)
@@ -84,10 +109,11 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16"):
         return None
     nt = 1 if m <= 8 else 2
     variant = DecodeVariant(a_kind, b_kind, out, nt)
-    chunk = SUB_STEPS * steps_elems(b_kind)
+    tuning = tuning or DEFAULT_TUNING
+    chunk = tuning.sub_steps * steps_elems(b_kind)
     k_chunks = -(-k // chunk)
     ctas = -(-n // BN) * -(-m // (8 * nt))
-    splits = max(1, min(k_chunks, sm_count // max(1, ctas)))
+    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
     # equalize: every split gets the same number of sub-chunks (the last one may be short)
     per = -(-k_chunks // splits)
     splits = -(-k_chunks // per)
