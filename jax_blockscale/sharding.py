@@ -407,7 +407,7 @@ def _devices(axis_context) -> int:
         # Fully manual (shard_map, and our own per-device function): the op is already local.
         if not auto:
             return 1
-        if not jax.config.jax_use_shardy_partitioner:
+        if not getattr(jax.config, "jax_use_shardy_partitioner", False):
             # Partially manual shard_map: GSPMD cannot hand these shardings to a
             # custom-partitioning callback (XLA aborts), so leave the op to XLA.
             _log_once(logging.INFO, "jax_blockscale gemm: inside a partially manual shard_map "
