@@ -25,6 +25,12 @@ from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: F401  (registers "s
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _always_the_kernel(monkeypatch):
+    # exercise the custom call at every size (large M would otherwise use dequantize + dot)
+    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "0")
+
+
 def _hopper() -> bool:
     try:
         gpus = jax.devices("gpu")
