@@ -122,13 +122,14 @@ class QuantizedLinear(nnx.Module):
 
     QuantizedLinear(in_features, out_features, fmt="nvfp4", rngs=nnx.Rngs(0)) initializes a
     float kernel like nnx.Linear does and quantizes it; pass ``kernel=`` to use a given one:
-    a float (in, out) array (nnx.Linear's layout, quantized here) or a BlockScaled (out, in)
-    (e.g. from `quantize_params`; its format wins when ``fmt`` is None). Attributes:
+    a float (in, out) array (nnx.Linear's layout, quantized here into `fmt`) or a BlockScaled
+    (out, in) (e.g. from `quantize_params`; ``fmt=None`` takes its format, a different `fmt`
+    is an error). Attributes:
     ``kernel`` (a QuantizedWeight holding a BlockScaled (out, in), blocked scales) and ``bias``
     (an nnx.Param, or None).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, fmt: str | None = "nvfp4",
+    def __init__(self, in_features: int, out_features: int, *, fmt: str | None = None,
                  act_fmt: str | None = None, use_bias: bool = True, dtype=None,
                  param_dtype=jnp.float32, kernel=None, bias=None,
                  kernel_init: Callable = nnx.initializers.lecun_normal(),
@@ -138,13 +139,13 @@ class QuantizedLinear(nnx.Module):
         if kernel is None:
             if rngs is None:
                 raise ValueError("QuantizedLinear needs rngs= to initialize a kernel, or kernel=")
-            if fmt is None:
-                raise ValueError("QuantizedLinear needs fmt= to quantize a new kernel")
             kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
         if isinstance(kernel, BlockScaled):
             if fmt is not None and kernel.fmt != fmt:
                 raise ValueError(f"the given kernel is {kernel.fmt}, but fmt={fmt!r}")
             q = to_blocked(kernel)
+        elif fmt is None:
+            raise ValueError("QuantizedLinear needs fmt= to quantize a float kernel")
         else:
             q = quantize_kernel(kernel, fmt, global_scale=global_scale)
         if q.shape != (out_features, in_features):
@@ -193,11 +194,12 @@ class QuantizedDense(linen.Module):
     """A stand-in for ``linen.Dense`` whose ``kernel`` parameter is a BlockScaled (out, in).
 
     Build the model with QuantizedDense where it had Dense (same names), then apply it to
-    ``quantize_params(float_params, fmt)``; ``init`` creates a random quantized kernel.
-    ``fmt=None`` accepts whatever format the given parameters hold.
+    ``quantize_params(float_params, fmt)``; ``init`` creates a random quantized kernel in
+    `fmt`. ``fmt=None`` (the default) accepts whatever format the given parameters hold; a
+    format makes ``apply`` check it.
     """
     features: int
-    fmt: str | None = "nvfp4"
+    fmt: str | None = None
     act_fmt: str | None = None
     use_bias: bool = True
     dtype: Any = None
@@ -330,11 +332,20 @@ def _get(tree, path):
     return tree
 
 
-def _set_child(parent, key, value):
-    if isinstance(key, str) and not isinstance(parent, (dict, nnx.Dict)):
-        setattr(parent, key, value)
+def _by_attribute(node, key) -> bool:
+    """Graph paths name module attributes (str) and container items (nnx.List/Dict, dicts)."""
+    return isinstance(key, str) and not isinstance(node, (dict, nnx.Dict))
+
+
+def _get_child(node, key):
+    return getattr(node, key) if _by_attribute(node, key) else node[key]
+
+
+def _set_child(node, key, value):
+    if _by_attribute(node, key):
+        setattr(node, key, value)
     else:
-        parent[key] = value
+        node[key] = value
 
 
 def _quantized_paths(tree, prefix=()):
@@ -356,12 +367,14 @@ def from_quantized_params(model: nnx.Module, qparams, *, act_fmt: str | None = N
     model; pass ``nnx.clone(model)`` to keep the float one.
     """
     qparams = _pure_dict(qparams)
-    linears = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear)}
+    # Exactly nnx.Linear: a subclass may change what __call__ does, which a swap would drop.
+    linears = {path: node for path, node in nnx.iter_graph(model) if type(node) is nnx.Linear}
     for path in _quantized_paths(qparams):
         layer_path = path[:-1]
         if path[-1] != "kernel" or layer_path not in linears:
             raise ValueError(f"qparams holds a quantized weight at {'/'.join(map(str, path))!r} "
-                             "but the model has no nnx.Linear there whose kernel it could be")
+                             "but the model has no nnx.Linear there whose kernel it could be "
+                             "(subclasses of nnx.Linear are not replaced)")
     for layer_path, linear in linears.items():
         q = _get(qparams, layer_path + ("kernel",))
         if not isinstance(q, BlockScaled):
@@ -378,14 +391,10 @@ def from_quantized_params(model: nnx.Module, qparams, *, act_fmt: str | None = N
         new = QuantizedLinear(linear.in_features, linear.out_features, fmt=None, act_fmt=act_fmt,
                               use_bias=has_bias, dtype=dtype if dtype is not None else linear.dtype,
                               kernel=q, bias=bias, backend=backend)
-        parent = model
-        for key in layer_path[:-1]:
-            parent = getattr(parent, key) if isinstance(key, str) and not isinstance(
-                parent, (dict, nnx.Dict)) else parent[key]
-        if layer_path:
-            _set_child(parent, layer_path[-1], new)
-        else:
+        if not layer_path:
             raise ValueError("the model itself is an nnx.Linear; use QuantizedLinear.from_linear")
+        parent = functools.reduce(_get_child, layer_path[:-1], model)
+        _set_child(parent, layer_path[-1], new)
     state = nnx.state(model, (nnx.Param, QuantizedWeight))
     nnx.replace_by_pure_dict(state, qparams)
     nnx.update(model, state)

@@ -88,6 +88,12 @@ def test_layer_rejects_bad_input():
         layer(normal(0, (2, 16)))
     with pytest.raises(ValueError, match="is mxfp4, but fmt='nvfp4'"):
         jnn.QuantizedLinear(32, 8, fmt="nvfp4", kernel=layer.kernel.get_value(), use_bias=False)
+    same = jnn.QuantizedLinear(32, 8, kernel=layer.kernel.get_value(), bias=layer.bias[...])
+    assert same.fmt == "mxfp4"  # fmt=None: the given weight's format
+    with pytest.raises(ValueError, match="needs fmt="):
+        jnn.QuantizedLinear(32, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"needs \(out, in\) = \(16, 32\)"):
+        jnn.QuantizedLinear(32, 16, kernel=layer.kernel.get_value(), use_bias=False)
 
 
 def test_weight_only_layer_trains_bias_and_input():
@@ -135,6 +141,8 @@ def test_quantize_params_touches_only_the_default_selection():
     assert isinstance(q16["fc2"]["kernel"], jbs.BlockScaled)
     assert q16["fc2"]["kernel"].global_scale is not None
     assert q16["embed"]["embedding"] is params["embed"]["embedding"]
+    again = jnn.quantize_params(q16, "nvfp4")  # already-quantized leaves are left alone
+    assert again["fc2"]["kernel"] is q16["fc2"]["kernel"]
 
 
 def test_quantize_params_filters():
