@@ -114,9 +114,13 @@ def main(argv=None):
             path = os.path.join(tmp, f"{fmt}.npz")
             if not os.path.exists(path):  # quantize once per weight format, then save
                 save_params(path, jnn.quantize_params(float_params, fmt))
+            # Serving side: a skeleton with no weights, the params it expects (shapes only),
+            # and the file checked against them before anything is loaded into the model.
             skeleton = nnx.eval_shape(lambda: MLP(sizes, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-            served = jnn.from_quantized_params(skeleton, load_params(path, fmt=fmt),
-                                               act_fmt=act_fmt)
+            expected = jax.eval_shape(lambda p: jnn.quantize_params(p, fmt),
+                                      nnx.state(skeleton, nnx.Param))
+            qparams = load_params(path, fmt=fmt, like=expected)
+            served = jnn.from_quantized_params(skeleton, qparams, act_fmt=act_fmt)
             out = logits_of(served, x_test)
             pred = jnp.argmax(out, -1)
             err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))

@@ -270,7 +270,8 @@ def load_params(path: str | os.PathLike, *, fmt: str | None = None, like=None,
     scale dtypes and shapes). Then, optionally:
       fmt:  every quantized entry must be in this format;
       like: a pytree with the expected structure, formats, layouts, shapes and dtypes: e.g. the
-            params you quantized, or ``jax.eval_shape(lambda: quantize_params(params, fmt))``.
+            params you quantized, or, from a model skeleton that holds no weights,
+            ``jax.eval_shape(lambda p: quantize_params(p, fmt), nnx.state(skeleton, nnx.Param))``.
     A mismatch raises `ParamsFileError` (a ValueError) naming the entry and both sides.
     """
     if fmt is not None:

@@ -176,9 +176,13 @@ def test_nnx_model_saves_and_loads(tmp_path):
     qparams = jnn.quantize_params(nnx.state(model, nnx.Param), "nvfp4")
     save_params(tmp_path / "net.npz", qparams)
     served = jnn.quantize_model(nnx.clone(model), "nvfp4", act_fmt="nvfp4")
-    loaded = load_params(tmp_path / "net.npz", fmt="nvfp4",
-                         like=jax.eval_shape(lambda: qparams))
     skeleton = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+    expected = jax.eval_shape(lambda p: jnn.quantize_params(p, "nvfp4"),
+                              nnx.state(skeleton, nnx.Param))
+    loaded = load_params(tmp_path / "net.npz", fmt="nvfp4", like=expected)
+    with pytest.raises(ParamsFileError, match="fc1/kernel: the file holds BlockScaled nvfp4"):
+        load_params(tmp_path / "net.npz", like=jax.eval_shape(
+            lambda p: jnn.quantize_params(p, "mxfp4"), nnx.state(skeleton, nnx.Param)))
     restored = jnn.from_quantized_params(skeleton, loaded, act_fmt="nvfp4")
     x = jnp.asarray(normal(11, (4, 64)))
     np.testing.assert_array_equal(restored(x), served(x))
