@@ -287,3 +287,26 @@ def test_exported_linen_model_takes_quantized_params():
     again = jax.export.deserialize(exp.serialize())
     np.testing.assert_array_equal(again.call({"params": qparams}, x),
                                   fn({"params": qparams}, x))
+
+
+def test_gpu_custom_call_export_needs_the_documented_allowance():
+    """docs/serving.md: jax.export refuses our FFI target unless allowed at export; import has no
+    allow-list, but running needs the target registered. (Checks the recipe with a stand-in
+    function that calls the sm90 target, so it runs without a GPU.)"""
+    from jax_blockscale import _plugin
+
+    target = _plugin.SM90_TARGET
+    assert target == "jax_blockscale_gemm_sm90"
+
+    def f(x):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    x = jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        jax.export.export(jax.jit(f), platforms=("cuda",))(x)
+    allow = [jax.export.DisabledSafetyCheck.custom_call(target)]
+    blob = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=allow)(x).serialize()
+    assert jax.export.deserialize(blob).platforms == ("cuda",)
+    on_cpu = jax.export.export(jax.jit(f), platforms=("cpu",), disabled_checks=allow)(x)
+    with pytest.raises(Exception, match=f"No FFI handler registered for {target}"):
+        jax.export.deserialize(on_cpu.serialize()).call(x)
