@@ -9,7 +9,7 @@ and tokens/s for bf16, W4A16 (bf16 activations x NVFP4 weights) and W4A4 (NVFP4 
 
     python examples/sharded_inference.py            # 8 forced CPU devices, or all GPUs
     python examples/sharded_inference.py --smoke    # tiny sizes, a few seconds
-    NCCL_NVLS_ENABLE=0 python examples/sharded_inference.py --data 1 --model 2   # 2 GPUs
+    python examples/sharded_inference.py --data 1 --model 2   # 2 GPUs (sets NCCL_NVLS_ENABLE=0)
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import argparse
 import os
 import time
 
+# NVLink multicast (NVLS) stays off unless asked for: some machines fail to set it up.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # Forced CPU devices must be requested before JAX starts (harmless where GPUs are used).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -4,6 +4,8 @@ gemm for every placement of batch, M, N and K, with the collectives we expect an
 Other test modules import jax with one device, and XLA reads the device count once per process,
 so the real tests run in a child pytest (`JBS_SHARDING_CHILD=1`, 8 host devices), once with
 Shardy and once with GSPMD; the parent's tests only start the child and report its output.
+With 2 or more GPUs, the `gpu`-marked tests run the same suite (what fits the GPU count) and the
+example on the GPUs, so the GPU kernels run sharded.
 """
 import itertools
 import logging
@@ -16,24 +18,42 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = os.environ.get("JBS_SHARDING_CHILD") == "1"
-N_DEVICES = 8
+N_CPU_DEVICES = 8
 
 
-def _start(argv, env_extra):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}",
+def _start(argv, env_extra, gpu=False):
+    env = dict(os.environ,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               JAX_PLATFORMS="cpu", **env_extra)
+               **env_extra)
+    if gpu:
+        # The parent may hold GPU memory already (conftest looks for GPUs); NVLink multicast
+        # (NVLS) stays off on the lent machines.
+        env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
+    else:
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={N_CPU_DEVICES}",
+                   JAX_PLATFORMS="cpu")
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc, timeout=600):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -1, out + f"\n[timed out after {timeout} s]"
+    return proc.returncode, out
 
 
 if not CHILD:
     CHILD_PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     str(Path(__file__).relative_to(ROOT))]
+    EXAMPLE = [sys.executable, "examples/sharded_inference.py", "--smoke"]
     JOBS = {
         "shardy": (CHILD_PYTEST, {"JBS_SHARDING_CHILD": "1", "JBS_PARTITIONER": "shardy"}),
         "gspmd": (CHILD_PYTEST, {"JBS_SHARDING_CHILD": "1", "JBS_PARTITIONER": "gspmd"}),
-        "example": ([sys.executable, "examples/sharded_inference.py", "--smoke"], {}),
+        "example": (EXAMPLE, {}),
     }
 
     @pytest.fixture(scope="module")
@@ -45,10 +65,6 @@ if not CHILD:
             if p.poll() is None:
                 p.kill()
 
-    def _finish(proc, timeout=600):
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-
     @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
     def test_sharded_gemm_on_8_cpu_devices(children, partitioner):
         rc, out = _finish(children[partitioner])
@@ -59,11 +75,29 @@ if not CHILD:
         assert rc == 0, out[-6000:]
         assert "rel. error" in out and "tokens/s" in out, out
 
+    def _gpu_count():
+        import jax
+        try:
+            return len(jax.devices("gpu"))
+        except RuntimeError:
+            return 0
+
+    @pytest.mark.gpu
+    def test_sharded_gemm_and_example_on_gpus():
+        if _gpu_count() < 2:
+            pytest.skip("needs 2 or more GPUs")
+        rc, out = _finish(_start(CHILD_PYTEST, {"JBS_SHARDING_CHILD": "1",
+                                                "JBS_SHARDING_PLATFORM": "gpu"}, gpu=True))
+        assert rc == 0, f"child pytest on GPUs failed:\n{out[-12000:]}"
+        rc, out = _finish(_start(EXAMPLE, {}, gpu=True))
+        assert rc == 0, out[-6000:]
+        assert "gpu devices" in out and "rel. error" in out, out
+
 else:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
     import jax_blockscale as jbs
     from jax_blockscale import sharding as jbs_sharding
@@ -73,11 +107,23 @@ else:
         jax.config.update("jax_use_shardy_partitioner", SHARDY)
     elif not SHARDY:
         pytest.skip("this JAX has no GSPMD switch", allow_module_level=True)
-    assert len(jax.devices()) == N_DEVICES, jax.devices()
+    PLATFORM = os.environ.get("JBS_SHARDING_PLATFORM", "cpu")
+    DEVICES = jax.devices(PLATFORM)
+    ON_GPU = PLATFORM == "gpu"
+    assert len(DEVICES) >= 2, f"the sharding tests need 2 or more devices, got {DEVICES}"
 
-    TOL = 1e-6
-    MESH_1D = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
-    MESH_2D = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    # Local and global problems may run different kernels on GPUs (both within 1e-5 of the
+    # reference); on the CPU only the f32 summation order differs.
+    TOL = 1e-5 if ON_GPU else 1e-6
+
+    def mesh_of(shape, names, kind=AxisType.Auto):
+        n = int(np.prod(shape))
+        return Mesh(np.asarray(DEVICES[:n]).reshape(shape), names, axis_types=(kind,) * len(names))
+
+    MESH_1D = mesh_of((len(DEVICES),), ("x",))
+    HAS_2D = len(DEVICES) >= 4
+    MESH_2D = mesh_of((2, len(DEVICES) // 2), ("x", "y")) if HAS_2D else None
+    needs_2d = pytest.mark.skipif(not HAS_2D, reason="needs 4 or more devices for a 2-D mesh")
 
     def rel_err(got, want):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -131,7 +177,8 @@ else:
         return (P(ent(pl["batch"]), ent(pl["m"]), ent(pl["k"])),
                 P(ent(pl["batch"]), ent(pl["n"]), ent(pl["k"])))
 
-    CASES = [(mesh, pl) for mesh in (MESH_1D, MESH_2D) for pl in placements(mesh)]
+    CASES = [(mesh, pl) for mesh in (MESH_1D, MESH_2D) if mesh is not None
+             for pl in placements(mesh)]
 
     @pytest.mark.parametrize("mesh,pl", CASES, ids=[
         f"{'x'.join(map(str, m.devices.shape))}-" + ",".join(
@@ -174,6 +221,7 @@ else:
         monkeypatch.setattr(jbs_sharding._partitioned_gemm, "partition", spy)
         return calls
 
+    @needs_2d
     @pytest.mark.parametrize("a_spec,b_spec,want_specs,want_out", [
         # column parallel, data parallel: scales follow their operand's M / N tiles
         (P("x", None), P("y", None),
@@ -225,6 +273,7 @@ else:
             assert not found, found
         return y, found
 
+    @needs_2d
     @pytest.mark.parametrize("act_dtype", [jnp.bfloat16, jnp.float32])
     def test_weight_only_megatron(act_dtype):
         """Column-parallel (N on 'y') then row-parallel (K on 'y'), data parallel on 'x'."""
@@ -233,6 +282,7 @@ else:
         _check(MESH_2D, x, w, P("x", None), P("y", None), expect_reduce=False)
         _check(MESH_2D, x, w, P("x", "y"), P(None, "y"), expect_reduce=True)
 
+    @needs_2d
     @pytest.mark.parametrize("fmt_a,fmt_b", [("mxfp8_e4m3", "mxfp4"), ("mxfp6_e2m3", "mxfp8_e5m2")])
     def test_mx_pairs_both_blocked(fmt_a, fmt_b):
         a = jbs.quantize(rand(5, (256, 1024)), fmt_a, layout="blocked")
@@ -241,6 +291,7 @@ else:
         _check(MESH_2D, a, b, P("x", "y"), P(None, "y"), expect_reduce=True)
         _check(MESH_1D, a, b, P(None, "x"), P(None, "x"), expect_reduce=True)
 
+    @needs_2d
     def test_broadcast_batch_shared_weight():
         """A (4, M, K) activation batch sharded on 'x' times one (N, K) weight sharded on 'y'."""
         a = jbs.quantize(rand(7, (4, 32, 256)), "nvfp4")
@@ -279,8 +330,7 @@ else:
         caplog.set_level(logging.INFO, logger="jax_blockscale")
         return caplog
 
-    MESH_2DEV = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,),
-                              devices=jax.devices()[:2])
+    MESH_2DEV = mesh_of((2,), ("x",))
 
     def place_data_only(mesh, q, data_spec):
         """Shard the elements; the scales (which cannot be split evenly) stay replicated."""
@@ -343,6 +393,7 @@ else:
         except Exception:  # noqa: BLE001
             return False
 
+    @needs_2d
     def test_export_round_trip():
         from jax import export
         if not _export_round_trip_works_in_this_jax():
@@ -353,11 +404,12 @@ else:
         a_s, b_s = place(MESH_2D, a, P("x", "y")), place(MESH_2D, b, P(None, "y"))
         f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32))
         exp = export.export(f)(a_s, b_s)
-        assert exp.nr_devices == N_DEVICES
+        assert exp.nr_devices == MESH_2D.size
         back = export.deserialize(exp.serialize())
         y = jax.jit(back.call)(a_s, b_s)
         assert rel_err(y, want) < TOL
 
+    @needs_2d
     def test_vmap_under_sharding():
         a = jbs.quantize(rand(23, (4, 64, 1024)), "mxfp8_e4m3")  # no global scale to map
         b = jbs.quantize(rand(24, (4, 512, 1024)), "mxfp4", layout="blocked")
@@ -366,6 +418,7 @@ else:
         y = f(place(MESH_2D, a, P("x", None, "y")), place(MESH_2D, b, P("x", None, "y")))
         assert rel_err(y, want) < TOL
 
+    @needs_2d
     def test_grad_weight_only_under_sharding():
         x = rand(25, (64, 256))
         w = jbs.quantize(rand(26, (512, 256)), "nvfp4", layout="blocked")
@@ -376,6 +429,7 @@ else:
         got = g(place(MESH_2D, x, P("x", "y")), place(MESH_2D, w, P(None, "y")))
         assert rel_err(got, want) < 1e-5
 
+    @needs_2d
     def test_shard_map_local_gemm():
         """Inside shard_map gemm is the local primitive: a row-parallel layer by hand."""
         x = rand(28, (64, 512))
@@ -392,6 +446,7 @@ else:
             out_specs=P("x", None)))
         assert rel_err(f(x, w.data, w.scales), want) < TOL
 
+    @needs_2d
     def test_partially_manual_shard_map():
         """shard_map manual over 'y' only; inside, gemm's tokens stay split over the auto 'x'."""
         x = rand(34, (64, 512))
@@ -409,12 +464,13 @@ else:
         xs = jax.device_put(x, NamedSharding(MESH_2D, P("x", "y")))
         assert rel_err(f(xs, w.data, w.scales), want) < TOL
 
+    @needs_2d
     @pytest.mark.parametrize("x_spec,w_spec", [
         (P("x", None), P("y", None)),  # data + column parallel
         (P("x", "y"), P(None, "y")),  # data + row parallel (K)
     ])
     def test_explicit_axes_mesh(x_spec, w_spec):
-        mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+        mesh = mesh_of(MESH_2D.devices.shape, ("x", "y"), AxisType.Explicit)
         x = rand(36, (64, 512))
         w = jbs.quantize(rand(37, (1024, 512)), "nvfp4", layout="blocked")
         want = np.asarray(gemm_f32(x, w))
