@@ -216,6 +216,14 @@ def test_from_quantized_params_checks_what_it_loads():
     q = jnn.from_quantized_params(abstract, qparams, act_fmt="nvfp4")
     x = normal(21, (4, 64))
     assert rel_err(q(x), model(x)) < 0.3  # nvfp4 weights and activations
+    # A layer left float (48 is not a multiple of mxfp4's 32) gets its weights from qparams too.
+    model = MLP([64, 48, 16], nnx.Rngs(1))
+    qparams = jnn.quantize_params(nnx.state(model, nnx.Param), "mxfp4")
+    abstract = nnx.eval_shape(lambda: MLP([64, 48, 16], nnx.Rngs(0)))
+    q = jnn.from_quantized_params(abstract, qparams)
+    assert type(q.layers[1]) is nnx.Linear
+    np.testing.assert_array_equal(q.layers[1].kernel[...], model.layers[1].kernel[...])
+    assert rel_err(q(x), model(x)) < 0.3
 
 
 class LinenMLP(linen.Module):
@@ -317,3 +325,38 @@ def test_gpu_custom_call_export_needs_the_documented_allowance():
     on_cpu = jax.export.export(jax.jit(f), platforms=("cpu",), disabled_checks=allow)(x)
     with pytest.raises(Exception, match=f"No FFI handler registered for {target}"):
         jax.export.deserialize(on_cpu.serialize()).call(x)
+
+
+def _hopper_with_library() -> bool:
+    from jax_blockscale import _plugin
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return (bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
+            and _plugin.unavailable_reason() is None)
+
+
+@pytest.mark.gpu
+def test_exported_layer_on_hopper_holds_the_sm90_call():
+    """On an H100 with the library: the export carries our FFI target, needs the allowance, and
+    the deserialized artifact runs (targets registered in this process) and matches."""
+    from jax_blockscale import _plugin
+    from jax_blockscale.lowering import ffi  # noqa: F401  (registers the sm90 backend)
+
+    if not _hopper_with_library():
+        pytest.skip("needs an sm90 GPU and libjax_blockscale.so")
+    layer = jnn.QuantizedLinear(256, 256, fmt="nvfp4", act_fmt="nvfp4", dtype=jnp.bfloat16,
+                                rngs=nnx.Rngs(0))
+    fn = jax.jit(lambda x: layer(x))
+    x = normal(50, (16, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="custom calls"):
+        jax.export.export(fn)(x)
+    allow = [jax.export.DisabledSafetyCheck.custom_call(_plugin.SM90_TARGET)]
+    exp = jax.export.export(fn, disabled_checks=allow)(x)
+    assert _plugin.SM90_TARGET in exp.mlir_module()
+    assert _plugin.register_targets()
+    y = jax.export.deserialize(exp.serialize()).call(x)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(fn(x), np.float32),
+                               rtol=1e-2, atol=1e-2)
