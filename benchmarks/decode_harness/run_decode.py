@@ -157,7 +157,7 @@ def out_to_f64(c, out):
 
 # ---- one case -----------------------------------------------------------------------------------
 def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True, time_it=False,
-             reps=60, sm_count=132, log=print, tuning=None):
+             reps=60, sm_count=132, log=print, tuning=None, profile=False):
     """tuning: None = the library default (plain variant names), else (tag, Tuning)."""
     tun = tuning[1] if tuning else None
     choice = dec.choose_decode_variant(M, N, K, fmt_a, fmt_b, sm_count, out, tuning=tun)
@@ -212,6 +212,12 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
         finite = bool(np.isfinite(y).all())
         err = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if finite else float("inf")
         rec.update(rel_err=err, finite=finite, ok=bool(finite and err < TOL[out]))
+    if profile:
+        launch(sets[0])
+        launch(sets[-1])
+        stream.synchronize()
+        log(json.dumps(rec))
+        return rec
     if time_it:
         for i in range(5):
             launch(sets[i % n_sets])
@@ -291,6 +297,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="correctness subset only")
     ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="only launch a few headline cases twice each (run it under ncu)")
     args = ap.parse_args()
     lib = Lib(args.lib)
     table = json.load(open(os.path.join(args.lib, "variants.json")))
@@ -327,6 +335,13 @@ def main():
                      tbps=float("nan"), tuning=kw["tuning"][0] if kw.get("tuning") else "default")
             print(json.dumps(r), flush=True)
             return r
+
+    if args.profile:  # under ncu: two launches per case, nothing else
+        for (fa, fb, M, NK) in [(None, "nvfp4", 1, 16384), (None, "nvfp4", 16, 16384),
+                                (None, "mxfp8_e4m3", 16, 16384)]:
+            run_case(lib, rng, fa, fb, "bf16", M, NK, NK, check=False, time_it=True, reps=1,
+                     sm_count=sm_count, profile=True)
+        return 0
 
     # ---- correctness: every pair, output dtype, odd shapes; default tuning ----------------
     pairs = [(None, f) for f in FMTS] + [(f, f) for f in FMTS] + [("mxfp8_e4m3", "mxfp8_e5m2")]

@@ -197,7 +197,7 @@ prmt.b32 $0, t, 0, 0x1010;
 def scale_bf16x2(kind, byte, *, loc=None, ip=None):
     """Block-scale byte (low 8 bits of `byte`) -> bf16x2 with the scale in both halves."""
     body = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
-    return _asm(1, "r", [cutlass.Int32(byte)], body, ["r"], loc, ip)[0]
+    return _asm(1, "r", [cutlass.Int32(byte)], body, ["r"], loc, ip, side_effects=False)[0]
 
 
 # --- element conversion (PTX text generators) --------------------------------------------------
@@ -298,7 +298,7 @@ def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, *, loc=None, i
     if b_kind == "mxfp8":
         ins += [cutlass.Int32(x) for x in fp8_params]
         cons += ["r"] * 3
-    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt), cons, loc, ip)
+    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt), cons, loc, ip, side_effects=False)
 
 
 # outputs $0..$3, inputs $4..$7 = (x0x1, x2x3, x4x5, x6x7)
@@ -361,7 +361,7 @@ class Sm90DecodeGemm:
         self.items = self.sub * v.nt * self.q * 32  # 16-byte staging items per sub-chunk
         # cp.async ring: per stage, per step, per row, per thread 16 weight bytes + 4 scale bytes
         self.ring_w = tuning.stages * self.sub * 4 * THREADS * 16
-        self.ring_s = tuning.stages * self.sub * 4 * THREADS * 4
+        self.ring_s = tuning.stages * self.sub * THREADS * 16
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -469,16 +469,19 @@ class Sm90DecodeGemm:
         b_pitch = cutlass.Int64(k * self.b_bits // 8)
         sk4_b = (k // self.b_block + 3) // 4
         nb128 = (n + 127) // 128
-        row_addr = []  # byte address of the row start
-        srow_addr = []  # byte address of the row's entry in scale tile column 0
-        for rt in cutlass.range_constexpr(2):
-            for r2 in cutlass.range_constexpr(2):
-                row = bx * BN + warp * ROWS_PER_WARP + rt * 16 + r2 * 8 + g
-                row = cutlass.min(row, n - 1)  # rows past N: read row N-1, never stored
-                row_addr.append(b_addr + (cutlass.Int64(li) * n + row) * b_pitch + t * 16)
-                soff = ((li * nb128 + row // 128) * sk4_b) * 512 + (row % 32) * 16 + (
-                    (row % 128) // 32) * 4
-                srow_addr.append(sb_addr + cutlass.Int64(soff))
+        # Row mapping: warp w owns, in the 128-row group G = w // 4 of the CTA, the rows
+        # i0 + g + 32 j (i0 = 8 (w % 4), g = lane // 4, j = 0..3 = 2 rt + r2). So a thread's four
+        # rows share one 16-byte entry of the blocked scale layout ([n % 32] holds the four
+        # 32-row quarters x 4 scale columns): one 16-byte load per step brings all its scales,
+        # and a warp's scale loads cover whole 128-byte lines.
+        row_addr = []  # byte address of the row start (+16 t)
+        for j in cutlass.range_constexpr(4):
+            row = self._row(bx, warp, g, j)
+            row = cutlass.min(row, n - 1)  # rows past N: read row N-1, never stored
+            row_addr.append(b_addr + (cutlass.Int64(li) * n + row) * b_pitch + t * 16)
+        n128 = cutlass.min(bx * (BN // 128) + warp // 4, nb128 - 1)  # groups past N: any valid
+        sent_addr = sb_addr + cutlass.Int64(
+            ((li * nb128 + n128) * sk4_b) * 512 + ((warp % 4) * 8 + g) * 16)
 
         # ---- run-time fp8 flavour: (shift, mask, power-of-two fix) of the bit trick ------------
         b_fp8 = self._fp8_params(b_e5m2)
@@ -487,12 +490,12 @@ class Sm90DecodeGemm:
         acc = cute.make_rmem_tensor((2 * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
         if cutlass.const_expr(self.tuning.pipeline == "regs"):
-            self._mainloop_regs(acc, act_base, row_addr, srow_addr, a_addr, sa_addr, li, m, m0,
+            self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
         else:
             ring_w = smem.allocate(self.ring_w, byte_alignment=128).toint()
             ring_s = smem.allocate(self.ring_s, byte_alignment=128).toint()
-            self._mainloop_cpasync(acc, act_base, ring_w, ring_s, row_addr, srow_addr, a_addr,
+            self._mainloop_cpasync(acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr,
                                    sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t,
                                    a_fp8, b_fp8)
 
@@ -501,14 +504,14 @@ class Sm90DecodeGemm:
         for rt in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(nt):
                 for x in cutlass.range_constexpr(4):
-                    row = bx * BN + warp * ROWS_PER_WARP + rt * 16 + (x // 2) * 8 + g
+                    row = self._row(bx, warp, g, 2 * rt + x // 2)
                     mm = m0 + i * 8 + 2 * t + (x % 2)
                     ok = (row < n) & (mm < m) & (n_sub > 0)
                     addr = ws_addr + ((cutlass.Int64(li) * m + mm) * n + row) * 4
                     red_add_f32(addr, acc[(rt * nt + i) * 4 + x] * alpha, cutlass.Int32(ok))
 
     @cute.jit
-    def _mainloop_regs(self, acc, act_base, row_addr, srow_addr, a_addr, sa_addr, li, m, m0, k,
+    def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,
                        k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8):
         """v1: weights straight into registers, one sub-chunk ahead."""
         v = self.v
@@ -521,9 +524,11 @@ class Sm90DecodeGemm:
         w_nxt = cute.make_rmem_tensor((n_w,), cutlass.Int32)
         s_cur = cute.make_rmem_tensor((n_s,), cutlass.Int32)
         s_nxt = cute.make_rmem_tensor((n_s,), cutlass.Int32)
+        act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
 
         # ---- prefetch sub-chunk 0 ------------------------------------------------------------
-        self._load_weights(w_nxt, s_nxt, row_addr, srow_addr, k_begin, k_end, t, n_sub > 0)
+        self._load_weights(w_nxt, s_nxt, row_addr, sent_addr, k_begin, k_end, t, n_sub > 0)
+        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
 
         for it in range(n_sub):
             for i in cutlass.range_constexpr(n_w):
@@ -532,37 +537,21 @@ class Sm90DecodeGemm:
                 s_cur[i] = s_nxt[i]
             kc = k_begin + it * chunk
             # issue the next sub-chunk's loads before this one's work (their latency overlaps it)
-            self._load_weights(w_nxt, s_nxt, row_addr, srow_addr, kc + chunk, k_end, t,
+            self._load_weights(w_nxt, s_nxt, row_addr, sent_addr, kc + chunk, k_end, t,
                                it + 1 < n_sub)
             buf = act_base + (it % 2) * self.buf_bytes
-            self._stage_activations(buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8)
+            self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
+            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+                           it + 1 < n_sub)
             cute.arch.sync_threads()
-            # ---- compute: per step, per group: dequantize + MMAs for both row tiles
+            # ---- compute: per step: dequantize + MMAs for both row tiles
             for c in cutlass.range_constexpr(self.sub):
-                for q in cutlass.range_constexpr(Q):
-                    act = []
-                    for i in cutlass.range_constexpr(nt):
-                        act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
-                    for rt in cutlass.range_constexpr(2):
-                        sc = []
-                        for r2 in cutlass.range_constexpr(2):
-                            raw = s_cur[(c * 2 + rt) * 2 + r2]
-                            if cutlass.const_expr(v.b_kind == "nvfp4"):
-                                # two scales: elements 0-15 (groups 0, 1), 16-31 (groups 2, 3)
-                                raw = raw >> (8 * (q // 2))
-                            sc.append(scale_bf16x2(v.b_kind, raw))
-                        wpg = 1 if self.b_bits == 4 else 2  # words per group
-                        wbase = ((c * 2 + rt) * 2) * 4
-                        wg = [w_cur[wbase + q * wpg + x] for x in range(wpg)]
-                        wh = [w_cur[wbase + 4 + q * wpg + x] for x in range(wpg)]
-                        a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
-                        res = dequant_mma(v.b_kind, nt, wg, wh, sc[0], sc[1], act, a_in, b_fp8)
-                        for x in cutlass.range_constexpr(4 * nt):
-                            acc[(rt * nt) * 4 + x] = res[x]
-
+                w = [[w_cur[(c * 4 + r) * 4 + x] for x in range(4)] for r in range(4)]
+                sw = [s_cur[c * 4 + x] for x in range(4)]
+                self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
 
     @cute.jit
-    def _mainloop_cpasync(self, acc, act_base, ring_w, ring_s, row_addr, srow_addr, a_addr,
+    def _mainloop_cpasync(self, acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr,
                           sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t, a_fp8,
                           b_fp8):
         """v2: weights and scale words by cp.async into a per-thread shared-memory ring
@@ -572,53 +561,68 @@ class Sm90DecodeGemm:
         nt, se, Q = v.nt, self.se, self.q
         S = self.tuning.stages
         chunk = self.sub * se
+        act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
+        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
         for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
-            self._issue_copies(ring_w, ring_s, j, row_addr, srow_addr, k_begin + j * chunk,
+            self._issue_copies(ring_w, ring_s, j, row_addr, sent_addr, k_begin + j * chunk,
                                k_end, t, tid, j < n_sub)
         for it in range(n_sub):
             j = it + S - 1
-            self._issue_copies(ring_w, ring_s, j % S, row_addr, srow_addr, k_begin + j * chunk,
+            self._issue_copies(ring_w, ring_s, j % S, row_addr, sent_addr, k_begin + j * chunk,
                                k_end, t, tid, j < n_sub)
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
-            self._stage_activations(buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8)
+            self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
+            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+                           it + 1 < n_sub)
             cp_async_wait(S - 1)  # this thread's copies of sub-chunk `it` have landed
             cute.arch.sync_threads()  # everyone's activations are staged
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
-                kt = kc + c * se + t * self.e
-                sshift = ((kt // self.b_block) % 4) * 8  # scale byte within the 4-byte word
-                w = []  # [rt][r2] -> 4 words
-                sraw = []
+                w = []  # rows j = 2 rt + r2 -> 4 words
                 for r in cutlass.range_constexpr(4):
-                    slot = ((stage * self.sub + c) * 4 + r) * THREADS + tid
-                    w.append(lds_v4(ring_w + slot * 16))
-                    sraw.append(lds_b32(ring_s + slot * 4) >> sshift)
-                for q in cutlass.range_constexpr(Q):
-                    act = []
-                    for i in cutlass.range_constexpr(nt):
-                        act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
-                    for rt in cutlass.range_constexpr(2):
-                        sc = []
-                        for r2 in cutlass.range_constexpr(2):
-                            raw = sraw[rt * 2 + r2]
-                            if cutlass.const_expr(v.b_kind == "nvfp4"):
-                                raw = raw >> (8 * (q // 2))
-                            sc.append(scale_bf16x2(v.b_kind, raw))
-                        wpg = 1 if self.b_bits == 4 else 2
-                        wg = [w[rt * 2][q * wpg + x] for x in range(wpg)]
-                        wh = [w[rt * 2 + 1][q * wpg + x] for x in range(wpg)]
-                        a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
-                        res = dequant_mma(v.b_kind, nt, wg, wh, sc[0], sc[1], act, a_in, b_fp8)
-                        for x in cutlass.range_constexpr(4 * nt):
-                            acc[(rt * nt) * 4 + x] = res[x]
+                    w.append(lds_v4(ring_w + (((stage * self.sub + c) * 4 + r) * THREADS + tid) * 16))
+                sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
+                self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
         cp_async_wait(0)
 
     @cute.jit
-    def _issue_copies(self, ring_w, ring_s, stage, row_addr, srow_addr, kc, k_end, t, tid,
+    def _step_compute(self, w, sw, kt, buf, c, lane, acc, b_fp8):
+        """One 64-byte step of the thread's four rows: w[j] = 4 weight words of row j, sw[j] = the
+        scale word of row j (4 scale columns), kt = first K element of the thread's bytes."""
+        v = self.v
+        nt, Q = v.nt, self.q
+        sh = ((kt // self.b_block) % 4) * 8  # the thread's first scale column in the word
+        nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
+        sc = []  # bf16x2 scale per row and block: converted once, used by every group
+        for j in cutlass.range_constexpr(4):
+            sc.append([scale_bf16x2(v.b_kind, sw[j] >> (sh + 8 * b)) for b in range(nblk)])
+        wpg = 1 if self.b_bits == 4 else 2  # weight words per 8-element group
+        for q in cutlass.range_constexpr(Q):
+            act = []
+            for i in cutlass.range_constexpr(nt):
+                act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
+            blk = q // 2 if nblk == 2 else 0
+            for rt in cutlass.range_constexpr(2):
+                wg = [w[2 * rt][q * wpg + x] for x in range(wpg)]
+                wh = [w[2 * rt + 1][q * wpg + x] for x in range(wpg)]
+                a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
+                res = dequant_mma(v.b_kind, nt, wg, wh, sc[2 * rt][blk], sc[2 * rt + 1][blk], act,
+                                  a_in, b_fp8)
+                for x in cutlass.range_constexpr(4 * nt):
+                    acc[(rt * nt) * 4 + x] = res[x]
+
+    @staticmethod
+    def _row(bx, warp, g, j):
+        """Row of N of a thread's row j (= 2 rt + r2; MMA row g + 8 r2 of row tile rt)."""
+        return bx * BN + (warp // 4) * 128 + j * 32 + (warp % 4) * 8 + g
+
+    @cute.jit
+    def _issue_copies(self, ring_w, ring_s, stage, row_addr, sent_addr, kc, k_end, t, tid,
                       active):
-        """cp.async one sub-chunk (16 weight bytes + the 4-byte scale word per row per step)
-        into ring stage `stage`, then commit it as one group (empty groups keep the count)."""
+        """cp.async one sub-chunk (16 weight bytes per row per step + the thread's 16-byte scale
+        entry per step) into ring stage `stage`, then commit it as one group (empty groups keep
+        the count)."""
         for c in cutlass.range_constexpr(self.sub):
             k0 = kc + c * self.se
             kt = k0 + t * self.e
@@ -629,7 +633,8 @@ class Sm90DecodeGemm:
             for r in cutlass.range_constexpr(4):
                 slot = ((stage * self.sub + c) * 4 + r) * THREADS + tid
                 cp_async(ring_w + slot * 16, row_addr[r] + boff, 16, ok)
-                cp_async(ring_s + slot * 4, srow_addr[r] + soff, 4, ok)
+            slot = (stage * self.sub + c) * THREADS + tid
+            cp_async(ring_s + slot * 16, sent_addr + soff, 16, ok)
         cp_async_commit()
 
     # ------------------------------------------------------------------------------------------
@@ -640,59 +645,86 @@ class Sm90DecodeGemm:
         return [4 - f, cutlass.Int32(0x07F007F0) << f, cutlass.Int32(_K120) - f * 0x04000400]
 
     @cute.jit
-    def _load_weights(self, w, s, row_addr, srow_addr, kc, k_end, t, active):
-        """Issue one sub-chunk's weight (16 B per row per step) and scale loads."""
+    def _load_weights(self, w, s, row_addr, sent_addr, kc, k_end, t, active):
+        """Issue one sub-chunk's weight (16 B per row per step) and scale-entry (16 B) loads."""
         for c in cutlass.range_constexpr(self.sub):
             k0 = kc + c * self.se  # first K element of the step
             kt = k0 + t * self.e  # first K element of this thread's 16 bytes
             ok = cutlass.Int32(active & (kt < k_end))
             boff = cutlass.Int64(k0 * self.b_bits // 8)
             kb = kt // self.b_block
-            soff = cutlass.Int64((kb // 4) * 512 + kb % 4)
-            for r in cutlass.range_constexpr(4):  # (rt, r2)
+            soff = cutlass.Int64((kb // 4) * 512)
+            for r in cutlass.range_constexpr(4):  # rows j = 2 rt + r2
                 vals = ldg_stream_v4(row_addr[r] + boff, ok)
                 for x in cutlass.range_constexpr(4):
                     w[(c * 4 + r) * 4 + x] = vals[x]
-                nbytes = 2 if self.v.b_kind == "nvfp4" else 1
-                s[c * 4 + r] = ldg_bytes(srow_addr[r] + soff, ok, nbytes)
+            svals = ldg_v4(sent_addr + soff, ok)
+            for x in cutlass.range_constexpr(4):
+                s[c * 4 + x] = svals[x]
+
+    # ---- activations: loaded one sub-chunk ahead into registers, stored in fragment order ----
+    @property
+    def _act_words(self):
+        """Raw words per staging item: 4 (bf16: 16 bytes), fp4: 1 + scale, fp8: 2 + scale."""
+        if not self.a_quant:
+            return 4
+        return 2 if KINDS[self.v.a_kind]["bits"] == 4 else 3
+
+    @property
+    def _act_per_thread(self):
+        return (self.items + THREADS - 1) // THREADS
 
     @cute.jit
-    def _stage_activations(self, buf, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, a_fp8):
-        """Write the sub-chunk's activations (bf16, fragment order) into shared memory.
-        Item (c, nt, q, lane=4g+t) = 8 elements of row m0 + 8nt + g at K
-        kc + c*se + t*e + 8q; rows >= M and K >= k_end are zeros."""
+    def _load_act(self, raw, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, active):
+        """Issue the loads of one sub-chunk's activations into `raw` (registers).
+        Item (c, nt, q, lane=4g+t) = 8 elements of row m0 + 8nt + g at K kc + c*se + t*e + 8q;
+        rows >= M, K >= k_end and items past the count load zeros."""
         v = self.v
-        nt, Q = v.nt, self.q
-        for j in cutlass.range_constexpr((self.items + THREADS - 1) // THREADS):
+        nt, Q, W = v.nt, self.q, self._act_words
+        for j in cutlass.range_constexpr(self._act_per_thread):
             idx = tid + j * THREADS
+            lane = idx % 32
+            q = (idx // 32) % Q
+            i = (idx // (32 * Q)) % nt
+            c = idx // (32 * Q * nt)
+            row = m0 + i * 8 + lane // 4
+            kk = kc + c * self.se + (lane % 4) * self.e + q * 8
+            ok = cutlass.Int32(active & (idx < self.items) & (row < m) & (kk < k_end))
+            rowc = cutlass.min(row, m - 1)
+            if cutlass.const_expr(not self.a_quant):
+                addr = a_addr + (cutlass.Int64(li) * m + rowc) * k * 2 + cutlass.Int64(kk) * 2
+                x = ldg_v4(addr, ok)
+            else:
+                a_bits = KINDS[v.a_kind]["bits"]
+                a_blk = KINDS[v.a_kind]["block"]
+                pitch = cutlass.Int64(k * a_bits // 8)
+                addr = a_addr + (cutlass.Int64(li) * m + rowc) * pitch + cutlass.Int64(
+                    kk * a_bits // 8)
+                x = [ldg_bytes(addr, ok, 4)] if a_bits == 4 else ldg_bytes(addr, ok, 8)
+                sk4 = (k // a_blk + 3) // 4
+                mb128 = (m + 127) // 128
+                kb = kk // a_blk
+                soff = ((li * mb128 + rowc // 128) * sk4 + kb // 4) * 512 + (rowc % 32) * 16 + (
+                    (rowc % 128) // 32) * 4 + kb % 4
+                x = x + [ldg_bytes(sa_addr + cutlass.Int64(soff), ok, 1)]
+            for w in cutlass.range_constexpr(W):
+                raw[j * W + w] = x[w]
+
+    @cute.jit
+    def _store_act(self, buf, raw, tid, a_fp8):
+        """Write the loaded activations (bf16, fragment order: item idx at buf + 16 idx) into
+        shared memory, converting quantized ones and permuting for fp4 weights."""
+        v = self.v
+        W = self._act_words
+        for j in cutlass.range_constexpr(self._act_per_thread):
+            idx = tid + j * THREADS
+            x = [raw[j * W + w] for w in range(W)]
+            if cutlass.const_expr(not self.a_quant):
+                if cutlass.const_expr(self.b_bits == 4):
+                    x = permute_fp4_order(x)
+            else:
+                x = dequant_group(v.a_kind, x[:-1], scale_bf16x2(v.a_kind, x[-1]), a_fp8)
             if idx < self.items:
-                lane = idx % 32
-                q = (idx // 32) % Q
-                i = (idx // (32 * Q)) % nt
-                c = idx // (32 * Q * nt)
-                row = m0 + i * 8 + lane // 4
-                kk = kc + c * self.se + (lane % 4) * self.e + q * 8
-                ok = cutlass.Int32((row < m) & (kk < k_end))
-                rowc = cutlass.min(row, m - 1)
-                if cutlass.const_expr(not self.a_quant):
-                    addr = a_addr + (cutlass.Int64(li) * m + rowc) * k * 2 + cutlass.Int64(kk) * 2
-                    x = ldg_v4(addr, ok)
-                    if cutlass.const_expr(self.b_bits == 4):
-                        x = permute_fp4_order(x)
-                else:
-                    a_bits = KINDS[v.a_kind]["bits"]
-                    a_blk = KINDS[v.a_kind]["block"]
-                    pitch = cutlass.Int64(k * a_bits // 8)
-                    addr = a_addr + (cutlass.Int64(li) * m + rowc) * pitch + cutlass.Int64(
-                        kk * a_bits // 8)
-                    words = [ldg_bytes(addr, ok, 4)] if a_bits == 4 else ldg_bytes(addr, ok, 8)
-                    sk4 = (k // a_blk + 3) // 4
-                    mb128 = (m + 127) // 128
-                    kb = kk // a_blk
-                    soff = ((li * mb128 + rowc // 128) * sk4 + kb // 4) * 512 + (rowc % 32) * 16 + (
-                        (rowc % 128) // 32) * 4 + kb % 4
-                    sbyte = ldg_bytes(sa_addr + cutlass.Int64(soff), ok, 1)
-                    x = dequant_group(v.a_kind, words, scale_bf16x2(v.a_kind, sbyte), a_fp8)
                 sts_v4(buf + idx * 16, x)
 
 

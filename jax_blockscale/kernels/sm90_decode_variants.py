@@ -54,8 +54,9 @@ class Tuning:
         return f"{self.pipeline}_s{self.stages}_k{self.sub_steps}_b{self.min_blocks}"
 
 
-# Measured on the H100 (docs/sm90_decode_notes.md): cp.async ring 4 steps deep, 2 CTAs per SM.
-DEFAULT_TUNING = Tuning("cpasync", stages=4, sub_steps=1, min_blocks=2, ctas_per_sm=2)
+# Measured on the H100 (docs/sm90_decode_notes.md): cp.async ring of 2 sub-chunks of 2 steps,
+# 2 CTAs per SM.
+DEFAULT_TUNING = Tuning("cpasync", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2)
 
 
 @dataclasses.dataclass(frozen=True)
