@@ -200,71 +200,99 @@ def _unflatten(items):
     return tree
 
 
-def _signature(leaf) -> tuple:
-    """What `like` compares: format, layout, shape, dtypes (values never)."""
+def _read_entry(z, entry: dict, fmt: str | None):
+    """One leaf of the file as NumPy arrays (a BlockScaled of them), checked as it is read."""
+    where = "/".join(map(str, entry["path"]))
+
+    def part(name):
+        info = entry["arrays"].get(name)
+        if info is None:
+            return None
+        if info["name"] not in z.files:
+            raise ParamsFileError(f"{where}: array {info['name']!r} missing from the file")
+        return _from_bits(z[info["name"]], info, f"{where} ({name})")
+
+    if entry["kind"] == "array":
+        value = part("value")
+        if value is None:
+            raise ParamsFileError(f"{where}: value missing from the file")
+        return value
+    if entry["kind"] != "blockscaled":
+        raise ParamsFileError(f"{where}: unknown entry kind {entry['kind']!r}")
+    try:
+        get_format(entry["fmt"])
+    except ValueError as e:
+        raise ParamsFileError(f"{where}: {e}") from None
+    data, scales, gs = part("data"), part("scales"), part("global_scale")
+    if data is None or scales is None:
+        raise ParamsFileError(f"{where}: data or scales missing from the file")
+    if entry["has_global_scale"] != (gs is not None):
+        raise ParamsFileError(f"{where}: global scale presence does not match the metadata")
+    _check_blockscaled(where, entry, data, scales, gs)
+    if fmt is not None and entry["fmt"] != fmt:
+        raise ParamsFileError(f"{where}: the file holds {entry['fmt']} weights, expected {fmt}")
+    return BlockScaled(data, scales, gs, entry["fmt"], entry["layout"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing what a tree holds with what is expected (load_params(like=), check_description)
+
+
+def _signature(leaf) -> list:
+    """What is compared: format, layout, shapes, dtypes (never values). JSON-able."""
     if isinstance(leaf, BlockScaled):
-        return ("BlockScaled", leaf.fmt, leaf.layout, tuple(leaf.data.shape),
-                np.dtype(leaf.data.dtype).name, tuple(leaf.scales.shape),
-                leaf.global_scale is not None)
-    return ("array", tuple(leaf.shape), np.dtype(leaf.dtype).name)
+        return ["BlockScaled", leaf.fmt, leaf.layout, list(leaf.data.shape),
+                np.dtype(leaf.data.dtype).name, list(leaf.scales.shape),
+                leaf.global_scale is not None]
+    return ["array", list(leaf.shape), np.dtype(leaf.dtype).name]
 
 
 def _describe_signature(sig) -> str:
     if sig[0] == "BlockScaled":
-        return (f"BlockScaled {sig[1]} {sig[2]} {sig[3]}" +
+        return (f"BlockScaled {sig[1]} {sig[2]} {tuple(sig[3])}" +
                 (" with global scale" if sig[6] else ""))
     return f"array {sig[2]}{list(sig[1])}"
 
 
-def _check_like(loaded: dict, like) -> None:
-    like = _pure_dict(like)
-    got = {tuple(k): _signature(v) for k, v in _flatten(loaded)}
-    want = {tuple(k): _signature(v) for k, v in _flatten(like)}
-    problems = []
-    for keys in sorted(set(got) | set(want), key=str):
-        name = "/".join(map(str, keys))
-        if keys not in got:
-            problems.append(f"{name}: missing from the file")
-        elif keys not in want:
-            problems.append(f"{name}: in the file but not expected")
-        elif got[keys] != want[keys]:
-            problems.append(f"{name}: the file holds {_describe_signature(got[keys])}, expected "
-                            f"{_describe_signature(want[keys])}")
-    if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise ParamsFileError("the params file does not match what was expected:\n  "
-                              + "\n  ".join(problems[:8]) + more)
-
-
 def describe_params(params) -> dict:
-    """A JSON-able description of every leaf: path -> format, layout, shapes, dtypes."""
-    return {"/".join(map(str, keys)): list(_signature(leaf))
+    """A JSON-able description of every leaf: "path/to/leaf" -> format, layout, shapes, dtypes."""
+    return {"/".join(map(str, keys)): _signature(leaf)
             for keys, leaf in _flatten(_pure_dict(params))}
+
+
+def _compare(got: dict, want: dict, *, holder: str, holds: str, wanted: str, title: str):
+    """Raise ParamsFileError listing every leaf where `got` and `want` (describe_params) differ."""
+    problems = []
+    for name in sorted(set(got) | set(want)):
+        if name not in got:
+            problems.append(f"{name}: missing from the {holder}")
+        elif name not in want:
+            problems.append(f"{name}: in the {holder} but not {wanted}")
+        elif got[name] != want[name]:
+            problems.append(f"{name}: the {holder} {holds} {_describe_signature(got[name])}, "
+                            f"{wanted} {_describe_signature(want[name])}")
+    if problems:
+        more = f"\n  (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise ParamsFileError(f"{title}:\n  " + "\n  ".join(problems[:8]) + more)
 
 
 def check_description(params, description: dict) -> None:
     """Raise `ParamsFileError` unless `params` matches a `describe_params` result (e.g. one
     saved as JSON beside an Orbax checkpoint, checked after restoring it)."""
-    got = describe_params(params)
-    want = {k: list(v) for k, v in description.items()}
-    got = json.loads(json.dumps(got))  # tuples -> lists, as the JSON round trip makes them
-    problems = []
-    for name in sorted(set(got) | set(want)):
-        if name not in got:
-            problems.append(f"{name}: missing from the params")
-        elif name not in want:
-            problems.append(f"{name}: not in the description")
-        elif got[name] != want[name]:
-            problems.append(f"{name}: the params hold {_describe_signature(got[name])}, the "
-                            f"description says {_describe_signature(want[name])}")
-    if problems:
-        raise ParamsFileError("the params do not match their description:\n  "
-                              + "\n  ".join(problems[:8]))
+    want = json.loads(json.dumps(description))  # tuples -> lists, as a JSON file gives them
+    _compare(describe_params(params), want, holder="params", holds="hold",
+             wanted="the description says",
+             title="the params do not match their description")
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
 
 
 def load_params(path: str | os.PathLike, *, fmt: str | None = None, like=None,
                 as_numpy: bool = False):
-    """Read a file written by `save_params`; returns the same nested dicts (jax arrays).
+    """Read a file written by `save_params`; returns the same nested dicts of jax arrays
+    (NumPy arrays with ``as_numpy=True``).
 
     Every quantized entry is checked against its own metadata (format, layout, element and
     scale dtypes and shapes). Then, optionally:
@@ -284,46 +312,8 @@ def load_params(path: str | os.PathLike, *, fmt: str | None = None, like=None,
         if meta.get("version") != FILE_VERSION:
             raise ParamsFileError(f"{os.fspath(path)!r} has file version {meta.get('version')}; "
                                   f"this jax_blockscale reads version {FILE_VERSION}")
-        items = []
-        for entry in meta["entries"]:
-            where = "/".join(map(str, entry["path"]))
-
-            def part(name, entry=entry, where=where):
-                info = entry["arrays"].get(name)
-                if info is None:
-                    return None
-                if info["name"] not in z.files:
-                    raise ParamsFileError(f"{where}: array {info['name']!r} missing from the file")
-                return _from_bits(z[info["name"]], info, f"{where} ({name})")
-
-            if entry["kind"] == "blockscaled":
-                try:
-                    get_format(entry["fmt"])
-                except ValueError as e:
-                    raise ParamsFileError(f"{where}: {e}") from None
-                data, scales, gs = part("data"), part("scales"), part("global_scale")
-                if data is None or scales is None:
-                    raise ParamsFileError(f"{where}: data or scales missing from the file")
-                if entry["has_global_scale"] != (gs is not None):
-                    raise ParamsFileError(f"{where}: global scale presence does not match the "
-                                          "metadata")
-                _check_blockscaled(where, entry, data, scales, gs)
-                if fmt is not None and entry["fmt"] != fmt:
-                    raise ParamsFileError(f"{where}: the file holds {entry['fmt']} weights, "
-                                          f"expected {fmt}")
-                conv = (lambda a: a) if as_numpy else jnp.asarray
-                value = BlockScaled(conv(data), conv(scales),
-                                    None if gs is None else conv(gs), entry["fmt"],
-                                    entry["layout"])
-            elif entry["kind"] == "array":
-                value = part("value")
-                if value is None:
-                    raise ParamsFileError(f"{where}: value missing from the file")
-                value = value if as_numpy else jnp.asarray(value)
-            else:
-                raise ParamsFileError(f"{where}: unknown entry kind {entry['kind']!r}")
-            items.append((tuple(entry["path"]), value))
-    loaded = _unflatten(items)
+        loaded = _unflatten((tuple(e["path"]), _read_entry(z, e, fmt)) for e in meta["entries"])
     if like is not None:
-        _check_like(loaded, like)
-    return loaded
+        _compare(describe_params(loaded), describe_params(like), holder="file", holds="holds",
+                 wanted="expected", title="the params file does not match what was expected")
+    return loaded if as_numpy else jax.tree.map(jnp.asarray, loaded)
