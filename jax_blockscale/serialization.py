@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers the low-precision dtypes with NumPy)
+import ml_dtypes
 import numpy as np
 
 from . import layout as _layout
