@@ -80,27 +80,48 @@ def _header(variants):
     return "\n".join(lines) + "\n"
 
 
+def _build_one(args):
+    """Compile and export one variant (runs in a worker process)."""
+    out_dir, a, b, out, tm, tn = args
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from jax_blockscale.kernels.sm90_blockscaled import compile_variant
+
+    name = variant_name(a, b, out, tm, tn)
+    t0 = time.time()
+    compiled = compile_variant(a, b, out, (tm, tn))
+    compiled.export_to_c(file_path=out_dir, file_name=name, function_prefix=name)
+    return dict(name=name, a=a, b=b, out=out, tile_m=tm, tile_n=tn, sm=90), time.time() - t0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--only", default="*", help="fnmatch pattern on variant names (debugging)")
+    # One process is fastest on small machines (each worker pays ~8 s of imports); more help
+    # only with many idle cores.
+    ap.add_argument("--jobs", type=int, default=1, help="compile variants in this many processes")
     args = ap.parse_args(argv)
 
     # Compile for Hopper without a GPU: the DSL reads the target from the environment.
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from jax_blockscale.kernels.sm90_blockscaled import compile_variant
-
     os.makedirs(args.out_dir, exist_ok=True)
     matrix = [v for v in variant_matrix() if fnmatch.fnmatch(variant_name(*v), args.only)]
+    jobs = [(args.out_dir, *v) for v in matrix]
     done = []
     t_all = time.time()
-    for i, (a, b, out, tm, tn) in enumerate(matrix):
-        name = variant_name(a, b, out, tm, tn)
-        t0 = time.time()
-        compiled = compile_variant(a, b, out, (tm, tn))
-        compiled.export_to_c(file_path=args.out_dir, file_name=name, function_prefix=name)
-        done.append(dict(name=name, a=a, b=b, out=out, tile_m=tm, tile_n=tn, sm=90))
-        print(f"[aot {i + 1}/{len(matrix)}] {name}: {time.time() - t0:.1f}s", flush=True)
+    if args.jobs > 1 and len(jobs) > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            for i, (info, dt) in enumerate(pool.map(_build_one, jobs)):
+                done.append(info)
+                print(f"[aot {i + 1}/{len(jobs)}] {info['name']}: {dt:.1f}s", flush=True)
+    else:
+        for i, job in enumerate(jobs):
+            info, dt = _build_one(job)
+            done.append(info)
+            print(f"[aot {i + 1}/{len(jobs)}] {info['name']}: {dt:.1f}s", flush=True)
 
     with open(os.path.join(args.out_dir, "jbs_variants.h"), "w") as f:
         f.write(_header(done))

@@ -11,8 +11,8 @@ The backend only reshapes operands into what the kernel reads:
   * batch dims -> one L axis; a batched A times an unbatched B is folded into M instead
     (one large GEMM, the weight read once);
   * NVFP4 with K % 32 == 16 gets 16 zero elements of K padding (TMA needs 16-byte rows).
-Large problems (M above JAX_BLOCKSCALE_SM90_MAX_ROWS, default 512) lower to dequantize + XLA's
-bf16 GEMM instead, which is faster there on Hopper.
+Large-M problems (see kernel_max_rows) lower to dequantize + XLA's bf16 GEMM instead, which is
+faster there on Hopper.
 Every runtime assumption is re-checked by the FFI handler, which returns an error rather than
 launching anything it cannot run.
 """
@@ -42,19 +42,22 @@ _KERNEL_PAIRS = {("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("m
 _OUT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 _INT32_MAX = 2**31 - 1
 
-# Above this many rows (M after folding batch dims), dequantize-once + cuBLAS bf16 GEMM beats the
-# fused kernel on an H100: the fused kernel dequantizes each B tile once per 128-row M tile,
-# cuBLAS runs near peak once both operands are bf16 (measured crossover: docs/sm90_notes.md).
-# The backend then lowers to that instead of the custom call. None/0 = always the kernel.
+# Where the fused kernel beats dequantize-once + XLA's bf16 GEMM on an H100 (measured,
+# docs/sm90_notes.md): the kernel dequantizes each B tile once per 128-row M tile, while cuBLAS
+# runs near peak once both operands are bf16, so past a few hundred rows the GEMM wins. Above the
+# limit the backend lowers to dequantize + dot instead of the custom call.
+# JAX_BLOCKSCALE_SM90_MAX_ROWS overrides the limit (0: always the kernel).
 ENV_MAX_ROWS = "JAX_BLOCKSCALE_SM90_MAX_ROWS"
-DEFAULT_MAX_ROWS = 512
 
 
-def kernel_max_rows() -> int | None:
+def kernel_max_rows(spec: GemmSpec) -> int | None:
     v = os.environ.get(ENV_MAX_ROWS)
-    if v is None:
-        return DEFAULT_MAX_ROWS
-    return int(v) or None
+    if v is not None:
+        return int(v) or None
+    # weight-only (only B to dequantize) and large weights amortize better
+    if spec.fmt_a is None or spec.n * spec.k >= 2**28:
+        return 512
+    return 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +119,7 @@ class Sm90Backend:
             raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
         fold = not spec.b_batch  # weights shared by every batch element: one big GEMM
         M, L = self._mnl(spec)
-        max_rows = kernel_max_rows()
+        max_rows = kernel_max_rows(spec)
         if max_rows is not None and M > max_rows:
             # Large M: the tensor cores are the limit; dequantize once and use XLA's GEMM.
             return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16)
