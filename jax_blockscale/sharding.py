@@ -398,10 +398,22 @@ def _needs_partitioning(ctx) -> bool:
     return _devices(mc.axis_context) > 1
 
 
+def _thread_mesh():
+    from jax._src import mesh as mesh_lib  # noqa: PLC0415
+    return mesh_lib.thread_resources.env.physical_mesh
+
+
 def _devices(axis_context) -> int:
     """Devices the SPMD partitioner will split this op over (1: nothing to partition)."""
     if isinstance(axis_context, ShardingContext):
-        return len(axis_context.device_assignment or ())
+        n = len(axis_context.device_assignment or ())
+        if n > 1 and axis_context.abstract_mesh is None and _thread_mesh().empty:
+            # No NamedSharding anywhere and no `with mesh`: the callbacks would get shardings
+            # without mesh axis names, so leave the op to XLA (correct, maybe gathered).
+            _log_once(logging.INFO, "jax_blockscale gemm: no mesh in scope (no NamedSharding "
+                      "inputs/outputs); the gemm is not custom-partitioned")
+            return 1
+        return n
     if isinstance(axis_context, SPMDAxisContext):
         auto = set(axis_context.mesh.axis_names) - set(axis_context.manual_axes)
         # Fully manual (shard_map, and our own per-device function): the op is already local.
