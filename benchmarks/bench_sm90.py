@@ -92,8 +92,17 @@ def main():
             r["auto_us"] = timeit(auto, a, b) * 1e6
             r["deq_dot_us"] = timeit(ref, a, b) * 1e6
             r["bf16_dot_us"] = timeit(dot, xb, wb) * 1e6
+            if not weight_only:  # JAX's own API, as in the anchor file (plain scales, batch 1)
+                try:
+                    pa, pb = jbs.to_plain(a), jbs.to_plain(b)
+                    nn = jax.jit(lambda x, y, sx, sy: jax.nn.scaled_matmul(
+                        x[None], y[None], sx[None], sy[None],
+                        preferred_element_type=jnp.bfloat16)[0])
+                    r["nn_scaled_us"] = timeit(nn, pa.data, pb.data, pa.scales, pb.scales) * 1e6
+                except Exception as e:  # noqa: BLE001
+                    r["nn_scaled_err"] = repr(e)[:200]
             fl = 2.0 * M * N * K
-            for k in ("sm90_us", "auto_us", "deq_dot_us", "bf16_dot_us"):
+            for k in ("sm90_us", "auto_us", "deq_dot_us", "bf16_dot_us", "nn_scaled_us"):
                 if k in r:
                     r[k.replace("_us", "_tflops")] = fl / (r[k] * 1e-6) / 1e12
             for t in filter(None, args.tiles.split(",")):
@@ -105,11 +114,12 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\nfmt          M     N     K | sm90 us (TF)     | auto us (TF)     | deq+dot us (TF)  | bf16 dot us (TF) | err")
+    print("\nfmt          M     N     K | sm90 us (TF)     | auto us (TF)     | deq+dot us (TF)  | bf16 dot us (TF) | nn.scaled_mm (TF) | err")
     for r in rows:
         f = lambda k: ("%9.1f (%5.0f)" % (r[k + "_us"], r[k + "_tflops"])) if k + "_us" in r else "      err       "  # noqa: E731
-        print("%-10s %5d %5d %5d | %s | %s | %s | %s | %s" % (
+        print("%-10s %5d %5d %5d | %s | %s | %s | %s | %s | %s" % (
             r["fmt"], r["M"], r["N"], r["K"], f("sm90"), f("auto"), f("deq_dot"), f("bf16_dot"),
+            f("nn_scaled"),
             "%.1e" % r["rel_err_vs_reference"] if "rel_err_vs_reference" in r else "-"))
 
 
