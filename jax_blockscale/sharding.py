@@ -1,7 +1,7 @@
 """Sharding rules for `gemm_p`: how a block-scaled GEMM is split across devices.
 
-Without a rule, XLA treats the GEMM's custom call as opaque and gathers every operand onto every
-device. Here `gemm_p`'s lowering wraps the local computation in
+Without a rule, XLA treats a GPU kernel's custom call as opaque and gathers every operand onto
+every device. Here `gemm_p`'s lowering wraps the local computation in
 `jax.experimental.custom_partitioning`, which gives the SPMD partitioner
 
   * a Shardy sharding rule (`_sdy_rule`): factors for batch, M, N and K, shared by each operand's
@@ -46,10 +46,11 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# The lowering's axis contexts say whether an SPMD partitioner will split the op; JAX has no
-# public name for them.
+# No public names: the registry of primitives that need the devices at lowering time, and the
+# lowering's axis contexts (they say whether an SPMD partitioner will split the op).
 from jax._src import dispatch
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
+
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
 from .lowering import ALL_PLATFORMS
