@@ -110,6 +110,9 @@ def main():
                     r[f"sm90_n{t}_tflops"] = fl / (r[f"sm90_n{t}_us"] * 1e-6) / 1e12
             rows.append(r)
             print(json.dumps(r), flush=True)
+            if args.json:  # keep what was measured even if the run is cut short
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
             del a, b, xb, wb
     if args.json:
         with open(args.json, "w") as f:
