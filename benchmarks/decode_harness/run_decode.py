@@ -297,6 +297,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="correctness subset only")
     ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--extra-only", action="store_true",
+                    help="skip the default tuning's full correctness suite and the split sweep "
+                         "(a follow-up run comparing tunings)")
     ap.add_argument("--profile", action="store_true",
                     help="only launch a few headline cases twice each (run it under ncu)")
     args = ap.parse_args()
@@ -352,7 +355,7 @@ def main():
     ]
     if args.quick:
         shapes = shapes[:3]
-    for fmt_a, fmt_b in pairs:
+    for fmt_a, fmt_b in ([] if args.extra_only else pairs):
         for out in ("f32", "bf16", "f16"):
             for (M, N, K, L, sp) in shapes:
                 if out != "f32" and (M, N) not in ((3, 1000), (16, 8192)):
@@ -387,7 +390,7 @@ def main():
                     perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=tuning is None,
                                         time_it=True, tuning=tuning))
         # split-K sweep, default tuning (checks the heuristic's choice)
-        for (M, NK) in [(1, 8192), (16, 8192), (16, 16384)]:
+        for (M, NK) in ([] if args.extra_only else [(1, 8192), (16, 8192), (16, 16384)]):
             for sp in (1, 2, 3, 4, 6, 8, 16):
                 if have(None, "nvfp4", "bf16", M):
                     perf.append(guarded(None, "nvfp4", "bf16", M, NK, NK, splits=sp, check=False,
