@@ -236,6 +236,7 @@ def test_choose_decode_variant():
     assert dv.choose_decode_variant(4, 4096, 4100, None, "nvfp4", 132) is None  # K % 32
     assert dv.choose_decode_variant(4, 4096, 4096, "mxfp4", "nvfp4", 132) is None  # pair
     assert dv.choose_decode_variant(4, 4096, 4096, None, "mxfp6_e2m3", 132) is None
+    assert dv.choose_decode_variant(4, 4096, 4096, "f16", "nvfp4", 132) is None  # bf16 MMAs only
 
 
 def test_variant_list():
