@@ -1,7 +1,7 @@
 """Check and time the sm90 decode kernel on a Hopper GPU (cupy + the harness library).
 
     python benchmarks/decode_harness/run_decode.py --lib benchmarks/decode_harness/build \
-        --json $OUT/decode_h100.json [--quick]
+        --json $OUT/decode_h100.json [--quick] [--no-perf] [--extra-only] [--profile]
 
 Correctness: fresh random operands for every case (never zeros: random fp4/fp8 codes, random
 block scales including subnormal e4m3 and tiny e8m0 ones, random bf16 activations), output and
@@ -9,9 +9,13 @@ workspace poisoned with NaN before the launch, compared with a float64 reference
 dequantized operands (computed with cupy in float64 on the GPU: dequantize, then DGEMM).
 Relative Frobenius error must be < 1e-5 for f32 output (bf16 8e-3, f16 1e-3 rounding).
 
-Timing: CUDA events around every launch (the launcher's three kernels), median of many reps,
-rotating through enough weight/scale buffer sets (> 150 MB) that L2 cannot hold them. Reports
-the bytes that must move (B + its scales + A + out), the achieved TB/s on them, and the time.
+Timing: a CUDA graph of 20 launches (each the launcher's three kernels; what XLA's command
+buffers run), median per-launch time over graph replays ("us"), and CUDA events between eager
+back-to-back launches ("us_eager"); rotating through enough weight/scale buffer sets (> 150 MB)
+that L2 cannot hold them. Reports the bytes that must move (B + its unpadded scales + A + out),
+the achieved TB/s on them, and the time. Extra tunings found in the library get a reduced
+correctness suite (f32 output, the odd shapes) and the same timings; --profile launches three
+headline cases twice each (run it under ncu).
 """
 from __future__ import annotations
 
