@@ -43,15 +43,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-# ----------------------------------------------------------------------------------------------
-# Operand kinds.  (block size along K, bits per element, scale kind)
-# ----------------------------------------------------------------------------------------------
-KINDS = {
-    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
-    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
-    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 chosen at run time
-    "bf16": dict(block=None, bits=16, scale=None),  # weight-only activation, no scales
-}
+from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
+from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
+from .sm90_dequant_ptx import KINDS, cvt_asm
+
 # (a_kind, b_kind) pairs the kernel implements.
 PAIRS = [
     ("nvfp4", "nvfp4"),
@@ -66,81 +61,6 @@ OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.F
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
 SCALE_CHUNK = 512  # bytes of one blocked scale tile: 128 rows x 4 scale columns
-
-# bf16x2 constants (both halves equal)
-_BF16X2_2P120 = 0x7B807B80  # 2^120: undoes the e4m3 bit trick
-_BF16X2_2P112 = 0x77807780  # 2^112: undoes the e5m2 bit trick
-_BF16X2_2P126 = 0x7E807E80  # 2^126: undoes the e2m1 bit trick
-
-# ----------------------------------------------------------------------------------------------
-# Dequantization of one 8-element chunk, smem -> smem, in PTX.
-#
-# The bit tricks place the element's exponent/mantissa bits into the low bits of a bf16
-# exponent/mantissa, which gives the exact value times a fixed power of two (2^-126 for e2m1,
-# 2^-120 for e4m3, 2^-112 for e5m2; subnormal elements land on bf16 subnormals, which bf16
-# arithmetic keeps). One exact multiply by the inverse power and one by the block scale
-# (bf16x2) give the dequantized value. Products stay exact: at most 6 significant bits.
-# ----------------------------------------------------------------------------------------------
-# Scale byte ($6) -> bf16x2 `sp` (both halves the scale).
-_SCALE_E8M0 = """
-    shl.b32 sp, $6, 7;
-    setp.eq.u32 p, $6, 0;
-    selp.b32 sp, 0x40, sp, p;            // e8m0 0 is 2^-127: a bf16 subnormal
-    prmt.b32 sp, sp, sp, 0x1010;
-"""
-_SCALE_E4M3 = f"""
-    and.b32 sp, $6, 0x7F;
-    shl.b32 sp, sp, 4;
-    and.b32 t, $6, 0x80;
-    shl.b32 t, t, 8;
-    or.b32 sp, sp, t;
-    prmt.b32 sp, sp, sp, 0x1010;
-    mov.b32 t, {_BF16X2_2P120:#x};
-    mul.rn.bf16x2 sp, sp, t;
-"""
-
-
-def _fp8_pair(word, sel_lo, sel_sign, out):
-    # bf16x2 of two e4m3/e5m2 bytes of `word`; $7 = shift, $8 = mask, $9 = 2^bias fix
-    return f"""
-    prmt.b32 t, {word}, 0, {sel_lo:#x};
-    shl.b32 t, t, $7;
-    and.b32 t, t, $8;
-    prmt.b32 g, {word}, 0, {sel_sign:#x};
-    lop3.b32 t, t, g, 0x80008000, 0xF8;   // t | (g & 0x80008000)
-    mul.rn.bf16x2 t, t, $9;
-    mul.rn.bf16x2 {out}, t, sp;
-"""
-
-
-def _fp4_pair(j, out):
-    # nibbles 2j (low half) and 2j+1 (high half) of the chunk word
-    sel = 0x8080 | ((4 + j) << 8) | j
-    return f"""
-    prmt.b32 t, xl, xh, {sel:#x};
-    shl.b32 g, t, 6;
-    and.b32 g, g, 0x01C001C0;
-    shl.b32 t, t, 12;
-    lop3.b32 t, g, t, 0x80008000, 0xF8;   // magnitude | sign
-    mul.rn.bf16x2 t, t, k126;
-    mul.rn.bf16x2 {out}, t, sp;
-"""
-
-
-def _cvt_asm(kind: str) -> str:
-    """PTX: ($4, $5) = chunk words, $6 = scale byte -> ($0..$3) = 8 bf16."""
-    scale = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
-    if KINDS[kind]["bits"] == 8:
-        body = (scale + _fp8_pair("$4", 0x4140, 0x9484, "$0") + _fp8_pair("$4", 0x4342, 0xB4A4, "$1")
-                + _fp8_pair("$5", 0x4140, 0x9484, "$2") + _fp8_pair("$5", 0x4342, 0xB4A4, "$3"))
-        regs = ".reg .b32 sp, t, g;"
-    else:
-        body = ("and.b32 xl, $4, 0x0F0F0F0F;\nshr.b32 xh, $4, 4;\nand.b32 xh, xh, 0x0F0F0F0F;\n"
-                f"mov.b32 k126, {_BF16X2_2P126:#x};\n" + scale
-                + "".join(_fp4_pair(j, f"$%d" % j) for j in range(4)))
-        regs = ".reg .b32 sp, t, g, xl, xh, k126;"
-    return "{\n" + regs + "\n.reg .pred p;\n" + body + "}"
-
 
 def _i32(x, loc, ip):
     return cutlass.Int32(x).ir_value(loc=loc, ip=ip)
@@ -163,12 +83,13 @@ def _load_chunk(kind: str, src, scale, ok, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _convert_chunk(kind: str, words, shift, mask, fix, *, loc=None, ip=None):
-    """Pure arithmetic: 8 elements and their scale -> 4 bf16x2 words (exact)."""
+def _convert_chunk(kind: str, perm: bool, words, shift, mask, fix, *, loc=None, ip=None):
+    """Pure arithmetic: 8 elements and their scale -> 4 bf16x2 words (exact); see
+    sm90_dequant_ptx for the element order `perm` selects."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         list(words) + [_i32(x, loc, ip) for x in (shift, mask, fix)],
-        _cvt_asm(kind), "=r,=r,=r,=r,r,r,r,r,r,r", has_side_effects=False,
+        cvt_asm(kind, perm), "=r,=r,=r,=r,r,r,r,r,r,r", has_side_effects=False,
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(4)]
 
@@ -572,7 +493,7 @@ class Sm90BlockScaledGemm:
                     for g0 in cutlass.range_constexpr(0, len(jobs), self.group):
                         grp = jobs[g0:g0 + self.group]
                         loaded = [_load_chunk(j[0], j[1], j[2], j[4]) for j in grp]
-                        vals = [_convert_chunk(j[0], w, j[5], j[6], j[7])
+                        vals = [_convert_chunk(j[0], self.a_quant, w, j[5], j[6], j[7])
                                 for j, w in zip(grp, loaded)]
                         for j, v in zip(grp, vals):
                             _store_chunk(j[3], v, j[4])

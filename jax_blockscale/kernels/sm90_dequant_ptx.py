@@ -1,0 +1,130 @@
+"""PTX that dequantizes 8 block-scaled elements to 8 exact bf16 values (the sm90 kernel's inner
+loop). Plain strings, no DSL import, so tests can run them on the CPU (tests/_ptx_emu.py).
+
+Operands of the generated asm: outputs $0..$3 (four bf16x2 words), inputs $4, $5 (the chunk:
+one 32-bit word of eight e2m1 nibbles, low nibble first, or two words of four fp8 bytes), $6 (the
+scale byte), $7 / $8 / $9 (fp8 only: shift, mask and the 2^bias fix, chosen at run time for e4m3
+or e5m2).
+
+The bit tricks put the element's exponent/mantissa bits into the low bits of a bf16
+exponent/mantissa, which is the exact value times a fixed power of two (2^-126 for e2m1, 2^-120
+for e4m3, 2^-112 for e5m2; subnormal elements land on bf16 subnormals, which bf16 arithmetic
+keeps). One exact bf16x2 multiply undoes the power, one applies the block scale (exact: at most
+6 significant bits, bf16 has 8). Limits: products past bf16's range overflow to inf (as in f32),
+products below 2^-133 round; NaN/inf element codes (never produced by quantize) are not data:
+e5m2 inf decodes to +-65536 * scale.
+
+Element order of the output: natural (words = elements (0,1), (2,3), (4,5), (6,7)), or with
+`perm=True` the pairs (0,4), (1,5), (2,6), (3,7). A dot product does not care in which order K
+runs as long as both operands use the same one, and the permuted order is cheaper for e2m1 (one
+shift serves both halves of a word); the kernel uses it when both operands are dequantized.
+"""
+from __future__ import annotations
+
+KINDS = {
+    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
+    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
+    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 chosen at run time
+    "bf16": dict(block=None, bits=16, scale=None),  # weight-only activation, no scales
+}
+
+# bf16x2 constants (both halves equal)
+BF16X2_2P120 = 0x7B807B80  # 2^120: undoes the e4m3 bit trick
+BF16X2_2P112 = 0x77807780  # 2^112: undoes the e5m2 bit trick
+BF16X2_2P126 = 0x7E807E80  # 2^126: undoes the e2m1 bit trick
+# run-time fp8 flavour: (shift, mask, fix)
+FP8_E4M3 = (4, 0x07F007F0, BF16X2_2P120)
+FP8_E5M2 = (5, 0x0FE00FE0, BF16X2_2P112)
+
+# Scale byte ($6) -> bf16x2 `sp` (both halves the scale).
+_SCALE_E8M0 = """
+    shl.b32 sp, $6, 7;
+    setp.eq.u32 p, $6, 0;
+    selp.b32 sp, 0x40, sp, p;            // e8m0 0 is 2^-127: a bf16 subnormal
+    prmt.b32 sp, sp, sp, 0x1010;
+"""
+_SCALE_E4M3 = f"""
+    and.b32 sp, $6, 0x7F;
+    shl.b32 sp, sp, 4;
+    and.b32 t, $6, 0x80;
+    shl.b32 t, t, 8;
+    lop3.b32 sp, sp, t, 0, 0xFC;         // sp | t
+    prmt.b32 sp, sp, sp, 0x1010;
+    mov.b32 t, {BF16X2_2P120:#x};
+    mul.rn.bf16x2 sp, sp, t;
+"""
+
+
+def _fp8_pair(lo_word, lo_byte, hi_word, hi_byte, out):
+    """bf16x2 of two fp8 bytes: low half from byte `lo_byte` of `lo_word` ($4 or $5)."""
+    src = {"$4": 0, "$5": 4}
+    lo, hi = src[lo_word] + lo_byte, src[hi_word] + hi_byte
+    # magnitude bytes to bits 0-7 / 16-23 (bytes 1 and 3: anything, the mask drops them) and
+    # their sign bits replicated into bytes 1 / 3 (prmt sign mode), masked to bits 15 / 31
+    sel_mag = (hi << 8) | lo
+    sel_sign = ((8 | hi) << 12) | ((8 | lo) << 4)
+    return f"""
+    prmt.b32 t, $4, $5, {sel_mag:#x};
+    shl.b32 t, t, $7;
+    and.b32 t, t, $8;
+    prmt.b32 g, $4, $5, {sel_sign:#x};
+    lop3.b32 t, t, g, 0x80008000, 0xF8;   // t | (g & 0x80008000)
+    mul.rn.bf16x2 t, t, $9;
+    mul.rn.bf16x2 {out}, t, sp;
+"""
+
+
+def _fp4_pair_natural(j, out):
+    # nibbles 2j (low half) and 2j+1 (high half): split nibbles into bytes, then one prmt each
+    sel = 0x8080 | ((4 + j) << 8) | j  # 0x8_: sign mode on a byte with bit 7 clear -> 0x00
+    return f"""
+    prmt.b32 t, xl, xh, {sel:#x};
+    shl.b32 g, t, 6;
+    and.b32 g, g, 0x01C001C0;
+    shl.b32 t, t, 12;
+    lop3.b32 t, g, t, 0x80008000, 0xF8;   // magnitude | sign
+    mul.rn.bf16x2 t, t, k126;
+    mul.rn.bf16x2 {out}, t, sp;
+"""
+
+
+def _fp4_pair_perm(j, out):
+    # nibbles j (low half) and j+4 (high half): shifted to bits 12-15 / 28-31 of the word, the
+    # 3 magnitude bits go to bf16 bits 6-8 (>> 6) and the sign stays at bit 15 / 31
+    shift = 4 * (3 - j)
+    x = "$4" if shift == 0 else "x"
+    pre = "" if shift == 0 else f"shl.b32 x, $4, {shift};\n"
+    return pre + f"""
+    and.b32 t, {x}, 0x70007000;
+    shr.b32 t, t, 6;
+    lop3.b32 t, t, {x}, 0x80008000, 0xF8;  // t | (x & 0x80008000)
+    mul.rn.bf16x2 t, t, k126;
+    mul.rn.bf16x2 {out}, t, sp;
+"""
+
+
+def cvt_asm(kind: str, perm: bool = False) -> str:
+    """PTX: ($4, $5) = chunk words, $6 = scale byte -> ($0..$3) = 8 bf16 (see module doc)."""
+    scale = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
+    if KINDS[kind]["bits"] == 8:
+        if perm:
+            pairs = [("$4", j, "$5", j) for j in range(4)]
+        else:
+            pairs = [("$4", 0, "$4", 1), ("$4", 2, "$4", 3), ("$5", 0, "$5", 1), ("$5", 2, "$5", 3)]
+        body = scale + "".join(_fp8_pair(*p, f"${i}") for i, p in enumerate(pairs))
+        regs = ".reg .b32 sp, t, g;"
+    elif perm:
+        body = (f"mov.b32 k126, {BF16X2_2P126:#x};\n" + scale
+                + "".join(_fp4_pair_perm(j, f"${j}") for j in range(4)))
+        regs = ".reg .b32 sp, t, g, x, k126;"
+    else:
+        body = ("and.b32 xl, $4, 0x0F0F0F0F;\nshr.b32 xh, $4, 4;\nand.b32 xh, xh, 0x0F0F0F0F;\n"
+                f"mov.b32 k126, {BF16X2_2P126:#x};\n" + scale
+                + "".join(_fp4_pair_natural(j, f"${j}") for j in range(4)))
+        regs = ".reg .b32 sp, t, g, xl, xh, k126;"
+    return "{\n" + regs + "\n.reg .pred p;\n" + body + "}"
+
+
+def element_order(perm: bool) -> list[int]:
+    """K order of the 8 bf16 the asm writes (as stored: word i holds output halves 2i, 2i+1)."""
+    return [0, 4, 1, 5, 2, 6, 3, 7] if perm else list(range(8))

@@ -1,0 +1,105 @@
+"""The sm90 kernel's dequantization PTX, run on the CPU (tests/_ptx_emu.py): every element code
+times a spread of scales gives the exact bf16 value, in the element order the kernel assumes.
+No GPU, no DSL needed."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import _ptx_emu as emu
+from jax_blockscale.kernels import sm90_dequant_ptx as ptx
+
+LANES = emu.LANES
+
+
+def _prmt_with_sign_mode(a, b, sel):
+    """prmt.b32 default mode including the sign-replicate selectors (msb set) the kernel uses."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        s = (int(sel[0]) if np.ndim(sel) else int(sel)) >> (4 * i) & 0xF
+        byte = src[s & 7]
+        if s & 8:
+            byte = np.where(byte & 0x80, 0xFF, 0x00).astype(a.dtype)
+        out |= byte << (8 * i)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _sign_mode(monkeypatch):
+    monkeypatch.setattr(emu, "_prmt", _prmt_with_sign_mode)
+
+
+ELEM = {"e2m1": ml_dtypes.float4_e2m1fn, "e4m3": ml_dtypes.float8_e4m3fn,
+        "e5m2": ml_dtypes.float8_e5m2}
+
+
+def _codes(elem, rng):
+    """(LANES, 8) element codes: every code appears, the rest random."""
+    n = 16 if elem == "e2m1" else 256
+    codes = np.concatenate([np.arange(n), rng.integers(0, n, LANES * 8 - n % (LANES * 8))])
+    codes = codes[: LANES * 8]
+    rng.shuffle(codes)
+    codes = codes.reshape(LANES, 8).astype(np.uint32)
+    if elem != "e2m1":  # NaN/inf codes are not data (quantize saturates); the bit trick maps
+        # e5m2 inf to +-65536 * scale, documented in sm90_dequant_ptx
+        bad = ~np.isfinite(codes.astype(np.uint8).view(ELEM[elem]).astype(np.float64))
+        codes[bad] = 0x01
+    return codes
+
+
+def _scales(scale_kind, rng):
+    if scale_kind == "e8m0":
+        s = rng.integers(1, 255, LANES).astype(np.uint32)
+        s[:3] = [0, 127, 254]  # 2^-127 (a bf16 subnormal), 1, 2^127
+        return s, (2.0 ** (s.astype(np.float64) - 127))
+    s = rng.integers(0, 0x7F, LANES).astype(np.uint32)  # non-negative e4m3, no NaN
+    s[:3] = [0x01, 0x38, 0x7E]  # smallest subnormal, 1.0, 448
+    return s, s.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _decode(codes, elem):
+    if elem == "e2m1":
+        return codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    return codes.astype(np.uint8).view(ELEM[elem]).astype(np.float64)
+
+
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"), ("mxfp8", "e4m3"),
+                                       ("mxfp8", "e5m2")])
+def test_dequant_chunk_is_exact(kind, elem, perm):
+    rng = np.random.default_rng(hash((kind, elem, perm)) % 2**32)
+    for _ in range(4):
+        codes = _codes(elem, rng)
+        sbits, scale = _scales(ptx.KINDS[kind]["scale"], rng)
+        if elem == "e2m1":  # one word, element i in nibble i
+            w0 = np.zeros(LANES, np.uint32)
+            for i in range(8):
+                w0 |= codes[:, i] << (4 * i)
+            w1 = np.zeros(LANES, np.uint32)
+        else:  # two words, element i in byte i
+            w0 = sum(codes[:, i] << (8 * i) for i in range(4)).astype(np.uint32)
+            w1 = sum(codes[:, 4 + i] << (8 * i) for i in range(4)).astype(np.uint32)
+        shift, mask, fix = ptx.FP8_E5M2 if elem == "e5m2" else ptx.FP8_E4M3
+        full = lambda v: np.full(LANES, v, np.uint32)  # noqa: E731
+        regs = emu.run(ptx.cvt_asm(kind, perm), {
+            "$4": w0, "$5": w1, "$6": sbits, "$7": full(shift), "$8": full(mask), "$9": full(fix)})
+        got = np.stack([(regs[f"${i // 2}"] >> (16 * (i % 2))) & 0xFFFF for i in range(8)], 1)
+        got = emu.bf16_to_f64(got.astype(np.uint16))
+        want = _decode(codes, elem) * scale[:, None]
+        want = want[:, ptx.element_order(perm)]
+        # exact wherever bf16 can hold the product; only products below bf16's smallest
+        # subnormal (2^-133, e.g. an e4m3 subnormal times 2^-127) round, to within 2^-133
+        exact = want.astype(ml_dtypes.bfloat16).astype(np.float64) == want
+        assert exact.mean() > 0.9
+        np.testing.assert_array_equal(got[exact], want[exact])
+        big = np.abs(want) > float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # past bf16 (and
+        assert np.all(np.isinf(got[big]) & (np.sign(got[big]) == np.sign(want[big])))  # f32)
+        tiny = ~exact & ~big
+        assert np.all(np.abs(got[tiny] - want[tiny]) <= 2.0**-133)
+
+
+def test_element_orders():
+    assert ptx.element_order(False) == list(range(8))
+    assert sorted(ptx.element_order(True)) == list(range(8))
