@@ -177,3 +177,48 @@ def test_sm90_backend_declines_without_hopper():
     # and gemm still runs (on the reference backend)
     a = jbs.quantize(jnp.ones((8, 64)) * 0.5, "nvfp4")
     assert jbs.gemm(a, a).shape == (8, 8)
+
+
+def _lower_for_cuda(monkeypatch, f, *args):
+    """Cross-lower `f` for CUDA on this (GPU-less) machine, as if it had a Hopper GPU."""
+    from jax_blockscale.lowering import ffi as sm90
+
+    monkeypatch.setattr(sm90, "_device_reason", lambda: None)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("case", ["plain", "fold_batch_into_m", "batched", "pad_k", "weight_only",
+                                  "large_m"])
+def test_lowering_emits_the_custom_call(monkeypatch, case):
+    import jax_blockscale as jbs
+
+    key = jax.random.PRNGKey(3)
+    q = lambda shape, fmt, layout="plain": jbs.quantize(  # noqa: E731
+        jax.random.normal(key, shape), fmt, layout=layout)
+    if case == "plain":
+        a, b, want = q((40, 64), "nvfp4"), q((24, 64), "nvfp4"), dict(m=40, n=24, k=64, l=1)
+    elif case == "fold_batch_into_m":  # batched activations x one weight: one GEMM, M = 2*3*40
+        a, b = q((2, 3, 40, 64), "mxfp8_e4m3", "blocked"), q((24, 64), "mxfp4", "blocked")
+        want = dict(m=240, n=24, k=64, l=1, a_kind=3, b_kind=2)
+    elif case == "batched":
+        a, b = q((3, 40, 64), "mxfp8_e5m2"), q((3, 24, 64), "mxfp8_e4m3")
+        want = dict(m=40, n=24, k=64, l=3, a_e5m2=1, b_e5m2=0)
+    elif case == "pad_k":  # NVFP4 K % 32 == 16: padded to 64
+        a, b, want = q((5, 48), "nvfp4"), q((7, 48), "nvfp4"), dict(m=5, n=7, k=64, l=1)
+    elif case == "weight_only":
+        a = jax.random.normal(key, (9, 64)).astype(jnp.bfloat16)
+        b, want = q((24, 64), "nvfp4"), dict(m=9, n=24, k=64, l=1, a_kind=4)
+    else:  # past the dispatch limit: dequantize + dot, no custom call
+        a, b, want = q((1024, 64), "nvfp4"), q((24, 64), "nvfp4"), None
+    if want is not None:
+        from jax_blockscale.lowering import ffi as sm90
+
+        monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")  # the kernel at every size
+    text = _lower_for_cuda(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm90"), a, b)
+    calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
+    if want is None:
+        assert not calls
+        return
+    assert len(calls) == 1, text[-2000:]
+    for attr, v in want.items():
+        assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, v, calls[0][:400])
