@@ -65,6 +65,7 @@ def _decode(codes, elem):
     return codes.astype(np.uint8).view(ELEM[elem]).astype(np.float64)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"), ("mxfp8", "e4m3"),
                                        ("mxfp8", "e5m2")])
