@@ -6,6 +6,8 @@ from .formats import FORMATS, Format, can_multiply, get_format, supported_pairs
 from .layout import from_blocked_scales, to_blocked_scales
 from .lowering import GemmSpec, backend_names, register_backend
 from .primitive import gemm_p
+from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
+from .lowering import ffi as _ffi_backends  # noqa: F401,E402  (GPU backends; library loads lazily)
 from .quantize import (BlockScaled, dequantize, pack_fp4, quantize, to_blocked, to_plain,
                        unpack_fp4)
 

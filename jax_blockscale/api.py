@@ -34,8 +34,6 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
                         "weight with jbs.quantize(w, fmt, layout='blocked')")
     forced_backend(backend)  # an unknown name fails here, at trace time
-    # Registers gemm_p's partitioned lowering (sharding rules for pjit); a no-op once imported.
-    from . import sharding  # noqa: F401, PLC0415
     if isinstance(a, BlockScaled):
         a_elems, sa, fmt_a, layout_a = a.data, a.scales, a.fmt, a.layout
     else:
