@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests import _ptx_emu as emu
+import _ptx_emu as emu
 
 from jax_blockscale.kernels import sm90_decode_variants as dv  # pure Python: always importable
 
