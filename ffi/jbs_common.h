@@ -31,10 +31,15 @@ struct LaunchArgs {
   void *a, *b, *sa, *sb, *c, *alpha;
   int32_t m, n, k, l, a_e5m2, b_e5m2, max_ctas;
   cudaStream_t stream;
+  void* ws;        // decode kernel only: f32 workspace of L*M*N floats (the launcher zeroes it)
+  int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
 };
+// One compiled kernel. nt == 0: the fused GEMM (kernels/sm90_blockscaled.py, tile_m x tile_n);
+// nt == 1 | 2: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per CTA
+// (tile_m = 8 * nt), 256 rows of N per CTA (tile_n).
 struct Variant {
   const char* name;
-  int a_kind, b_kind, out, tile_m, tile_n, sm;
+  int a_kind, b_kind, out, tile_m, tile_n, sm, nt;
   void (*load)();
   int32_t (*launch)(const LaunchArgs&);
 };
@@ -48,7 +53,29 @@ struct Problem {
   int cc_major, cc_minor;
   int sm_count;     // SMs of the device (persistent grid size, tile heuristic)
   int tile_n_pref;  // 0: heuristic; else the tile N to use (JAX_BLOCKSCALE_SM90_TILE_N)
+  // Decode workspace (the f32 result buffer the lowering declares). ws_bytes == 0: the caller
+  // opted out of the decode kernel (always the fused GEMM).
+  uint64_t ws_ptr;
+  int64_t ws_bytes;
 };
+
+// The decode kernel's dispatch heuristic, a mirror of
+// jax_blockscale/kernels/sm90_decode_variants.py: choose_decode_variant (tests check that the two
+// agree). Returns true and (nt, splits) when the decode kernel should run the problem.
+bool ChooseDecode(int a_kind, int b_kind, int out, int64_t m, int64_t n, int64_t k, int sm_count,
+                  int* nt, int* splits);
+
+// What one call runs: the variant and, for the decode kernel, its split count.
+struct Dispatch {
+  const Variant* variant;
+  int splits;  // decode only (0 for the fused GEMM)
+};
+
+// Pure check + dispatch (no CUDA): ValidateProblem, then the decode kernel when the caller
+// declared a workspace, ChooseDecode accepts and the table has the variant (the workspace and
+// the launch grid are validated then), else the fused GEMM. nullptr on success, else a message.
+const char* DispatchProblem(const Problem& p, const Variant* variants, int num_variants,
+                            Dispatch* out, char* buf, size_t buf_len);
 
 // Tile N for a problem: 64 when 128x128 tiles would leave SMs idle, else 128.
 int PreferredTileN(int64_t m, int64_t n, int64_t l, int sm_count);

@@ -3,13 +3,19 @@
 //   target "jax_blockscale_gemm_sm90"
 //   operands: a (u8 packed | bf16) [L,M,Ka], b (u8) [L,N,Kb], sa (u8, blocked; a 1-byte dummy in
 //             weight-only mode), sb (u8, blocked), alpha (f32 [1] or scalar)
-//   result:   c (bf16 | f16 | f32) [L, M, N]
+//   results:  c (bf16 | f16 | f32) [L, M, N]
+//             ws (f32): the decode kernel's split-K workspace, L*M*N floats; zero elements when
+//                       the lowering opts out of the decode kernel (then always the fused GEMM)
 //   attrs:    a_kind, b_kind, a_e5m2, b_e5m2 (int32), m, n, k, l (int64)
 //
-// instantiate: loads every compiled kernel module once per process (the generated loader
-//              loads onto all devices) and caches each device's compute capability / SM count.
-// execute:     validates the call (jbs_validate.cc), picks the variant, launches on XLA's stream.
-//              Only stream-ordered work, so it is CUDA-graph (command buffer) compatible.
+// instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
+//              generated loader loads onto all devices) and caches each device's compute
+//              capability / SM count.
+// execute:     validates the call and dispatches (jbs_validate.cc: DispatchProblem): the decode
+//              kernel (M <= 64, split-K into ws, heuristic ChooseDecode) when the lowering declared
+//              a workspace and the heuristic takes the problem, else the fused GEMM; launches on
+//              XLA's stream. Only stream-ordered work (the decode launcher zeroes ws itself with a
+//              kernel), so it is CUDA-graph (command buffer) compatible.
 #include <cuda_runtime_api.h>
 
 #include <stdlib.h>
@@ -96,7 +102,7 @@ ffi::Error Instantiate() {
 
 ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
                    ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
-                   int32_t a_kind, int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m,
+                   ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m,
                    int64_t n, int64_t k, int64_t l) {
   const DeviceInfo* d = nullptr;
   if (auto err = CurrentDevice(&d); err.failure()) return err;
@@ -110,6 +116,8 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
     return ffi::Error::InvalidArgument("jax_blockscale: B and the scales must be uint8 buffers");
   if (alpha.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("jax_blockscale: alpha must be float32");
+  if (ws->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("jax_blockscale: the decode workspace must be float32");
 
   Problem p{};
   p.a_kind = a_kind;
@@ -131,16 +139,21 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   p.cc_minor = d->cc_minor;
   p.sm_count = d->sm_count;
   if (const char* t = getenv("JAX_BLOCKSCALE_SM90_TILE_N")) p.tile_n_pref = atoi(t);  // tuning aid
+  p.ws_ptr = reinterpret_cast<uint64_t>(ws->untyped_data());
+  p.ws_bytes = ws->size_bytes();
   char msg[512];
-  const Variant* v = nullptr;
-  if (const char* why = ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, msg, sizeof(msg)))
+  Dispatch dispatch{};
+  if (const char* why = DispatchProblem(p, kJbsVariants, kJbsNumVariants, &dispatch, msg,
+                                        sizeof(msg)))
     return ffi::Error::InvalidArgument(std::string("jax_blockscale: ") + why);
+  const Variant* v = dispatch.variant;
   if (auto err = LoadModules(); err.failure()) return err;  // no-op after instantiate
 
   LaunchArgs args{a.untyped_data(), b.untyped_data(), sa.untyped_data(), sb.untyped_data(),
                   c->untyped_data(), alpha.untyped_data(),
                   static_cast<int32_t>(m), static_cast<int32_t>(n), static_cast<int32_t>(k),
-                  static_cast<int32_t>(l), a_e5m2, b_e5m2, d->sm_count, stream};
+                  static_cast<int32_t>(l), a_e5m2, b_e5m2, d->sm_count, stream,
+                  ws->untyped_data(), dispatch.splits};
   int32_t ret = v->launch(args);
   if (ret != 0) return CudaError(v->name, static_cast<cudaError_t>(ret));
   cudaError_t e = cudaGetLastError();
@@ -173,6 +186,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_blockscale_gemm_sm90, jbs::Execute,
                                   .Arg<ffi::AnyBuffer>()   // sb
                                   .Arg<ffi::AnyBuffer>()   // alpha
                                   .Ret<ffi::AnyBuffer>()   // c
+                                  .Ret<ffi::AnyBuffer>()   // ws (decode workspace, f32)
                                   .Attr<int32_t>("a_kind")
                                   .Attr<int32_t>("b_kind")
                                   .Attr<int32_t>("a_e5m2")
@@ -218,6 +232,44 @@ JBS_EXPORT int jbs_check_problem(int a_kind, int b_kind, int out, int a_e5m2, in
     // accepted: the chosen variant's name; rejected: the reason
     snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : v->name);
   }
+  return why ? 1 : 0;
+}
+
+// 0: fused GEMM, 1 | 2: decode kernel (n8 tiles of M per CTA); -1: no such variant.
+JBS_EXPORT int jbs_variant_nt(int i) {
+  if (i < 0 || i >= kJbsNumVariants) return -1;
+  return kJbsVariants[i].nt;
+}
+
+// The decode heuristic alone (ChooseDecode): 1 with (nt, splits) when the decode kernel takes
+// the problem, else 0.
+JBS_EXPORT int jbs_choose_decode(int a_kind, int b_kind, int out, long long m, long long n,
+                                 long long k, int sm_count, int* nt, int* splits) {
+  return jbs::ChooseDecode(a_kind, b_kind, out, m, n, k, sm_count, nt, splits) ? 1 : 0;
+}
+
+// The execute stage's full validation + dispatch (DispatchProblem), without a GPU: arguments of
+// jbs_check_problem plus the workspace. Returns 0 with the chosen variant's name in msg and its
+// split count (0 for the fused GEMM) in *splits, or 1 with the reason in msg.
+JBS_EXPORT int jbs_dispatch_problem(int a_kind, int b_kind, int out, int a_e5m2, int b_e5m2,
+                                    long long m, long long n, long long k, long long l,
+                                    unsigned long long a_ptr, unsigned long long b_ptr,
+                                    unsigned long long sa_ptr, unsigned long long sb_ptr,
+                                    unsigned long long c_ptr, unsigned long long alpha_ptr,
+                                    long long a_bytes, long long b_bytes, long long sa_bytes,
+                                    long long sb_bytes, long long c_bytes, long long alpha_bytes,
+                                    int cc_major, int cc_minor, int sm_count,
+                                    unsigned long long ws_ptr, long long ws_bytes, int* splits,
+                                    char* msg, int msg_len) {
+  jbs::Problem p{a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l,
+                 a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr,
+                 a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor,
+                 sm_count, 0, ws_ptr, ws_bytes};
+  char buf[512];
+  jbs::Dispatch d{};
+  const char* why = jbs::DispatchProblem(p, kJbsVariants, kJbsNumVariants, &d, buf, sizeof(buf));
+  if (splits) *splits = why ? 0 : d.splits;
+  if (msg && msg_len > 0) snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : d.variant->name);
   return why ? 1 : 0;
 }
 

@@ -76,7 +76,8 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   const Variant* v = nullptr;
   for (int i = 0; i < num_variants; ++i) {
     const Variant& c = variants[i];
-    if (c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out && c.sm == 90) {
+    if (c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out && c.sm == 90 &&
+        c.nt == 0) {
       if (!v || (c.tile_n == want_n && v->tile_n != want_n) ||
           (v->tile_n != want_n && c.tile_n == 128)) v = &c;
     }
@@ -136,6 +137,82 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
                                   (unsigned long long)q.ptr, q.align);
   }
   if (found) *found = v;
+  return nullptr;
+}
+
+// ---- the decode kernel ---------------------------------------------------------------------------
+// Constants of kernels/sm90_decode_variants.py (DEFAULT_TUNING and the CTA shape).
+namespace {
+constexpr int kDecodeMaxM = 64;        // past this the tensor-core GEMM wins
+constexpr int kDecodeRowsPerCta = 256; // BN: rows of N per CTA
+constexpr int kDecodeSubSteps = 2;     // DEFAULT_TUNING.sub_steps
+constexpr int kDecodeCtasPerSm = 2;    // DEFAULT_TUNING.ctas_per_sm
+constexpr int kDecodeStepBytes = 64;   // bytes of one weight row per step
+int BitsOf(int kind) { return kind == JBS_MXFP8 ? 8 : (kind == JBS_BF16 ? 16 : 4); }
+int64_t DecodeKChunks(int b_kind, int64_t k) {
+  const int64_t chunk = kDecodeSubSteps * (kDecodeStepBytes * 8 / BitsOf(b_kind));
+  return CeilDiv(k, chunk);
+}
+}  // namespace
+
+bool ChooseDecode(int a_kind, int b_kind, int out, int64_t m, int64_t n, int64_t k, int sm_count,
+                  int* nt_out, int* splits_out) {
+  // pairs: weight-only (bf16 x {nvfp4, mxfp4, mxfp8}) and same-kind quantized pairs
+  if (b_kind != JBS_NVFP4 && b_kind != JBS_MXFP4 && b_kind != JBS_MXFP8) return false;
+  if (a_kind != JBS_BF16 && a_kind != b_kind) return false;
+  if (out != JBS_OUT_BF16 && out != JBS_OUT_F16 && out != JBS_OUT_F32) return false;
+  if (m < 1 || n < 1 || k < 32 || k % 32 || k % BlockOf(b_kind)) return false;
+  if (m > kDecodeMaxM) return false;
+  const int nt = m <= 8 ? 1 : 2;
+  const int64_t k_chunks = DecodeKChunks(b_kind, k);
+  const int64_t ctas = CeilDiv(n, kDecodeRowsPerCta) * CeilDiv(m, 8 * nt);
+  int64_t want = (int64_t)kDecodeCtasPerSm * sm_count / (ctas > 1 ? ctas : 1);
+  int64_t splits = k_chunks < want ? k_chunks : want;
+  if (splits < 1) splits = 1;
+  const int64_t per = CeilDiv(k_chunks, splits);  // equal sub-chunks per split
+  splits = CeilDiv(k_chunks, per);
+  if (nt_out) *nt_out = nt;
+  if (splits_out) *splits_out = (int)splits;
+  return true;
+}
+
+const char* DispatchProblem(const Problem& p, const Variant* variants, int num_variants,
+                            Dispatch* out, char* buf, size_t buf_len) {
+  const Variant* main = nullptr;
+  if (out) *out = Dispatch{nullptr, 0};
+  // Every assumption of the fused GEMM holds for the decode kernel too (16-byte aligned operands,
+  // K % 32, K % block, exact buffer sizes, 32-bit indexing), and the decode pairs are a subset.
+  if (const char* why = ValidateProblem(p, variants, num_variants, &main, buf, buf_len)) return why;
+  if (p.ws_bytes < 0) JBS_FAIL("negative workspace size");
+  int nt = 0, splits = 0;
+  const Variant* dec = nullptr;
+  if (p.ws_bytes > 0 &&
+      ChooseDecode(p.a_kind, p.b_kind, p.out, p.m, p.n, p.k, p.sm_count, &nt, &splits)) {
+    for (int i = 0; i < num_variants; ++i) {
+      const Variant& c = variants[i];
+      if (c.nt == nt && c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out &&
+          c.sm == 90) dec = &c;
+    }
+  }
+  if (!dec) {  // the fused GEMM
+    if (out) *out = Dispatch{main, 0};
+    return nullptr;
+  }
+  const int64_t kInt32Max = 2147483647LL;
+  const int64_t cells = p.l * p.m * p.n;  // ValidateProblem bounded it by INT32_MAX
+  if (p.ws_bytes < cells * 4)
+    JBS_FAIL("decode workspace has %lld bytes, needs %lld (L*M*N float32)",
+             (long long)p.ws_bytes, (long long)(cells * 4));
+  if (p.ws_ptr == 0) JBS_FAIL("workspace pointer is null");
+  if (p.ws_ptr % 16)
+    JBS_FAIL("workspace pointer 0x%llx is not 16-byte aligned", (unsigned long long)p.ws_ptr);
+  // launch grid (ceil(N/256), splits, L * ceil(M / (8 nt))): y and z at most 65535
+  const int64_t k_chunks = DecodeKChunks(p.b_kind, p.k);
+  if (splits < 1 || splits > k_chunks || splits > 65535)
+    JBS_FAIL("decode split count %d out of range [1, %lld]", splits, (long long)k_chunks);
+  if (p.l * CeilDiv(p.m, 8 * nt) > 65535 || CeilDiv(p.n, kDecodeRowsPerCta) > kInt32Max)
+    JBS_FAIL("decode grid too large (L=%lld, M=%lld)", (long long)p.l, (long long)p.m);
+  if (out) *out = Dispatch{dec, splits};
   return nullptr;
 }
 

@@ -222,3 +222,165 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
     assert len(calls) == 1, text[-2000:]
     for attr, v in want.items():
         assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, v, calls[0][:400])
+
+
+# ---- the decode kernel (kernels/sm90_decode.py): table, dispatch, C++ vs Python heuristic -------
+
+import ctypes  # noqa: E402
+
+from jax_blockscale.kernels import sm90_decode_variants as dv  # noqa: E402
+
+DECODE_OUT = {"bf16": 1, "f16": 2, "f32": 3}
+
+
+def _lib():
+    lib = _plugin.load()
+    c = ctypes
+    lib.jbs_variant_nt.argtypes = [c.c_int]
+    lib.jbs_variant_nt.restype = c.c_int
+    lib.jbs_choose_decode.argtypes = [c.c_int] * 3 + [c.c_longlong] * 3 + [
+        c.c_int, c.POINTER(c.c_int), c.POINTER(c.c_int)]
+    lib.jbs_choose_decode.restype = c.c_int
+    lib.jbs_dispatch_problem.argtypes = (
+        [c.c_int] * 5 + [c.c_longlong] * 4 + [c.c_ulonglong] * 6 + [c.c_longlong] * 6
+        + [c.c_int] * 3 + [c.c_ulonglong, c.c_longlong, c.POINTER(c.c_int), c.c_char_p, c.c_int])
+    lib.jbs_dispatch_problem.restype = c.c_int
+    return lib
+
+
+def cpp_choose(a, b, out, m, n, k, sm_count=132):
+    nt, splits = ctypes.c_int(), ctypes.c_int()
+    ok = _lib().jbs_choose_decode(KIND_CODES[a], KIND_CODES[b], OUT_CODES[out], m, n, k, sm_count,
+                                  ctypes.byref(nt), ctypes.byref(splits))
+    return (nt.value, splits.value) if ok else None
+
+
+def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
+    """The execute stage's validation + dispatch: (ok, variant name or reason, splits)."""
+    p = problem(**kw)
+    if ws_bytes is None:
+        ws_bytes = p["l"] * p["m"] * p["n"] * 4
+    names = ["a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "m", "n", "k", "l", "a_ptr",
+             "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "a_bytes", "b_bytes",
+             "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor", "sm_count"]
+    buf = ctypes.create_string_buffer(512)
+    splits = ctypes.c_int(-1)
+    rc = _lib().jbs_dispatch_problem(*(p[n] for n in names), ws_ptr, ws_bytes,
+                                     ctypes.byref(splits), buf, len(buf))
+    return rc == 0, buf.value.decode(), splits.value
+
+
+def test_decode_variants_in_the_table():
+    lib = _lib()
+    table = _plugin.variants()
+    got = {v["name"]: (v, lib.jbs_variant_nt(i)) for i, v in enumerate(table)}
+    assert len(dv.VARIANTS) == 36
+    for v in dv.VARIANTS:
+        assert v.name in got, f"missing decode variant {v.name}"
+        row, nt = got[v.name]
+        assert nt == v.nt
+        assert (row["a_kind"], row["b_kind"], row["out"], row["tile_m"], row["tile_n"],
+                row["sm"]) == (KIND_CODES[v.a_kind], KIND_CODES[v.b_kind], DECODE_OUT[v.out],
+                               8 * v.nt, dv.BN, 90)
+    # the fused GEMM's rows are nt == 0, the decode rows nt in (1, 2)
+    for i, v in enumerate(table):
+        assert (lib.jbs_variant_nt(i) > 0) == v["name"].startswith("jbs_sm90_decode_")
+
+
+DECODE_PAIRS = [("bf16", "nvfp4"), ("bf16", "mxfp4"), ("bf16", "mxfp8"), ("nvfp4", "nvfp4"),
+                ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8")]
+_PY_FMT = {"bf16": None, "nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8": "mxfp8_e4m3"}
+
+
+def test_cpp_and_python_heuristics_agree():
+    ms = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128]
+    ns = [1, 7, 255, 256, 257, 777, 4096, 8191, 16384, 53248]
+    ks = [16, 32, 48, 64, 96, 112, 256, 272, 544, 1056, 4192, 8192, 16384, 28672]
+    pairs = DECODE_PAIRS + [("mxfp8", "mxfp4"), ("nvfp4", "mxfp4"), ("bf16", "bf16")]
+    checked = taken = 0
+    for (a, b), out, sms in itertools.product(pairs, ["bf16", "f32"], [132, 114, 78]):
+        for m, n, k in itertools.product(ms, ns, ks):
+            py = dv.choose_decode_variant(m, n, k, _PY_FMT[a], _PY_FMT.get(b, b), sms, out=out)
+            cc = cpp_choose(a, b, out, m, n, k, sms)
+            want = None if py is None else (py[0].nt, py[1])
+            assert cc == want, (a, b, out, m, n, k, sms, cc, want)
+            checked += 1
+            taken += want is not None
+    assert taken > 1000 and checked - taken > 1000
+
+
+def test_decode_dispatch_small_m():
+    for (a, b), out in itertools.product(DECODE_PAIRS, CLAIMED_OUTS):
+        for m in (1, 8, 9, 16, 40, 64):
+            ok, name, splits = dispatch(a=a, b=b, out=out, m=m, n=300, k=1024, l=2)
+            assert ok, name
+            nt = 1 if m <= 8 else 2
+            assert name == f"jbs_sm90_decode_{a}_{b}_{out}_m{8 * nt}", (a, b, m, name)
+            py = dv.choose_decode_variant(m, 300, 1024, _PY_FMT[a], _PY_FMT[b], 132, out=out)
+            assert splits == py[1] >= 1
+
+
+def test_decode_dispatch_falls_back_to_the_fused_kernel():
+    # M > 64, a pair the decode kernel lacks, or no workspace declared (the lowering's opt-out)
+    ok, name, splits = dispatch(m=65, n=300, k=1024, l=1)
+    assert ok and name.startswith("jbs_sm90_nvfp4_nvfp4_bf16_128x") and splits == 0
+    ok, name, _ = dispatch(a="mxfp8", b="mxfp4", m=4, n=300, k=1024, l=1)
+    assert ok and name.startswith("jbs_sm90_mxfp8_mxfp4_bf16_128x"), name
+    ok, name, splits = dispatch(ws_bytes=0, m=4, n=300, k=1024, l=1)
+    assert ok and name.startswith("jbs_sm90_nvfp4_nvfp4_bf16_128x") and splits == 0
+    # an e5m2 mxfp8 operand is a run-time flag of the same decode kernel
+    ok, name, _ = dispatch(a="mxfp8", b="mxfp8", m=4, n=300, k=1024, l=1, a_e5m2=1, b_e5m2=0)
+    assert ok and name == "jbs_sm90_decode_mxfp8_mxfp8_bf16_m8", name
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(ws_bytes=4 * 2 * 5 * 300 - 4), "workspace has .* bytes, needs 12000"),
+    (dict(ws_ptr=0), "workspace pointer is null"),
+    (dict(ws_ptr=0x70008), "workspace pointer .* not 16-byte aligned"),
+    (dict(ws_bytes=-4), "negative workspace"),
+    (dict(k=48), "multiple of 32"),
+    (dict(k=1040, a="mxfp4", b="mxfp4"), "multiple of 32"),
+    (dict(a_ptr=0x10004), "A pointer .* not 16-byte aligned"),
+    (dict(sb_bytes=512), "B scale buffer"),
+    (dict(sa_bytes=16), "A scale buffer"),
+    (dict(cc_major=10), "compute capability 9.0"),
+])
+def test_decode_dispatch_rejects(over, match):
+    kw = dict(m=5, n=300, k=1024, l=2)
+    kw.update(over)
+    ok, msg, _ = dispatch(**kw)
+    assert not ok, msg
+    assert re.search(match, msg), msg
+
+
+def test_decode_weight_only_needs_bf16_activations():
+    # weight-only means a bf16 A buffer (2 bytes per element); f16 activations never reach the
+    # handler (the backend declines them) and a wrongly sized A buffer is rejected
+    ok, msg, _ = dispatch(a="bf16", b="nvfp4", m=4, n=300, k=1024, l=1, a_bytes=4 * 1024)
+    assert not ok and "A buffer" in msg
+
+
+def test_lowering_declares_the_decode_workspace(monkeypatch):
+    import jax_blockscale as jbs
+    from jax_blockscale.lowering import ffi as sm90
+
+    monkeypatch.setattr(sm90, "_device_reason", lambda: None)
+    key = jax.random.PRNGKey(5)
+    w = jbs.quantize(jax.random.normal(key, (300, 1024)), "nvfp4")
+
+    def text(m, batch=()):
+        x = jax.random.normal(key, batch + (m, 1024)).astype(jnp.bfloat16)
+        f = lambda x, w: jbs.gemm(x, w, out_dtype=jnp.float32, backend="sm90")  # noqa: E731
+        t = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+        return [ln for ln in t.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
+
+    calls = text(16)
+    assert len(calls) == 1 and "tensor<4800xf32>" in calls[0], calls  # L*M*N = 16*300
+    calls = text(7, (2, 2))  # folded: M = 28
+    assert len(calls) == 1 and "tensor<8400xf32>" in calls[0], calls
+    monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")
+    calls = text(100)  # fused GEMM: an empty workspace
+    assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
+    monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "0")
+    calls = text(16)
+    assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls

@@ -11,8 +11,23 @@ The backend only reshapes operands into what the kernel reads:
   * batch dims -> one L axis; a batched A times an unbatched B is folded into M instead
     (one large GEMM, the weight read once);
   * NVFP4 with K % 32 == 16 gets 16 zero elements of K padding (TMA needs 16-byte rows).
-Large-M problems (see kernel_max_rows) lower to dequantize + XLA's bf16 GEMM instead, which is
-faster there on Hopper.
+
+Dispatch (H100 measurements: docs/sm90_decode_notes.md, docs/sm90_notes.md), by the kernel's
+row count M (after folding batch dims into M) and N, K:
+
+  * M <= decode_max_rows() (default 32) and a pair the decode kernel has (bf16 x {nvfp4, mxfp4,
+    mxfp8}, nvfp4 x nvfp4, mxfp4 x mxfp4, mxfp8 x mxfp8; K a multiple of 32 and of the block):
+    the **decode kernel** (kernels/sm90_decode.py: split-K GEMV-like, 2.2-3.7x faster than bf16
+    jnp.dot at M <= 16). The lowering declares its f32 workspace (L*M*N floats) as a second
+    result of the custom call, so nothing is allocated at run time (CUDA-graph safe); the FFI
+    handler re-runs the same heuristic in C++ (choose_decode_variant's mirror) and picks the
+    split count. M = 17..32 runs two 16-row chunks (each re-reads the weights), still well
+    under the fused kernel's time; past that the fused kernel wins.
+  * otherwise up to kernel_max_rows() (128 / 512): the **fused GEMM** (kernels/
+    sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
+  * above: **dequantize + XLA's bf16 GEMM**, faster there on Hopper.
+
+JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS=0 turns the decode kernel off (benchmarks, bisecting).
 Every runtime assumption is re-checked by the FFI handler, which returns an error rather than
 launching anything it cannot run.
 """
@@ -30,6 +45,7 @@ from jax import lax
 from .. import _plugin
 from .. import layout as _layout
 from ..aot import KIND_CODES
+from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
 from .reference import reference_gemm
 
@@ -58,6 +74,34 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
     if spec.fmt_a is None or spec.n * spec.k >= 2**28:
         return 512
     return 128
+
+
+# Rows up to which the decode kernel runs (when it has the pair). Measured: M <= 16 at 2.2-3.7x
+# of bf16 jnp.dot and ~3x of the fused kernel (74 vs 247 us, bf16 x nvfp4, N=K=16384); M = 17..32
+# re-reads the weights once more (two 16-row chunks), i.e. about twice the M = 16 time, still
+# below the fused kernel's (roughly M-independent up to 128 rows). 0 turns it off.
+ENV_DECODE_MAX_ROWS = "JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS"
+DECODE_MAX_ROWS = 32
+
+
+def decode_max_rows() -> int:
+    v = os.environ.get(ENV_DECODE_MAX_ROWS)
+    return DECODE_MAX_ROWS if v is None else int(v)
+
+
+_OUT_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
+             np.dtype(jnp.float32): "f32"}
+
+
+def uses_decode(spec: GemmSpec, m: int) -> bool:
+    """Whether the call with kernel row count m runs the decode kernel (then the lowering declares
+    its workspace). The FFI handler re-checks with the C++ mirror of the same heuristic."""
+    if m > decode_max_rows():
+        return False
+    out = _OUT_NAME.get(np.dtype(spec.out_dtype))
+    # sm_count only moves the split count, never whether the decode kernel runs
+    return out is not None and choose_decode_variant(
+        m, spec.n, _padded_k(spec), spec.fmt_a, spec.fmt_b, 132, out=out) is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,11 +205,14 @@ class Sm90Backend:
             sa8 = jnp.zeros((16,), jnp.uint8)  # unused by the weight-only kernel
         else:
             sa8 = scales(sa, spec.fmt_a, spec.layout_a, M, spec.m)
+        # The decode kernel's split-K workspace (f32, L*M*N; zero elements: fused GEMM only).
+        ws_len = L * M * N if uses_decode(spec, M) else 0
         call = jax.ffi.ffi_call(
             _plugin.SM90_TARGET,
-            jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
+            (jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
+             jax.ShapeDtypeStruct((ws_len,), jnp.float32)),
         )
-        y = call(a8, b8, sa8, sb8, jnp.reshape(alpha.astype(jnp.float32), (1,)),
+        y, _ = call(a8, b8, sa8, sb8, jnp.reshape(alpha.astype(jnp.float32), (1,)),
                  a_kind=np.int32(KIND_CODES[ka]), b_kind=np.int32(KIND_CODES[kb]),
                  a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
                  b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
