@@ -8,6 +8,7 @@ from .lowering import GemmSpec, backend_names, register_backend
 from .primitive import gemm_p
 from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
 from .lowering import ffi as _ffi_backends  # noqa: F401,E402  (GPU backends; library loads lazily)
+from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
 from .quantize import (BlockScaled, dequantize, pack_fp4, quantize, to_blocked, to_plain,
                        unpack_fp4)
 

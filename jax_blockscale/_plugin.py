@@ -20,6 +20,7 @@ ENV_LIBRARY = "JAX_BLOCKSCALE_LIBRARY"
 ENV_NO_PLUGIN = "JAX_BLOCKSCALE_NO_PLUGIN"  # set by the AOT build: never load the library
 LIB_NAME = "libjax_blockscale.so"
 SM90_TARGET = "jax_blockscale_gemm_sm90"
+SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), same library
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -41,6 +42,23 @@ def _declare(lib: ctypes.CDLL) -> None:
         [c.c_int] * 5 + [c.c_longlong] * 4 + [c.c_ulonglong] * 6 + [c.c_longlong] * 6
         + [c.c_int] * 3 + [c.c_char_p, c.c_int])
     lib.jbs_check_problem.restype = c.c_int
+    _declare_sm100(lib)
+
+
+def _declare_sm100(lib: ctypes.CDLL) -> None:
+    """The Blackwell entry points; a library built without them just has no sm100 target."""
+    c = ctypes
+    try:
+        lib.jbs_sm100_num_variants.restype = c.c_int
+    except AttributeError:
+        return
+    lib.jbs_sm100_variant_info.argtypes = [c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int)]
+    lib.jbs_sm100_variant_info.restype = c.c_int
+    lib.jbs_sm100_choose.argtypes = [c.c_longlong] * 3 + [c.c_int] * 5
+    lib.jbs_sm100_choose.restype = c.c_int
+    lib.jbs_sm100_check_problem.argtypes = [c.POINTER(c.c_int), c.POINTER(c.c_longlong),
+                                            c.POINTER(c.c_ulonglong), c.c_char_p, c.c_int]
+    lib.jbs_sm100_check_problem.restype = c.c_int
 
 
 def load() -> ctypes.CDLL | None:
@@ -90,6 +108,11 @@ def register_targets() -> bool:
                 "execute": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90),
             }
             jax.ffi.register_ffi_target(SM90_TARGET, handlers, platform="CUDA")
+            if has_sm100(lib):
+                jax.ffi.register_ffi_target(SM100_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100),
+                }, platform="CUDA")
             _registered = True
     return True
 
@@ -132,4 +155,75 @@ def check_problem(**kw) -> tuple[bool, str]:
     kw.setdefault("sm_count", 132)
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_check_problem(*(kw[n] for n in names), buf, len(buf))
+    return rc == 0, buf.value.decode()
+
+
+# ---- Blackwell (sm100) part of the library ----
+
+def has_sm100(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library was built with the Blackwell kernels and their FFI target."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_gemm_sm100")
+
+
+def sm100_unavailable_reason() -> str | None:
+    """None when the library is loaded and has the sm100 target, else why not."""
+    why = unavailable_reason()
+    if why is not None:
+        return why
+    if not has_sm100():
+        return f"{library_path()} was built without the Blackwell (sm100) kernels"
+    return None
+
+
+_SM100_FIELDS = ("sm", "fmt_a", "fmt_b", "out", "tile_m", "tile_n", "cluster_m", "cluster_n",
+                 "k_align", "n_align")
+
+
+def sm100_variants() -> list[dict]:
+    """The compiled Blackwell variant table, read from the library itself."""
+    lib = load()
+    if not has_sm100(lib):
+        return []
+    out = []
+    for i in range(lib.jbs_sm100_num_variants()):
+        name = ctypes.c_char_p()
+        vals = (ctypes.c_int * len(_SM100_FIELDS))()
+        if lib.jbs_sm100_variant_info(i, ctypes.byref(name), vals):
+            continue
+        out.append(dict(name=name.value.decode(), **dict(zip(_SM100_FIELDS, vals))))
+    return out
+
+
+def sm100_manifest() -> dict | None:
+    """The build's Blackwell manifest (variants_sm100.json next to the library), if installed."""
+    path = os.path.join(os.path.dirname(library_path()), "variants_sm100.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def sm100_choose(m, n, k, fmt_a, fmt_b, out, sm_count, sm) -> int:
+    """Index (into sm100_variants()) of the FFI handler's C++ tile choice, or -1."""
+    return load().jbs_sm100_choose(m, n, k, fmt_a, fmt_b, out, sm_count, sm)
+
+
+def sm100_check_problem(**kw) -> tuple[bool, str]:
+    """The sm100 FFI handler's pure validation (no GPU): (True, variant name or "empty") if the
+    call is accepted, else (False, the reason). Codes: aot_sm100.FMT_CODES / OUT_CODES."""
+    lib = load()
+    if not has_sm100(lib):
+        raise RuntimeError(sm100_unavailable_reason())
+    kw = dict(dict(cc_major=10, cc_minor=0, sm_count=148, tile_m=0, tile_n=0, cluster_m=0,
+                   cluster_n=0, alpha_bytes=4), **kw)
+    ints = [kw[n] for n in ("fmt_a", "fmt_b", "out", "cc_major", "cc_minor", "sm_count",
+                            "tile_m", "tile_n", "cluster_m", "cluster_n")]
+    longs = [kw[n] for n in ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes",
+                             "c_bytes", "alpha_bytes")]
+    ptrs = [kw.get(n, 0x10000 * (i + 1)) for i, n in enumerate(
+        ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr"))]
+    buf = ctypes.create_string_buffer(512)
+    rc = lib.jbs_sm100_check_problem((ctypes.c_int * 10)(*ints), (ctypes.c_longlong * 10)(*longs),
+                                     (ctypes.c_ulonglong * 6)(*ptrs), buf, len(buf))
     return rc == 0, buf.value.decode()

@@ -1,0 +1,427 @@
+"""The Blackwell (sm100) kernels in the shipped library, without a Blackwell GPU.
+
+* the installed libjax_blockscale.so holds the sm100 variant table and one cubin per variant for
+  sm_100a and sm_103a, whose SASS has the block-scaled MMA, scale copies and TMEM loads;
+* the `jax_blockscale_gemm_sm100` FFI target registers;
+* the handler's pure validation (C entry point `jbs_sm100_check_problem`) accepts / rejects the
+  right problems, and its C++ tile heuristic agrees with `choose_sm100_variant`;
+* the JAX fp6 packer matches a NumPy bit-level packer;
+* backend choice: never sm100 on CPU or on a (mocked) 9.0 device, a clear ValueError when forced;
+  the CUDA lowering emits the sm100 custom call when the device is mocked as 10.0 / 10.3.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+import tempfile
+from typing import Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_blockscale as jbs
+from jax_blockscale import _cubins, _plugin
+from jax_blockscale.aot_sm100 import FMT_CODES, OUT_CODES
+from jax_blockscale.lowering import GemmSpec, select_backend
+from jax_blockscale.lowering import ffi_sm100
+
+_lib_missing = _plugin.sm100_unavailable_reason()
+needs_lib = pytest.mark.skipif(_lib_missing is not None,
+                               reason=f"native library with sm100 unavailable: {_lib_missing}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel module's pure-Python part (formats, VARIANTS, choose_sm100_variant), loaded without
+# CuTeDSL: the installed package has no DSL, but the table and the heuristic must still be checked.
+# ---------------------------------------------------------------------------------------------
+
+def _kernel_module():
+    try:
+        from jax_blockscale.kernels import sm100_blockscaled as k  # build environments
+        return k
+    except Exception:  # noqa: BLE001  (no nvidia-cutlass-dsl: exec the pure part of the source)
+        pass
+    src_path = os.path.join(os.path.dirname(jbs.__file__), "kernels", "sm100_blockscaled.py")
+    if not os.path.exists(src_path):
+        pytest.skip("kernels/sm100_blockscaled.py not installed")
+    src = open(src_path).read()
+    start = src.index("@dataclasses.dataclass(frozen=True)\nclass _Fmt")
+    end = src.index("# The kernel\n")
+    ns = dict(dataclasses=dataclasses, Optional=Optional, Sequence=Sequence, Tuple=Tuple,
+              Iterable=Iterable, __name__="sm100_pure")
+    exec(compile(src[start:end], src_path, "exec"), ns)  # noqa: S102
+    return type("K", (), ns)
+
+
+ARCH_SM = {"sm_100a": 100, "sm_103a": 103}
+OUT_NAME = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+# ---------------------------------------------------------------------------------------------
+# fp6 packing (CPU only, no library needed)
+# ---------------------------------------------------------------------------------------------
+
+def _numpy_pack_fp6(codes: np.ndarray) -> np.ndarray:
+    """Bit by bit: element i's bit j is bit 6i+j of a little-endian byte stream."""
+    *lead, k = codes.shape
+    bits = ((codes[..., :, None].astype(np.uint8) >> np.arange(6, dtype=np.uint8)) & 1)
+    bits = bits.reshape(*lead, 6 * k)
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+@pytest.mark.parametrize("shape", [(4,), (3, 128), (2, 5, 256)])
+def test_fp6_packer_matches_numpy_bit_packer(shape):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 64, size=shape, dtype=np.uint8)
+    got = np.asarray(jax.jit(ffi_sm100.pack_fp6)(jnp.asarray(codes)))
+    want = _numpy_pack_fp6(codes)
+    assert got.dtype == np.uint8 and got.shape == shape[:-1] + (shape[-1] * 3 // 4,)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fp6_packer_known_bytes():
+    # element 0 = 0b111111 -> bits 0..5; element 1 = 1 -> bit 6; element 3 = 0b100000 -> bit 23
+    codes = jnp.array([63, 1, 0, 32], jnp.uint8)
+    assert list(np.asarray(ffi_sm100.pack_fp6(codes))) == [0x7F, 0x00, 0x80]
+
+
+def test_fp6_packing_of_quantized_operand_round_trips():
+    a = jbs.quantize(jax.random.normal(jax.random.PRNGKey(0), (8, 128)), "mxfp6_e3m2")
+    codes = np.asarray(a.data)
+    packed = _numpy_pack_fp6(codes)
+    bits = np.unpackbits(packed, axis=-1, bitorder="little").reshape(8, 128, 6)
+    np.testing.assert_array_equal((bits << np.arange(6)).sum(-1), codes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The library: table, cubins, target
+# ---------------------------------------------------------------------------------------------
+
+@needs_lib
+def test_sm100_target_registers():
+    assert _plugin.register_targets()
+    assert _plugin.has_sm100()
+    assert _plugin.register_targets()  # idempotent
+
+
+@needs_lib
+def test_variant_table_is_the_kernel_matrix_for_both_archs():
+    k = _kernel_module()
+    table = _plugin.sm100_variants()
+    names = [v["name"] for v in table]
+    assert len(names) == len(set(names))
+    got = {(v["sm"], v["fmt_a"], v["fmt_b"], v["out"], v["tile_m"], v["tile_n"],
+            v["cluster_m"], v["cluster_n"], v["k_align"], v["n_align"]) for v in table}
+    want = {(ARCH_SM[arch], FMT_CODES[v.fmt_a], FMT_CODES[v.fmt_b], OUT_CODES[v.out_dtype],
+             v.tile_m, v.tile_n, v.cluster_m, v.cluster_n, v.k_align, v.n_align)
+            for arch in k.SM100_ARCHS for v in k.VARIANTS}
+    assert got == want
+    assert len(table) == len(k.SM100_ARCHS) * len(k.VARIANTS)
+    # every served pair has the 128x128 tile for every output on both archs
+    assert set(k.PAIRS) == set(ffi_sm100.PAIRS)
+    for sm, (a, b), out in itertools.product((100, 103), k.PAIRS, OUT_CODES.values()):
+        assert (sm, FMT_CODES[a], FMT_CODES[b], out, 128, 128) in {g[:6] for g in got}
+    man = _plugin.sm100_manifest()
+    if man is not None:  # installed next to the library by CMake
+        assert sorted(v["name"] for v in man["variants"]) == sorted(names)
+        assert man["fmt_codes"] == FMT_CODES and man["out_codes"] == OUT_CODES
+
+
+@needs_lib
+def test_library_holds_sm100a_and_sm103a_cubins_with_blackwell_sass(tmp_path):
+    cubins = _cubins.find_cubins_in_file(_plugin.library_path())
+    by_sm = {}
+    for c in cubins:
+        by_sm.setdefault(c.sm, []).append(c)
+    n = len(_kernel_module().VARIANTS)
+    assert len(by_sm.get(100, [])) == n, {k: len(v) for k, v in by_sm.items()}
+    assert len(by_sm.get(103, [])) == n, {k: len(v) for k, v in by_sm.items()}
+    missing = _cubins.sass_tools_missing()
+    if missing:
+        pytest.skip(missing)
+    for sm in (100, 103):
+        mma_kinds = set()
+        for i, c in enumerate(by_sm[sm]):
+            ops = _cubins.opcodes(_cubins.dump_sass(c.write(str(tmp_path / f"{sm}_{i}.cubin"))))
+            mma = {o.split(".")[0] for o in ops} & {"UTCOMMA", "UTCQMMA"}
+            assert mma, f"sm_{sm}: cubin {i} has no block-scaled MMA"
+            assert any(o.startswith("UTCCP") for o in ops), f"sm_{sm}: cubin {i} has no UTCCP"
+            assert any(o.startswith("LDTM") for o in ops), f"sm_{sm}: cubin {i} has no LDTM"
+            mma_kinds |= mma
+        assert mma_kinds == {"UTCOMMA", "UTCQMMA"}  # fp4 kinds and the f8f6f4 kind
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (the handler's pure function)
+# ---------------------------------------------------------------------------------------------
+
+def _problem(fmt_a="nvfp4", fmt_b="nvfp4", out="bfloat16", m=256, n=512, k=1024, l=1, **kw):
+    bits = {"nvfp4": 4, "mxfp4": 4, "mxfp6_e2m3": 6, "mxfp6_e3m2": 6, "mxfp8_e4m3": 8,
+            "mxfp8_e5m2": 8}
+    block = 16 if fmt_a == "nvfp4" else 32
+    sk4 = -(-(k // block) // 4)
+    p = dict(fmt_a=FMT_CODES[fmt_a], fmt_b=FMT_CODES[fmt_b], out=OUT_CODES[out], m=m, n=n, k=k,
+             l=l, a_bytes=l * m * k * bits[fmt_a] // 8, b_bytes=l * n * k * bits[fmt_b] // 8,
+             sa_bytes=l * -(-m // 128) * sk4 * 512, sb_bytes=l * -(-n // 128) * sk4 * 512,
+             c_bytes=l * m * n * (4 if out == "float32" else 2), alpha_bytes=4)
+    p.update(kw)
+    return p
+
+
+def _check(**kw):
+    return _plugin.sm100_check_problem(**_problem(**kw))
+
+
+@needs_lib
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(m=1, n=8, k=32),
+    dict(m=1000, n=1000, k=4096, l=3),  # partial M and N tiles
+    dict(fmt_a="mxfp6_e2m3", fmt_b="mxfp6_e2m3", k=128),
+    dict(fmt_a="mxfp8_e4m3", fmt_b="mxfp4", k=256, out="float32", n=4),
+    dict(fmt_a="mxfp8_e5m2", fmt_b="mxfp8_e4m3", k=32, out="float16"),
+    dict(cc_minor=3),
+    dict(tile_m=256, tile_n=256, cluster_m=2, cluster_n=2),
+    dict(sa_bytes=10**9),  # larger scale buffers are fine
+])
+def test_validation_accepts(case):
+    ok, msg = _check(**case)
+    assert ok, msg
+    sm = "103a" if case.get("cc_minor") == 3 else "100a"
+    assert msg.startswith(f"jbs_sm_{sm}_"), msg
+
+
+@needs_lib
+@pytest.mark.parametrize("case,why", [
+    (dict(cc_major=9, cc_minor=0), "compute capability 10.0 or 10.3"),
+    (dict(cc_major=12, cc_minor=0), "compute capability"),
+    (dict(cc_major=10, cc_minor=1), "compute capability"),
+    (dict(fmt_a="nvfp4", fmt_b="mxfp4"), "nvfp4"),
+    (dict(k=1040), "multiple of 32"),
+    (dict(fmt_a="mxfp6_e3m2", fmt_b="mxfp6_e3m2", k=96), "multiple of 128"),
+    (dict(fmt_a="mxfp8_e4m3", fmt_b="mxfp4", k=64), "multiple of 128"),
+    (dict(n=12), "multiple of 8"),
+    (dict(n=6, out="float32"), "multiple of 4"),
+    (dict(a_ptr=0x10008), "16-byte"),
+    (dict(sb_ptr=0x10001), "16-byte"),
+    (dict(c_ptr=0x10004), "16-byte"),
+    (dict(alpha_ptr=0x10002), "alpha"),
+    (dict(alpha_bytes=0), "alpha"),
+    (dict(sa_bytes=512), "scales"),
+    (dict(sb_bytes=1024), "scales"),
+    (dict(a_bytes=1), "A is"),
+    (dict(b_bytes=1), "B is"),
+    (dict(c_bytes=2), "output buffer"),
+    (dict(m=2**20, n=8, k=2**12), "2^31"),
+    (dict(m=-1), "negative"),
+    (dict(k=2**32), "int32"),
+    (dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=1), "no compiled variant"),
+    (dict(sm_count=0), "sm_count"),
+])
+def test_validation_rejects(case, why):
+    ok, msg = _check(**case)
+    assert not ok and why in msg, msg
+
+
+@needs_lib
+@pytest.mark.parametrize("dims", [dict(m=0), dict(n=0), dict(l=0), dict(k=0)])
+def test_validation_empty_problems_launch_nothing(dims):
+    ok, msg = _check(**dims)
+    assert ok and msg == "empty", msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch: C++ mirror == choose_sm100_variant
+# ---------------------------------------------------------------------------------------------
+
+@needs_lib
+def test_cpp_and_python_heuristics_agree():
+    k = _kernel_module()
+    table = _plugin.sm100_variants()
+    ms = [1, 8, 100, 128, 129, 512, 1000, 2048, 8192]
+    ns = [8, 64, 192, 256, 1000, 4096, 7168]
+    ks = [128, 1024, 7168]
+    pairs = [("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4", "mxfp4"),
+             ("mxfp8_e4m3", "mxfp4"), ("mxfp6_e2m3", "mxfp6_e2m3"), ("mxfp8_e5m2", "mxfp8_e5m2")]
+    checked = 0
+    for (fa, fb), out, sms, arch in itertools.product(
+            pairs, ("bfloat16", "float32"), (148, 160, 20), ("sm_100a", "sm_103a")):
+        for m, n, kk in itertools.product(ms, ns, ks):
+            py = k.choose_sm100_variant(m, n, kk, fa, fb, sms, out)
+            idx = _plugin.sm100_choose(m, n, kk, FMT_CODES[fa], FMT_CODES[fb], OUT_CODES[out],
+                                       sms, ARCH_SM[arch])
+            if py is None:
+                assert idx == -1, (m, n, kk, fa, fb, out)
+                continue
+            assert idx >= 0 and table[idx]["name"] == k.default_function_prefix(py, arch), (
+                m, n, kk, fa, fb, out, sms, arch, py.name, table[idx]["name"] if idx >= 0 else None)
+            checked += 1
+    assert checked > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend selection and lowering
+# ---------------------------------------------------------------------------------------------
+
+def _spec(fmt_a="nvfp4", fmt_b="nvfp4", m=64, n=64, k=256, out=jnp.bfloat16):
+    return GemmSpec(fmt_a=fmt_a, fmt_b=fmt_b, layout_a="plain", layout_b="plain",
+                    a_dtype=np.dtype(jnp.float4_e2m1fn), out_dtype=np.dtype(out),
+                    batch_shape=(), a_batch=(), b_batch=(), m=m, n=n, k=k)
+
+
+def _q(shape, fmt, layout="plain", seed=3):
+    return jbs.quantize(jax.random.normal(jax.random.PRNGKey(seed), shape), fmt, layout=layout)
+
+
+def _mock_cc(monkeypatch, ccs):
+    monkeypatch.setattr(ffi_sm100, "_device_ccs", lambda: tuple(ccs))
+
+
+def test_registered_with_priority_above_sm90():
+    assert "sm100" in jbs.backend_names()
+    from jax_blockscale.lowering import ffi as sm90
+    assert ffi_sm100.SM100.priority > sm90.SM90.priority
+    assert ffi_sm100.SM100.platforms == ("cuda",)
+
+
+def test_never_selected_on_cpu():
+    assert select_backend(_spec(), "cpu").name == "reference"
+    with pytest.raises(ValueError, match="does not run on platform 'cpu'"):
+        select_backend(_spec(), "cpu", requested="sm100")
+    a, b = _q((16, 256), "nvfp4"), _q((32, 256), "nvfp4")
+    with pytest.raises(ValueError, match="sm100"):
+        jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm100")).lower(a, b)
+    assert "sm100" not in jax.jit(lambda a, b: jbs.gemm(a, b)).lower(a, b).as_text()
+
+
+def test_not_selected_on_hopper_and_forcing_fails_clearly(monkeypatch):
+    _mock_cc(monkeypatch, ["9.0"])
+    why = ffi_sm100.SM100.unsupported_reason(_spec())
+    assert why is not None and "10.0 or 10.3" in why and "9.0" in why
+    assert select_backend(_spec(), "cuda").name != "sm100"
+    with pytest.raises(ValueError, match="gemm backend 'sm100' cannot run this problem: .*9.0"):
+        select_backend(_spec(), "cuda", requested="sm100")
+    a, b = _q((16, 256), "nvfp4"), _q((32, 256), "nvfp4")
+    with pytest.raises(ValueError, match="compute capability 10.0 or 10.3"):
+        jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm100")).trace(a, b).lower(
+            lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("ccs", [["12.0"], ["10.0", "9.0"], ["11.0"]])
+def test_not_selected_on_other_devices(monkeypatch, ccs):
+    _mock_cc(monkeypatch, ccs)
+    assert "compute capability" in ffi_sm100.SM100.unsupported_reason(_spec())
+
+
+@needs_lib
+@pytest.mark.parametrize("spec_kw,why", [
+    (dict(fmt_a=None), "reference"),
+    (dict(fmt_a="nvfp4", fmt_b="mxfp4"), "no nvfp4 x mxfp4"),
+    (dict(fmt_a="mxfp6_e2m3", fmt_b="mxfp6_e2m3", k=96), "multiple of 128"),
+    (dict(n=12), "multiple of 8"),
+    (dict(m=2**20, n=4096, k=4096), "32-bit"),
+    (dict(m=0), "empty"),
+])
+def test_unsupported_on_blackwell(monkeypatch, spec_kw, why):
+    _mock_cc(monkeypatch, ["10.0"])
+    assert why in ffi_sm100.SM100.unsupported_reason(_spec(**spec_kw))
+
+
+@needs_lib
+@pytest.mark.parametrize("ccs", [["10.0"], ["10.3"], ["10.0", "10.3"]])
+def test_selected_on_blackwell(monkeypatch, ccs):
+    _mock_cc(monkeypatch, ccs)
+    assert ffi_sm100.SM100.unsupported_reason(_spec()) is None
+    assert select_backend(_spec(), "cuda").name == "sm100"
+    # weight-only on Blackwell: reference (sm90 needs 9.0)
+    wo = dataclasses.replace(_spec(), fmt_a=None, a_dtype=np.dtype(jnp.bfloat16))
+    from jax_blockscale.lowering import ffi as sm90
+    monkeypatch.setattr(sm90, "_device_reason", lambda: "the sm90 kernels need 9.0, found 10.0")
+    assert select_backend(wo, "cuda").name == "reference"
+
+
+def _lower_for_blackwell(monkeypatch, f, *args):
+    _mock_cc(monkeypatch, ["10.0"])
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_lib
+@pytest.mark.parametrize("case", ["nvfp4", "fold_batch_into_m", "batched", "mxfp6", "mixed",
+                                  "forced_tile", "auto"])
+def test_lowering_emits_the_sm100_custom_call(monkeypatch, case):
+    backend = "sm100"
+    if case == "nvfp4":
+        a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
+        want = dict(m=40, n=24, k=256, l=1, fmt_a=1, fmt_b=1, tile_m=0)
+        shapes = ["tensor<1x40x128xui8>", "tensor<1x24x128xui8>"]
+    elif case == "fold_batch_into_m":
+        a, b = _q((2, 3, 40, 128), "mxfp8_e4m3", "blocked"), _q((24, 128), "mxfp8_e4m3", "blocked")
+        want = dict(m=240, n=24, k=128, l=1, fmt_a=5, fmt_b=5)
+        shapes = ["tensor<1x240x128xui8>"]
+    elif case == "batched":
+        a, b = _q((3, 40, 128), "mxfp8_e5m2"), _q((3, 24, 128), "mxfp8_e4m3")
+        want = dict(m=40, n=24, k=128, l=3, fmt_a=6, fmt_b=5)
+        shapes = ["tensor<3x40x128xui8>", "tensor<3x24x128xui8>"]
+    elif case == "mxfp6":  # packed: 128 elements -> 96 bytes
+        a, b = _q((40, 128), "mxfp6_e2m3"), _q((24, 128), "mxfp6_e2m3")
+        want = dict(m=40, n=24, k=128, l=1, fmt_a=3, fmt_b=3)
+        shapes = ["tensor<1x40x96xui8>", "tensor<1x24x96xui8>"]
+    elif case == "mixed":
+        a, b = _q((40, 256), "mxfp8_e4m3"), _q((24, 256), "mxfp4")
+        want = dict(m=40, n=24, k=256, l=1, fmt_a=5, fmt_b=2)
+        shapes = ["tensor<1x40x256xui8>", "tensor<1x24x128xui8>"]
+    elif case == "forced_tile":
+        monkeypatch.setenv(ffi_sm100.ENV_TILE, "256x256c2x1")
+        a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
+        want = dict(tile_m=256, tile_n=256, cluster_m=2, cluster_n=1)
+        shapes = []
+    else:  # chosen automatically (priority above sm90 and reference)
+        backend = None
+        a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
+        want, shapes = dict(m=40), []
+    text = _lower_for_blackwell(monkeypatch, lambda a, b: jbs.gemm(a, b, backend=backend), a, b)
+    calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM100_TARGET in ln]
+    assert len(calls) == 1, text[-2000:]
+    for attr, v in want.items():
+        assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, v, calls[0][:600])
+    for s in shapes:
+        assert s in calls[0], (s, calls[0][:600])
+    assert "jax_blockscale_gemm_sm90" not in text
+
+
+@needs_lib
+def test_weight_only_on_blackwell_lowers_to_reference(monkeypatch):
+    x = jax.random.normal(jax.random.PRNGKey(1), (9, 256)).astype(jnp.bfloat16)
+    b = _q((24, 256), "nvfp4")
+    from jax_blockscale.lowering import ffi as sm90
+    monkeypatch.setattr(sm90, "_device_reason", lambda: "the sm90 kernels need 9.0")
+    text = _lower_for_blackwell(monkeypatch, lambda a, b: jbs.gemm(a, b), x, b)
+    assert "custom_call @jax_blockscale_gemm" not in text
+    with pytest.raises(ValueError, match="weight-only .*`reference`"):
+        _lower_for_blackwell(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm100"), x, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a real non-Blackwell GPU (the H100 CI run)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_sm100_never_chosen_and_forcing_fails_clearly():
+    gpus = jax.devices("gpu")
+    ccs = {str(getattr(d, "compute_capability", "?")) for d in gpus}
+    if ccs <= {"10.0", "10.3"}:
+        pytest.skip("this machine has a Blackwell GPU")
+    ffi_sm100._device_ccs.cache_clear()
+    assert "compute capability" in ffi_sm100.SM100.unsupported_reason(_spec())
+    a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
+    f = jax.jit(lambda a, b: jbs.gemm(a, b))
+    assert _plugin.SM100_TARGET not in f.lower(a, b).as_text()
+    y = f(a, b)
+    assert y.shape == (40, 24) and bool(jnp.all(jnp.isfinite(y)))
+    with pytest.raises(ValueError, match="compute capability 10.0 or 10.3"):
+        jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm100"))(a, b)
