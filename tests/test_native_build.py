@@ -376,8 +376,23 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
 
     calls = text(16)
     assert len(calls) == 1 and "tensor<4800xf32>" in calls[0], calls  # L*M*N = 16*300
-    calls = text(7, (2, 2))  # folded: M = 28
+    from jax_blockscale.lowering import GemmSpec
+
+    big = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
+                   np.dtype(jnp.bfloat16), (), (), (), 32, 16384, 16384)
+    assert sm90.uses_decode(big, 32) and not sm90.uses_decode(big, 33)
+    import dataclasses
+
+    small = dataclasses.replace(big, n=8192, k=8192)
+    assert sm90.uses_decode(small, 16) and not sm90.uses_decode(small, 17)
+    calls = text(7, (2,))  # folded: M = 14
+    assert len(calls) == 1 and "tensor<4200xf32>" in calls[0], calls
+    calls = text(7, (2, 2))  # folded: M = 28 > 16 with small weights: the fused GEMM
+    assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
+    monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "64")
+    calls = text(7, (2, 2))
     assert len(calls) == 1 and "tensor<8400xf32>" in calls[0], calls
+    monkeypatch.delenv(sm90.ENV_DECODE_MAX_ROWS)
     monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")
     calls = text(100)  # fused GEMM: an empty workspace
     assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls

@@ -197,10 +197,128 @@ def test_cuda_graph():
 @needs_sm90
 def test_handler_rejects_bad_input():
     """A call the kernel cannot take returns an error from the handler, never a crash."""
-    call = jax.ffi.ffi_call(_plugin.SM90_TARGET, jax.ShapeDtypeStruct((1, 8, 8), jnp.float32))
+    call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
+                                                  jax.ShapeDtypeStruct((0,), jnp.float32)))
     u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
     with pytest.raises(Exception, match="scale buffer"):
         jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(100), u8(512),
                                    jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
                                    b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
                                    m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1)))
+
+
+@needs_sm90
+def test_handler_rejects_small_decode_workspace():
+    """A declared workspace smaller than L*M*N floats: an error, never a launch."""
+    call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
+                                                  jax.ShapeDtypeStruct((60,), jnp.float32)))
+    u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
+    with pytest.raises(Exception, match="workspace"):
+        jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(512), u8(512),
+                                   jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
+                                   b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
+                                   m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1)))
+
+
+# ---- the decode kernel (M <= decode_max_rows(): kernels/sm90_decode.py through the same FFI) -----
+
+DECODE_PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "mxfp8_e5m2"),
+                ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"),
+                ("mxfp8_e5m2", "mxfp8_e4m3")]
+
+
+def _assert_decode_lowering(a, b, out_dtype=jnp.float32):
+    """The lowering declares the decode workspace (the handler then runs the decode kernel)."""
+    text = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="sm90")).lower(
+        a, b).as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
+    assert len(calls) == 1 and "tensor<0xf32>" not in calls[0], calls
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b", DECODE_PAIRS)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
+def test_decode_pairs(fmt_a, fmt_b, m):
+    # odd N (not a multiple of the 256-row CTA), K a multiple of 32 but of no tile/sub-chunk
+    a, b = _operands(fmt_a, fmt_b, (), (), m, 777, 1056)
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32", jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32,
+                                                      backend="sm90")))
+
+
+@needs_sm90
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 3, 96), (3, 257, 544), (7, 1000, 2080),
+                                   (16, 255, 4192), (9, 8191, 1024), (24, 300, 512),
+                                   (32, 129, 160), (5, 4096, 8192)])
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("nvfp4", "nvfp4"),
+                                         (None, "mxfp8_e4m3"), ("mxfp4", "mxfp4")])
+def test_decode_shapes(m, n, k, fmt_a, fmt_b, monkeypatch):
+    monkeypatch.setenv(sm90_ffi.ENV_DECODE_MAX_ROWS, "64")  # M = 24, 32 too (two 16-row chunks)
+    a, b = _operands(fmt_a, fmt_b, (), (), m, n, k)
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
+
+
+@needs_sm90
+@pytest.mark.parametrize("out", ["bf16", "f16"])
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")])
+def test_decode_outputs(out, fmt_a, fmt_b):
+    a, b = _operands(fmt_a, fmt_b, (), (), 5, 300, 512)
+    _check(a, b, out)
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["plain", "blocked"])
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("nvfp4", "nvfp4"),
+                                         (None, "mxfp8_e4m3")])
+def test_decode_batched(layout, fmt_a, fmt_b):
+    a, b = _operands(fmt_a, fmt_b, (3,), (3,), 4, 129, 256, layout)  # L = 3
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
+    a, b = _operands(fmt_a, fmt_b, (2, 3), (), 2, 131, 96, layout)  # folded: M = 12
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
+
+
+@needs_sm90
+def test_decode_cuda_graph():
+    """The decode path (workspace zeroed by the launcher) inside a CUDA graph, fresh process."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        import jax_blockscale as jbs
+        from jax_blockscale.lowering import ffi
+        for i, (fa, fb, m, n, k) in enumerate([(None, "nvfp4", 3, 777, 544),
+                                              ("nvfp4", "nvfp4", 16, 300, 1056),
+                                              (None, "mxfp8_e4m3", 1, 1000, 4096)]):
+            ka, kb = jax.random.split(jax.random.PRNGKey(11 + i))
+            x = jax.random.normal(ka, (m, k))
+            a = x.astype(jnp.bfloat16) if fa is None else jbs.quantize(x, fa)
+            b = jbs.quantize(jax.random.normal(kb, (n, k)), fb, layout="blocked")
+            f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90")
+                        * 2.0 + 1.0)
+            ref = np.asarray(jbs.gemm(a, b, out_dtype=jnp.float32, backend="reference")) * 2 + 1
+            for _ in range(5):  # replays: the workspace must be re-zeroed every time
+                y = np.asarray(f(a, b))
+                err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+                assert err < 1e-5, (i, err)
+        print("GRAPH_OK", err)
+    """)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "GRAPH_OK" in r.stdout, r.stdout + r.stderr
+
+
+@needs_sm90
+def test_decode_matches_fused_kernel(monkeypatch):
+    """Same inputs through the decode kernel and the fused kernel (decode turned off)."""
+    a, b = _operands(None, "nvfp4", (), (), 16, 520, 1024)
+    y_dec = np.asarray(jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    monkeypatch.setenv(sm90_ffi.ENV_DECODE_MAX_ROWS, "0")
+    y_fused = np.asarray(jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32,
+                                                       backend="sm90"))(a, b))
+    assert _rel(y_dec, y_fused) < 1e-5

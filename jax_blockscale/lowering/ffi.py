@@ -15,14 +15,15 @@ The backend only reshapes operands into what the kernel reads:
 Dispatch (H100 measurements: docs/sm90_decode_notes.md, docs/sm90_notes.md), by the kernel's
 row count M (after folding batch dims into M) and N, K:
 
-  * M <= decode_max_rows() (default 32) and a pair the decode kernel has (bf16 x {nvfp4, mxfp4,
+  * M <= decode_max_rows(spec) (16; 32 when N*K >= 2^28) and a pair the decode kernel has (bf16 x {nvfp4, mxfp4,
     mxfp8}, nvfp4 x nvfp4, mxfp4 x mxfp4, mxfp8 x mxfp8; K a multiple of 32 and of the block):
     the **decode kernel** (kernels/sm90_decode.py: split-K GEMV-like, 2.2-3.7x faster than bf16
     jnp.dot at M <= 16). The lowering declares its f32 workspace (L*M*N floats) as a second
     result of the custom call, so nothing is allocated at run time (CUDA-graph safe); the FFI
     handler re-runs the same heuristic in C++ (choose_decode_variant's mirror) and picks the
-    split count. M = 17..32 runs two 16-row chunks (each re-reads the weights), still well
-    under the fused kernel's time; past that the fused kernel wins.
+    split count. M = 17..32 runs two 16-row chunks (each re-reads the weights): measured
+    145.7 vs 242.8 us for the fused kernel at N=K=16384, but no gain at N=K=8192, hence the
+    N*K condition; past that the fused kernel wins.
   * otherwise up to kernel_max_rows() (128 / 512): the **fused GEMM** (kernels/
     sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
   * above: **dequantize + XLA's bf16 GEMM**, faster there on Hopper.
@@ -76,17 +77,19 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
     return 128
 
 
-# Rows up to which the decode kernel runs (when it has the pair). Measured: M <= 16 at 2.2-3.7x
-# of bf16 jnp.dot and ~3x of the fused kernel (74 vs 247 us, bf16 x nvfp4, N=K=16384); M = 17..32
-# re-reads the weights once more (two 16-row chunks), i.e. about twice the M = 16 time, still
-# below the fused kernel's (roughly M-independent up to 128 rows). 0 turns it off.
+# Rows up to which the decode kernel runs (when it has the pair). Measured on the H100
+# (docs/sm90_decode_notes.md, "Integrated"): M <= 16: 2.3-2.6x faster than bf16 jnp.dot and ~3x
+# faster than the fused kernel at N=K=16384 (84 vs 248 us, bf16 x nvfp4). M = 17..32 re-reads the
+# weights once more (two 16-row chunks): 146 vs 243 us (fused) at N=K=16384, but 154 vs 93 us at
+# 8192, so only for large weights. The variable overrides the limit (0 turns the decode kernel off).
 ENV_DECODE_MAX_ROWS = "JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS"
-DECODE_MAX_ROWS = 32
 
 
-def decode_max_rows() -> int:
+def decode_max_rows(spec: GemmSpec | None = None) -> int:
     v = os.environ.get(ENV_DECODE_MAX_ROWS)
-    return DECODE_MAX_ROWS if v is None else int(v)
+    if v is not None:
+        return int(v)
+    return 32 if spec is not None and spec.n * spec.k >= 2**28 else 16
 
 
 _OUT_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
@@ -96,7 +99,7 @@ _OUT_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
 def uses_decode(spec: GemmSpec, m: int) -> bool:
     """Whether the call with kernel row count m runs the decode kernel (then the lowering declares
     its workspace). The FFI handler re-checks with the C++ mirror of the same heuristic."""
-    if m > decode_max_rows():
+    if m > decode_max_rows(spec):
         return False
     out = _OUT_NAME.get(np.dtype(spec.out_dtype))
     # sm_count only moves the split count, never whether the decode kernel runs
