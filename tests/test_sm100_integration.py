@@ -52,10 +52,17 @@ def _kernel_module():
     src = open(src_path).read()
     start = src.index("@dataclasses.dataclass(frozen=True)\nclass _Fmt")
     end = src.index("# The kernel\n")
-    ns = dict(dataclasses=dataclasses, Optional=Optional, Sequence=Sequence, Tuple=Tuple,
-              Iterable=Iterable, __name__="sm100_pure")
-    exec(compile(src[start:end], src_path, "exec"), ns)  # noqa: S102
-    return type("K", (), ns)
+    import sys
+    import types
+
+    mod = sys.modules.get("_jbs_sm100_pure")
+    if mod is None:
+        mod = types.ModuleType("_jbs_sm100_pure")  # dataclasses need a module in sys.modules
+        mod.__dict__.update(dataclasses=dataclasses, Optional=Optional, Sequence=Sequence,
+                            Tuple=Tuple, Iterable=Iterable)
+        sys.modules[mod.__name__] = mod
+        exec(compile(src[start:end], src_path, "exec"), mod.__dict__)  # noqa: S102
+    return mod
 
 
 ARCH_SM = {"sm_100a": 100, "sm_103a": 103}
@@ -258,7 +265,7 @@ def test_cpp_and_python_heuristics_agree():
             if py is None:
                 assert idx == -1, (m, n, kk, fa, fb, out)
                 continue
-            assert idx >= 0 and table[idx]["name"] == k.default_function_prefix(py, arch), (
+            assert idx >= 0 and table[idx]["name"] == f"jbs_{arch}_{py.name}", (
                 m, n, kk, fa, fb, out, sms, arch, py.name, table[idx]["name"] if idx >= 0 else None)
             checked += 1
     assert checked > 1000
