@@ -61,6 +61,13 @@ def nn_scaled(a, b):
                                 preferred_element_type=jnp.bfloat16)[0]
 
 
+def lowering_platform(device) -> str:
+    """The platform name lowering rules (and backends) use: JAX calls CUDA devices "gpu"."""
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+
+
 def runnable_backends(a, b, platform):
     """Registered backends that serve this platform and can run gemm(a, b)."""
     avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in
@@ -161,7 +168,7 @@ def main():
     p.add_argument("--tag", default=None, help="file name stem (default: platform)")
     args = p.parse_args()
 
-    platform = jax.devices()[0].platform
+    platform = lowering_platform(jax.devices()[0])
     shapes = (FULL if args.full else SMALL) if not args.shapes else [
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, backends {jbs.backend_names()}",
