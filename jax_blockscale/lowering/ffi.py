@@ -35,7 +35,6 @@ launching anything it cannot run.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import jax
@@ -44,10 +43,10 @@ import numpy as np
 from jax import lax
 
 from .. import _plugin
-from .. import layout as _layout
 from ..aot import KIND_CODES
 from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
+from .kernel_operands import folds_batch, kernel_rows_and_batch, kernel_scale_bytes
 from .reference import reference_gemm
 
 # The pairs the sm90 kernel implements (jax_blockscale/kernels/sm90_blockscaled.py: PAIRS),
@@ -142,7 +141,7 @@ class Sm90Backend:
             return f"out dtype {np.dtype(spec.out_dtype).name} not supported"
         if min(spec.m, spec.n, spec.k) < 1 or 0 in spec.batch_shape:
             return "empty problem"
-        m, l = self._mnl(spec)
+        m, l = kernel_rows_and_batch(spec)
         k = _padded_k(spec)
         a_row = 2 * k if ka == "bf16" else k // (2 if "fp4" in ka else 1)
         b_row = k // (2 if "fp4" in kb else 1)
@@ -154,18 +153,12 @@ class Sm90Backend:
             return why
         return _plugin.unavailable_reason()
 
-    @staticmethod
-    def _mnl(spec: GemmSpec) -> tuple[int, int]:
-        """(rows, batch) of the kernel's problem: an unbatched B folds A's batch into M."""
-        if not spec.b_batch:
-            return spec.m * math.prod(spec.a_batch), 1
-        return spec.m, math.prod(spec.batch_shape)
 
     def __call__(self, a, b, sa, sb, alpha, *, spec: GemmSpec, platform: str = "cuda"):
         if not _plugin.register_targets():
             raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
-        fold = not spec.b_batch  # weights shared by every batch element: one big GEMM
-        M, L = self._mnl(spec)
+        fold = folds_batch(spec)  # weights shared by every batch element: one big GEMM
+        M, L = kernel_rows_and_batch(spec)
         max_rows = kernel_max_rows(spec)
         if max_rows is not None and M > max_rows:
             # Large M: the tensor cores are the limit; dequantize once and use XLA's GEMM.
@@ -187,27 +180,14 @@ class Sm90Backend:
                 return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (Kp // 2, 2)), jnp.uint8)
             return lax.bitcast_convert_type(x, jnp.uint8)
 
-        def scales(s, fmt, layout, rows, mn):
-            sk = K // _fmt_block(fmt)
-            if fold and layout == "blocked" and s.ndim > 5:  # re-tile A's scales over folded M
-                s = _layout.from_blocked_scales(s, mn, sk)
-                layout = "plain"
-            if layout == "plain":
-                s = s.reshape((1, rows, sk)) if fold else jnp.broadcast_to(
-                    s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
-                s = _layout.to_blocked_scales(s)
-            else:
-                s = s.reshape((1,) + s.shape[-5:]) if fold else jnp.broadcast_to(
-                    s, spec.batch_shape + s.shape[-5:]).reshape((L,) + s.shape[-5:])
-            return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
 
         a8 = elements(a, spec.fmt_a, M, spec.a_batch)
         b8 = elements(b, spec.fmt_b, N, None)
-        sb8 = scales(sb, spec.fmt_b, spec.layout_b, N, N)
+        sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
         if spec.fmt_a is None:
             sa8 = jnp.zeros((16,), jnp.uint8)  # unused by the weight-only kernel
         else:
-            sa8 = scales(sa, spec.fmt_a, spec.layout_a, M, spec.m)
+            sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
         # The decode kernel's split-K workspace (f32, L*M*N; zero elements: fused GEMM only).
         ws_len = L * M * N if uses_decode(spec, M) else 0
         call = jax.ffi.ffi_call(
@@ -222,11 +202,6 @@ class Sm90Backend:
                  m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L))
         return y.reshape(spec.batch_shape + (spec.m, N))
 
-
-def _fmt_block(fmt: str) -> int:
-    from ..formats import get_format
-
-    return get_format(fmt).block
 
 
 SM90 = Sm90Backend()

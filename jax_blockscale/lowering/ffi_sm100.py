@@ -24,7 +24,6 @@ an error rather than launching anything it cannot run.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 
@@ -34,9 +33,9 @@ import numpy as np
 from jax import lax
 
 from .. import _plugin
-from .. import layout as _layout
 from ..aot_sm100 import FMT_CODES, OUT_CODES
 from . import GemmSpec, register_backend
+from .kernel_operands import folds_batch, kernel_rows_and_batch, kernel_scale_bytes
 
 # The pairs the Blackwell library serves (kernels/sm100_blockscaled.py: PAIRS; kept here because
 # the installed package has no DSL to import that module; a test checks they agree).
@@ -138,7 +137,7 @@ class Sm100Backend:
         if spec.n % na:
             return (f"N={spec.n} must be a multiple of {na} for "
                     f"{np.dtype(spec.out_dtype).name} output")
-        m, _ = self._mnl(spec)
+        m, _ = kernel_rows_and_batch(spec)
         if max(m * spec.k, spec.n * spec.k, m * spec.n) > _INT32_MAX:
             return "problem too large for the kernel's 32-bit indexing (M*K, N*K, M*N < 2^31)"
         why = _device_reason()
@@ -146,18 +145,12 @@ class Sm100Backend:
             return why
         return _plugin.sm100_unavailable_reason()
 
-    @staticmethod
-    def _mnl(spec: GemmSpec) -> tuple[int, int]:
-        """(rows, batch) of the kernel's problem: an unbatched B folds A's batch into M."""
-        if not spec.b_batch:
-            return spec.m * math.prod(spec.a_batch), 1
-        return spec.m, math.prod(spec.batch_shape)
 
     def __call__(self, a, b, sa, sb, alpha, *, spec: GemmSpec, platform: str = "cuda"):
         if not _plugin.register_targets() or not _plugin.has_sm100():
             raise RuntimeError(f"jax_blockscale sm100: {_plugin.sm100_unavailable_reason()}")
-        fold = not spec.b_batch
-        M, L = self._mnl(spec)
+        fold = folds_batch(spec)
+        M, L = kernel_rows_and_batch(spec)
         N, K = spec.n, spec.k
 
         def elements(x, fmt, rows, batch_in):
@@ -171,24 +164,11 @@ class Sm100Backend:
                 return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (K // 2, 2)), jnp.uint8)
             return lax.bitcast_convert_type(x, jnp.uint8)
 
-        def scales(s, fmt, layout, rows, mn):
-            sk = K // _fmt_block(fmt)
-            if fold and layout == "blocked" and s.ndim > 5:  # re-tile A's scales over folded M
-                s = _layout.from_blocked_scales(s, mn, sk)
-                layout = "plain"
-            if layout == "plain":
-                s = s.reshape((1, rows, sk)) if fold else jnp.broadcast_to(
-                    s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
-                s = _layout.to_blocked_scales(s)
-            else:
-                s = s.reshape((1,) + s.shape[-5:]) if fold else jnp.broadcast_to(
-                    s, spec.batch_shape + s.shape[-5:]).reshape((L,) + s.shape[-5:])
-            return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
 
         a8 = elements(a, spec.fmt_a, M, spec.a_batch)
         b8 = elements(b, spec.fmt_b, N, None)
-        sa8 = scales(sa, spec.fmt_a, spec.layout_a, M, spec.m)
-        sb8 = scales(sb, spec.fmt_b, spec.layout_b, N, N)
+        sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
+        sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
         tm, tn, cm, cn = _forced_tile()
         call = jax.ffi.ffi_call(_plugin.SM100_TARGET,
                                 jax.ShapeDtypeStruct((L, M, N), spec.out_dtype))
@@ -203,11 +183,6 @@ class Sm100Backend:
 def out_code(out_dtype) -> int:
     return OUT_CODES[_OUT_NAMES[np.dtype(out_dtype)]]
 
-
-def _fmt_block(fmt: str) -> int:
-    from ..formats import get_format
-
-    return get_format(fmt).block
 
 
 SM100 = Sm100Backend()

@@ -1,0 +1,48 @@
+"""Operand preparation shared by the FFI backends (sm90, sm100): how a gemm problem's batch dims
+map onto the kernels' (M, L) and how scales become the blocked uint8 bytes the kernels read."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import layout as _layout
+from ..formats import get_format
+from . import GemmSpec
+
+
+def folds_batch(spec: GemmSpec) -> bool:
+    """An unbatched B (weights shared by every batch element) folds A's batch into M."""
+    return not spec.b_batch
+
+
+def kernel_rows_and_batch(spec: GemmSpec) -> tuple[int, int]:
+    """(M, L) of the kernel's problem."""
+    if folds_batch(spec):
+        return spec.m * math.prod(spec.a_batch), 1
+    return spec.m, math.prod(spec.batch_shape)
+
+
+def kernel_scale_bytes(s: jax.Array, fmt: str, layout: str, rows: int, mn: int, *,
+                       spec: GemmSpec) -> jax.Array:
+    """Scales of one operand as flat uint8 in the blocked layout, batch folded or flattened to L.
+
+    rows: the operand's rows in the kernel problem (folded M for A, N for B); mn: its rows per
+    batch element. Blocked scales of a folded A are re-tiled, since its 128-row tiles change.
+    """
+    sk = spec.k // get_format(fmt).block
+    _, L = kernel_rows_and_batch(spec)
+    fold = folds_batch(spec)
+    if fold and layout == "blocked" and s.ndim > 5:
+        s = _layout.from_blocked_scales(s, mn, sk)
+        layout = "plain"
+    if layout == "plain":
+        s = s.reshape((1, rows, sk)) if fold else jnp.broadcast_to(
+            s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
+        s = _layout.to_blocked_scales(s)
+    else:
+        s = s.reshape((1,) + s.shape[-5:]) if fold else jnp.broadcast_to(
+            s, spec.batch_shape + s.shape[-5:]).reshape((L,) + s.shape[-5:])
+    return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
