@@ -237,10 +237,10 @@ def _transpose(ct, *args, **params):
     if _is_zero(ct):
         return out
     ct = ct.astype(jnp.float32)
-    bv = operand_values(b, sb, params["fmt_b"], params["layout_b"], jnp.float32)
     if ad.is_undefined_primal(a):  # weight-only: dL/da = alpha * ct @ B
         if ad.is_undefined_primal(alpha):
             raise NotImplementedError("gemm is bilinear in (a, alpha); transpose one at a time")
+        bv = operand_values(b, sb, params["fmt_b"], params["layout_b"], jnp.float32)
         ct_a = jnp.einsum("...mn,...nk->...mk", ct, bv, precision=lax.Precision.HIGHEST) * alpha
         out[0] = _sum_to_shape(ct_a, a.aval.shape).astype(a.aval.dtype)
     if ad.is_undefined_primal(alpha):
