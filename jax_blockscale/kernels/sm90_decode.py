@@ -65,7 +65,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 # ----------------------------------------------------------------------------------------------
 from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
     B_KINDS, BN, KINDS, OUTS, PAIRS, ROWS_PER_WARP, STEP_BYTES, THREADS, VARIANTS, WARPS,
-    DEFAULT_TUNING, DecodeVariant, Tuning, _K112, _K120, _K126, choose_decode_variant, steps_elems)
+    DEFAULT_TUNING, FOLD_ALPHA, DecodeVariant, Tuning, _K112, _K119, _K120, _K126,
+    choose_decode_variant, steps_elems)
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
@@ -201,19 +202,69 @@ prmt.b32 $0, t, 0, 0x1010;
 }"""
 
 
+# NVFP4 with the fold: the scale also carries 2^119 (the weights' 2^-126 is then undone by it)
+_SCALE_E4M3_FOLDED = _SCALE_E4M3.replace(
+    "mul.rn.bf16x2 $0, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
+    "mul.rn.bf16x2 $0, t, k;")
+
+
+# The same from one byte of a 32-bit word, picked by a prmt selector `sel` = 0x4040 + 0x101 * i
+# (byte i into both halves, zeros above): no shift/mask per scale, one shift for both halves.
+_SCALE_WORD_E4M3 = f"""{{
+.reg .b32 t, k;
+prmt.b32 t, $1, 0, $2;
+shl.b32 t, t, 4;                 // e4m3 (non-negative) bits -> bf16 bits: value * 2^-120
+mov.b32 k, {_K120:#x};
+mul.rn.bf16x2 $0, t, k;
+}}"""
+_SCALE_WORD_E4M3_FOLDED = _SCALE_WORD_E4M3.replace(
+    "mul.rn.bf16x2 $0, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
+    "mul.rn.bf16x2 $0, t, k;")
+_SCALE_WORD_E8M0 = """{
+.reg .b32 t;
+.reg .pred p;
+prmt.b32 t, $1, 0, $2;
+setp.eq.u32 p, t, 0;
+shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
+selp.b32 $0, 0x00400040, t, p;   // 2^-127 is a bf16 subnormal
+}"""
+
+
 @dsl_user_op
-def scale_bf16x2(kind, byte, *, loc=None, ip=None):
-    """Block-scale byte (low 8 bits of `byte`) -> bf16x2 with the scale in both halves."""
-    body = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
+def scale_word_bf16x2(kind, word, sel, fold=False, *, loc=None, ip=None):
+    """Byte `sel` selects (see _SCALE_WORD_E4M3) of a scale word -> bf16x2 scale, as
+    scale_bf16x2."""
+    if KINDS[kind]["scale"] == "e4m3":
+        body = _SCALE_WORD_E4M3_FOLDED if fold else _SCALE_WORD_E4M3
+    else:
+        assert not fold, "only e4m3 scales are folded"
+        body = _SCALE_WORD_E8M0
+    return _asm(1, "r", [cutlass.Int32(word), cutlass.Int32(sel)], body, ["r", "r"], loc, ip,
+                side_effects=False)[0]
+
+
+@dsl_user_op
+def scale_bf16x2(kind, byte, fold=False, *, loc=None, ip=None):
+    """Block-scale byte (low 8 bits of `byte`) -> bf16x2 with the scale in both halves
+    (times 2^119 when `fold`: NVFP4 weights converted with fold=True)."""
+    if KINDS[kind]["scale"] == "e4m3":
+        body = _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
+    else:
+        assert not fold, "only e4m3 scales are folded"
+        body = _SCALE_E8M0
     return _asm(1, "r", [cutlass.Int32(byte)], body, ["r"], loc, ip, side_effects=False)[0]
 
 
 # --- element conversion (PTX text generators) --------------------------------------------------
-def _fp4_pairs_ptx(w, s, outs, tmp="cv"):
+def _fp4_pairs_ptx(w, s, outs, tmp="cv", method="shift", fold=False):
     """8 e2m1 nibbles of register `w` -> 4 bf16x2 in `outs`: outs[j] = (nibble j, nibble j+4),
     times the bf16x2 scale `s`. The same shift serves both halves (they are 16 bits apart):
-    magnitude bits (eem) go to bf16 bits 6..8 (value * 2^-126), the sign bit to bit 15."""
-    code = [f"mov.b32 {tmp}k, {_K126:#x};"]
+    magnitude bits (eem) go to bf16 bits 6..8 (value * 2^-126), the sign bit to bit 15.
+    fold: `s` already carries the 2^126 (times 2^-7, see Tuning.fold_scale); method "imad": see
+    _fp4_pairs_imad_ptx."""
+    if method == "imad":
+        return _fp4_pairs_imad_ptx(w, s, outs, tmp, fold)
+    code = [] if fold else [f"mov.b32 {tmp}k, {_K126:#x};"]
     shifts = [("shl", 6, "shl", 12), ("shl", 2, "shl", 8), ("shr", 2, "shl", 4),
               ("shr", 6, None, 0)]
     for j, (op_m, sh_m, op_s, sh_s) in enumerate(shifts):
@@ -225,7 +276,27 @@ def _fp4_pairs_ptx(w, s, outs, tmp="cv"):
         else:
             code.append(f"{op_s}.b32 {tmp}1, {w}, {sh_s};")
             code.append(f"lop3.b32 {o}, {tmp}0, {tmp}1, 0x80008000, 0xF8;")
-        code.append(f"mul.rn.bf16x2 {o}, {o}, {tmp}k;")
+        if not fold:
+            code.append(f"mul.rn.bf16x2 {o}, {o}, {tmp}k;")
+        code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
+    return "\n".join(code)
+
+
+def _fp4_pairs_imad_ptx(w, s, outs, tmp, fold):
+    """The same result as _fp4_pairs_ptx with fewer instructions: one prmt brings nibbles
+    (2, 3, 6, 7) down to the places of (0, 1, 4, 5); then per pair one mask keeps the two
+    nibbles, one multiply by 2^a + 2^b writes two copies of each (a: magnitude to bits 6..8,
+    b: sign to bit 15; the copies do not overlap, so no carries), one mask keeps those bits."""
+    code = [] if fold else [f"mov.b32 {tmp}k, {_K126:#x};"]
+    code.append(f"prmt.b32 {tmp}2, {w}, 0, 0x4341;")  # bytes 1, 3 -> bytes 0, 2
+    for j, o in enumerate(outs):
+        src = w if j < 2 else f"{tmp}2"
+        mask, mult = (0x000F000F, 0x1040) if j % 2 == 0 else (0x00F000F0, 0x104)
+        code.append(f"and.b32 {tmp}0, {src}, {mask:#x};")
+        code.append(f"mul.lo.u32 {tmp}0, {tmp}0, {mult:#x};")
+        code.append(f"and.b32 {o}, {tmp}0, 0x81C081C0;")
+        if not fold:
+            code.append(f"mul.rn.bf16x2 {o}, {o}, {tmp}k;")
         code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
     return "\n".join(code)
 
@@ -251,7 +322,7 @@ _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{{{d0}, {d1}, {d2}, {d3}}};")
 
 
-def dequant_mma_ptx(b_kind: str, nt: int) -> str:
+def dequant_mma_ptx(b_kind: str, nt: int, method: str = "shift", fold: bool = False) -> str:
     """PTX of dequant_mma. Operands: $0..$(4nt-1) accumulators (outputs), the same again as tied
     inputs, then the weight words of row g and of row g+8 (1 each for fp4, 2 each for fp8), the
     two bf16x2 scales, 4 activation words per n8 tile, and for fp8 (shift, mask, fix)."""
@@ -264,7 +335,7 @@ def dequant_mma_ptx(b_kind: str, nt: int) -> str:
     base += 2
     act_reg = [[f"${base + 4 * i + j}" for j in range(4)] for i in range(nt)]
     base += 4 * nt
-    code = ["{", ".reg .b32 cv0, cv1, cvk, pg<4>, ph<4>;"]
+    code = ["{", ".reg .b32 cv0, cv1, cv2, cvk, pg<4>, ph<4>;"]
     if nw == 2:
         shift, mask, fix = f"${base}", f"${base + 1}", f"${base + 2}"
         code.append(_fp8_pairs_ptx(wreg[0], s_g, ["pg0", "pg1"], shift, mask, fix))
@@ -272,8 +343,10 @@ def dequant_mma_ptx(b_kind: str, nt: int) -> str:
         code.append(_fp8_pairs_ptx(wreg[2], s_h, ["ph0", "ph1"], shift, mask, fix))
         code.append(_fp8_pairs_ptx(wreg[3], s_h, ["ph2", "ph3"], shift, mask, fix))
     else:
-        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"]))
-        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"]))
+        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"], method=method,
+                                   fold=fold))
+        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"], method=method,
+                                   fold=fold))
     # MMA h of the group takes pairs (2h, 2h+1) of each row: A = [pg, ph, pg', ph'] is rows
     # g / g+8 at K slots (2t, 2t+1) and (2t+8, 2t+9); B = activation words 2h, 2h+1.
     for h in range(2):
@@ -288,7 +361,8 @@ def dequant_mma_ptx(b_kind: str, nt: int) -> str:
 
 
 @dsl_user_op
-def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, *, loc=None, ip=None):
+def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, method="shift", fold=False, *,
+                loc=None, ip=None):
     """Two k16 MMAs per n8 tile for one 8-element (fp4) / 2x4-element (fp8) group of rows g and
     g+8 of a row tile: convert the weights, then acc[nt] += W (16 x 16) @ act[nt] (16 x 8).
 
@@ -307,7 +381,8 @@ def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, *, loc=None, i
     if b_kind == "mxfp8":
         ins += [cutlass.Int32(x) for x in fp8_params]
         cons += ["r"] * 3
-    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt), cons, loc, ip, side_effects=False)
+    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt, method, fold), cons, loc, ip,
+                side_effects=False)
 
 
 # outputs $0..$3, inputs $4..$7 = (x0x1, x2x3, x4x5, x6x7)
@@ -364,6 +439,7 @@ class Sm90DecodeGemm:
         self.e = self.se // 4  # K elements per thread per step (32 fp4 / 16 fp8)
         self.q = self.e // 8  # 8-element groups per thread per step
         self.c_dtype = OUT_DTYPES[v.out]
+        self.fold = tuning.fold_scale and v.b_kind == "nvfp4"
         # activation buffer: per step, per n8 tile, per group, 32 lanes x 16 bytes
         self.step_act_bytes = v.nt * self.q * 32 * 16
         self.buf_bytes = self.sub * self.step_act_bytes
@@ -510,6 +586,8 @@ class Sm90DecodeGemm:
 
         # ---- epilogue: ws[l, m, n] += alpha * acc (f32 L2 atomics) ---------------------------
         alpha = ldg_f32(alpha_ptr.toint())
+        if cutlass.const_expr(self.fold):
+            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
         for rt in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(nt):
                 for x in cutlass.range_constexpr(4):
@@ -602,11 +680,13 @@ class Sm90DecodeGemm:
         scale word of row j (4 scale columns), kt = first K element of the thread's bytes."""
         v = self.v
         nt, Q = v.nt, self.q
-        sh = ((kt // self.b_block) % 4) * 8  # the thread's first scale column in the word
+        col = (kt // self.b_block) % 4  # the thread's first scale column (byte) in the word
         nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
+        sels = [0x4040 + 0x101 * (col + b) for b in range(nblk)]  # prmt: byte -> both halves
         sc = []  # bf16x2 scale per row and block: converted once, used by every group
         for j in cutlass.range_constexpr(4):
-            sc.append([scale_bf16x2(v.b_kind, sw[j] >> (sh + 8 * b)) for b in range(nblk)])
+            sc.append([scale_word_bf16x2(v.b_kind, sw[j], sels[b], self.fold)
+                       for b in range(nblk)])
         wpg = 1 if self.b_bits == 4 else 2  # weight words per 8-element group
         for q in cutlass.range_constexpr(Q):
             act = []
@@ -618,7 +698,7 @@ class Sm90DecodeGemm:
                 wh = [w[2 * rt + 1][q * wpg + x] for x in range(wpg)]
                 a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
                 res = dequant_mma(v.b_kind, nt, wg, wh, sc[2 * rt][blk], sc[2 * rt + 1][blk], act,
-                                  a_in, b_fp8)
+                                  a_in, b_fp8, self.tuning.fp4_convert, self.fold)
                 for x in cutlass.range_constexpr(4 * nt):
                     acc[(rt * nt) * 4 + x] = res[x]
 
