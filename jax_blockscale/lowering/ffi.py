@@ -185,7 +185,9 @@ class Sm90Backend:
         b8 = elements(b, spec.fmt_b, N, None)
         sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
         if spec.fmt_a is None:
-            sa8 = jnp.zeros((16,), jnp.uint8)  # unused by the weight-only kernel
+            # unused by the weight-only kernels; passing a buffer that exists already saves a
+            # kernel launch per call (a fresh zeros array is one)
+            sa8 = sb8
         else:
             sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
         # The decode kernel's split-K workspace (f32, L*M*N; zero elements: fused GEMM only).
