@@ -50,6 +50,18 @@ def scale_value(kind, byte):
     return 2.0 ** (int(byte) - 127)
 
 
+def scale_word_reg(kind, words, col, fold=False):
+    """The kernel's path: byte `col` of each scale word -> bf16x2 (times 2^119 when folded)."""
+    if dec.KINDS[kind]["scale"] == "e4m3":
+        body = dec._SCALE_WORD_E4M3_FOLDED if fold else dec._SCALE_WORD_E4M3
+    else:
+        body = dec._SCALE_WORD_E8M0
+    return emu.run(body, {"$1": lanes(words), "$2": lanes(0x4040 + 0x101 * col)})["$0"]
+
+
+FOLD = 2.0 ** 119  # what a folded NVFP4 scale register carries beside the scale
+
+
 @needs_dsl
 # ---- bit tricks, every code ---------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
@@ -61,10 +73,33 @@ def test_scale_to_bf16x2_every_code(kind):
 
 
 @needs_dsl
-def test_fp4_pairs_every_nibble_every_position():
+@pytest.mark.parametrize("kind,fold", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+def test_scale_word_every_code_every_column(kind, fold):
+    """The scale word path (one prmt picks the byte) on every code, in each of the 4 columns, with
+    random neighbours; folded NVFP4 scales carry exactly 2^119 and stay finite."""
+    rng = np.random.default_rng(3)
+    codes = np.arange(127) if kind == "nvfp4" else np.arange(255)
+    for col in range(4):
+        for start in range(0, len(codes), 32):
+            b = codes[np.arange(start, start + 32) % len(codes)].astype(np.uint32)
+            words = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+            words = (words & ~np.uint32(0xFF << (8 * col))) | (b << (8 * col))
+            lo, hi = halves(scale_word_reg(kind, words, col, fold))
+            want = np.array([scale_value(kind, x) for x in b]) * (FOLD if fold else 1.0)
+            np.testing.assert_array_equal(lo, want)
+            np.testing.assert_array_equal(hi, want)
+
+
+@needs_dsl
+@pytest.mark.parametrize("method", ["shift", "imad"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_fp4_pairs_every_nibble_every_position(method, fold):
     rng = np.random.default_rng(0)
-    s = scale_reg("nvfp4", 0x3A)  # 1.25
-    ptx = "{\n.reg .b32 cv0, cv1, cvk;\n" + dec._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"]) + "\n}"
+    s = scale_word_reg("nvfp4", 0x3A, 0, fold)  # 1.25 (times 2^119 when folded)
+    ptx = ("{\n.reg .b32 cv0, cv1, cv2, cvk;\n"
+           + dec._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"], method=method, fold=fold)
+           + "\n}")
+    unit = 1.25 * (2.0 ** -7 if fold else 1.0)  # folded: w * s * 2^-7 (alpha takes 2^7 back)
     for rep in range(8):
         words = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
         if rep == 0:  # every nibble value at every position
@@ -73,8 +108,8 @@ def test_fp4_pairs_every_nibble_every_position():
         out = emu.run(ptx, {"$4": words, "$5": s})
         for j in range(4):
             lo, hi = halves(out[f"${j}"])
-            np.testing.assert_array_equal(lo, FP4[(words >> (4 * j)) & 0xF] * 1.25)
-            np.testing.assert_array_equal(hi, FP4[(words >> (4 * (j + 4))) & 0xF] * 1.25)
+            np.testing.assert_array_equal(lo, FP4[(words >> (4 * j)) & 0xF] * unit)
+            np.testing.assert_array_equal(hi, FP4[(words >> (4 * (j + 4))) & 0xF] * unit)
 
 
 @needs_dsl
@@ -96,10 +131,13 @@ def test_fp8_pairs_every_byte(elem):
 
 
 # ---- one step of a row tile, end to end (staging order + conversion + mma fragments) -----------
-def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0):
+def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     """One k-step of one 16-row tile: weights W (16 x se), activations X (8nt x se), as the kernel
     lays them out (thread 4g+t: bytes [16t, 16t+16) of rows g and g+8; activations staged in
-    fragment order). Returns (kernel result (16, 8nt), float64 reference)."""
+    fragment order). Returns (kernel result (16, 8nt) with alpha's fold factor applied, float64
+    reference)."""
+    tuning = tuning or dv.DEFAULT_TUNING
+    fold = tuning.fold_scale and b_kind == "nvfp4"
     rng = np.random.default_rng(seed)
     bits, block = dec.KINDS[b_kind]["bits"], dec.KINDS[b_kind]["block"]
     se = dec.steps_elems(b_kind)
@@ -139,7 +177,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0):
     g, t = lane // 4, lane % 4
     wr = wbytes.view(np.uint32)  # (16, 16): 16 words per row, thread t owns words 4t..4t+3
     acc = {f"${x}": np.zeros(32) for x in range(4 * nt)}
-    ptx = dec.dequant_mma_ptx(b_kind, nt)
+    ptx = dec.dequant_mma_ptx(b_kind, nt, tuning.fp4_convert, fold)
     wpg = 1 if bits == 4 else 2
     for q in range(Q):
         ops = dict(acc)
@@ -154,7 +192,8 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0):
         for r2, rows in enumerate((g, g + 8)):
             kb = (t * e + q * 8) // block
             ops[f"${base + r2}"] = np.array(
-                [scale_reg(b_kind, sbytes[r, b])[0] for r, b in zip(rows, kb)], np.uint32)
+                [scale_word_reg(b_kind, sbytes[r, b], 0, fold)[0] for r, b in zip(rows, kb)],
+                np.uint32)
         base += 2
         for i in range(nt):
             for w in range(4):
@@ -169,15 +208,17 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0):
     for i in range(nt):
         for x, (roff, coff) in enumerate([(0, 0), (0, 1), (8, 0), (8, 1)]):
             D[g + roff, i * 8 + 2 * t + coff] = acc[f"${4 * i + x}"]
-    return D, W @ X.T
+    return D * (dv.FOLD_ALPHA if fold else 1.0), W @ X.T
 
 
 @needs_dsl
 @pytest.mark.parametrize("b_kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"),
                                          ("mxfp8", "e4m3"), ("mxfp8", "e5m2")])
 @pytest.mark.parametrize("nt", [1, 2])
-def test_warp_step_matches_reference(b_kind, elem, nt):
-    D, ref = _emulate_step(b_kind, elem, nt)
+@pytest.mark.parametrize("tuning", [dv.DEFAULT_TUNING, dv.Tuning("cpasync", 2, 2, 2, 2)],
+                         ids=["default", "shift-nofold"])
+def test_warp_step_matches_reference(b_kind, elem, nt, tuning):
+    D, ref = _emulate_step(b_kind, elem, nt, tuning=tuning)
     np.testing.assert_allclose(D, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
 
 
