@@ -380,14 +380,17 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
 
     big = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
                    np.dtype(jnp.bfloat16), (), (), (), 32, 16384, 16384)
-    assert sm90.uses_decode(big, 32) and not sm90.uses_decode(big, 33)
+    assert sm90.uses_decode(big, 64) and not sm90.uses_decode(big, 65)
     import dataclasses
 
     small = dataclasses.replace(big, n=8192, k=8192)
-    assert sm90.uses_decode(small, 16) and not sm90.uses_decode(small, 17)
+    assert sm90.uses_decode(small, 32) and not sm90.uses_decode(small, 33)
     calls = text(7, (2,))  # folded: M = 14
     assert len(calls) == 1 and "tensor<4200xf32>" in calls[0], calls
-    calls = text(7, (2, 2))  # folded: M = 28 > 16 with small weights: the fused GEMM
+    calls = text(7, (2, 3))  # folded: M = 42 > 32 with small weights: the fused GEMM
+    assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
+    monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "16")
+    calls = text(7, (2, 2))  # folded: M = 28, over the lowered limit
     assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
     monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "64")
     calls = text(7, (2, 2))

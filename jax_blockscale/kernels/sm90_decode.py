@@ -31,7 +31,8 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   power of two), multiplied back (exact) and by the block scale (exact: e2m1/e4m3/e5m2 times a
   power of two or an e4m3 scale has at most 7 significant bits, bf16 holds 8). So the MMA sees
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
-* Split-K: grid = (ceil(N/256), splits, L * ceil(M / (8*NT))). Each CTA adds alpha * its partial
+* Split-K: grid = (ceil(N/256) * ceil(M / (8*NT)), splits, L), M chunks fastest (the chunks
+  that share a weight tile run together: later chunks read it from L2). Each CTA adds alpha * its partial
   sum into an f32 workspace with `red.global.add.f32` (L2 atomics; M*N*splits of them, a few
   hundred thousand at most, ~1-2 us). The exported launcher runs three kernels on the stream:
   zero the workspace, the main kernel, convert the workspace to the output dtype (~1 us for the
@@ -478,7 +479,9 @@ class Sm90DecodeGemm:
             a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
             mchunks,
         ).launch(
-            grid=[(n + BN - 1) // BN, splits, l * mchunks],
+            # M chunks vary fastest: the CTAs that share a weight tile start together, so the
+            # second and later chunks read the tile from L2 instead of HBM
+            grid=[((n + BN - 1) // BN) * mchunks, splits, l],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=self.tuning.min_blocks,
             # with min_blocks > 1 the DSL wants the carveout (else it probes a GPU at build time)
@@ -525,13 +528,14 @@ class Sm90DecodeGemm:
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
         tid, _, _ = cute.arch.thread_idx()
-        bx, by, bz = cute.arch.block_idx()
+        bxm, by, bz = cute.arch.block_idx()
+        bx = bxm // mchunks  # row group of N
         warp = tid // 32
         lane = tid % 32
         g = lane // 4
         t = lane % 4
-        li = bz // mchunks
-        m0 = (bz % mchunks) * (8 * nt)
+        li = bz
+        m0 = (bxm % mchunks) * (8 * nt)
 
         smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * self.buf_bytes, byte_alignment=128).toint()
