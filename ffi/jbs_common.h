@@ -35,8 +35,8 @@ struct LaunchArgs {
   int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
 };
 // One compiled kernel. nt == 0: the fused GEMM (kernels/sm90_blockscaled.py, tile_m x tile_n);
-// nt == 1 | 2: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per CTA
-// (tile_m = 8 * nt), 256 rows of N per CTA (tile_n).
+// nt == 1, 2, 4, 8: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per CTA
+// (tile_m = 8 * nt), tile_n rows of N per CTA (256; 128 for nt >= 4).
 struct Variant {
   const char* name;
   int a_kind, b_kind, out, tile_m, tile_n, sm, nt;

@@ -141,16 +141,19 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
 }
 
 // ---- the decode kernel ---------------------------------------------------------------------------
-// Constants of kernels/sm90_decode_variants.py (DEFAULT_TUNING and the CTA shape).
+// Constants of kernels/sm90_decode_variants.py (MAX_M, tuning_for(nt) and the CTA shape).
 namespace {
 constexpr int kDecodeMaxM = 64;        // past this the tensor-core GEMM wins
-constexpr int kDecodeRowsPerCta = 256; // BN: rows of N per CTA
-constexpr int kDecodeSubSteps = 2;     // DEFAULT_TUNING.sub_steps
-constexpr int kDecodeCtasPerSm = 2;    // DEFAULT_TUNING.ctas_per_sm
+constexpr int kDecodeCtasPerSm = 2;    // ctas_per_sm of both tunings
 constexpr int kDecodeStepBytes = 64;   // bytes of one weight row per step
+// n8 tiles of M per CTA (nt_for): M <= 8, 16, 32, 64
+int DecodeNt(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
+// DEFAULT_TUNING (nt 1, 2): 256 rows of N per CTA, 2-step sub-chunks; WIDE_TUNING (nt 4, 8): 128, 1
+int DecodeRowsPerCta(int nt) { return nt <= 2 ? 256 : 128; }
+int DecodeSubSteps(int nt) { return nt <= 2 ? 2 : 1; }
 int BitsOf(int kind) { return kind == JBS_MXFP8 ? 8 : (kind == JBS_BF16 ? 16 : 4); }
-int64_t DecodeKChunks(int b_kind, int64_t k) {
-  const int64_t chunk = kDecodeSubSteps * (kDecodeStepBytes * 8 / BitsOf(b_kind));
+int64_t DecodeKChunks(int b_kind, int64_t k, int nt) {
+  const int64_t chunk = DecodeSubSteps(nt) * (kDecodeStepBytes * 8 / BitsOf(b_kind));
   return CeilDiv(k, chunk);
 }
 }  // namespace
@@ -163,9 +166,9 @@ bool ChooseDecode(int a_kind, int b_kind, int out, int64_t m, int64_t n, int64_t
   if (out != JBS_OUT_BF16 && out != JBS_OUT_F16 && out != JBS_OUT_F32) return false;
   if (m < 1 || n < 1 || k < 32 || k % 32 || k % BlockOf(b_kind)) return false;
   if (m > kDecodeMaxM) return false;
-  const int nt = m <= 8 ? 1 : 2;
-  const int64_t k_chunks = DecodeKChunks(b_kind, k);
-  const int64_t ctas = CeilDiv(n, kDecodeRowsPerCta) * CeilDiv(m, 8 * nt);
+  const int nt = DecodeNt(m);
+  const int64_t k_chunks = DecodeKChunks(b_kind, k, nt);
+  const int64_t ctas = CeilDiv(n, DecodeRowsPerCta(nt)) * CeilDiv(m, 8 * nt);
   int64_t want = (int64_t)kDecodeCtasPerSm * sm_count / (ctas > 1 ? ctas : 1);
   int64_t splits = k_chunks < want ? k_chunks : want;
   if (splits < 1) splits = 1;
@@ -206,11 +209,11 @@ const char* DispatchProblem(const Problem& p, const Variant* variants, int num_v
   if (p.ws_ptr == 0) JBS_FAIL("workspace pointer is null");
   if (p.ws_ptr % 16)
     JBS_FAIL("workspace pointer 0x%llx is not 16-byte aligned", (unsigned long long)p.ws_ptr);
-  // launch grid (ceil(N/256), splits, L * ceil(M / (8 nt))): y and z at most 65535
-  const int64_t k_chunks = DecodeKChunks(p.b_kind, p.k);
+  // launch grid (ceil(N / rows per CTA) * ceil(M / (8 nt)), splits, L): y and z at most 65535
+  const int64_t k_chunks = DecodeKChunks(p.b_kind, p.k, nt);
   if (splits < 1 || splits > k_chunks || splits > 65535)
     JBS_FAIL("decode split count %d out of range [1, %lld]", splits, (long long)k_chunks);
-  if (p.l * CeilDiv(p.m, 8 * nt) > 65535 || CeilDiv(p.n, kDecodeRowsPerCta) > kInt32Max)
+  if (p.l > 65535 || CeilDiv(p.n, DecodeRowsPerCta(nt)) * CeilDiv(p.m, 8 * nt) > kInt32Max)
     JBS_FAIL("decode grid too large (L=%lld, M=%lld)", (long long)p.l, (long long)p.m);
   if (out) *out = Dispatch{dec, splits};
   return nullptr;

@@ -10,8 +10,8 @@ Two kernels share the table:
   * the fused GEMM (kernels/sm90_blockscaled.py), ``jbs_sm90_<a>_<b>_<out>_128x<tile_n>``,
     ``nt = 0`` in the table;
   * the decode kernel (kernels/sm90_decode.py, M <= 64, split-K with an f32 workspace),
-    ``jbs_sm90_decode_<a>_<b>_<out>_m<8|16>``, ``nt = 1 | 2`` (n8 tiles of M per CTA),
-    ``tile_m = 8 * nt``, ``tile_n = 256`` (rows of N per CTA).
+    ``jbs_sm90_decode_<a>_<b>_<out>_m<8|16|32|64>``, ``nt = 1 | 2 | 4 | 8`` (n8 tiles of M per
+    CTA), ``tile_m = 8 * nt``, ``tile_n`` = rows of N per CTA (256, or 128 for nt >= 4).
 
 It then writes:
 
@@ -51,14 +51,12 @@ def variant_name(a, b, out, tm, tn):
 
 
 def decode_matrix():
-    """The decode kernel's variants (sm90_decode_variants.VARIANTS, 36)."""
+    """The decode kernel's variants (sm90_decode_variants.VARIANTS, 72)."""
     from jax_blockscale.kernels.sm90_decode_variants import VARIANTS
 
     return list(VARIANTS)
 
 
-# rows of N per decode CTA (sm90_decode_variants.BN; checked against it at build time)
-DECODE_TILE_N = 256
 
 
 def _header(variants):
@@ -95,7 +93,7 @@ def _header(variants):
         lines.append("}")
     lines.append("}  // namespace jbs_generated")
     lines.append("")
-    lines.append("// name, a_kind, b_kind, out, tile_m, tile_n, sm, nt (0: fused GEMM, 1|2: decode), load,")
+    lines.append("// name, a_kind, b_kind, out, tile_m, tile_n, sm, nt (0: fused GEMM, 1/2/4/8: decode), load,")
     lines.append("// launch")
     lines.append("static const jbs::Variant kJbsVariants[] = {")
     for v in variants:
@@ -128,11 +126,10 @@ def _build_decode(args):
     out_dir, v = args
     from jax_blockscale.kernels import sm90_decode, sm90_decode_variants
 
-    assert sm90_decode_variants.BN == DECODE_TILE_N
     t0 = time.time()
     sm90_decode.export_variant(v, out_dir, function_prefix=v.name, arch="sm_90a")
     return dict(name=v.name, a=v.a_kind, b=v.b_kind, out=v.out, tile_m=8 * v.nt,
-                tile_n=DECODE_TILE_N, sm=90, nt=v.nt), time.time() - t0
+                tile_n=sm90_decode_variants.tuning_for(v.nt).bn, sm=90, nt=v.nt), time.time() - t0
 
 
 def main(argv=None):

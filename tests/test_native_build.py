@@ -274,15 +274,15 @@ def test_decode_variants_in_the_table():
     lib = _lib()
     table = _plugin.variants()
     got = {v["name"]: (v, lib.jbs_variant_nt(i)) for i, v in enumerate(table)}
-    assert len(dv.VARIANTS) == 36
+    assert len(dv.VARIANTS) == 72
     for v in dv.VARIANTS:
         assert v.name in got, f"missing decode variant {v.name}"
         row, nt = got[v.name]
         assert nt == v.nt
         assert (row["a_kind"], row["b_kind"], row["out"], row["tile_m"], row["tile_n"],
                 row["sm"]) == (KIND_CODES[v.a_kind], KIND_CODES[v.b_kind], DECODE_OUT[v.out],
-                               8 * v.nt, dv.BN, 90)
-    # the fused GEMM's rows are nt == 0, the decode rows nt in (1, 2)
+                               8 * v.nt, dv.tuning_for(v.nt).bn, 90)
+    # the fused GEMM's rows are nt == 0, the decode rows nt in (1, 2, 4, 8)
     for i, v in enumerate(table):
         assert (lib.jbs_variant_nt(i) > 0) == v["name"].startswith("jbs_sm90_decode_")
 
@@ -311,10 +311,10 @@ def test_cpp_and_python_heuristics_agree():
 
 def test_decode_dispatch_small_m():
     for (a, b), out in itertools.product(DECODE_PAIRS, CLAIMED_OUTS):
-        for m in (1, 8, 9, 16, 40, 64):
+        for m in (1, 8, 9, 16, 17, 32, 40, 64):
             ok, name, splits = dispatch(a=a, b=b, out=out, m=m, n=300, k=1024, l=2)
             assert ok, name
-            nt = 1 if m <= 8 else 2
+            nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
             assert name == f"jbs_sm90_decode_{a}_{b}_{out}_m{8 * nt}", (a, b, m, name)
             py = dv.choose_decode_variant(m, 300, 1024, _PY_FMT[a], _PY_FMT[b], 132, out=out)
             assert splits == py[1] >= 1
@@ -384,10 +384,10 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     import dataclasses
 
     small = dataclasses.replace(big, n=8192, k=8192)
-    assert sm90.uses_decode(small, 32) and not sm90.uses_decode(small, 33)
+    assert sm90.uses_decode(small, 64) and not sm90.uses_decode(small, 65)
     calls = text(7, (2,))  # folded: M = 14
     assert len(calls) == 1 and "tensor<4200xf32>" in calls[0], calls
-    calls = text(7, (2, 3))  # folded: M = 42 > 32 with small weights: the fused GEMM
+    calls = text(7, (2, 5))  # folded: M = 70 > 64: the fused GEMM
     assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
     monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "16")
     calls = text(7, (2, 2))  # folded: M = 28, over the lowered limit

@@ -214,7 +214,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
 @needs_dsl
 @pytest.mark.parametrize("b_kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"),
                                          ("mxfp8", "e4m3"), ("mxfp8", "e5m2")])
-@pytest.mark.parametrize("nt", [1, 2])
+@pytest.mark.parametrize("nt", [1, 2, 4, 8])
 @pytest.mark.parametrize("tuning", [dv.DEFAULT_TUNING, dv.Tuning("cpasync", 2, 2, 2, 2)],
                          ids=["default", "shift-nofold"])
 def test_warp_step_matches_reference(b_kind, elem, nt, tuning):
@@ -272,7 +272,13 @@ def test_choose_decode_variant():
             k_chunks = -(-k // chunk)
             per = -(-k_chunks // s)
             assert (s - 1) * per < k_chunks, (m, n, k, fmt, s)
+    # M = 17..64: the wide variants (one row tile per warp, 128 rows of N per CTA)
+    for m, nt in [(17, 4), (32, 4), (33, 8), (64, 8)]:
+        v, s = dv.choose_decode_variant(m, 16384, 16384, None, "nvfp4", 132)
+        assert v.nt == nt and dv.tuning_for(nt) == dv.WIDE_TUNING and dv.WIDE_TUNING.bn == 128
+        assert 1 <= s and -(-16384 // 128) * s <= 132 * cps
     # not this kernel's job
+    assert dv.choose_decode_variant(65, 4096, 4096, None, "nvfp4", 132) is None
     assert dv.choose_decode_variant(128, 4096, 4096, None, "nvfp4", 132) is None
     assert dv.choose_decode_variant(4, 4096, 4100, None, "nvfp4", 132) is None  # K % 32
     assert dv.choose_decode_variant(4, 4096, 4096, "mxfp4", "nvfp4", 132) is None  # pair
@@ -282,7 +288,7 @@ def test_choose_decode_variant():
 
 def test_variant_list():
     names = [v.name for v in dv.VARIANTS]
-    assert len(names) == len(set(names)) == len(dv.PAIRS) * 3 * 2
+    assert len(names) == len(set(names)) == len(dv.PAIRS) * 3 * len(dv.NTS)
     for (a, b) in dv.PAIRS:
         assert b in dv.B_KINDS and a in ("bf16", b)
 
@@ -301,7 +307,7 @@ def _sass_of(obj, tmp):
 
 
 FAST = [dv.DecodeVariant("bf16", "nvfp4", "bf16", 1), dv.DecodeVariant("bf16", "mxfp8", "f32", 2),
-        dv.DecodeVariant("mxfp4", "mxfp4", "f16", 2)]
+        dv.DecodeVariant("mxfp4", "mxfp4", "f16", 2), dv.DecodeVariant("bf16", "nvfp4", "bf16", 4)]
 
 
 @needs_dsl

@@ -95,7 +95,7 @@ def main(argv=None):
     from jax_blockscale.kernels import sm90_decode as dec
 
     os.makedirs(args.out, exist_ok=True)
-    jobs = [(v, dec.DEFAULT_TUNING, v.name) for v in dec.VARIANTS]
+    jobs = [(v, dec.tuning_for(v.nt), v.name) for v in dec.VARIANTS]  # what the library ships
     for spec in filter(None, args.extra_tunings.split(",")):
         p, st, sub, mb, cps, *rest = spec.split(":")
         conv = rest[0] if rest else "shift"
@@ -110,7 +110,7 @@ def main(argv=None):
         h, o = dec.export_variant(v, args.out, name, tuning=tun)
         exports.append((name, h, o))
         table[name] = dict(variant=dataclasses.asdict(v), tuning=dataclasses.asdict(tun),
-                           default=tun == dec.DEFAULT_TUNING)
+                           default=name == v.name)
         print(f"[build] {name}: {time.time() - t0:.1f}s", flush=True)
     lib = link(exports, args.out)
     with open(os.path.join(args.out, "variants.json"), "w") as f:

@@ -66,6 +66,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 # ----------------------------------------------------------------------------------------------
 from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
     B_KINDS, BN, KINDS, OUTS, PAIRS, ROWS_PER_WARP, STEP_BYTES, THREADS, VARIANTS, WARPS,
+    WIDE_TUNING, tuning_for,
     DEFAULT_TUNING, FOLD_ALPHA, DecodeVariant, Tuning, _K112, _K119, _K120, _K126,
     choose_decode_variant, steps_elems)
 
@@ -427,11 +428,16 @@ def dequant_group(kind, words, s, fp8_params, *, loc=None, ip=None):
 # The kernel
 # ----------------------------------------------------------------------------------------------
 class Sm90DecodeGemm:
-    def __init__(self, variant: DecodeVariant, tuning: Tuning = DEFAULT_TUNING):
+    def __init__(self, variant: DecodeVariant, tuning: Tuning | None = None):
+        tuning = tuning or tuning_for(variant.nt)
         self.tuning = tuning
         self.sub = tuning.sub_steps
         v = variant
-        assert (v.a_kind, v.b_kind) in PAIRS and v.out in OUT_DTYPES and v.nt in (1, 2), v
+        assert (v.a_kind, v.b_kind) in PAIRS and v.out in OUT_DTYPES and v.nt in (1, 2, 4, 8), v
+        self.R = tuning.rows_per_thread  # weight rows per thread (2 per m16 row tile)
+        self.RT = self.R // 2  # m16 row tiles per warp
+        self.BN = tuning.bn  # rows of N per CTA
+        assert self.R in (2, 4) and (self.R == 4 or tuning.pipeline == "cpasync"), tuning
         self.v = v
         self.a_quant = v.a_kind != "bf16"
         self.b_bits = KINDS[v.b_kind]["bits"]
@@ -446,7 +452,7 @@ class Sm90DecodeGemm:
         self.buf_bytes = self.sub * self.step_act_bytes
         self.items = self.sub * v.nt * self.q * 32  # 16-byte staging items per sub-chunk
         # cp.async ring: per stage, per step, per row, per thread 16 weight bytes + 4 scale bytes
-        self.ring_w = tuning.stages * self.sub * 4 * THREADS * 16
+        self.ring_w = tuning.stages * self.sub * self.R * THREADS * 16
         self.ring_s = tuning.stages * self.sub * THREADS * 16
 
     # ------------------------------------------------------------------------------------------
@@ -481,7 +487,7 @@ class Sm90DecodeGemm:
         ).launch(
             # M chunks vary fastest: the CTAs that share a weight tile start together, so the
             # second and later chunks read the tile from L2 instead of HBM
-            grid=[((n + BN - 1) // BN) * mchunks, splits, l],
+            grid=[((n + self.BN - 1) // self.BN) * mchunks, splits, l],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=self.tuning.min_blocks,
             # with min_blocks > 1 the DSL wants the carveout (else it probes a GPU at build time)
@@ -554,21 +560,22 @@ class Sm90DecodeGemm:
         k_end = cutlass.min(k, k_begin + per * chunk)
         n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
 
-        # ---- per-row constants (4 rows per thread: 2 row tiles x {g, g+8}) --------------------
+        # ---- per-row constants (R rows per thread: R/2 row tiles x {g, g+8}) ------------------
         b_pitch = cutlass.Int64(k * self.b_bits // 8)
         sk4_b = (k // self.b_block + 3) // 4
         nb128 = (n + 127) // 128
-        # Row mapping: warp w owns, in the 128-row group G = w // 4 of the CTA, the rows
+        # Row mapping (R = 4): warp w owns, in the 128-row group G = w // 4 of the CTA, the rows
         # i0 + g + 32 j (i0 = 8 (w % 4), g = lane // 4, j = 0..3 = 2 rt + r2). So a thread's four
         # rows share one 16-byte entry of the blocked scale layout ([n % 32] holds the four
         # 32-row quarters x 4 scale columns): one 16-byte load per step brings all its scales,
-        # and a warp's scale loads cover whole 128-byte lines.
+        # and a warp's scale loads cover whole 128-byte lines. R = 2: one 128-row group per CTA,
+        # warps w and w + 4 split its quarters (quarters 2h + j, h = (w // 4) % 2).
         row_addr = []  # byte address of the row start (+16 t)
-        for j in cutlass.range_constexpr(4):
+        for j in cutlass.range_constexpr(self.R):
             row = self._row(bx, warp, g, j)
             row = cutlass.min(row, n - 1)  # rows past N: read row N-1, never stored
             row_addr.append(b_addr + (cutlass.Int64(li) * n + row) * b_pitch + t * 16)
-        n128 = cutlass.min(bx * (BN // 128) + warp // 4, nb128 - 1)  # groups past N: any valid
+        n128 = cutlass.min(bx * (self.BN // 128) + warp // (16 // self.R), nb128 - 1)  # past N: any
         sent_addr = sb_addr + cutlass.Int64(
             ((li * nb128 + n128) * sk4_b) * 512 + ((warp % 4) * 8 + g) * 16)
 
@@ -576,7 +583,7 @@ class Sm90DecodeGemm:
         b_fp8 = self._fp8_params(b_e5m2)
         a_fp8 = self._fp8_params(a_e5m2)
 
-        acc = cute.make_rmem_tensor((2 * nt * 4,), cutlass.Float32)
+        acc = cute.make_rmem_tensor((self.RT * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
         if cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0,
@@ -592,7 +599,7 @@ class Sm90DecodeGemm:
         alpha = ldg_f32(alpha_ptr.toint())
         if cutlass.const_expr(self.fold):
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
-        for rt in cutlass.range_constexpr(2):
+        for rt in cutlass.range_constexpr(self.RT):
             for i in cutlass.range_constexpr(nt):
                 for x in cutlass.range_constexpr(4):
                     row = self._row(bx, warp, g, 2 * rt + x // 2)
@@ -671,10 +678,13 @@ class Sm90DecodeGemm:
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
                 w = []  # rows j = 2 rt + r2 -> 4 words
-                for r in cutlass.range_constexpr(4):
-                    slot = ((stage * self.sub + c) * 4 + r) * THREADS + tid
+                for r in cutlass.range_constexpr(self.R):
+                    slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
                     w.append(lds_v4(ring_w + slot * 16))
                 sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
+                if cutlass.const_expr(self.R == 2):  # this warp's two quarters: 2h, 2h + 1
+                    hmask = cutlass.Int32(0) - (tid // 128) % 2  # all ones for h = 1
+                    sw = [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
                 self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
         cp_async_wait(0)
 
@@ -688,7 +698,7 @@ class Sm90DecodeGemm:
         nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
         sels = [0x4040 + 0x101 * (col + b) for b in range(nblk)]  # prmt: byte -> both halves
         sc = []  # bf16x2 scale per row and block: converted once, used by every group
-        for j in cutlass.range_constexpr(4):
+        for j in cutlass.range_constexpr(self.R):
             sc.append([scale_word_bf16x2(v.b_kind, sw[j], sels[b], self.fold)
                        for b in range(nblk)])
         wpg = 1 if self.b_bits == 4 else 2  # weight words per 8-element group
@@ -697,7 +707,7 @@ class Sm90DecodeGemm:
             for i in cutlass.range_constexpr(nt):
                 act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
             blk = q // 2 if nblk == 2 else 0
-            for rt in cutlass.range_constexpr(2):
+            for rt in cutlass.range_constexpr(self.RT):
                 wg = [w[2 * rt][q * wpg + x] for x in range(wpg)]
                 wh = [w[2 * rt + 1][q * wpg + x] for x in range(wpg)]
                 a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
@@ -706,10 +716,12 @@ class Sm90DecodeGemm:
                 for x in cutlass.range_constexpr(4 * nt):
                     acc[(rt * nt) * 4 + x] = res[x]
 
-    @staticmethod
-    def _row(bx, warp, g, j):
-        """Row of N of a thread's row j (= 2 rt + r2; MMA row g + 8 r2 of row tile rt)."""
-        return bx * BN + (warp // 4) * 128 + j * 32 + (warp % 4) * 8 + g
+    def _row(self, bx, warp, g, j):
+        """Row of N of a thread's row j (= 2 rt + r2; MMA row g + 8 r2 of row tile rt): quarter
+        jj of the warp's 128-row group, 8 (w % 4) + g within the quarter."""
+        group = warp // (16 // self.R)  # R = 4: two groups of 4 warps; R = 2: one of 8
+        jj = ((warp // 4) % (4 // self.R)) * self.R + j
+        return bx * self.BN + group * 128 + jj * 32 + (warp % 4) * 8 + g
 
     @cute.jit
     def _issue_copies(self, ring_w, ring_s, stage, row_addr, sent_addr, kc, k_end, t, tid,
@@ -724,8 +736,8 @@ class Sm90DecodeGemm:
             boff = cutlass.Int64(k0 * self.b_bits // 8)
             kb = kt // self.b_block
             soff = cutlass.Int64((kb // 4) * 512)
-            for r in cutlass.range_constexpr(4):
-                slot = ((stage * self.sub + c) * 4 + r) * THREADS + tid
+            for r in cutlass.range_constexpr(self.R):
+                slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
                 cp_async(ring_w + slot * 16, row_addr[r] + boff, 16, ok)
             slot = (stage * self.sub + c) * THREADS + tid
             cp_async(ring_s + slot * 16, sent_addr + soff, 16, ok)
@@ -825,7 +837,7 @@ class Sm90DecodeGemm:
 # ----------------------------------------------------------------------------------------------
 # Build / export
 # ----------------------------------------------------------------------------------------------
-def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning = DEFAULT_TUNING):
+def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning | None = None):
     """cute.compile one variant for `arch` (no GPU needed) with placeholder pointers."""
     from cutlass.cute.runtime import make_ptr
 
@@ -860,7 +872,7 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning
 
 
 def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | None = None,
-                   arch: str = "sm_90a", tuning: Tuning = DEFAULT_TUNING):
+                   arch: str = "sm_90a", tuning: Tuning | None = None):
     """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
 
     The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,

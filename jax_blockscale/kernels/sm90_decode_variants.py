@@ -24,8 +24,8 @@ OUTS = ("bf16", "f16", "f32")
 
 WARPS = 8  # warps per CTA
 THREADS = 32 * WARPS
-ROWS_PER_WARP = 32  # two m16 row tiles
-BN = WARPS * ROWS_PER_WARP  # rows of N per CTA
+ROWS_PER_WARP = 32  # two m16 row tiles (DEFAULT_TUNING; WIDE_TUNING has one: 16 rows)
+BN = WARPS * ROWS_PER_WARP  # rows of N per CTA (DEFAULT_TUNING; see bn())
 STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
 
 _K126 = 0x7E807E80  # bf16x2 2^126: undoes the e2m1 bit trick
@@ -56,13 +56,23 @@ class Tuning:
     # NVFP4 weights: fold the bit trick's 2^126 into the block scale (s * 2^119, an exact bf16)
     # and 2^7 into alpha: one bf16x2 multiply per pair instead of two
     fold_scale: bool = False
+    # weight rows per thread: 4 (two m16 row tiles per warp, 256 rows of N per CTA) or 2 (one
+    # row tile, 128 rows per CTA: registers for 4-8 n8 tiles of M, the wide variants)
+    rows_per_thread: int = 4
 
     @property
     def tag(self) -> str:
         tag = f"{self.pipeline}_s{self.stages}_k{self.sub_steps}_b{self.min_blocks}"
         if self.fp4_convert != "shift":
             tag += f"_{self.fp4_convert}"
+        if self.rows_per_thread != 4:
+            tag += f"_r{self.rows_per_thread}"
         return tag + ("_fold" if self.fold_scale else "")
+
+    @property
+    def bn(self) -> int:
+        """Rows of N per CTA."""
+        return WARPS * 8 * self.rows_per_thread
 
 
 # Measured on the H100 (docs/sm90_decode_notes.md): cp.async ring of 2 sub-chunks of 2 steps,
@@ -70,12 +80,27 @@ class Tuning:
 # N=K=16384, bf16 x nvfp4 74.0 -> 68.2 us).
 DEFAULT_TUNING = Tuning("cpasync", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
                         fp4_convert="imad", fold_scale=True)
+# nt = 4 / 8 (M up to 32 / 64 per pass): one row tile per warp, so that 4-8 n8 tiles of
+# accumulators fit beside the pipeline; 1-step sub-chunks keep the staged activations small.
+WIDE_TUNING = dataclasses.replace(DEFAULT_TUNING, sub_steps=1, rows_per_thread=2)
+NTS = (1, 2, 4, 8)  # n8 tiles of M per CTA: M <= 8, 16, 32, 64 rows per pass
+
+
+def tuning_for(nt: int) -> Tuning:
+    """The tuning the library builds a variant with n8-tile count `nt` with."""
+    return DEFAULT_TUNING if nt <= 2 else WIDE_TUNING
+
+
+def nt_for(m: int) -> int:
+    """n8 tiles of M per CTA for a call with m rows (larger m runs chunks of 64 rows)."""
+    return next((nt for nt in NTS if m <= 8 * nt), NTS[-1])
+
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeVariant:
-    """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16; larger M
-    runs ceil(M / (8*nt)) chunks, re-reading the weights)."""
+    """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16, 4: M <= 32,
+    8: M <= 64; larger M runs ceil(M / (8*nt)) chunks side by side, sharing the weights in L2)."""
 
     a_kind: str  # "bf16" (weight-only) or the quantized kind of A
     b_kind: str  # "nvfp4" | "mxfp4" | "mxfp8"
@@ -88,8 +113,11 @@ class DecodeVariant:
 
 
 VARIANTS = [
-    DecodeVariant(a, b, out, nt) for (a, b) in PAIRS for out in OUTS for nt in (1, 2)
+    DecodeVariant(a, b, out, nt) for (a, b) in PAIRS for out in OUTS for nt in NTS
 ]
+# Past this the fused tensor-core GEMM wins: M = 96 / 128 (two 64-row chunks) measured 299 / 301
+# us at N=K=16384 against ~240 for the fused kernel (docs/sm90_decode_notes.md, run 9).
+MAX_M = 64
 
 # fmt names as the rest of the package spells them -> kernel kind
 _FMT_TO_KIND = {
@@ -109,7 +137,7 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
     Pure Python (the FFI handler mirrors it in C++). fmt_a is None/"bf16" for weight-only.
     splits: K ranges per output tile, so that the grid has about `tuning.ctas_per_sm` CTAs per
     SM (as many as registers and shared memory let run at once: one wave, no tail), each range
-    a whole number of sub-chunks. `tuning` defaults to DEFAULT_TUNING (what the library ships).
+    a whole number of sub-chunks. `tuning` defaults to tuning_for(nt) (what the library ships).
     """
     a_kind = _FMT_TO_KIND.get(fmt_a)
     b_kind = _FMT_TO_KIND.get(fmt_b)
@@ -119,14 +147,14 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
         return None
     if m < 1 or n < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
         return None
-    if m > 64:  # past this the tensor-core GEMM wins (weights are re-read per 16 rows of M)
+    if m > MAX_M:
         return None
-    nt = 1 if m <= 8 else 2
+    nt = nt_for(m)
     variant = DecodeVariant(a_kind, b_kind, out, nt)
-    tuning = tuning or DEFAULT_TUNING
+    tuning = tuning or tuning_for(nt)
     chunk = tuning.sub_steps * steps_elems(b_kind)
     k_chunks = -(-k // chunk)
-    ctas = -(-n // BN) * -(-m // (8 * nt))
+    ctas = -(-n // tuning.bn) * -(-m // (8 * nt))
     splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
     # equalize: every split gets the same number of sub-chunks (the last one may be short)
     per = -(-k_chunks // splits)

@@ -15,16 +15,16 @@ The backend only reshapes operands into what the kernel reads:
 Dispatch (H100 measurements: docs/sm90_decode_notes.md, docs/sm90_notes.md), by the kernel's
 row count M (after folding batch dims into M) and N, K:
 
-  * M <= decode_max_rows(spec) (32; 64 when N*K >= 2^28) and a pair the decode kernel has (bf16 x {nvfp4, mxfp4,
+  * M <= decode_max_rows() (64) and a pair the decode kernel has (bf16 x {nvfp4, mxfp4,
     mxfp8}, nvfp4 x nvfp4, mxfp4 x mxfp4, mxfp8 x mxfp8; K a multiple of 32 and of the block):
     the **decode kernel** (kernels/sm90_decode.py: split-K GEMV-like, 2.2-3.7x faster than bf16
     jnp.dot at M <= 16). The lowering declares its f32 workspace (L*M*N floats) as a second
     result of the custom call, so nothing is allocated at run time (CUDA-graph safe); the FFI
     handler re-runs the same heuristic in C++ (choose_decode_variant's mirror) and picks the
-    split count. M > 16 runs 16-row chunks side by side (the chunks sharing a weight tile run
-    together, so HBM sees the weights once; the conversion is repeated per chunk). H100, bf16 x
-    nvfp4 (decode notes, run 8): M = 32: 112 us at N=K=16384 (fused kernel 243), 35 us at
-    8192; M = 48..64 at 16384: 210 us (fused ~240); past that the fused kernel wins.
+    split count. M = 17..64 runs the wide variants (4 or 8 n8 tiles of M per CTA, one weight
+    conversion for up to 64 rows). H100, bf16 x nvfp4 (decode notes, run 9): M = 32: 93 us at
+    N=K=16384 (fused kernel 243), 30 us at 8192; M = 64: 157 / 47 us; M = 96..128 (two 64-row
+    chunks): 300 us at 16384, slower than the fused kernel (~240), which takes over.
   * otherwise up to kernel_max_rows() (128 / 512): the **fused GEMM** (kernels/
     sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
   * above: **dequantize + XLA's bf16 GEMM**, faster there on Hopper.
@@ -78,11 +78,10 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
 
 
 # Rows up to which the decode kernel runs (when it has the pair). Measured on the H100
-# (docs/sm90_decode_notes.md, v5 and run 8): M <= 16: 2.4-2.6x faster than bf16 jnp.dot and ~3.5x
-# faster than the fused kernel at N=K=16384; M = 32 (two 16-row chunks that read the weights
-# from HBM once): 112 vs 243 us (fused) at N=K=16384, 35 us at 8192; M = 48..64: 210 vs ~240 us
-# at 16384 (repeating the conversion per chunk costs more at smaller weights: not measured
-# there, so large weights only). The variable overrides the limit (0 turns the decode kernel off).
+# (docs/sm90_decode_notes.md, v5 and run 9): M <= 16: 2.4-2.6x faster than bf16 jnp.dot and ~3.5x
+# faster than the fused kernel at N=K=16384; M = 32 / 64 (wide variants): 93 / 157 us against
+# ~240 for the fused kernel at 16384, 30 / 47 us at 8192; two 64-row chunks (M = 96..128) lose
+# to the fused kernel. The variable overrides the limit (0 turns the decode kernel off).
 ENV_DECODE_MAX_ROWS = "JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS"
 
 
@@ -90,7 +89,7 @@ def decode_max_rows(spec: GemmSpec | None = None) -> int:
     v = os.environ.get(ENV_DECODE_MAX_ROWS)
     if v is not None:
         return int(v)
-    return 64 if spec is not None and spec.n * spec.k >= 2**28 else 32
+    return 64
 
 
 _OUT_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
