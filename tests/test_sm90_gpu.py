@@ -249,11 +249,12 @@ def test_decode_pairs(fmt_a, fmt_b, m):
 @needs_sm90
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 3, 96), (3, 257, 544), (7, 1000, 2080),
                                    (16, 255, 4192), (9, 8191, 1024), (24, 300, 512),
-                                   (32, 129, 160), (5, 4096, 8192)])
+                                   (32, 129, 160), (5, 4096, 8192), (40, 777, 1056),
+                                   (64, 257, 2080), (17, 4096, 4096)])
 @pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("nvfp4", "nvfp4"),
                                          (None, "mxfp8_e4m3"), ("mxfp4", "mxfp4")])
-def test_decode_shapes(m, n, k, fmt_a, fmt_b, monkeypatch):
-    monkeypatch.setenv(sm90_ffi.ENV_DECODE_MAX_ROWS, "64")  # M = 24, 32 too (two 16-row chunks)
+def test_decode_shapes(m, n, k, fmt_a, fmt_b):
+    # M = 17..64: the wide variants (4 / 8 n8 tiles of M, 128 rows of N per CTA)
     a, b = _operands(fmt_a, fmt_b, (), (), m, n, k)
     _assert_decode_lowering(a, b)
     _check(a, b, "f32")
