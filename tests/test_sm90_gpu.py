@@ -166,6 +166,19 @@ def test_default_backend_is_sm90_on_hopper():
     assert _plugin.SM90_TARGET in text
 
 
+
+def _run_with_command_buffers(code):
+    """Run `code` in a fresh process with XLA's CUDA graphs (command buffers) on for fusions and
+    custom calls, even single ones; it must print GRAPH_OK."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                        " --xla_gpu_graph_min_graph_size=1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "GRAPH_OK" in r.stdout, r.stdout + r.stderr
+
 @needs_sm90
 def test_cuda_graph():
     """The custom call inside an XLA command buffer (CUDA graph), in a fresh process."""
@@ -184,14 +197,7 @@ def test_cuda_graph():
             assert err < 1e-5, err
         print("GRAPH_OK", err)
     """)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                        " --xla_gpu_graph_min_graph_size=1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                         env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "GRAPH_OK" in r.stdout, r.stdout + r.stderr
+    _run_with_command_buffers(code)
 
 
 @needs_sm90
@@ -304,14 +310,7 @@ def test_decode_cuda_graph():
                 assert err < 1e-5, (i, err)
         print("GRAPH_OK", err)
     """)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
-                        " --xla_gpu_graph_min_graph_size=1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                         env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "GRAPH_OK" in r.stdout, r.stdout + r.stderr
+    _run_with_command_buffers(code)
 
 
 @needs_sm90

@@ -98,26 +98,25 @@ def _asm(n_out, out_kind, ins, body, in_cons, loc=None, ip=None, side_effects=Tr
     return [wrap(o) for o in outs]
 
 
+def _ldg_v4_ptx(qualifiers):
+    """16 bytes into 4 registers, zeros if !pred ($5), with the load's cache qualifiers."""
+    return ("{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+            "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+            f"@p ld.global.nc{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}")
+
+
 @dsl_user_op
 def ldg_stream_v4(addr, pred, *, loc=None, ip=None):
     """16 bytes of streamed weights (not kept in L1; 256-byte L2 prefetch); zeros if !pred."""
-    body = (
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
-    )
-    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
+    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)],
+                _ldg_v4_ptx(".L1::no_allocate.L2::256B"), ["l", "r"], loc, ip)
 
 
 @dsl_user_op
 def ldg_v4(addr, pred, *, loc=None, ip=None):
     """16 bytes through L1 (activations: read by every CTA of a K range); zeros if !pred."""
-    body = (
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-        "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
-    )
-    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
+    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], _ldg_v4_ptx(""), ["l", "r"],
+                loc, ip)
 
 
 @dsl_user_op
