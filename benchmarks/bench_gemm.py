@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,22 +24,10 @@ import jax_blockscale as jbs
 from jax_blockscale.lowering import get_backend
 from jax_blockscale.primitive import gemm_spec, join_operands
 
+from timing import time_us  # the shared method (benchmarks/timing.py)
+
 SMALL = [(16, 512, 512), (128, 1024, 1024), (256, 2048, 2048)]
 FULL = [(m, nk, nk) for nk in (8192, 16384) for m in (16, 128, 1024, 8192)]
-
-
-def time_us(f, *args, iters=20, trials=5):
-    """Median over `trials` of the mean time of `iters` back-to-back calls (after warm-up)."""
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
 
 
 @jax.jit
@@ -68,15 +54,20 @@ def lowering_platform(device) -> str:
     return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
 
 
-def runnable_backends(a, b, platform):
-    """Registered backends that serve this platform and can run gemm(a, b)."""
+def spec_of(a, b):
+    """The GemmSpec that `jbs.gemm(a, b)` (bf16 output) lowers with: what backends look at."""
     avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in
              join_operands(a.data if isinstance(a, jbs.BlockScaled) else a, b.data,
                            a.scales if isinstance(a, jbs.BlockScaled) else None, b.scales,
                            jnp.float32(1))]
-    spec = gemm_spec(avals, fmt_a=a.fmt if isinstance(a, jbs.BlockScaled) else None,
+    return gemm_spec(avals, fmt_a=a.fmt if isinstance(a, jbs.BlockScaled) else None,
                      fmt_b=b.fmt, layout_a=getattr(a, "layout", None), layout_b=b.layout,
                      out_dtype=jnp.bfloat16)
+
+
+def runnable_backends(a, b, platform):
+    """Registered backends that serve this platform and can run gemm(a, b)."""
+    spec = spec_of(a, b)
     names = []
     for name in jbs.backend_names():
         backend = get_backend(name)

@@ -3,17 +3,17 @@ jax.nn.scaled_matmul) side by side in one process, on the GPU.
 
     python benchmarks/bench_sm90.py [--quick] [--json OUT.json]
 
-Timing: jitted function, 2 warm-up calls, then the mean over `iters` back-to-back calls bracketed
-by block_until_ready (the method of /work/shared/anchors/bench_anchors.py, so the numbers are
-comparable with the anchor file). Fresh random data per shape; the sm90 result is checked
-against the reference backend (relative Frobenius error) before it is timed.
+Timing: benchmarks/timing.py (jitted function, 2 warm-up calls, then the mean over 30
+back-to-back calls bracketed by block_until_ready, one trial: the method of
+/work/shared/anchors/bench_anchors.py, so the numbers are comparable with the anchor file). Fresh
+random data per shape; the sm90 result is checked against the reference backend (relative
+Frobenius error) before it is timed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
@@ -23,15 +23,12 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale.lowering import ffi as _sm90  # noqa: F401  (registers "sm90")
 
+from timing import time_us  # the shared method (benchmarks/timing.py)
 
-def timeit(f, *args, iters=30):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    for _ in range(iters):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / iters
+
+def timeit(f, *args):
+    """Microseconds per call: one trial of 30 calls, as in the anchor file."""
+    return time_us(f, *args, iters=30, trials=1)
 
 
 def main():
@@ -82,23 +79,23 @@ def main():
                     raise y
                 yr = np.asarray(ref(a, b), np.float32)
                 r["rel_err_vs_reference"] = float(np.linalg.norm(y - yr) / np.linalg.norm(yr))
-                r["sm90_us"] = timeit(sm90, a, b) * 1e6
+                r["sm90_us"] = timeit(sm90, a, b)
                 for t in filter(None, args.tiles.split(",")):  # the FFI reads it per call
                     os.environ["JAX_BLOCKSCALE_SM90_TILE_N"] = t
-                    r[f"sm90_n{t}_us"] = timeit(sm90, a, b) * 1e6
+                    r[f"sm90_n{t}_us"] = timeit(sm90, a, b)
                     del os.environ["JAX_BLOCKSCALE_SM90_TILE_N"]
             except Exception as e:  # noqa: BLE001
                 r["sm90_err"] = repr(e)[:300]
-            r["auto_us"] = timeit(auto, a, b) * 1e6
-            r["deq_dot_us"] = timeit(ref, a, b) * 1e6
-            r["bf16_dot_us"] = timeit(dot, xb, wb) * 1e6
+            r["auto_us"] = timeit(auto, a, b)
+            r["deq_dot_us"] = timeit(ref, a, b)
+            r["bf16_dot_us"] = timeit(dot, xb, wb)
             if not weight_only:  # JAX's own API, as in the anchor file (plain scales, batch 1)
                 try:
                     pa, pb = jbs.to_plain(a), jbs.to_plain(b)
                     nn = jax.jit(lambda x, y, sx, sy: jax.nn.scaled_matmul(
                         x[None], y[None], sx[None], sy[None],
                         preferred_element_type=jnp.bfloat16)[0])
-                    r["nn_scaled_us"] = timeit(nn, pa.data, pb.data, pa.scales, pb.scales) * 1e6
+                    r["nn_scaled_us"] = timeit(nn, pa.data, pb.data, pa.scales, pb.scales)
                 except Exception as e:  # noqa: BLE001
                     r["nn_scaled_err"] = repr(e)[:200]
             fl = 2.0 * M * N * K

@@ -3,17 +3,17 @@ jitted dequantize+dot and the fused sm90 kernel, on the GPU, in one process.
 
     python benchmarks/bench_sm90_decode.py [--json OUT.json] [--iters 50]
 
-Timing: the method of /work/shared/anchors/bench_anchors.py and benchmarks/bench_sm90.py (jitted
-function, 2 warm-up calls, mean over back-to-back calls bracketed by block_until_ready), so the
-numbers compare with the anchors. Output bf16. The decode result is checked against the
-reference backend (f32 output, relative Frobenius error) before it is timed.
+Timing: benchmarks/timing.py, the method of /work/shared/anchors/bench_anchors.py and
+benchmarks/bench_sm90.py (jitted function, 2 warm-up calls, mean over --iters back-to-back calls
+bracketed by block_until_ready, one trial), so the numbers compare with the anchors. Output bf16.
+The decode result is checked against the reference backend (f32 output, relative Frobenius
+error) before it is timed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
@@ -23,15 +23,12 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale.lowering import ffi as _sm90
 
+from timing import time_us  # the shared method (benchmarks/timing.py)
+
 
 def timeit(f, *args, iters=50):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    for _ in range(iters):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / iters * 1e6
+    """Microseconds per call: one trial of `iters` calls, as in the anchor file."""
+    return time_us(f, *args, iters=iters, trials=1)
 
 
 def main():

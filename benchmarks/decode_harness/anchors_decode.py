@@ -1,25 +1,21 @@
 """The anchors at the decode shapes, measured the way /work/shared/anchors/bench_anchors.py does
-(jitted JAX, wall clock over 30 calls after two warm-ups): bf16 jnp.dot and the jitted
-"dequantize NVFP4 then dot". Prints one JSON line per shape; writes a JSON list to argv[1].
+(benchmarks/timing.py: jitted JAX, wall clock over 30 calls after two warm-ups, one trial): bf16
+jnp.dot and the jitted "dequantize NVFP4 then dot". Prints one JSON line per shape; writes a JSON
+list to argv[1].
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode_harness/anchors_decode.py OUT.json
 """
 import json
+import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-
-def timeit(f, *args, iters=30):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    for _ in range(iters):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / iters
+# benchmarks/timing.py (the shared method; imports jax only): this file runs as a script from
+# the repository root, so put its parent folder on the path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from timing import time_us  # noqa: E402
 
 
 @jax.jit
@@ -45,9 +41,9 @@ def main():
         b4 = vals[jax.random.randint(k[2], (nk, nk), 0, 16)].astype(jnp.float4_e2m1fn)
         sb = (2.0 ** jax.random.randint(k[3], (nk, nk // 16), -3, 3).astype(jnp.float32)).astype(
             jnp.float8_e4m3fn)
-        r = dict(M=m, N=nk, K=nk, bf16_dot_us=timeit(dot_bf16, a, b16) * 1e6)
+        r = dict(M=m, N=nk, K=nk, bf16_dot_us=time_us(dot_bf16, a, b16, iters=30, trials=1))
         del b16
-        r["deq_dot_nvfp4_us"] = timeit(deq_dot_nvfp4, a, b4, sb) * 1e6
+        r["deq_dot_nvfp4_us"] = time_us(deq_dot_nvfp4, a, b4, sb, iters=30, trials=1)
         rows.append(r)
         print(json.dumps(r), flush=True)
     if len(sys.argv) > 1:

@@ -1,0 +1,63 @@
+"""The one timing helper every benchmark here uses (so their numbers compare with each other and
+with the shared anchors, /work/shared/anchors/bench_anchors.py).
+
+Method (the anchors'): a jitted function, 2 warm-up calls (compile + first run), then `iters`
+back-to-back calls bracketed by `jax.block_until_ready`; the mean per call is one sample. The
+result is the median over `trials` samples. Per-call host and dispatch cost is included, as a
+user calling a jitted function from Python pays it.
+
+Rotation: an H100 / H200 has a 50 MB L2. A weight that fits (N = K = 8192 NVFP4 is 38 MB) would
+be read from L2 on every call after the first, which no real model does (the other layers'
+weights evict it). Pass `arg_sets=[args_0, args_1, ...]` (copies at different addresses) and the
+calls cycle through them, so a weight is evicted before it is read again. `rotation_count` says
+how many copies make the working set ~3x L2. Only jax is imported here (no jax_blockscale).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+L2_BYTES = 50 * 2**20  # H100 / H200 L2 (50 MB)
+
+
+def time_us(f, *args, arg_sets=None, iters=20, trials=5, warmup=2):
+    """Median over `trials` of the mean time (microseconds) of `iters` back-to-back calls.
+
+    f(*args), or with `arg_sets` (a list of argument tuples) f(*arg_sets[i % len(arg_sets)]) for
+    call i, so that successive calls read different buffers.
+    """
+    if arg_sets is None:
+        arg_sets = [args]
+    elif args:
+        raise TypeError("pass either positional args or arg_sets, not both")
+    n = len(arg_sets)
+    call = 0
+    for _ in range(warmup):
+        jax.block_until_ready(f(*arg_sets[call % n]))
+        call += 1
+    samples = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = f(*arg_sets[call % n])
+            call += 1
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def rotation_count(nbytes, l2_bytes=L2_BYTES, factor=3, max_copies=4):
+    """How many copies of an operand of `nbytes` to rotate through so that the copies together
+    are ~`factor` x L2 (1 when one copy is already that big; at most `max_copies`, to keep
+    device memory modest)."""
+    return max(1, min(max_copies, math.ceil(factor * l2_bytes / max(nbytes, 1))))
+
+
+def copies(tree, n):
+    """`tree` plus n - 1 copies of it in fresh device buffers (each a different address)."""
+    return [tree] + [jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+                     for _ in range(n - 1)]
