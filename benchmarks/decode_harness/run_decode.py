@@ -387,7 +387,7 @@ def main():
         for tuning in [None] + list(extra):
             for (M, NK) in [(1, 8192), (16, 8192), (1, 16384), (16, 16384), (32, 8192),
                             (32, 16384), (48, 16384), (64, 16384), (64, 8192), (96, 16384),
-                            (128, 16384), (128, 8192)]:
+                            (128, 16384), (128, 8192), (80, 16384)]:
                 for fmt_a, fmt_b in [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"),
                                      ("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")]:
                     if fmt_a is not None and M == 1:
