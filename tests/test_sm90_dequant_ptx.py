@@ -67,10 +67,12 @@ def _decode(codes, elem):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("perm", [False, True])
-@pytest.mark.parametrize("kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"), ("mxfp8", "e4m3"),
-                                       ("mxfp8", "e5m2")])
-def test_dequant_chunk_is_exact(kind, elem, perm):
-    rng = np.random.default_rng(hash((kind, elem, perm)) % 2**32)
+@pytest.mark.parametrize("kind,elem,fold", [("nvfp4", "e2m1", False), ("nvfp4", "e2m1", True),
+                                            ("mxfp4", "e2m1", False), ("mxfp8", "e4m3", False),
+                                            ("mxfp8", "e5m2", False)])
+def test_dequant_chunk_is_exact(kind, elem, fold, perm):
+    """fold: the NVFP4 outputs are the values times FOLD_FACTOR (the kernel's alpha undoes it)."""
+    rng = np.random.default_rng(hash((kind, elem, fold, perm)) % 2**32)
     for _ in range(4):
         codes = _codes(elem, rng)
         sbits, scale = _scales(ptx.KINDS[kind]["scale"], rng)
@@ -84,11 +86,11 @@ def test_dequant_chunk_is_exact(kind, elem, perm):
             w1 = sum(codes[:, 4 + i] << (8 * i) for i in range(4)).astype(np.uint32)
         shift, mask, fix = ptx.FP8_E5M2 if elem == "e5m2" else ptx.FP8_E4M3
         full = lambda v: np.full(LANES, v, np.uint32)  # noqa: E731
-        regs = emu.run(ptx.cvt_asm(kind, perm), {
+        regs = emu.run(ptx.cvt_asm(kind, perm, fold), {
             "$4": w0, "$5": w1, "$6": sbits, "$7": full(shift), "$8": full(mask), "$9": full(fix)})
         got = np.stack([(regs[f"${i // 2}"] >> (16 * (i % 2))) & 0xFFFF for i in range(8)], 1)
         got = emu.bf16_to_f64(got.astype(np.uint16))
-        want = _decode(codes, elem) * scale[:, None]
+        want = _decode(codes, elem) * scale[:, None] * (ptx.FOLD_FACTOR if fold else 1.0)
         want = want[:, ptx.element_order(perm)]
         # exact wherever bf16 can hold the product; only products below bf16's smallest
         # subnormal (2^-133, e.g. an e4m3 subnormal times 2^-127) round, to within 2^-133

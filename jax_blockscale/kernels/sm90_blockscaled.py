@@ -45,7 +45,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_dequant_ptx import KINDS, cvt_asm
+from .sm90_dequant_ptx import FOLD_FACTOR, KINDS, cvt_asm
 
 # (a_kind, b_kind) pairs the kernel implements.
 PAIRS = [
@@ -85,11 +85,12 @@ def _load_chunk(kind: str, src, scale, ok, *, loc=None, ip=None):
 @dsl_user_op
 def _convert_chunk(kind: str, perm: bool, words, shift, mask, fix, *, loc=None, ip=None):
     """Pure arithmetic: 8 elements and their scale -> 4 bf16x2 words (exact); see
-    sm90_dequant_ptx for the element order `perm` selects."""
+    sm90_dequant_ptx for the element order `perm` selects. NVFP4 is folded: its values come out
+    times FOLD_FACTOR (one multiply less per pair), which the epilogue's alpha undoes."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         list(words) + [_i32(x, loc, ip) for x in (shift, mask, fix)],
-        cvt_asm(kind, perm), "=r,=r,=r,=r,r,r,r,r,r,r", has_side_effects=False,
+        cvt_asm(kind, perm, fold=kind == "nvfp4"), "=r,=r,=r,=r,r,r,r,r,r,r", has_side_effects=False,
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(4)]
 
@@ -112,6 +113,8 @@ class Sm90BlockScaledGemm:
         assert out in OUT_DTYPES
         self.a_kind, self.b_kind, self.out = a_kind, b_kind, out
         self.a_quant = a_kind != "bf16"
+        # NVFP4 operands are dequantized times FOLD_FACTOR (sm90_dequant_ptx): alpha undoes it
+        self.alpha_fix = 1.0 / FOLD_FACTOR ** ((a_kind == "nvfp4") + (b_kind == "nvfp4"))
         self.bm, self.bn = tile_mn
         assert self.bm == 128 and self.bn in (64, 128, 256), tile_mn
         self.nsb = max(1, self.bn // 128)  # 128-row scale tiles of B per stage
@@ -530,6 +533,8 @@ class Sm90BlockScaledGemm:
                 m0 = tm * bm
                 n0 = tn * bn
                 alpha = mAlpha[0]
+                if cutlass.const_expr(self.alpha_fix != 1.0):
+                    alpha = alpha * cutlass.Float32(self.alpha_fix)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, cc = tCcC[i]
                     if m0 + r < m and n0 + cc < n:

@@ -14,6 +14,16 @@ keeps). One exact bf16x2 multiply undoes the power, one applies the block scale 
 products below 2^-133 round; NaN/inf element codes (never produced by quantize) are not data:
 e5m2 inf decodes to +-65536 * scale.
 
+NVFP4 with `fold=True`: the e4m3 block scale is turned into s * 2^119 (exact and finite: s <= 448
+< 2^9), so ONE multiply undoes the 2^-126 and applies the scale; the outputs are the values
+times 2^-7 (FOLD_FACTOR), which the kernel's epilogue takes back through alpha. (An e8m0 scale
+times 2^119 can overflow, so MX formats are not folded.)
+
+fp4 pairs use a multiply to place bits: the pair's two nibbles sit alone in the low nibble of
+each 16-bit half, and one `mul.lo` by 2^6 + 2^12 writes a copy whose magnitude bits land on bf16
+bits 6-8 and one whose sign bit lands on bit 15 (the copies do not overlap: no carries); one
+mask keeps those bits.
+
 Element order of the output: natural (words = elements (0,1), (2,3), (4,5), (6,7)), or with
 `perm=True` the pairs (0,4), (1,5), (2,6), (3,7). A dot product does not care in which order K
 runs as long as both operands use the same one, and the permuted order is cheaper for e2m1 (one
@@ -32,6 +42,8 @@ KINDS = {
 BF16X2_2P120 = 0x7B807B80  # 2^120: undoes the e4m3 bit trick
 BF16X2_2P112 = 0x77807780  # 2^112: undoes the e5m2 bit trick
 BF16X2_2P126 = 0x7E807E80  # 2^126: undoes the e2m1 bit trick
+BF16X2_2P119 = 0x7B007B00  # 2^119: what a folded NVFP4 scale carries
+FOLD_FACTOR = 2.0 ** -7  # folded NVFP4 outputs: value * 2^-126 * s * 2^119
 # run-time fp8 flavour: (shift, mask, fix)
 FP8_E4M3 = (4, 0x07F007F0, BF16X2_2P120)
 FP8_E5M2 = (5, 0x0FE00FE0, BF16X2_2P112)
@@ -51,6 +63,10 @@ _SCALE_E4M3 = f"""
     lop3.b32 sp, sp, t, 0, 0xFC;         // sp | t
     prmt.b32 sp, sp, sp, 0x1010;
     mov.b32 t, {BF16X2_2P120:#x};
+    mul.rn.bf16x2 sp, sp, t;
+"""
+_SCALE_E4M3_FOLDED = _SCALE_E4M3 + f"""
+    mov.b32 t, {BF16X2_2P119:#x};
     mul.rn.bf16x2 sp, sp, t;
 """
 
@@ -74,38 +90,42 @@ def _fp8_pair(lo_word, lo_byte, hi_word, hi_byte, out):
 """
 
 
-def _fp4_pair_natural(j, out):
+def _fp4_place(t, out, fold, mult=0x1040):
+    """`t` holds one nibble alone in each 16-bit half (bits 0-3: mult 2^6 + 2^12; bits 4-7:
+    2^2 + 2^8) -> bf16x2 (exact) times the scale `sp`: one copy puts the magnitude on bits 6-8,
+    the other the sign on bit 15."""
+    fix = "" if fold else f"mul.rn.bf16x2 {t}, {t}, k126;\n"
+    return f"""
+    mul.lo.u32 {t}, {t}, {mult:#x};
+    and.b32 {t}, {t}, 0x81C081C0;
+    {fix}mul.rn.bf16x2 {out}, {t}, sp;
+"""
+
+
+def _fp4_pair_natural(j, out, fold):
     # nibbles 2j (low half) and 2j+1 (high half): split nibbles into bytes, then one prmt each
     sel = 0x8080 | ((4 + j) << 8) | j  # 0x8_: sign mode on a byte with bit 7 clear -> 0x00
     return f"""
-    prmt.b32 t, xl, xh, {sel:#x};
-    shl.b32 g, t, 6;
-    and.b32 g, g, 0x01C001C0;
-    shl.b32 t, t, 12;
-    lop3.b32 t, g, t, 0x80008000, 0xF8;   // magnitude | sign
-    mul.rn.bf16x2 t, t, k126;
-    mul.rn.bf16x2 {out}, t, sp;
-"""
+    prmt.b32 t, xl, xh, {sel:#x};""" + _fp4_place("t", out, fold)
 
 
-def _fp4_pair_perm(j, out):
-    # nibbles j (low half) and j+4 (high half): shifted to bits 12-15 / 28-31 of the word, the
-    # 3 magnitude bits go to bf16 bits 6-8 (>> 6) and the sign stays at bit 15 / 31
-    shift = 4 * (3 - j)
-    x = "$4" if shift == 0 else "x"
-    pre = "" if shift == 0 else f"shl.b32 x, $4, {shift};\n"
-    return pre + f"""
-    and.b32 t, {x}, 0x70007000;
-    shr.b32 t, t, 6;
-    lop3.b32 t, t, {x}, 0x80008000, 0xF8;  // t | (x & 0x80008000)
-    mul.rn.bf16x2 t, t, k126;
-    mul.rn.bf16x2 {out}, t, sp;
-"""
+def _fp4_pair_perm(j, out, fold):
+    # nibbles j (low half) and j+4 (high half): y holds nibbles (2, 3, 6, 7) where $4 has
+    # (0, 1, 4, 5); odd j keeps its nibbles at bits 4-7 and uses the other multiplier
+    src = "$4" if j < 2 else "y"
+    mask, mult = (0x000F000F, 0x1040) if j % 2 == 0 else (0x00F000F0, 0x104)
+    return f"""
+    and.b32 t, {src}, {mask:#x};""" + _fp4_place("t", out, fold, mult)
 
 
-def cvt_asm(kind: str, perm: bool = False) -> str:
-    """PTX: ($4, $5) = chunk words, $6 = scale byte -> ($0..$3) = 8 bf16 (see module doc)."""
-    scale = _SCALE_E4M3 if KINDS[kind]["scale"] == "e4m3" else _SCALE_E8M0
+def cvt_asm(kind: str, perm: bool = False, fold: bool = False) -> str:
+    """PTX: ($4, $5) = chunk words, $6 = scale byte -> ($0..$3) = 8 bf16 (see module doc);
+    fold (NVFP4 only): the outputs are the values times FOLD_FACTOR."""
+    assert not fold or kind == "nvfp4", "only NVFP4 (e4m3 scales) is folded"
+    if KINDS[kind]["scale"] == "e4m3":
+        scale = _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
+    else:
+        scale = _SCALE_E8M0
     if KINDS[kind]["bits"] == 8:
         if perm:
             pairs = [("$4", j, "$5", j) for j in range(4)]
@@ -115,12 +135,13 @@ def cvt_asm(kind: str, perm: bool = False) -> str:
         regs = ".reg .b32 sp, t, g;"
     elif perm:
         body = (f"mov.b32 k126, {BF16X2_2P126:#x};\n" + scale
-                + "".join(_fp4_pair_perm(j, f"${j}") for j in range(4)))
-        regs = ".reg .b32 sp, t, g, x, k126;"
+                + "prmt.b32 y, $4, 0, 0x4341;\n"  # bytes 1, 3 -> 0, 2: nibbles 2,3,6,7 down
+                + "".join(_fp4_pair_perm(j, f"${j}", fold) for j in range(4)))
+        regs = ".reg .b32 sp, t, g, y, k126;"
     else:
         body = ("and.b32 xl, $4, 0x0F0F0F0F;\nshr.b32 xh, $4, 4;\nand.b32 xh, xh, 0x0F0F0F0F;\n"
                 f"mov.b32 k126, {BF16X2_2P126:#x};\n" + scale
-                + "".join(_fp4_pair_natural(j, f"${j}") for j in range(4)))
+                + "".join(_fp4_pair_natural(j, f"${j}", fold) for j in range(4)))
         regs = ".reg .b32 sp, t, g, xl, xh, k126;"
     return "{\n" + regs + "\n.reg .pred p;\n" + body + "}"
 
