@@ -285,6 +285,12 @@ def test_decode_batched(layout, fmt_a, fmt_b):
     a, b = _operands(fmt_a, fmt_b, (2, 3), (), 2, 131, 96, layout)  # folded: M = 12
     _assert_decode_lowering(a, b)
     _check(a, b, "f32")
+    a, b = _operands(fmt_a, fmt_b, (3,), (3,), 40, 257, 288, layout)  # L = 3, wide variant
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
+    a, b = _operands(fmt_a, fmt_b, (2, 3), (), 9, 131, 96, layout)  # folded: M = 54, wide
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
 
 
 @needs_sm90
