@@ -40,8 +40,8 @@ def halves(r):
 
 
 def scale_reg(kind, byte):
-    body = dec._SCALE_E4M3 if dec.KINDS[kind]["scale"] == "e4m3" else dec._SCALE_E8M0
-    return emu.run(body, {"$1": lanes(byte)})["$0"]
+    """A scale byte in the low byte of its register (the activation path)."""
+    return scale_word_reg(kind, byte, 0)
 
 
 def scale_value(kind, byte):
@@ -52,11 +52,8 @@ def scale_value(kind, byte):
 
 def scale_word_reg(kind, words, col, fold=False):
     """The kernel's path: byte `col` of each scale word -> bf16x2 (times 2^119 when folded)."""
-    if dec.KINDS[kind]["scale"] == "e4m3":
-        body = dec._SCALE_WORD_E4M3_FOLDED if fold else dec._SCALE_WORD_E4M3
-    else:
-        body = dec._SCALE_WORD_E8M0
-    return emu.run(body, {"$1": lanes(words), "$2": lanes(0x4040 + 0x101 * col)})["$0"]
+    return emu.run(dec.scale_ptx(kind, fold), {
+        "$1": lanes(words), "$2": lanes(dec.SCALE_BYTE_SEL + 0x101 * col)})["$0"]
 
 
 FOLD = 2.0 ** 119  # what a folded NVFP4 scale register carries beside the scale

@@ -201,26 +201,17 @@ def test_cuda_graph():
 
 
 @needs_sm90
-def test_handler_rejects_bad_input():
+@pytest.mark.parametrize("ws_len,sa_len,match", [
+    (0, 100, "scale buffer"),  # a wrongly sized A-scale buffer
+    (60, 512, "workspace"),  # a declared decode workspace smaller than L*M*N floats
+])
+def test_handler_rejects_bad_input(ws_len, sa_len, match):
     """A call the kernel cannot take returns an error from the handler, never a crash."""
     call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
-                                                  jax.ShapeDtypeStruct((0,), jnp.float32)))
+                                                  jax.ShapeDtypeStruct((ws_len,), jnp.float32)))
     u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
-    with pytest.raises(Exception, match="scale buffer"):
-        jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(100), u8(512),
-                                   jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
-                                   b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
-                                   m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1)))
-
-
-@needs_sm90
-def test_handler_rejects_small_decode_workspace():
-    """A declared workspace smaller than L*M*N floats: an error, never a launch."""
-    call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
-                                                  jax.ShapeDtypeStruct((60,), jnp.float32)))
-    u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
-    with pytest.raises(Exception, match="workspace"):
-        jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(512), u8(512),
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(sa_len), u8(512),
                                    jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
                                    b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
                                    m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1)))

@@ -184,44 +184,21 @@ def lds_b32(addr, *, loc=None, ip=None):
 
 
 # --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
+# One byte of a 32-bit word, picked by a prmt selector `sel` = SCALE_BYTE_SEL + 0x101 * i (byte i
+# into both halves, zeros above): no shift/mask per scale, one shift for both halves.
+SCALE_BYTE_SEL = 0x4040
 _SCALE_E4M3 = f"""{{
-.reg .b32 t, k;
-and.b32 t, $1, 0xFF;
-shl.b32 t, t, 4;                 // e4m3 (non-negative) bits -> bf16 bits: value * 2^-120
-prmt.b32 t, t, 0, 0x1010;
-mov.b32 k, {_K120:#x};
-mul.rn.bf16x2 $0, t, k;
-}}"""
-_SCALE_E8M0 = """{
-.reg .b32 t;
-.reg .pred p;
-and.b32 t, $1, 0xFF;
-setp.eq.u32 p, t, 0;
-shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
-selp.b32 t, 0x40, t, p;          // 2^-127 is a bf16 subnormal
-prmt.b32 $0, t, 0, 0x1010;
-}"""
-
-
-# NVFP4 with the fold: the scale also carries 2^119 (the weights' 2^-126 is then undone by it)
-_SCALE_E4M3_FOLDED = _SCALE_E4M3.replace(
-    "mul.rn.bf16x2 $0, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
-    "mul.rn.bf16x2 $0, t, k;")
-
-
-# The same from one byte of a 32-bit word, picked by a prmt selector `sel` = 0x4040 + 0x101 * i
-# (byte i into both halves, zeros above): no shift/mask per scale, one shift for both halves.
-_SCALE_WORD_E4M3 = f"""{{
 .reg .b32 t, k;
 prmt.b32 t, $1, 0, $2;
 shl.b32 t, t, 4;                 // e4m3 (non-negative) bits -> bf16 bits: value * 2^-120
 mov.b32 k, {_K120:#x};
 mul.rn.bf16x2 $0, t, k;
 }}"""
-_SCALE_WORD_E4M3_FOLDED = _SCALE_WORD_E4M3.replace(
+# NVFP4 with the fold: the scale also carries 2^119 (the weights' 2^-126 is then undone by it)
+_SCALE_E4M3_FOLDED = _SCALE_E4M3.replace(
     "mul.rn.bf16x2 $0, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
     "mul.rn.bf16x2 $0, t, k;")
-_SCALE_WORD_E8M0 = """{
+_SCALE_E8M0 = """{
 .reg .b32 t;
 .reg .pred p;
 prmt.b32 t, $1, 0, $2;
@@ -231,29 +208,20 @@ selp.b32 $0, 0x00400040, t, p;   // 2^-127 is a bf16 subnormal
 }"""
 
 
-@dsl_user_op
-def scale_word_bf16x2(kind, word, sel, fold=False, *, loc=None, ip=None):
-    """Byte `sel` selects (see _SCALE_WORD_E4M3) of a scale word -> bf16x2 scale, as
-    scale_bf16x2."""
+def scale_ptx(kind: str, fold: bool = False) -> str:
+    """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale."""
     if KINDS[kind]["scale"] == "e4m3":
-        body = _SCALE_WORD_E4M3_FOLDED if fold else _SCALE_WORD_E4M3
-    else:
-        assert not fold, "only e4m3 scales are folded"
-        body = _SCALE_WORD_E8M0
-    return _asm(1, "r", [cutlass.Int32(word), cutlass.Int32(sel)], body, ["r", "r"], loc, ip,
-                side_effects=False)[0]
+        return _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
+    assert not fold, "only e4m3 scales are folded"
+    return _SCALE_E8M0
 
 
 @dsl_user_op
-def scale_bf16x2(kind, byte, fold=False, *, loc=None, ip=None):
-    """Block-scale byte (low 8 bits of `byte`) -> bf16x2 with the scale in both halves
-    (times 2^119 when `fold`: NVFP4 weights converted with fold=True)."""
-    if KINDS[kind]["scale"] == "e4m3":
-        body = _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
-    else:
-        assert not fold, "only e4m3 scales are folded"
-        body = _SCALE_E8M0
-    return _asm(1, "r", [cutlass.Int32(byte)], body, ["r"], loc, ip, side_effects=False)[0]
+def scale_bf16x2(kind, word, sel=SCALE_BYTE_SEL, fold=False, *, loc=None, ip=None):
+    """Block-scale byte `sel` picks of a scale word (default: the low byte) -> bf16x2 with the
+    scale in both halves (times 2^119 when `fold`: NVFP4 weights converted with fold=True)."""
+    return _asm(1, "r", [cutlass.Int32(word), cutlass.Int32(sel)], scale_ptx(kind, fold),
+                ["r", "r"], loc, ip, side_effects=False)[0]
 
 
 # --- element conversion (PTX text generators) --------------------------------------------------
@@ -695,10 +663,10 @@ class Sm90DecodeGemm:
         nt, Q = v.nt, self.q
         col = (kt // self.b_block) % 4  # the thread's first scale column (byte) in the word
         nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
-        sels = [0x4040 + 0x101 * (col + b) for b in range(nblk)]  # prmt: byte -> both halves
+        sels = [SCALE_BYTE_SEL + 0x101 * (col + b) for b in range(nblk)]  # byte -> both halves
         sc = []  # bf16x2 scale per row and block: converted once, used by every group
         for j in cutlass.range_constexpr(self.R):
-            sc.append([scale_word_bf16x2(v.b_kind, sw[j], sels[b], self.fold)
+            sc.append([scale_bf16x2(v.b_kind, sw[j], sels[b], self.fold)
                        for b in range(nblk)])
         wpg = 1 if self.b_bits == 4 else 2  # weight words per 8-element group
         for q in cutlass.range_constexpr(Q):
