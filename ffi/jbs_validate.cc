@@ -204,13 +204,21 @@ const char* DispatchProblem(const Problem& p, const Variant* variants, int num_v
   const int64_t kInt32Max = 2147483647LL;
   const int64_t cells = p.l * p.m * p.n;  // ValidateProblem bounded it by INT32_MAX
   if (p.ws_bytes < cells * 4)
-    JBS_FAIL("decode workspace has %lld bytes, needs %lld (L*M*N float32)",
+    JBS_FAIL("decode workspace has %lld bytes, needs %lld (L*M*N float32 per split)",
              (long long)p.ws_bytes, (long long)(cells * 4));
   if (p.ws_ptr == 0) JBS_FAIL("workspace pointer is null");
   if (p.ws_ptr % 16)
     JBS_FAIL("workspace pointer 0x%llx is not 16-byte aligned", (unsigned long long)p.ws_ptr);
-  // launch grid (ceil(N / rows per CTA) * ceil(M / (8 nt)), splits, L): y and z at most 65535
   const int64_t k_chunks = DecodeKChunks(p.b_kind, p.k, nt);
+  // The workspace holds one L*M*N slice per split (the kernel's finalize indexes it with 32-bit
+  // offsets): a workspace sized for a GPU with fewer SMs takes fewer, equal splits.
+  int64_t fit = p.ws_bytes / (cells * 4);
+  if (fit > kInt32Max / cells) fit = kInt32Max / cells;
+  if (splits > fit) {
+    const int64_t per = CeilDiv(k_chunks, fit);
+    splits = (int)CeilDiv(k_chunks, per);
+  }
+  // launch grid (ceil(N / rows per CTA) * ceil(M / (8 nt)), splits, L): y and z at most 65535
   if (splits < 1 || splits > k_chunks || splits > 65535)
     JBS_FAIL("decode split count %d out of range [1, %lld]", splits, (long long)k_chunks);
   if (p.l > 65535 || CeilDiv(p.n, DecodeRowsPerCta(nt)) * CeilDiv(p.m, 8 * nt) > kInt32Max)

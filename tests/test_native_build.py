@@ -258,8 +258,8 @@ def cpp_choose(a, b, out, m, n, k, sm_count=132):
 def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
     """The execute stage's validation + dispatch: (ok, variant name or reason, splits)."""
     p = problem(**kw)
-    if ws_bytes is None:
-        ws_bytes = p["l"] * p["m"] * p["n"] * 4
+    if ws_bytes is None:  # room for every split the heuristic can pick
+        ws_bytes = p["l"] * p["m"] * p["n"] * 4 * 1024
     names = ["a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "m", "n", "k", "l", "a_ptr",
              "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "a_bytes", "b_bytes",
              "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor", "sm_count"]
@@ -333,6 +333,18 @@ def test_decode_dispatch_falls_back_to_the_fused_kernel():
     assert ok and name == "jbs_sm90_decode_mxfp8_mxfp8_bf16_m8", name
 
 
+def test_decode_splits_fit_the_workspace():
+    # a workspace with room for fewer slices than the heuristic wants: fewer, equal splits
+    _, _, want = dispatch(m=1, n=256, k=8192, l=1)
+    assert want > 3
+    for slices in (1, 2, 3):
+        ok, name, splits = dispatch(m=1, n=256, k=8192, l=1, ws_bytes=256 * 4 * slices + 4)
+        k_chunks = 8192 // 256
+        per = -(-k_chunks // splits)
+        assert ok and name.startswith("jbs_sm90_decode_") and 1 <= splits <= slices, splits
+        assert (splits - 1) * per < k_chunks  # no empty split
+
+
 @pytest.mark.parametrize("over,match", [
     (dict(ws_bytes=4 * 2 * 5 * 300 - 4), "workspace has .* bytes, needs 12000"),
     (dict(ws_ptr=0), "workspace pointer is null"),
@@ -374,8 +386,12 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
         t = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
         return [ln for ln in t.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
 
+    def ws_len(m):  # one L*M*N slice per split (132 SMs: no GPU is visible here)
+        return dv.choose_decode_variant(m, 300, 1024, None, "nvfp4", 132, out="f32")[1] * m * 300
+
     calls = text(16)
-    assert len(calls) == 1 and "tensor<4800xf32>" in calls[0], calls  # L*M*N = 16*300
+    assert ws_len(16) == 4 * 4800  # 4 splits of L*M*N = 16*300
+    assert len(calls) == 1 and f"tensor<{ws_len(16)}xf32>" in calls[0], calls
     from jax_blockscale.lowering import GemmSpec
 
     big = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
@@ -386,7 +402,7 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     small = dataclasses.replace(big, n=8192, k=8192)
     assert sm90.uses_decode(small, 64) and not sm90.uses_decode(small, 65)
     calls = text(7, (2,))  # folded: M = 14
-    assert len(calls) == 1 and "tensor<4200xf32>" in calls[0], calls
+    assert len(calls) == 1 and f"tensor<{ws_len(14)}xf32>" in calls[0], calls
     calls = text(7, (2, 5))  # folded: M = 70 > 64: the fused GEMM
     assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
     monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "16")
@@ -394,7 +410,7 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
     monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "64")
     calls = text(7, (2, 2))
-    assert len(calls) == 1 and "tensor<8400xf32>" in calls[0], calls
+    assert len(calls) == 1 and f"tensor<{ws_len(28)}xf32>" in calls[0], calls
     monkeypatch.delenv(sm90.ENV_DECODE_MAX_ROWS)
     monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")
     calls = text(100)  # fused GEMM: an empty workspace

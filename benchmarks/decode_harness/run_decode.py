@@ -184,7 +184,7 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
     alpha_val = np.float32(rng.choice([0.75, 1.0, 1.5, 0.3125]))
     alpha = cp.asarray(np.array([alpha_val], np.float32))
     c = cp.empty((L, M, N), {"f32": cp.float32, "bf16": cp.uint16, "f16": cp.float16}[out])
-    ws = cp.empty((L, M, N), cp.float32)
+    ws = cp.empty((splits, L, M, N), cp.float32)  # one slice per split
     stream = cp.cuda.get_current_stream()
 
     def launch(bset):

@@ -31,22 +31,23 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   power of two), multiplied back (exact) and by the block scale (exact: e2m1/e4m3/e5m2 times a
   power of two or an e4m3 scale has at most 7 significant bits, bf16 holds 8). So the MMA sees
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
-* Split-K: grid = (ceil(N/256) * ceil(M / (8*NT)), splits, L), M chunks fastest (the chunks
-  that share a weight tile run together: later chunks read it from L2). Each CTA adds alpha * its partial
-  sum into an f32 workspace with `red.global.add.f32` (L2 atomics; M*N*splits of them, a few
-  hundred thousand at most, ~1-2 us). The exported launcher runs three kernels on the stream:
-  zero the workspace, the main kernel, convert the workspace to the output dtype (~1 us for the
-  two small ones inside a CUDA graph). The workspace (L*M*N f32) is the caller's (FFI scratch);
-  `splits` is a run-time argument chosen by `choose_decode_variant` (one wave of CTAs).
+* Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L), M chunks fastest (the chunks
+  that share a weight tile run together: later chunks read it from L2). Each CTA stores its
+  partial sums (plain stores, no atomics) into its split's slice of an f32 workspace
+  [splits, L, M, N]; the exported launcher then runs a small kernel that adds the splits in a
+  fixed order, multiplies by alpha and converts to the output dtype. Two kernels per call, no
+  zeroing, and the result is bitwise reproducible. The workspace (splits*L*M*N f32) is the
+  caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
+  (one wave of CTAs).
 
-Measured on an H100 (docs/sm90_decode_notes.md): M=16, N=K=16384, bf16 x nvfp4 in 74 us
-(2.05 TB/s on the bytes that must move; bf16 jnp.dot 197 us); f32 output error <= 2e-6.
+Measured on an H100 (docs/sm90_decode_notes.md): M=16, N=K=16384, bf16 x nvfp4 in 68 us
+(2.24 TB/s on the bytes that must move; bf16 jnp.dot 197 us); f32 output error <= 2e-6.
 
 Operands (device pointers; the contract shared with sm90_blockscaled.py and the FFI handler):
   a   : bf16 [L, M, K] (weight-only) | uint8 [L, M, K/2] (fp4) | uint8 [L, M, K] (fp8)
   b   : uint8 [L, N, K/2] (fp4, two per byte, low nibble first) | uint8 [L, N, K] (fp8)
   sa, sb : uint8 blocked scales [L, ceil(MN/128), ceil(SK/4), 32, 4, 4] (sa unused for bf16 A)
-  c   : out dtype [L, M, N];  alpha : f32 [1] in device memory;  ws : f32 [L, M, N] scratch
+  c   : out dtype [L, M, N];  alpha : f32 [1] in device memory;  ws : f32 [splits, L, M, N]
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
 """
@@ -145,8 +146,8 @@ def sts_v4(addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def red_add_f32(addr, val, pred, *, loc=None, ip=None):
-    body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p red.global.add.f32 [$0], $1;\n}"
+def stg_f32(addr, val, pred, *, loc=None, ip=None):
+    body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}"
     _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,
          ["l", "f", "r"], loc, ip)
 
@@ -443,10 +444,9 @@ class Sm90DecodeGemm:
         stream: cuda.CUstream,
     ):
         total = l * m * n
-        mWs = cute.make_tensor(ws_ptr, cute.make_layout(total))
+        mWs = cute.make_tensor(ws_ptr, cute.make_layout(total * splits))
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
         ew_grid = cutlass.min((total + 1023) // 1024, 1024)
-        self.zero_kernel(mWs, total).launch(grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
         self.kernel(
             a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
@@ -461,24 +461,24 @@ class Sm90DecodeGemm:
             preferred_smem_carveout=100 if self.tuning.pipeline == "cpasync" else None,
             stream=stream,
         )
-        self.finalize_kernel(mWs, mC, total).launch(
+        self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
             grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
     @cute.kernel
-    def zero_kernel(self, ws: cute.Tensor, total: cutlass.Int32):
+    def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, alpha_ptr: cute.Pointer,
+                        total: cutlass.Int32, splits: cutlass.Int32):
+        """c = alpha * (sum of the split partials, in split order: bitwise reproducible)."""
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
+        alpha = ldg_f32(alpha_ptr.toint())
+        if cutlass.const_expr(self.fold):
+            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
         for i in range(bid * 256 + tid, total, nb * 256):
-            ws[i] = cutlass.Float32(0.0)
-
-    @cute.kernel
-    def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, total: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
-        for i in range(bid * 256 + tid, total, nb * 256):
-            c[i] = self.c_dtype(ws[i])
+            acc = cutlass.Float32(0.0)
+            for sp in range(splits):
+                acc = acc + ws[sp * total + i]
+            c[i] = self.c_dtype(acc * alpha)
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -562,18 +562,18 @@ class Sm90DecodeGemm:
                                    sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t,
                                    a_fp8, b_fp8)
 
-        # ---- epilogue: ws[l, m, n] += alpha * acc (f32 L2 atomics) ---------------------------
-        alpha = ldg_f32(alpha_ptr.toint())
-        if cutlass.const_expr(self.fold):
-            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+        # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
+        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits) ----
+        _, _, nl = cute.arch.grid_dim()  # L
+        split_base = cutlass.Int64(by) * nl * m * n
         for rt in cutlass.range_constexpr(self.RT):
             for i in cutlass.range_constexpr(nt):
                 for x in cutlass.range_constexpr(4):
                     row = self._row(bx, warp, g, 2 * rt + x // 2)
                     mm = m0 + i * 8 + 2 * t + (x % 2)
-                    ok = (row < n) & (mm < m) & (n_sub > 0)
-                    addr = ws_addr + ((cutlass.Int64(li) * m + mm) * n + row) * 4
-                    red_add_f32(addr, acc[(rt * nt + i) * 4 + x] * alpha, cutlass.Int32(ok))
+                    ok = (row < n) & (mm < m)
+                    addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
+                    stg_f32(addr, acc[(rt * nt + i) * 4 + x], cutlass.Int32(ok))
 
     @cute.jit
     def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,

@@ -96,15 +96,32 @@ _OUT_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
              np.dtype(jnp.float32): "f32"}
 
 
-def uses_decode(spec: GemmSpec, m: int) -> bool:
-    """Whether the call with kernel row count m runs the decode kernel (then the lowering declares
-    its workspace). The FFI handler re-checks with the C++ mirror of the same heuristic."""
+def decode_splits(spec: GemmSpec, m: int) -> int:
+    """Split-K count of the decode kernel for the call with kernel row count m, or 0 if the decode
+    kernel does not run it (then no workspace is declared). The FFI handler re-checks with the
+    C++ mirror of the same heuristic and takes fewer splits if the workspace holds fewer."""
     if m > decode_max_rows(spec):
-        return False
+        return 0
     out = _OUT_NAME.get(np.dtype(spec.out_dtype))
-    # sm_count only moves the split count, never whether the decode kernel runs
-    return out is not None and choose_decode_variant(
-        m, spec.n, _padded_k(spec), spec.fmt_a, spec.fmt_b, 132, out=out) is not None
+    choice = out and choose_decode_variant(
+        m, spec.n, _padded_k(spec), spec.fmt_a, spec.fmt_b, _sm_count(), out=out)
+    return choice[1] if choice else 0
+
+
+def uses_decode(spec: GemmSpec, m: int) -> bool:
+    """Whether the call with kernel row count m runs the decode kernel."""
+    return decode_splits(spec, m) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count() -> int:
+    """Multiprocessors of the largest visible GPU (132 on an H100 SXM / H200 when none is visible,
+    e.g. when lowering on a CPU host): sizes the workspace for the split count the handler picks."""
+    try:
+        counts = [getattr(d, "core_count", 0) or 0 for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        counts = []
+    return max(counts, default=0) or 132
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,8 +208,9 @@ class Sm90Backend:
             sa8 = sb8
         else:
             sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
-        # The decode kernel's split-K workspace (f32, L*M*N; zero elements: fused GEMM only).
-        ws_len = L * M * N if uses_decode(spec, M) else 0
+        # The decode kernel's split-K workspace (f32, one L*M*N slice per split; zero elements:
+        # fused GEMM only).
+        ws_len = decode_splits(spec, M) * L * M * N
         call = jax.ffi.ffi_call(
             _plugin.SM90_TARGET,
             (jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
