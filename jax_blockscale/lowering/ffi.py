@@ -18,7 +18,7 @@ row count M (after folding batch dims into M) and N, K:
   * M <= decode_max_rows() (64) and a pair the decode kernel has (bf16 x {nvfp4, mxfp4,
     mxfp8}, nvfp4 x nvfp4, mxfp4 x mxfp4, mxfp8 x mxfp8; K a multiple of 32 and of the block):
     the **decode kernel** (kernels/sm90_decode.py: split-K GEMV-like, 2.2-3.7x faster than bf16
-    jnp.dot at M <= 16). The lowering declares its f32 workspace (L*M*N floats) as a second
+    jnp.dot at M <= 16). The lowering declares its f32 workspace (one L*M*N slice per split) as a second
     result of the custom call, so nothing is allocated at run time (CUDA-graph safe); the FFI
     handler re-runs the same heuristic in C++ (choose_decode_variant's mirror) and picks the
     split count. M = 17..64 runs the wide variants (4 or 8 n8 tiles of M per CTA, one weight
