@@ -88,14 +88,12 @@ def test_scale_word_every_code_every_column(kind, fold):
 
 
 @needs_dsl
-@pytest.mark.parametrize("method", ["shift", "imad"])
 @pytest.mark.parametrize("fold", [False, True])
-def test_fp4_pairs_every_nibble_every_position(method, fold):
+def test_fp4_pairs_every_nibble_every_position(fold):
     rng = np.random.default_rng(0)
     s = scale_word_reg("nvfp4", 0x3A, 0, fold)  # 1.25 (times 2^119 when folded)
-    ptx = ("{\n.reg .b32 cv0, cv1, cv2, cvk;\n"
-           + dec._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"], method=method, fold=fold)
-           + "\n}")
+    ptx = ("{\n.reg .b32 cv0, cv1, cvk;\n"
+           + dec._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"], fold=fold) + "\n}")
     unit = 1.25 * (2.0 ** -7 if fold else 1.0)  # folded: w * s * 2^-7 (alpha takes 2^7 back)
     for rep in range(8):
         words = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
@@ -174,7 +172,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     g, t = lane // 4, lane % 4
     wr = wbytes.view(np.uint32)  # (16, 16): 16 words per row, thread t owns words 4t..4t+3
     acc = {f"${x}": np.zeros(32) for x in range(4 * nt)}
-    ptx = dec.dequant_mma_ptx(b_kind, nt, tuning.fp4_convert, fold)
+    ptx = dec.dequant_mma_ptx(b_kind, nt, fold)
     wpg = 1 if bits == 4 else 2
     for q in range(Q):
         ops = dict(acc)
@@ -213,7 +211,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
                                          ("mxfp8", "e4m3"), ("mxfp8", "e5m2")])
 @pytest.mark.parametrize("nt", [1, 2, 4, 8])
 @pytest.mark.parametrize("tuning", [dv.DEFAULT_TUNING, dv.Tuning("cpasync", 2, 2, 2, 2)],
-                         ids=["default", "shift-nofold"])
+                         ids=["default", "nofold"])
 def test_warp_step_matches_reference(b_kind, elem, nt, tuning):
     D, ref = _emulate_step(b_kind, elem, nt, tuning=tuning)
     np.testing.assert_allclose(D, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())

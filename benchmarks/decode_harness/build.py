@@ -4,7 +4,7 @@
         [--extra-tunings cpasync:4:1:2:2,regs:2:2:1:1]
 
 For every variant of jax_blockscale.kernels.sm90_decode (default tuning; plus, per extra tuning
-pipeline:stages:sub_steps:min_blocks:ctas_per_sm[:fp4_convert[:fold]], its bf16/f32-output variants named
+pipeline:stages:sub_steps:min_blocks:ctas_per_sm[:fold 0/1], its bf16/f32-output variants named
 <name>_T<tag>) it runs cute.compile for sm_90a and export_to_c, then links the objects, a small C
 shim (one `load_<name>` and `run_<name>` per variant: the header's launcher is `static inline`),
 the DSL's libcuda_dialect_runtime_static.a and a static cudart into `libdecode_harness.so` (the
@@ -89,7 +89,7 @@ def main(argv=None):
     ap.add_argument("--only", default="*", help="fnmatch pattern on variant names")
     ap.add_argument("--extra-tunings", default="",
                     help="comma list of pipeline:stages:sub_steps:min_blocks:ctas_per_sm"
-                         "[:fp4_convert[:fold_scale 0/1]]; each "
+                         "[:fold_scale 0/1]; each "
                          "adds the bf16/f32-output variants under the name suffix _T<tag>")
     args = ap.parse_args(argv)
     from jax_blockscale.kernels import sm90_decode as dec
@@ -98,9 +98,8 @@ def main(argv=None):
     jobs = [(v, dec.tuning_for(v.nt), v.name) for v in dec.VARIANTS]  # what the library ships
     for spec in filter(None, args.extra_tunings.split(",")):
         p, st, sub, mb, cps, *rest = spec.split(":")
-        conv = rest[0] if rest else "shift"
-        fold = bool(int(rest[1])) if len(rest) > 1 else False
-        tun = dec.Tuning(p, int(st), int(sub), int(mb), int(cps), conv, fold)
+        tun = dec.Tuning(p, int(st), int(sub), int(mb), int(cps),
+                         fold_scale=bool(int(rest[0])) if rest else False)
         jobs += [(v, tun, f"{v.name}_T{tun.tag}") for v in dec.VARIANTS if v.out in ("bf16", "f32")]
     exports, table = [], {}
     for v, tun, name in jobs:

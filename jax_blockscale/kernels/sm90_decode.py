@@ -62,6 +62,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_blockscale.kernels.sm90_dequant_ptx import fp4_perm_pairs_ptx
+
 # ----------------------------------------------------------------------------------------------
 # Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
 # ----------------------------------------------------------------------------------------------
@@ -179,11 +181,6 @@ def cp_async_wait(n, *, loc=None, ip=None):
     _asm(0, "r", [], f"cp.async.wait_group {n};", [], loc, ip)
 
 
-@dsl_user_op
-def lds_b32(addr, *, loc=None, ip=None):
-    return _asm(1, "r", [cutlass.Int32(addr)], "ld.shared.b32 $0, [$1];", ["r"], loc, ip)[0]
-
-
 # --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
 # One byte of a 32-bit word, picked by a prmt selector `sel` = SCALE_BYTE_SEL + 0x101 * i (byte i
 # into both halves, zeros above): no shift/mask per scale, one shift for both halves.
@@ -226,49 +223,11 @@ def scale_bf16x2(kind, word, sel=SCALE_BYTE_SEL, fold=False, *, loc=None, ip=Non
 
 
 # --- element conversion (PTX text generators) --------------------------------------------------
-def _fp4_pairs_ptx(w, s, outs, tmp="cv", method="shift", fold=False):
+def _fp4_pairs_ptx(w, s, outs, tmp="cv", fold=False):
     """8 e2m1 nibbles of register `w` -> 4 bf16x2 in `outs`: outs[j] = (nibble j, nibble j+4),
-    times the bf16x2 scale `s`. The same shift serves both halves (they are 16 bits apart):
-    magnitude bits (eem) go to bf16 bits 6..8 (value * 2^-126), the sign bit to bit 15.
-    fold: `s` already carries the 2^126 (times 2^-7, see Tuning.fold_scale); method "imad": see
-    _fp4_pairs_imad_ptx."""
-    if method == "imad":
-        return _fp4_pairs_imad_ptx(w, s, outs, tmp, fold)
-    code = [] if fold else [f"mov.b32 {tmp}k, {_K126:#x};"]
-    shifts = [("shl", 6, "shl", 12), ("shl", 2, "shl", 8), ("shr", 2, "shl", 4),
-              ("shr", 6, None, 0)]
-    for j, (op_m, sh_m, op_s, sh_s) in enumerate(shifts):
-        o = outs[j]
-        code.append(f"{op_m}.b32 {tmp}0, {w}, {sh_m};")
-        code.append(f"and.b32 {tmp}0, {tmp}0, 0x01C001C0;")
-        if op_s is None:
-            code.append(f"lop3.b32 {o}, {tmp}0, {w}, 0x80008000, 0xF8;")
-        else:
-            code.append(f"{op_s}.b32 {tmp}1, {w}, {sh_s};")
-            code.append(f"lop3.b32 {o}, {tmp}0, {tmp}1, 0x80008000, 0xF8;")
-        if not fold:
-            code.append(f"mul.rn.bf16x2 {o}, {o}, {tmp}k;")
-        code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
-    return "\n".join(code)
-
-
-def _fp4_pairs_imad_ptx(w, s, outs, tmp, fold):
-    """The same result as _fp4_pairs_ptx with fewer instructions: one prmt brings nibbles
-    (2, 3, 6, 7) down to the places of (0, 1, 4, 5); then per pair one mask keeps the two
-    nibbles, one multiply by 2^a + 2^b writes two copies of each (a: magnitude to bits 6..8,
-    b: sign to bit 15; the copies do not overlap, so no carries), one mask keeps those bits."""
-    code = [] if fold else [f"mov.b32 {tmp}k, {_K126:#x};"]
-    code.append(f"prmt.b32 {tmp}2, {w}, 0, 0x4341;")  # bytes 1, 3 -> bytes 0, 2
-    for j, o in enumerate(outs):
-        src = w if j < 2 else f"{tmp}2"
-        mask, mult = (0x000F000F, 0x1040) if j % 2 == 0 else (0x00F000F0, 0x104)
-        code.append(f"and.b32 {tmp}0, {src}, {mask:#x};")
-        code.append(f"mul.lo.u32 {tmp}0, {tmp}0, {mult:#x};")
-        code.append(f"and.b32 {o}, {tmp}0, 0x81C081C0;")
-        if not fold:
-            code.append(f"mul.rn.bf16x2 {o}, {o}, {tmp}k;")
-        code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
-    return "\n".join(code)
+    times the bf16x2 scale `s` (the fused kernel's permuted-order conversion, shared). fold: `s`
+    already carries the 2^126 (times 2^-7, see Tuning.fold_scale)."""
+    return fp4_perm_pairs_ptx(w, s, outs, f"{tmp}0", f"{tmp}1", f"{tmp}k", fold)
 
 
 def _fp8_pairs_ptx(w, s, outs, shift, mask, fix, tmp="cv"):
@@ -292,7 +251,7 @@ _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{{{d0}, {d1}, {d2}, {d3}}};")
 
 
-def dequant_mma_ptx(b_kind: str, nt: int, method: str = "shift", fold: bool = False) -> str:
+def dequant_mma_ptx(b_kind: str, nt: int, fold: bool = False) -> str:
     """PTX of dequant_mma. Operands: $0..$(4nt-1) accumulators (outputs), the same again as tied
     inputs, then the weight words of row g and of row g+8 (1 each for fp4, 2 each for fp8), the
     two bf16x2 scales, 4 activation words per n8 tile, and for fp8 (shift, mask, fix)."""
@@ -305,7 +264,7 @@ def dequant_mma_ptx(b_kind: str, nt: int, method: str = "shift", fold: bool = Fa
     base += 2
     act_reg = [[f"${base + 4 * i + j}" for j in range(4)] for i in range(nt)]
     base += 4 * nt
-    code = ["{", ".reg .b32 cv0, cv1, cv2, cvk, pg<4>, ph<4>;"]
+    code = ["{", ".reg .b32 cv0, cv1, cvk, pg<4>, ph<4>;"]
     if nw == 2:
         shift, mask, fix = f"${base}", f"${base + 1}", f"${base + 2}"
         code.append(_fp8_pairs_ptx(wreg[0], s_g, ["pg0", "pg1"], shift, mask, fix))
@@ -313,10 +272,8 @@ def dequant_mma_ptx(b_kind: str, nt: int, method: str = "shift", fold: bool = Fa
         code.append(_fp8_pairs_ptx(wreg[2], s_h, ["ph0", "ph1"], shift, mask, fix))
         code.append(_fp8_pairs_ptx(wreg[3], s_h, ["ph2", "ph3"], shift, mask, fix))
     else:
-        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"], method=method,
-                                   fold=fold))
-        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"], method=method,
-                                   fold=fold))
+        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"], fold=fold))
+        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"], fold=fold))
     # MMA h of the group takes pairs (2h, 2h+1) of each row: A = [pg, ph, pg', ph'] is rows
     # g / g+8 at K slots (2t, 2t+1) and (2t+8, 2t+9); B = activation words 2h, 2h+1.
     for h in range(2):
@@ -331,8 +288,8 @@ def dequant_mma_ptx(b_kind: str, nt: int, method: str = "shift", fold: bool = Fa
 
 
 @dsl_user_op
-def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, method="shift", fold=False, *,
-                loc=None, ip=None):
+def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, fold=False, *, loc=None,
+                ip=None):
     """Two k16 MMAs per n8 tile for one 8-element (fp4) / 2x4-element (fp8) group of rows g and
     g+8 of a row tile: convert the weights, then acc[nt] += W (16 x 16) @ act[nt] (16 x 8).
 
@@ -351,7 +308,7 @@ def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, method="shift"
     if b_kind == "mxfp8":
         ins += [cutlass.Int32(x) for x in fp8_params]
         cons += ["r"] * 3
-    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt, method, fold), cons, loc, ip,
+    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt, fold), cons, loc, ip,
                 side_effects=False)
 
 
@@ -679,7 +636,7 @@ class Sm90DecodeGemm:
                 wh = [w[2 * rt + 1][q * wpg + x] for x in range(wpg)]
                 a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
                 res = dequant_mma(v.b_kind, nt, wg, wh, sc[2 * rt][blk], sc[2 * rt + 1][blk], act,
-                                  a_in, b_fp8, self.tuning.fp4_convert, self.fold)
+                                  a_in, b_fp8, self.fold)
                 for x in cutlass.range_constexpr(4 * nt):
                     acc[(rt * nt) * 4 + x] = res[x]
 

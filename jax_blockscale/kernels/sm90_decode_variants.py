@@ -50,9 +50,6 @@ class Tuning:
     sub_steps: int = 2
     min_blocks: int = 1
     ctas_per_sm: int = 1  # what the heuristic sizes the grid for (registers/shared memory)
-    # fp4 weight conversion: "shift" (two shifts + two masks per bf16x2 pair) or "imad" (one
-    # mask, one multiply by (2^a + 2^b) that places magnitude and sign at once, one mask)
-    fp4_convert: str = "shift"
     # NVFP4 weights: fold the bit trick's 2^126 into the block scale (s * 2^119, an exact bf16)
     # and 2^7 into alpha: one bf16x2 multiply per pair instead of two
     fold_scale: bool = False
@@ -63,8 +60,6 @@ class Tuning:
     @property
     def tag(self) -> str:
         tag = f"{self.pipeline}_s{self.stages}_k{self.sub_steps}_b{self.min_blocks}"
-        if self.fp4_convert != "shift":
-            tag += f"_{self.fp4_convert}"
         if self.rows_per_thread != 4:
             tag += f"_r{self.rows_per_thread}"
         return tag + ("_fold" if self.fold_scale else "")
@@ -79,7 +74,7 @@ class Tuning:
 # 2 CTAs per SM; the multiply-based fp4 conversion and the NVFP4 scale fold (run 5: M=16,
 # N=K=16384, bf16 x nvfp4 74.0 -> 68.2 us).
 DEFAULT_TUNING = Tuning("cpasync", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
-                        fp4_convert="imad", fold_scale=True)
+                        fold_scale=True)
 # nt = 4 / 8 (M up to 32 / 64 per pass): one row tile per warp, so that 4-8 n8 tiles of
 # accumulators fit beside the pipeline; 1-step sub-chunks keep the staged activations small.
 WIDE_TUNING = dataclasses.replace(DEFAULT_TUNING, sub_steps=1, rows_per_thread=2)

@@ -90,15 +90,15 @@ def _fp8_pair(lo_word, lo_byte, hi_word, hi_byte, out):
 """
 
 
-def _fp4_place(t, out, fold, mult=0x1040):
+def _fp4_place(t, out, fold, mult=0x1040, scale="sp", k126="k126"):
     """`t` holds one nibble alone in each 16-bit half (bits 0-3: mult 2^6 + 2^12; bits 4-7:
-    2^2 + 2^8) -> bf16x2 (exact) times the scale `sp`: one copy puts the magnitude on bits 6-8,
-    the other the sign on bit 15."""
-    fix = "" if fold else f"mul.rn.bf16x2 {t}, {t}, k126;\n"
+    2^2 + 2^8) -> bf16x2 (exact) times the bf16x2 `scale`: one copy puts the magnitude on bits
+    6-8, the other the sign on bit 15; register `k126` holds 2^126 unless `fold`."""
+    fix = "" if fold else f"mul.rn.bf16x2 {t}, {t}, {k126};\n"
     return f"""
     mul.lo.u32 {t}, {t}, {mult:#x};
     and.b32 {t}, {t}, 0x81C081C0;
-    {fix}mul.rn.bf16x2 {out}, {t}, sp;
+    {fix}mul.rn.bf16x2 {out}, {t}, {scale};
 """
 
 
@@ -109,13 +109,18 @@ def _fp4_pair_natural(j, out, fold):
     prmt.b32 t, xl, xh, {sel:#x};""" + _fp4_place("t", out, fold)
 
 
-def _fp4_pair_perm(j, out, fold):
-    # nibbles j (low half) and j+4 (high half): y holds nibbles (2, 3, 6, 7) where $4 has
-    # (0, 1, 4, 5); odd j keeps its nibbles at bits 4-7 and uses the other multiplier
-    src = "$4" if j < 2 else "y"
-    mask, mult = (0x000F000F, 0x1040) if j % 2 == 0 else (0x00F000F0, 0x104)
-    return f"""
-    and.b32 t, {src}, {mask:#x};""" + _fp4_place("t", out, fold, mult)
+def fp4_perm_pairs_ptx(w, scale, outs, t, y, k126, fold=False):
+    """8 e2m1 nibbles of register `w` -> outs[j] = bf16x2 (nibble j, nibble j+4) times the bf16x2
+    `scale` (the permuted order; also the decode kernel's). t, y, k126: scratch registers."""
+    code = "" if fold else f"mov.b32 {k126}, {BF16X2_2P126:#x};\n"
+    code += f"prmt.b32 {y}, {w}, 0, 0x4341;\n"  # bytes 1, 3 -> 0, 2: nibbles 2,3,6,7 down
+    for j, out in enumerate(outs):
+        # nibbles j (low half) and j+4 (high half): y holds nibbles (2, 3, 6, 7) where w has
+        # (0, 1, 4, 5); odd j keeps its nibbles at bits 4-7 and uses the other multiplier
+        src = w if j < 2 else y
+        mask, mult = (0x000F000F, 0x1040) if j % 2 == 0 else (0x00F000F0, 0x104)
+        code += f"and.b32 {t}, {src}, {mask:#x};" + _fp4_place(t, out, fold, mult, scale, k126)
+    return code
 
 
 def cvt_asm(kind: str, perm: bool = False, fold: bool = False) -> str:
@@ -134,9 +139,8 @@ def cvt_asm(kind: str, perm: bool = False, fold: bool = False) -> str:
         body = scale + "".join(_fp8_pair(*p, f"${i}") for i, p in enumerate(pairs))
         regs = ".reg .b32 sp, t, g;"
     elif perm:
-        body = (f"mov.b32 k126, {BF16X2_2P126:#x};\n" + scale
-                + "prmt.b32 y, $4, 0, 0x4341;\n"  # bytes 1, 3 -> 0, 2: nibbles 2,3,6,7 down
-                + "".join(_fp4_pair_perm(j, f"${j}", fold) for j in range(4)))
+        body = scale + fp4_perm_pairs_ptx("$4", "sp", [f"${j}" for j in range(4)], "t", "y",
+                                          "k126", fold)
         regs = ".reg .b32 sp, t, g, y, k126;"
     else:
         body = ("and.b32 xl, $4, 0x0F0F0F0F;\nshr.b32 xh, $4, 4;\nand.b32 xh, xh, 0x0F0F0F0F;\n"
