@@ -134,13 +134,17 @@ def variants() -> list[dict]:
     return out
 
 
-def manifest() -> dict | None:
-    """The build's variant manifest (sm90_variants.json next to the library), if installed."""
-    path = os.path.join(os.path.dirname(library_path()), "sm90_variants.json")
+def _manifest_next_to_library(name: str) -> dict | None:
+    path = os.path.join(os.path.dirname(library_path()), name)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def manifest() -> dict | None:
+    """The build's variant manifest (sm90_variants.json next to the library), if installed."""
+    return _manifest_next_to_library("sm90_variants.json")
 
 
 def check_problem(**kw) -> tuple[bool, str]:
@@ -197,11 +201,7 @@ def sm100_variants() -> list[dict]:
 
 def sm100_manifest() -> dict | None:
     """The build's Blackwell manifest (variants_sm100.json next to the library), if installed."""
-    path = os.path.join(os.path.dirname(library_path()), "variants_sm100.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return _manifest_next_to_library("variants_sm100.json")
 
 
 def sm100_choose(m, n, k, fmt_a, fmt_b, out, sm_count, sm) -> int:
