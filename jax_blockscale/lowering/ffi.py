@@ -85,7 +85,7 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
 ENV_DECODE_MAX_ROWS = "JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS"
 
 
-def decode_max_rows(spec: GemmSpec | None = None) -> int:
+def decode_max_rows() -> int:
     v = os.environ.get(ENV_DECODE_MAX_ROWS)
     if v is not None:
         return int(v)
@@ -100,7 +100,7 @@ def decode_splits(spec: GemmSpec, m: int) -> int:
     """Split-K count of the decode kernel for the call with kernel row count m, or 0 if the decode
     kernel does not run it (then no workspace is declared). The FFI handler re-checks with the
     C++ mirror of the same heuristic and takes fewer splits if the workspace holds fewer."""
-    if m > decode_max_rows(spec):
+    if m > decode_max_rows():
         return 0
     out = _OUT_NAME.get(np.dtype(spec.out_dtype))
     choice = out and choose_decode_variant(
