@@ -10,8 +10,12 @@ roofline-style PNG (achieved TB/s and TFLOP/s against those ceilings) to --out.
     python benchmarks/sweep.py                            # M = 1..8192 x N=K = 8192, 16384 (GPU)
     python benchmarks/sweep.py --shapes 1x16384x16384,8192x8192x8192 --formats nvfp4
 
-Timing: benchmarks/timing.py (median over --trials of the mean of --iters back-to-back jitted
-calls); weights smaller than ~3x L2 are rotated through 2-4 copies so they are not read from L2.
+Timing: benchmarks/timing.py, two numbers per method. "loop": median over --trials of the mean of
+--iters back-to-back jitted calls from Python (the anchors' method: host and dispatch cost
+included, ~40+ us per call on the lent hosts). "device": the GPU's kernel time per call from a
+profiler trace of the same calls (no host cost: what the call costs inside a jitted model). The
+speedups are given for both; the plot uses device time where there is one. Weights smaller than
+~3x L2 are rotated through 2-4 copies so they are not read from L2.
 Bytes counted per call: B elements + B scales (unpadded) + A (bf16, or elements + scales) + the
 bf16 output; achieved TB/s = bytes / time, TFLOP/s = 2*M*N*K / time.
 """
@@ -29,7 +33,7 @@ from jax_blockscale.lowering import select_backend
 
 # the anchors and helpers of the side-by-side bench (one definition of each)
 from bench_gemm import dequant_dot, dot_bf16, lowering_platform, nn_scaled, spec_of
-from timing import L2_BYTES, copies, rotation_count, time_us
+from timing import L2_BYTES, copies, device_time_us, rotation_count, time_us
 
 DEFAULT_SHAPES = [(m, nk, nk) for nk in (8192, 16384) for m in (1, 16, 128, 1024, 8192)]
 QUICK_SHAPES = [(m, nk, nk) for nk in (256, 512) for m in (1, 16, 128)]
@@ -38,6 +42,7 @@ ANCHORS = [("bf16_dot", "bf16 jnp.dot"), ("deq_dot", "dequantize+dot"),
            ("nn_scaled", "jax.nn.scaled_matmul")]
 OURS = [("gemm", "jbs.gemm"), ("gemm_weight_only", "jbs.gemm, bf16 activation")]
 METHODS = ANCHORS + OURS
+CLOCKS = ("", "_device")  # row keys: <method>_us (Python loop), <method>_device_us (GPU kernels)
 
 # One compiled program each (run eagerly, they compile op by op for every new shape: slow).
 quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
@@ -68,6 +73,20 @@ def bytes_moved(method, fmt, m, n, k):
 # Ceilings, measured in the same process
 
 
+def read_time_us(nbytes, cache):
+    """Device time of the cheapest program that reads `nbytes` once: a jitted max over a uint32
+    array of that size (XLA's reduction streams it at the read bandwidth a kernel of this length
+    can reach; rotated through copies when it would fit in L2). The floor for a decode GEMM
+    that must read as many bytes: at ~150 MB the H100 reads ~2.5 TB/s, under the 2.9-3.0 TB/s
+    of a long copy. Cached per size; None on CPU."""
+    if nbytes not in cache:
+        n = max(nbytes // 4, 1)
+        xs = copies(jnp.arange(n, dtype=jnp.uint32), rotation_count(nbytes))
+        cache[nbytes] = device_time_us(jax.jit(jnp.max), arg_sets=[(x,) for x in xs])
+        del xs
+    return cache[nbytes]
+
+
 def measure_ceilings(on_gpu, timing):
     """Copy bandwidth (jitted x + 1 over a large array, bytes read + written) and bf16 matmul
     peak (a square jnp.dot with f32 accumulation, bf16 output)."""
@@ -91,6 +110,9 @@ def measure_ceilings(on_gpu, timing):
 def _timed(row, key, f, arg_sets, timing):
     try:
         row[key + "_us"] = time_us(f, arg_sets=arg_sets, **timing)
+        device_us = device_time_us(f, arg_sets=arg_sets)
+        if device_us is not None:  # None: no GPU in the trace (CPU run)
+            row[key + "_device_us"] = device_us
     except Exception as e:  # noqa: BLE001  (record it: not every platform runs every method)
         row[key + "_err"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
@@ -106,7 +128,7 @@ def bf16_dot_row(m, n, k, key, timing):
     return row
 
 
-def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache):
+def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache, read_cache):
     ka, kb = jax.random.split(key)
     a_f = normal(ka, (m, k), jnp.float32)
     b_f = normal(kb, (n, k), jnp.float32)
@@ -130,6 +152,9 @@ def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache):
     gemm = jax.jit(jbs.gemm)  # default backend, bf16 output
     _timed(row, "gemm", gemm, [(a_q, b) for b in b_qs], timing)
     _timed(row, "gemm_weight_only", gemm, [(x, b) for b in b_qs], timing)
+    read_us = read_time_us(bytes_moved("gemm_weight_only", fmt, m, n, k), read_cache)
+    if read_us is not None:
+        row["read_device_us"] = read_us  # reading the weight-only call's bytes once, nothing else
 
     # a fast wrong answer is no result: check the default backend against the reference one
     ref = jax.jit(lambda a, b: jbs.gemm(a, b, backend="reference"))
@@ -144,15 +169,18 @@ def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache):
 
     flops = 2.0 * m * n * k
     for method, _ in METHODS:
-        if method + "_us" in row:
-            t = row[method + "_us"] * 1e-6
-            row[method + "_bytes"] = bytes_moved(method, fmt, m, n, k)
-            row[method + "_TBps"] = row[method + "_bytes"] / t / 1e12
-            row[method + "_TFLOPs"] = flops / t / 1e12
+        row[method + "_bytes"] = bytes_moved(method, fmt, m, n, k)
+        for clock in CLOCKS:  # "" (Python loop) and "_device"
+            if method + clock + "_us" in row:
+                t = row[method + clock + "_us"] * 1e-6
+                row[method + clock + "_TBps"] = row[method + "_bytes"] / t / 1e12
+                row[method + clock + "_TFLOPs"] = flops / t / 1e12
     for ours, _ in OURS:
         for anchor, _ in ANCHORS:
-            if ours + "_us" in row and anchor + "_us" in row:
-                row[f"{ours}_speedup_vs_{anchor}"] = row[anchor + "_us"] / row[ours + "_us"]
+            for clock in CLOCKS:
+                if ours + clock + "_us" in row and anchor + clock + "_us" in row:
+                    row[f"{ours}{clock}_speedup_vs_{anchor}"] = (row[anchor + clock + "_us"]
+                                                                 / row[ours + clock + "_us"])
     return row
 
 
@@ -160,14 +188,15 @@ def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache):
 # Output
 
 
-def print_table(rows, ceilings):
+def print_table(rows, ceilings, clock=""):
+    """One table: clock "" = Python-loop times, "_device" = GPU kernel time per call."""
     bw = ceilings["copy_TBps"]
 
     def us(r, k):
-        return f"{r[k + '_us']:9.1f}" if k + "_us" in r else f"{'err':>9s}"
+        return f"{r[k + clock + '_us']:9.1f}" if k + clock + "_us" in r else f"{'-':>9s}"
 
     def x(r, ours, anchor):
-        s = r.get(f"{ours}_speedup_vs_{anchor}")
+        s = r.get(f"{ours}{clock}_speedup_vs_{anchor}")
         return f"{s:5.2f}" if s is not None else f"{'-':>5s}"
 
     def backend(r):
@@ -175,25 +204,36 @@ def print_table(rows, ceilings):
         return r["backend"] if same else f"{r['backend']}/{r['backend_weight_only']}"
 
     def pct(r, k):
-        return f"{100 * r[k + '_TBps'] / bw:5.0f}%" if k + "_TBps" in r else f"{'-':>6s}"
+        return (f"{100 * r[k + clock + '_TBps'] / bw:5.0f}%" if k + clock + "_TBps" in r
+                else f"{'-':>6s}")
 
-    print(f"\ncopy bandwidth {bw:.3g} TB/s, bf16 peak {ceilings['bf16_peak_TFLOPs']:.3g} TFLOP/s "
+    print("\n" + ("DEVICE TIME: GPU kernel time per call (profiler), no host cost."
+                  if clock else "PYTHON LOOP: back-to-back jitted calls, host cost included."))
+    print(f"copy bandwidth {bw:.3g} TB/s, bf16 peak {ceilings['bf16_peak_TFLOPs']:.3g} TFLOP/s "
           f"(measured). Times in us; speedup = anchor time / ours; BW = achieved TB/s as % of "
-          f"copy bandwidth. gemm: quantized A; w-only: bf16 A.")
+          f"copy bandwidth. gemm: quantized A; w-only: bf16 A."
+          + (" read: device time of a jitted max over as many bytes as the w-only call must "
+             "read; w/read: that time / ours." if clock else ""))
     print(f"{'fmt':11s} {'M':>5s} {'N':>6s} {'K':>6s} {'backend':>9s} | {'bf16 dot':>9s} "
           f"{'deq+dot':>9s} {'nn.scaled':>9s} {'gemm':>9s} {'w-only':>9s} | gemm x: "
           f"{'dot':>5s} {'deq':>5s} {'nn':>5s} | w-only x: {'dot':>5s} {'deq':>5s} {'nn':>5s} | "
-          f"BW: {'gemm':>6s} {'w-only':>6s}")
+          f"BW: {'gemm':>6s} {'w-only':>6s}" + (f" | {'read':>7s} {'w/read':>6s}" if clock else ""))
     for r in rows:
+        read = ""
+        if clock and "read_device_us" in r:  # the time to read the bytes once; ours vs it
+            frac = (f"{100 * r['read_device_us'] / r['gemm_weight_only_device_us']:5.0f}%"
+                    if "gemm_weight_only_device_us" in r else f"{'-':>6s}")
+            read = f" | {r['read_device_us']:7.1f} {frac}"
         print(f"{r['fmt']:11s} {r['M']:5d} {r['N']:6d} {r['K']:6d} {backend(r):>9s} | "
               + " ".join(us(r, k) for k, _ in METHODS) + " |         "
               + " ".join(x(r, "gemm", a) for a, _ in ANCHORS) + " |           "
               + " ".join(x(r, "gemm_weight_only", a) for a, _ in ANCHORS) + " |     "
-              + pct(r, "gemm") + " " + pct(r, "gemm_weight_only"))
+              + pct(r, "gemm") + " " + pct(r, "gemm_weight_only") + read)
 
 
 def plot(rows, ceilings, title, path):
-    """Per format: achieved TB/s vs M with the copy bandwidth, TFLOP/s vs M with the peaks."""
+    """Per format: achieved TB/s vs M with the copy bandwidth, TFLOP/s vs M with the peaks
+    (from the device times when the run has them, else the Python-loop times)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -201,6 +241,8 @@ def plot(rows, ceilings, title, path):
     except ImportError:
         print("matplotlib not installed: no plot")
         return
+    clock = "_device" if any(m + "_device_us" in r for r in rows for m, _ in METHODS) else ""
+    title += " (device time)" if clock else " (Python-loop time)"
     fmts = list(dict.fromkeys(r["fmt"] for r in rows))
     nks = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
     styles = ["-", "--", ":", "-."]
@@ -210,13 +252,13 @@ def plot(rows, ceilings, title, path):
         for method, label in METHODS:  # colour: method; line style: N, K
             for i, nk in enumerate(nks):
                 sub = sorted((r for r in rows if r["fmt"] == fmt and (r["N"], r["K"]) == nk
-                              and method + "_us" in r), key=lambda r: r["M"])
+                              and method + clock + "_us" in r), key=lambda r: r["M"])
                 if not sub:
                     continue
                 ms = [r["M"] for r in sub]
                 kw = dict(color=colors[method], ls=styles[i % len(styles)], marker="o", ms=3)
-                ax_bw.plot(ms, [r[method + "_TBps"] for r in sub], label=label, **kw)
-                ax_fl.plot(ms, [r[method + "_TFLOPs"] for r in sub], label=label, **kw)
+                ax_bw.plot(ms, [r[method + clock + "_TBps"] for r in sub], label=label, **kw)
+                ax_fl.plot(ms, [r[method + clock + "_TFLOPs"] for r in sub], label=label, **kw)
         bw, peak = ceilings["copy_TBps"], ceilings["bf16_peak_TFLOPs"]
         ax_bw.axhline(bw, color="k", lw=1, label=f"copy bandwidth {bw:.3g} TB/s (measured)")
         ax_fl.axhline(peak, color="k", lw=1, label=f"bf16 peak {peak:.3g} TFLOP/s (measured)")
@@ -269,19 +311,23 @@ def main():
     stem = os.path.join(args.out, args.tag or f"sweep_{platform}")
     meta = dict(jax=jax.__version__, device=device.device_kind, platform=platform,
                 timing=dict(timing, l2_bytes=L2_BYTES,
-                            method="benchmarks/timing.py: median over trials of the mean of "
-                            "back-to-back jitted calls; weights < ~3x L2 rotated through copies"),
+                            method="benchmarks/timing.py: <method>_us = median over trials of "
+                            "the mean of back-to-back jitted calls (host cost included); "
+                            "<method>_device_us = GPU kernel time per call from a profiler "
+                            "trace; weights < ~3x L2 rotated through copies"),
                 ceilings=ceilings)
-    rows, bf16_cache = [], {}
+    rows, bf16_cache, read_cache = [], {}, {}
     key = jax.random.PRNGKey(0)
     for fmt in args.formats.split(","):
         for (m, n, k) in shapes:
             key, sub = jax.random.split(key)
-            rows.append(bench_row(fmt, m, n, k, platform, sub, timing, bf16_cache))
+            rows.append(bench_row(fmt, m, n, k, platform, sub, timing, bf16_cache, read_cache))
             print(json.dumps(rows[-1]), flush=True)
             with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut
                 json.dump(dict(meta, rows=rows), f, indent=1)
     print_table(rows, ceilings)
+    if any(m + "_device_us" in r for r in rows for m, _ in METHODS):
+        print_table(rows, ceilings, clock="_device")
     plot(rows, ceilings, f"{device.device_kind}, jax {jax.__version__}: block-scaled GEMM, "
          "bf16 output", stem + ".png")
     print(f"wrote {stem}.json")

@@ -11,11 +11,20 @@ be read from L2 on every call after the first, which no real model does (the oth
 weights evict it). Pass `arg_sets=[args_0, args_1, ...]` (copies at different addresses) and the
 calls cycle through them, so a weight is evicted before it is read again. `rotation_count` says
 how many copies make the working set ~3x L2. Only jax is imported here (no jax_blockscale).
+
+Device time (`device_time_us`): the same calls under jax.profiler, summing the time the GPU spent
+in kernels (the union of the kernel intervals on its streams) per call. It leaves out the host
+side (Python, dispatch, XLA's per-executable cost: >= 40 us per jitted call on the lent hosts, as
+much as a decode GEMM's GPU time), so it is the stable measure of the kernels themselves, and
+what a call costs inside a larger jitted model whose host work overlaps the GPU.
 """
 from __future__ import annotations
 
+import glob
 import math
+import shutil
 import statistics
+import tempfile
 import time
 
 import jax
@@ -48,6 +57,51 @@ def time_us(f, *args, arg_sets=None, iters=20, trials=5, warmup=2):
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) / iters * 1e6)
     return statistics.median(samples)
+
+
+def device_time_us(f, *args, arg_sets=None, calls=8):
+    """GPU kernel time per call (microseconds) of `calls` calls of f, from a profiler trace: the
+    union of the kernel intervals on the GPU's streams, divided by `calls`. None when the trace
+    holds no GPU activity (CPU runs). Same argument conventions as time_us."""
+    if arg_sets is None:
+        arg_sets = [args]
+    elif args:
+        raise TypeError("pass either positional args or arg_sets, not both")
+    for i in range(2):
+        jax.block_until_ready(f(*arg_sets[i % len(arg_sets)]))
+    tmp = tempfile.mkdtemp(prefix="jbs_trace_")
+    try:
+        with jax.profiler.trace(tmp):
+            for i in range(calls):
+                out = f(*arg_sets[i % len(arg_sets)])
+            jax.block_until_ready(out)
+        paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            return None
+        data = jax.profiler.ProfileData.from_file(paths[0])
+        spans = sorted((e.start_ns, e.start_ns + e.duration_ns)
+                       for plane in data.planes if plane.name.startswith("/device:GPU")
+                       for line in plane.lines if line.name.startswith("Stream")
+                       for e in line.events)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not spans:
+        return None
+    return union_length(spans) / calls / 1e3
+
+
+def union_length(intervals):
+    """Total length covered by (start, end) intervals (kernels on several streams may overlap:
+    the time the GPU was busy at all, each moment counted once)."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0)
 
 
 def rotation_count(nbytes, l2_bytes=L2_BYTES, factor=3, max_copies=4):

@@ -39,3 +39,40 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     assert row["M"] == 16 and row["reference_us"] > 0 and row["deq_dot_us"] > 0
     assert (tmp_path / "t.png").stat().st_size > 1000
     assert "reference" in out
+
+
+def test_sweep_writes_both_tables_json_and_plot(tmp_path):
+    out = run("benchmarks/sweep.py", "--quick", "--shapes", "16x256x256", "--formats", "nvfp4",
+              "--out", str(tmp_path), "--tag", "s")
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert row["gemm_us"] > 0 and row["gemm_weight_only_us"] > 0 and row["bf16_dot_us"] > 0
+    assert row.get("gemm_rel_err", 0.0) < 1e-2  # checked against the reference off CPU
+    assert "PYTHON LOOP" in out  # the device-time table needs a GPU in the profiler trace
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def _timing_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import timing
+    finally:
+        sys.path.pop(0)
+    return timing
+
+
+def test_device_time_counts_overlapping_kernels_once():
+    union_length = _timing_module().union_length
+    assert union_length([]) == 0
+    assert union_length([(0, 10)]) == 10
+    assert union_length([(5, 8), (0, 10), (20, 25)]) == 15  # nested, then a gap
+    assert union_length([(0, 10), (10, 12), (11, 30)]) == 30  # touching and overlapping
+    assert union_length([(3, 4), (0, 1)]) == 2  # unsorted input
+
+
+def test_device_time_is_none_without_a_gpu_in_the_trace():
+    import jax
+    import jax.numpy as jnp
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return  # covered by the GPU sweep runs
+    timing = _timing_module()
+    assert timing.device_time_us(jax.jit(lambda x: x * 2), jnp.ones(8), calls=2) is None

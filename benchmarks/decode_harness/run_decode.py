@@ -304,6 +304,8 @@ def main():
     ap.add_argument("--extra-only", action="store_true",
                     help="skip the default tuning's full correctness suite and the split sweep "
                          "(a follow-up run comparing tunings)")
+    ap.add_argument("--split-sweep-only", action="store_true",
+                    help="only the split-K sweep of the default tuning (no correctness suite)")
     ap.add_argument("--profile", action="store_true",
                     help="only launch a few headline cases twice each (run it under ncu)")
     args = ap.parse_args()
@@ -360,7 +362,8 @@ def main():
     ]
     if args.quick:
         shapes = shapes[:3]
-    for fmt_a, fmt_b in ([] if args.extra_only else pairs):
+    skip_suite = args.extra_only or args.split_sweep_only
+    for fmt_a, fmt_b in ([] if skip_suite else pairs):
         for out in ("f32", "bf16", "f16"):
             for (M, N, K, L, sp) in shapes:
                 if out != "f32" and (M, N) not in ((3, 1000), (16, 8192)):
@@ -371,7 +374,7 @@ def main():
                 results["correctness"].append(r)
                 failures += not r.get("ok", False)
     # the other tunings in the library: f32 output, the odd shapes
-    for tag, tun in extra:
+    for tag, tun in ([] if args.split_sweep_only else extra):
         for fmt_a, fmt_b in pairs:
             for (M, N, K, L, sp) in [shapes[1], shapes[2], shapes[3], shapes[4]]:
                 if have(fmt_a, fmt_b, "f32", M, (tag, tun)):
@@ -384,7 +387,7 @@ def main():
     if not args.no_perf:
         results["copy_tbps"] = copy_bandwidth()
         perf = []
-        for tuning in [None] + list(extra):
+        for tuning in ([] if args.split_sweep_only else [None] + list(extra)):
             for (M, NK) in [(1, 8192), (16, 8192), (1, 16384), (16, 16384), (32, 8192),
                             (32, 16384), (48, 16384), (64, 16384), (64, 8192), (96, 16384),
                             (128, 16384), (128, 8192), (80, 16384)]:
@@ -397,8 +400,9 @@ def main():
                     perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=tuning is None,
                                         time_it=True, tuning=tuning))
         # split-K sweep, default tuning (checks the heuristic's choice)
-        for (M, NK) in ([] if args.extra_only else [(1, 8192), (16, 8192), (16, 16384)]):
-            for sp in (1, 2, 3, 4, 6, 8, 16):
+        for (M, NK) in ([] if args.extra_only else [(1, 8192), (16, 8192), (1, 16384),
+                                                     (16, 16384)]):
+            for sp in (1, 2, 3, 4, 5, 6, 8, 12, 16, 32):
                 if have(None, "nvfp4", "bf16", M):
                     perf.append(guarded(None, "nvfp4", "bf16", M, NK, NK, splits=sp, check=False,
                                         time_it=True))
