@@ -403,7 +403,7 @@ class Sm90DecodeGemm:
         total = l * m * n
         mWs = cute.make_tensor(ws_ptr, cute.make_layout(total * splits))
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
-        ew_grid = cutlass.min((total + 1023) // 1024, 1024)
+        ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
         self.kernel(
             a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
@@ -424,16 +424,22 @@ class Sm90DecodeGemm:
     @cute.kernel
     def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, alpha_ptr: cute.Pointer,
                         total: cutlass.Int32, splits: cutlass.Int32):
-        """c = alpha * (sum of the split partials, in split order: bitwise reproducible)."""
+        """c = alpha * (sum of the split partials, in split order: bitwise reproducible).
+        The partials are loaded four at a time before they are added (same order, same sums):
+        this kernel is a few L2 round trips long, so the loads must not wait for each other."""
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
         alpha = ldg_f32(alpha_ptr.toint())
         if cutlass.const_expr(self.fold):
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+        splits4 = splits - splits % 4
         for i in range(bid * 256 + tid, total, nb * 256):
             acc = cutlass.Float32(0.0)
-            for sp in range(splits):
+            for sp in range(0, splits4, 4):
+                v = [ws[(sp + j) * total + i] for j in range(4)]
+                acc = (((acc + v[0]) + v[1]) + v[2]) + v[3]
+            for sp in range(splits4, splits):
                 acc = acc + ws[sp * total + i]
             c[i] = self.c_dtype(acc * alpha)
 
