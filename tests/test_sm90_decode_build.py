@@ -253,7 +253,7 @@ def test_choose_decode_variant():
     v, s = dv.choose_decode_variant(1, 16384, 16384, None, "nvfp4", 132)
     assert (v.a_kind, v.b_kind, v.nt, v.out) == ("bf16", "nvfp4", 1, "bf16")
     cps = dv.DEFAULT_TUNING.ctas_per_sm
-    assert 1 <= s and -(-16384 // dv.BN) * s <= 132 * cps
+    assert 1 <= s and -(-16384 // dv.DEFAULT_TUNING.bn) * s <= 132 * cps
     v, s = dv.choose_decode_variant(16, 8192, 8192, "bf16", "mxfp8_e5m2", 132, "f32")
     assert (v.b_kind, v.nt, v.out) == ("mxfp8", 2, "f32")
     assert 32 * s <= 132 * cps and s >= 4  # 32 CTAs over N: split K to fill the GPU

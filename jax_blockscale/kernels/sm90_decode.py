@@ -31,7 +31,7 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   power of two), multiplied back (exact) and by the block scale (exact: e2m1/e4m3/e5m2 times a
   power of two or an e4m3 scale has at most 7 significant bits, bf16 holds 8). So the MMA sees
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
-* Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L), M chunks fastest (the chunks
+* Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) (BN = Tuning.bn rows of N), M chunks fastest (the chunks
   that share a weight tile run together: later chunks read it from L2). Each CTA stores its
   partial sums (plain stores, no atomics) into its split's slice of an f32 workspace
   [splits, L, M, N]; the exported launcher then runs a small kernel that adds the splits in a
@@ -68,7 +68,7 @@ from jax_blockscale.kernels.sm90_dequant_ptx import fp4_perm_pairs_ptx
 # Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
 # ----------------------------------------------------------------------------------------------
 from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
-    B_KINDS, BN, KINDS, OUTS, PAIRS, ROWS_PER_WARP, STEP_BYTES, THREADS, VARIANTS, WARPS,
+    B_KINDS, KINDS, OUTS, PAIRS, STEP_BYTES, THREADS, VARIANTS, WARPS,
     WIDE_TUNING, tuning_for,
     DEFAULT_TUNING, FOLD_ALPHA, DecodeVariant, Tuning, _K112, _K119, _K120, _K126,
     choose_decode_variant, steps_elems)

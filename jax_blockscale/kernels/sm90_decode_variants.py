@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 
+# The kinds and the bf16x2 powers of two of the bit tricks are the fused kernel's (pure Python
+# there too): one definition. _K<e> = 2^e in both halves; FOLD_ALPHA takes back the NVFP4 fold.
+from .sm90_dequant_ptx import BF16X2_2P112 as _K112
+from .sm90_dequant_ptx import BF16X2_2P119 as _K119
+from .sm90_dequant_ptx import BF16X2_2P120 as _K120
+from .sm90_dequant_ptx import BF16X2_2P126 as _K126
+from .sm90_dequant_ptx import FOLD_FACTOR, KINDS
+
+FOLD_ALPHA = 1.0 / FOLD_FACTOR  # (w * 2^-126) * (s * 2^119) = w * s * 2^-7: alpha takes 2^7 back
+
 # ----------------------------------------------------------------------------------------------
 # Formats
 # ----------------------------------------------------------------------------------------------
-KINDS = {
-    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
-    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
-    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 picked at run time
-    "bf16": dict(block=None, bits=16, scale=None),
-}
 B_KINDS = ("nvfp4", "mxfp4", "mxfp8")
 # (a_kind, b_kind) pairs: weight-only first (the common decode case), then quantized activations.
 PAIRS = [("bf16", b) for b in B_KINDS] + [(b, b) for b in B_KINDS]
@@ -24,15 +28,7 @@ OUTS = ("bf16", "f16", "f32")
 
 WARPS = 8  # warps per CTA
 THREADS = 32 * WARPS
-ROWS_PER_WARP = 32  # two m16 row tiles (DEFAULT_TUNING; WIDE_TUNING has one: 16 rows)
-BN = WARPS * ROWS_PER_WARP  # rows of N per CTA (DEFAULT_TUNING; see bn())
 STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
-
-_K126 = 0x7E807E80  # bf16x2 2^126: undoes the e2m1 bit trick
-_K120 = 0x7B807B80  # bf16x2 2^120: undoes the e4m3 bit trick
-_K112 = 0x77807780  # bf16x2 2^112: undoes the e5m2 bit trick
-_K119 = 0x7B007B00  # bf16x2 2^119: an NVFP4 block scale times this stays finite (448 < 2^9)
-FOLD_ALPHA = 2.0 ** 7  # (w * 2^-126) * (s * 2^119) = w * s * 2^-7: alpha takes the 2^7 back
 
 
 @dataclasses.dataclass(frozen=True)
