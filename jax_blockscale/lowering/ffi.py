@@ -41,13 +41,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .. import _plugin
 from ..aot import KIND_CODES
 from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
-from .kernel_operands import folds_batch, kernel_rows_and_batch, kernel_scale_bytes
+from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_rows_and_batch,
+                              kernel_scale_bytes)
 from .reference import reference_gemm
 
 # The pairs the sm90 kernel implements (jax_blockscale/kernels/sm90_blockscaled.py: PAIRS),
@@ -171,11 +171,9 @@ class Sm90Backend:
             return why
         return _plugin.unavailable_reason()
 
-
     def __call__(self, a, b, sa, sb, alpha, *, spec: GemmSpec, platform: str = "cuda"):
         if not _plugin.register_targets():
             raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
-        fold = folds_batch(spec)  # weights shared by every batch element: one big GEMM
         M, L = kernel_rows_and_batch(spec)
         max_rows = kernel_max_rows(spec)
         if max_rows is not None and M > max_rows:
@@ -186,18 +184,10 @@ class Sm90Backend:
         ka, kb = _KIND[spec.fmt_a], _KIND[spec.fmt_b]
 
         def elements(x, fmt, rows, batch_in):
-            if fold:
-                x = x.reshape((1, rows, K)) if batch_in is not None else x.reshape((1,) + x.shape[-2:])
-            else:
-                x = jnp.broadcast_to(x, spec.batch_shape + x.shape[-2:]).reshape((L,) + x.shape[-2:])
+            x = kernel_batch_layout(x, rows, batch_in, spec=spec)
             if Kp != K:
                 x = jnp.pad(x, [(0, 0), (0, 0), (0, Kp - K)])
-            if fmt is None:
-                return x  # bf16 activation
-            if x.dtype == jnp.float4_e2m1fn:  # two elements a byte, element 2i in the low nibble
-                return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (Kp // 2, 2)), jnp.uint8)
-            return lax.bitcast_convert_type(x, jnp.uint8)
-
+            return x if fmt is None else element_bytes(x)  # fmt None: the bf16 activation
 
         a8 = elements(a, spec.fmt_a, M, spec.a_batch)
         b8 = elements(b, spec.fmt_b, N, None)
@@ -222,7 +212,6 @@ class Sm90Backend:
                  b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
                  m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L))
         return y.reshape(spec.batch_shape + (spec.m, N))
-
 
 
 SM90 = Sm90Backend()

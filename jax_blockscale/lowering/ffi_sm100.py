@@ -30,12 +30,12 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .. import _plugin
 from ..aot_sm100 import FMT_CODES, OUT_CODES
 from . import GemmSpec, register_backend
-from .kernel_operands import folds_batch, kernel_rows_and_batch, kernel_scale_bytes
+from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_rows_and_batch,
+                              kernel_scale_bytes)
 
 # The pairs the Blackwell library serves (kernels/sm100_blockscaled.py: PAIRS; kept here because
 # the installed package has no DSL to import that module; a test checks they agree).
@@ -145,25 +145,17 @@ class Sm100Backend:
             return why
         return _plugin.sm100_unavailable_reason()
 
-
     def __call__(self, a, b, sa, sb, alpha, *, spec: GemmSpec, platform: str = "cuda"):
         if not _plugin.register_targets() or not _plugin.has_sm100():
             raise RuntimeError(f"jax_blockscale sm100: {_plugin.sm100_unavailable_reason()}")
-        fold = folds_batch(spec)
         M, L = kernel_rows_and_batch(spec)
         N, K = spec.n, spec.k
 
         def elements(x, fmt, rows, batch_in):
-            if fold:
-                x = x.reshape((1, rows, K)) if batch_in is not None else x.reshape((1,) + x.shape[-2:])
-            else:
-                x = jnp.broadcast_to(x, spec.batch_shape + x.shape[-2:]).reshape((L,) + x.shape[-2:])
+            x = kernel_batch_layout(x, rows, batch_in, spec=spec)
             if _BITS[fmt] == 6:  # one code per byte in storage -> packed 6-bit stream
                 return pack_fp6(x.astype(jnp.uint8))
-            if x.dtype == jnp.float4_e2m1fn:  # two per byte, element 2i in the low nibble
-                return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (K // 2, 2)), jnp.uint8)
-            return lax.bitcast_convert_type(x, jnp.uint8)
-
+            return element_bytes(x)
 
         a8 = elements(a, spec.fmt_a, M, spec.a_batch)
         b8 = elements(b, spec.fmt_b, N, None)
@@ -182,7 +174,6 @@ class Sm100Backend:
 
 def out_code(out_dtype) -> int:
     return OUT_CODES[_OUT_NAMES[np.dtype(out_dtype)]]
-
 
 
 SM100 = Sm100Backend()

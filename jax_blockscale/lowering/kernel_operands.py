@@ -1,5 +1,6 @@
 """Operand preparation shared by the FFI backends (sm90, sm100): how a gemm problem's batch dims
-map onto the kernels' (M, L) and how scales become the blocked uint8 bytes the kernels read."""
+map onto the kernels' (M, L), and how elements and scales become the uint8 bytes the kernels
+read."""
 from __future__ import annotations
 
 import math
@@ -23,6 +24,25 @@ def kernel_rows_and_batch(spec: GemmSpec) -> tuple[int, int]:
     if folds_batch(spec):
         return spec.m * math.prod(spec.a_batch), 1
     return spec.m, math.prod(spec.batch_shape)
+
+
+def kernel_batch_layout(x: jax.Array, rows: int, batch_in, *, spec: GemmSpec) -> jax.Array:
+    """One operand's elements as (L, rows, K): A's batch folded into its rows when B is unbatched
+    (batch_in: the operand's batch dims, None for B), else broadcast to the batch and flattened."""
+    if folds_batch(spec):
+        if batch_in is not None:
+            return x.reshape((1, rows, spec.k))
+        return x.reshape((1,) + x.shape[-2:])
+    _, L = kernel_rows_and_batch(spec)
+    return jnp.broadcast_to(x, spec.batch_shape + x.shape[-2:]).reshape((L,) + x.shape[-2:])
+
+
+def element_bytes(x: jax.Array) -> jax.Array:
+    """Quantized elements as the uint8 the kernels read: fp4 two per byte (element 2i in the low
+    nibble), 8-bit kinds bit for bit."""
+    if x.dtype == jnp.float4_e2m1fn:
+        return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)), jnp.uint8)
+    return lax.bitcast_convert_type(x, jnp.uint8)
 
 
 def kernel_scale_bytes(s: jax.Array, fmt: str, layout: str, rows: int, mn: int, *,
