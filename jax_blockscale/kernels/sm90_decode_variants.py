@@ -10,10 +10,10 @@ import dataclasses
 
 # The kinds and the bf16x2 powers of two of the bit tricks are the fused kernel's (pure Python
 # there too): one definition. _K<e> = 2^e in both halves; FOLD_ALPHA takes back the NVFP4 fold.
-from .sm90_dequant_ptx import BF16X2_2P112 as _K112
-from .sm90_dequant_ptx import BF16X2_2P119 as _K119
-from .sm90_dequant_ptx import BF16X2_2P120 as _K120
-from .sm90_dequant_ptx import BF16X2_2P126 as _K126
+from .sm90_dequant_ptx import BF16X2_2P112 as _K112  # noqa: F401  (sm90_decode, tests)
+from .sm90_dequant_ptx import BF16X2_2P119 as _K119  # noqa: F401  (sm90_decode, tests)
+from .sm90_dequant_ptx import BF16X2_2P120 as _K120  # noqa: F401  (sm90_decode, tests)
+from .sm90_dequant_ptx import BF16X2_2P126 as _K126  # noqa: F401  (sm90_decode, tests)
 from .sm90_dequant_ptx import FOLD_FACTOR, KINDS
 
 FOLD_ALPHA = 1.0 / FOLD_FACTOR  # (w * 2^-126) * (s * 2^119) = w * s * 2^-7: alpha takes 2^7 back
@@ -85,7 +85,6 @@ def tuning_for(nt: int) -> Tuning:
 def nt_for(m: int) -> int:
     """n8 tiles of M per CTA for a call with m rows (larger m runs chunks of 64 rows)."""
     return next((nt for nt in NTS if m <= 8 * nt), NTS[-1])
-
 
 
 @dataclasses.dataclass(frozen=True)
