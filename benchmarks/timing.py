@@ -33,21 +33,27 @@ import jax.numpy as jnp
 L2_BYTES = 50 * 2**20  # H100 / H200 L2 (50 MB)
 
 
+def _warm_calls(f, args, arg_sets, warmup):
+    """The argument tuples to cycle through (`args` alone, or `arg_sets`), after `warmup` calls
+    (compile + first run) cycling through them."""
+    if arg_sets is None:
+        arg_sets = [args]
+    elif args:
+        raise TypeError("pass either positional args or arg_sets, not both")
+    for i in range(warmup):
+        jax.block_until_ready(f(*arg_sets[i % len(arg_sets)]))
+    return arg_sets
+
+
 def time_us(f, *args, arg_sets=None, iters=20, trials=5, warmup=2):
     """Median over `trials` of the mean time (microseconds) of `iters` back-to-back calls.
 
     f(*args), or with `arg_sets` (a list of argument tuples) f(*arg_sets[i % len(arg_sets)]) for
     call i, so that successive calls read different buffers.
     """
-    if arg_sets is None:
-        arg_sets = [args]
-    elif args:
-        raise TypeError("pass either positional args or arg_sets, not both")
+    arg_sets = _warm_calls(f, args, arg_sets, warmup)
     n = len(arg_sets)
-    call = 0
-    for _ in range(warmup):
-        jax.block_until_ready(f(*arg_sets[call % n]))
-        call += 1
+    call = warmup
     samples = []
     for _ in range(trials):
         start = time.perf_counter()
@@ -63,12 +69,7 @@ def device_time_us(f, *args, arg_sets=None, calls=8):
     """GPU kernel time per call (microseconds) of `calls` calls of f, from a profiler trace: the
     union of the kernel intervals on the GPU's streams, divided by `calls`. None when the trace
     holds no GPU activity (CPU runs). Same argument conventions as time_us."""
-    if arg_sets is None:
-        arg_sets = [args]
-    elif args:
-        raise TypeError("pass either positional args or arg_sets, not both")
-    for i in range(2):
-        jax.block_until_ready(f(*arg_sets[i % len(arg_sets)]))
+    arg_sets = _warm_calls(f, args, arg_sets, warmup=2)
     tmp = tempfile.mkdtemp(prefix="jbs_trace_")
     try:
         with jax.profiler.trace(tmp):
@@ -79,10 +80,10 @@ def device_time_us(f, *args, arg_sets=None, calls=8):
         if not paths:
             return None
         data = jax.profiler.ProfileData.from_file(paths[0])
-        spans = sorted((e.start_ns, e.start_ns + e.duration_ns)
-                       for plane in data.planes if plane.name.startswith("/device:GPU")
-                       for line in plane.lines if line.name.startswith("Stream")
-                       for e in line.events)
+        spans = [(e.start_ns, e.start_ns + e.duration_ns)
+                 for plane in data.planes if plane.name.startswith("/device:GPU")
+                 for line in plane.lines if line.name.startswith("Stream")
+                 for e in line.events]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if not spans:
