@@ -31,8 +31,9 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   power of two), multiplied back (exact) and by the block scale (exact: e2m1/e4m3/e5m2 times a
   power of two or an e4m3 scale has at most 7 significant bits, bf16 holds 8). So the MMA sees
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
-* Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) (BN = Tuning.bn rows of N), M chunks fastest (the chunks
-  that share a weight tile run together: later chunks read it from L2). Each CTA stores its
+* Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) with BN = Tuning.bn rows of N, M
+  chunks fastest (the chunks that share a weight tile run together: later chunks read it from
+  L2). Each CTA stores its
   partial sums (plain stores, no atomics) into its split's slice of an f32 workspace
   [splits, L, M, N]; the exported launcher then runs a small kernel that adds the splits in a
   fixed order, multiplies by alpha and converts to the output dtype. Two kernels per call, no
