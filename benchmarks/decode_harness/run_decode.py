@@ -35,16 +35,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _load_variants_module():
-    """jax_blockscale/kernels/sm90_decode_variants.py by path: pure Python, and this way the
-    package's __init__ (jax, the plugin) stays out of the harness process."""
-    import importlib.util
+    """jax_blockscale/kernels/sm90_decode_variants.py (and the pure-Python sm90_dequant_ptx it
+    imports) without running the package's __init__ (jax, the plugin): the two packages are
+    entered as bare modules over their folders first."""
+    import importlib
+    import types
 
-    path = os.path.join(HERE, "..", "..", "jax_blockscale", "kernels", "sm90_decode_variants.py")
-    spec = importlib.util.spec_from_file_location("sm90_decode_variants", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up while building the class
-    spec.loader.exec_module(mod)
-    return mod
+    root = os.path.join(HERE, "..", "..", "jax_blockscale")
+    for name, path in (("jax_blockscale", root), ("jax_blockscale.kernels",
+                                                  os.path.join(root, "kernels"))):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [os.path.abspath(path)]
+            sys.modules[name] = pkg
+    return importlib.import_module("jax_blockscale.kernels.sm90_decode_variants")
 
 
 dec = _load_variants_module()
@@ -306,6 +310,10 @@ def main():
                          "(a follow-up run comparing tunings)")
     ap.add_argument("--split-sweep-only", action="store_true",
                     help="only the split-K sweep of the default tuning (no correctness suite)")
+    ap.add_argument("--perf-shapes", default="",
+                    help="comma list of MxNK (e.g. 1x16384,16x16384): time only these shapes")
+    ap.add_argument("--profile-tunings", default="default",
+                    help="with --profile: comma list of tunings to launch ('default' or a tag)")
     ap.add_argument("--profile", action="store_true",
                     help="only launch a few headline cases twice each (run it under ncu)")
     args = ap.parse_args()
@@ -346,10 +354,13 @@ def main():
             return r
 
     if args.profile:  # under ncu: two launches per case, nothing else
-        for (fa, fb, M, NK) in [(None, "nvfp4", 1, 16384), (None, "nvfp4", 16, 16384),
-                                (None, "mxfp8_e4m3", 16, 16384)]:
-            run_case(lib, rng, fa, fb, "bf16", M, NK, NK, check=False, time_it=True, reps=1,
-                     sm_count=sm_count, profile=True)
+        tunings = dict(extra)
+        for tag in args.profile_tunings.split(","):
+            tuning = None if tag == "default" else (tag, tunings[tag])
+            for (fa, fb, M, NK) in [(None, "nvfp4", 1, 16384), (None, "nvfp4", 16, 16384),
+                                    (None, "mxfp8_e4m3", 16, 16384)]:
+                run_case(lib, rng, fa, fb, "bf16", M, NK, NK, check=False, time_it=True, reps=1,
+                         sm_count=sm_count, profile=True, tuning=tuning)
         return 0
 
     # ---- correctness: every pair, output dtype, odd shapes; default tuning ----------------
@@ -387,10 +398,13 @@ def main():
     if not args.no_perf:
         results["copy_tbps"] = copy_bandwidth()
         perf = []
+        perf_shapes = [(1, 8192), (16, 8192), (1, 16384), (16, 16384), (32, 8192), (32, 16384),
+                       (48, 16384), (64, 16384), (64, 8192), (96, 16384), (128, 16384),
+                       (128, 8192), (80, 16384)]
+        if args.perf_shapes:
+            perf_shapes = [tuple(int(x) for x in s.split("x")) for s in args.perf_shapes.split(",")]
         for tuning in ([] if args.split_sweep_only else [None] + list(extra)):
-            for (M, NK) in [(1, 8192), (16, 8192), (1, 16384), (16, 16384), (32, 8192),
-                            (32, 16384), (48, 16384), (64, 16384), (64, 8192), (96, 16384),
-                            (128, 16384), (128, 8192), (80, 16384)]:
+            for (M, NK) in perf_shapes:
                 for fmt_a, fmt_b in [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"),
                                      ("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")]:
                     if fmt_a is not None and M == 1:

@@ -69,7 +69,7 @@ from jax_blockscale.kernels.sm90_dequant_ptx import fp4_perm_pairs_ptx
 # Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
 # ----------------------------------------------------------------------------------------------
 from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
-    B_KINDS, KINDS, OUTS, PAIRS, STEP_BYTES, THREADS, VARIANTS, WARPS,
+    B_KINDS, KINDS, MAX_CLUSTER, OUTS, PAIRS, STEP_BYTES, THREADS, VARIANTS, WARPS,
     WIDE_TUNING, tuning_for,
     DEFAULT_TUNING, FOLD_ALPHA, DecodeVariant, Tuning, _K112, _K119, _K120, _K126,
     choose_decode_variant, steps_elems)
@@ -153,6 +153,32 @@ def stg_f32(addr, val, pred, *, loc=None, ip=None):
     body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}"
     _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,
          ["l", "f", "r"], loc, ip)
+
+
+@dsl_user_op
+def sts_f32(addr, val, *, loc=None, ip=None):
+    _asm(0, "r", [cutlass.Int32(addr), cutlass.Float32(val)], "st.shared.f32 [$0], $1;",
+         ["r", "f"], loc, ip)
+
+
+@dsl_user_op
+def cluster_sync(*, loc=None, ip=None):
+    """All threads of all CTAs of the cluster meet; shared-memory writes before it are visible
+    to the cluster's reads after it (release / acquire)."""
+    _asm(0, "r", [], "barrier.cluster.arrive.release.aligned;\n"
+         "barrier.cluster.wait.acquire.aligned;", [], loc, ip)
+
+
+@dsl_user_op
+def cluster_ctarank(*, loc=None, ip=None):
+    return _asm(1, "r", [], "mov.u32 $0, %cluster_ctarank;", [], loc, ip)[0]
+
+
+@dsl_user_op
+def ld_cluster_f32(addr, rank, *, loc=None, ip=None):
+    """The f32 at shared-memory address `addr` of the cluster's CTA `rank` (DSMEM)."""
+    body = "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $1, $2;\nld.shared::cluster.f32 $0, [ra];\n}"
+    return _asm(1, "f", [cutlass.Int32(addr), cutlass.Int32(rank)], body, ["r", "r"], loc, ip)[0]
 
 
 @dsl_user_op
@@ -380,6 +406,9 @@ class Sm90DecodeGemm:
         # cp.async ring: per stage, per step, per row, per thread 16 weight bytes + 4 scale bytes
         self.ring_w = tuning.stages * self.sub * self.R * THREADS * 16
         self.ring_s = tuning.stages * self.sub * THREADS * 16
+        # activation windows (bf16 activations only: quantized ones are converted while staged)
+        self.win_bytes = tuning.act_window if not self.a_quant else 0
+        assert not self.win_bytes or tuning.pipeline == "cpasync", tuning
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -406,10 +435,7 @@ class Sm90DecodeGemm:
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
         ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
-        self.kernel(
-            a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
-            mchunks,
-        ).launch(
+        launch = dict(
             # M chunks vary fastest: the CTAs that share a weight tile start together, so the
             # second and later chunks read the tile from L2 instead of HBM
             grid=[((n + self.BN - 1) // self.BN) * mchunks, splits, l],
@@ -419,8 +445,19 @@ class Sm90DecodeGemm:
             preferred_smem_carveout=100 if self.tuning.pipeline == "cpasync" else None,
             stream=stream,
         )
-        self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
-            grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+        in_cluster = cutlass.Int32(splits <= MAX_CLUSTER)  # the splits reduce in the kernel
+        if cutlass.const_expr(self.tuning.cluster_reduce):
+            # one cluster = the splits of one output tile (a cluster of 1 when there are more)
+            launch["cluster"] = [1, in_cluster * splits + (1 - in_cluster), 1]
+        else:
+            in_cluster = cutlass.Int32(0)
+        self.kernel(
+            a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, mC, m, n, k, a_e5m2, b_e5m2,
+            splits, mchunks, in_cluster,
+        ).launch(**launch)
+        if in_cluster == 0:
+            self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
+                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
     @cute.kernel
     def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, alpha_ptr: cute.Pointer,
@@ -454,6 +491,7 @@ class Sm90DecodeGemm:
         sb_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
+        c: cute.Tensor,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -461,6 +499,7 @@ class Sm90DecodeGemm:
         b_e5m2: cutlass.Int32,
         splits: cutlass.Int32,
         mchunks: cutlass.Int32,
+        in_cluster: cutlass.Int32,
     ):
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
@@ -475,7 +514,11 @@ class Sm90DecodeGemm:
         m0 = (bxm % mchunks) * (8 * nt)
 
         smem = cutlass.memory.SmemAllocator()
-        act_base = smem.allocate(2 * self.buf_bytes, byte_alignment=128).toint()
+        act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
+                                 byte_alignment=128).toint()
+        part_base = 0  # this CTA's partial tile (Tuning.cluster_reduce)
+        if cutlass.const_expr(self.tuning.cluster_reduce):
+            part_base = smem.allocate(self.BN * 8 * nt * 4, byte_alignment=128).toint()
 
         a_addr = a_ptr.toint()
         b_addr = b_ptr.toint()
@@ -522,12 +565,29 @@ class Sm90DecodeGemm:
         else:
             ring_w = smem.allocate(self.ring_w, byte_alignment=128).toint()
             ring_s = smem.allocate(self.ring_s, byte_alignment=128).toint()
-            self._mainloop_cpasync(acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr,
-                                   sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t,
-                                   a_fp8, b_fp8)
+            if cutlass.const_expr(self.win_bytes > 0):
+                self._mainloop_window(acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr,
+                                      li, m, m0, k, k_begin, k_end, n_sub, tid, lane, g, t,
+                                      b_fp8)
+            else:
+                self._mainloop_cpasync(acc, act_base, ring_w, ring_s, row_addr, sent_addr,
+                                       a_addr, sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid,
+                                       lane, t, a_fp8, b_fp8)
 
-        # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
-        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits) ----
+        if cutlass.const_expr(self.tuning.cluster_reduce):
+            if in_cluster != 0:
+                self._cluster_epilogue(acc, part_base, c, alpha_ptr, bx, warp, g, t, tid, li, m,
+                                       m0, n, splits)
+            else:
+                self._store_partials(acc, ws_addr, bx, by, warp, g, t, li, m, m0, n)
+        else:
+            self._store_partials(acc, ws_addr, bx, by, warp, g, t, li, m, m0, n)
+
+    @cute.jit
+    def _store_partials(self, acc, ws_addr, bx, by, warp, g, t, li, m, m0, n):
+        """This split's partial -> ws[split, l, m, n] (plain stores; every split writes its
+        slice, an empty K range writes zeros; finalize_kernel sums the splits)."""
+        nt = self.v.nt
         _, _, nl = cute.arch.grid_dim()  # L
         split_base = cutlass.Int64(by) * nl * m * n
         for rt in cutlass.range_constexpr(self.RT):
@@ -538,6 +598,43 @@ class Sm90DecodeGemm:
                     ok = (row < n) & (mm < m)
                     addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                     stg_f32(addr, acc[(rt * nt + i) * 4 + x], cutlass.Int32(ok))
+
+    @cute.jit
+    def _cluster_epilogue(self, acc, part_base, c, alpha_ptr, bx, warp, g, t, tid, li, m, m0, n,
+                          splits):
+        """Tuning.cluster_reduce: the cluster is this tile's `splits` CTAs (rank = split). Each
+        puts its partial tile in its shared memory; after a cluster barrier, CTA r adds rows
+        [r*rows, (r+1)*rows) of the tile over the splits in split order (the finalize kernel's
+        order: the same bits), times alpha, into c; a second barrier keeps every CTA's shared
+        memory alive until the others have read it."""
+        nt = self.v.nt
+        cols = 8 * nt  # partial tile: [BN rows][cols] f32
+        for rt in cutlass.range_constexpr(self.RT):
+            for i in cutlass.range_constexpr(nt):
+                for x in cutlass.range_constexpr(4):
+                    row = self._row(bx, warp, g, 2 * rt + x // 2) - bx * self.BN
+                    col = i * 8 + 2 * t + (x % 2)
+                    sts_f32(part_base + (row * cols + col) * 4, acc[(rt * nt + i) * 4 + x])
+        cluster_sync()
+        alpha = ldg_f32(alpha_ptr.toint())
+        if cutlass.const_expr(self.fold):
+            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+        rank = cluster_ctarank()
+        rows = (self.BN + splits - 1) // splits
+        r0 = rank * rows
+        nrows = cutlass.max(0, cutlass.min(rows, self.BN - r0))
+        mc = cutlass.min(m - m0, cols)
+        for idx in range(tid, nrows * mc, THREADS):
+            col = idx // nrows  # rows fastest: consecutive threads store consecutive n
+            rl = r0 + idx - col * nrows
+            addr = part_base + (rl * cols + col) * 4
+            total = cutlass.Float32(0.0)
+            for sp in range(splits):
+                total = total + ld_cluster_f32(addr, sp)
+            row = bx * self.BN + rl
+            if row < n:
+                c[(li * m + m0 + col) * n + row] = self.c_dtype(total * alpha)
+        cluster_sync()
 
     @cute.jit
     def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,
@@ -620,9 +717,116 @@ class Sm90DecodeGemm:
         cp_async_wait(0)
 
     @cute.jit
-    def _step_compute(self, w, sw, kt, buf, c, lane, acc, b_fp8):
+    def _mainloop_window(self, acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr, li, m,
+                         m0, k, k_begin, k_end, n_sub, tid, lane, g, t, b_fp8):
+        """Tuning.act_window > 0 (bf16 activations): the weight ring of _mainloop_cpasync, but the
+        activations come in windows of W sub-chunks: cp.async copies the window's real rows
+        (m0 .. m0 + mc - 1) as they are in memory into one of two buffers, a window ahead, and the
+        CTA meets at one barrier per window instead of one per sub-chunk. Window layout, 16-byte
+        items: ((s * Q + q) * mc + r) * 4 + t = row r, K elements s*se + t*e + 8q .. +8 of the
+        window (s = step in the window): the lanes of a warp read consecutive items (no bank
+        conflicts); rows past mc read row mc - 1 (their MMA columns are never stored). For fp4
+        weights each thread puts the items it copied into the weights' pair order (in place)
+        before the window's barrier: once per item, not once per warp that reads it."""
+        v = self.v
+        nt, se, Q = v.nt, self.se, self.q
+        S = self.tuning.stages
+        chunk = self.sub * se
+        mc = cutlass.min(m - m0, 8 * nt)  # rows of M this CTA computes
+        sub_bytes = chunk * 2 * mc  # one sub-chunk of activations
+        # sub-chunks per window (no more than the CTA's K range has)
+        W = cutlass.max(1, cutlass.min(self.win_bytes // sub_bytes, n_sub))
+        items = W * self.sub * Q * mc * 4  # 16-byte items per window
+        # A thread copies items tid, tid + THREADS, ...: item j = blk * 4mc + rt (blk = s*Q + q,
+        # rt = 4r + t). Its (blk, rt) start and step, divided once here, not once per item.
+        a_rows = a_addr + (cutlass.Int64(li) * m + m0) * k * 2  # row m0 of this batch entry
+        cursor = (tid // (4 * mc), tid % (4 * mc), THREADS // (4 * mc), THREADS % (4 * mc))
+        self._issue_act_window(act_base, a_rows, mc, k, k_begin, k_end, items, tid, cursor)
+        for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
+            self._issue_copies(ring_w, ring_s, j, row_addr, sent_addr, k_begin + j * chunk,
+                               k_end, t, tid, j < n_sub)
+        # this lane's item offsets (n8 tile i: row min(8i + g, mc - 1)) and the stride of q
+        lane_off = [(cutlass.min(8 * i + g, mc - 1) * 4 + t) * 16 for i in range(nt)]
+        q_stride = mc * 64
+        # the window position, carried from sub-chunk to sub-chunk (no division per sub-chunk)
+        wpos = cutlass.Int32(0)  # sub-chunk within the window
+        wsel = cutlass.Int32(0)  # buffer of the current window (0 / 1)
+        k_next = k_begin + W * chunk  # first K of the next window
+        for it in range(n_sub):
+            j = it + S - 1  # the weights first: they stay S - 1 sub-chunks ahead
+            self._issue_copies(ring_w, ring_s, j % S, row_addr, sent_addr, k_begin + j * chunk,
+                               k_end, t, tid, j < n_sub)
+            if wpos == 0:
+                # This window's copies are a group at least W older than the newest (they were
+                # committed at the last window's start), so waiting for all but the newest S-1
+                # groups covers them when W >= S - 1. Then everyone's are in; the barrier also
+                # says every warp is past the last window, whose buffer the next one takes.
+                if W >= S - 1:
+                    cp_async_wait(S - 1)
+                else:
+                    cp_async_wait(0)
+                if cutlass.const_expr(self.b_bits == 4):
+                    self._permute_act_window(act_base + wsel * self.win_bytes, items, tid)
+                cute.arch.sync_threads()
+                if k_next < k_end:
+                    self._issue_act_window(act_base + (1 - wsel) * self.win_bytes, a_rows, mc, k,
+                                           k_next, k_end, items, tid, cursor)
+                    cp_async_commit()
+            else:
+                cp_async_wait(S - 1)  # this thread's copies of sub-chunk `it` have landed
+            kc = k_begin + it * chunk
+            buf = act_base + wsel * self.win_bytes + wpos * sub_bytes
+            stage = it % S
+            for c in cutlass.range_constexpr(self.sub):
+                w = []
+                for r in cutlass.range_constexpr(self.R):
+                    slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
+                    w.append(lds_v4(ring_w + slot * 16))
+                sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
+                if cutlass.const_expr(self.R == 2):
+                    hmask = cutlass.Int32(0) - (tid // 128) % 2
+                    sw = [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
+                self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8,
+                                   win=(lane_off, q_stride))
+            wrap = cutlass.Int32(wpos + 1 == W)  # the window ends with this sub-chunk
+            wpos = (wpos + 1) * (1 - wrap)
+            wsel = wsel ^ wrap
+            k_next = k_next + wrap * (W * chunk)
+        cp_async_wait(0)
+
+    @cute.jit
+    def _issue_act_window(self, buf, a_rows, mc, k, kw, k_end, items, tid, cursor):
+        """cp.async one window of bf16 activations (the mc rows from a_rows, K from kw, `items`
+        16-byte items) into `buf` in the window layout; K past k_end is zero-filled.
+        cursor = (blk, rt) of item tid and their step per THREADS items."""
+        se, Q = self.se, self.q
+        qbits = Q.bit_length() - 1  # Q is 2 or 4
+        blk, rt, d_blk, d_rt = cursor
+        for j in range(tid, items, THREADS):
+            t = rt & 3
+            r = rt >> 2
+            kk = kw + (blk >> qbits) * se + t * self.e + 8 * (blk & (Q - 1))
+            src = a_rows + (cutlass.Int64(r) * k + kk) * 2
+            cp_async(buf + j * 16, src, 16, cutlass.Int32(kk < k_end))
+            rt = rt + d_rt
+            wrap = cutlass.Int32(rt >= 4 * mc)
+            rt = rt - wrap * (4 * mc)
+            blk = blk + d_blk + wrap
+
+    @cute.jit
+    def _permute_act_window(self, buf, items, tid):
+        """The items this thread copied (_issue_act_window's j), in place, into the fp4 weights'
+        pair order (x0x4, x1x5, x2x6, x3x7)."""
+        for j in range(tid, items, THREADS):
+            sts_v4(buf + j * 16, permute_fp4_order(lds_v4(buf + j * 16)))
+
+    @cute.jit
+    def _step_compute(self, w, sw, kt, buf, c, lane, acc, b_fp8, win=None):
         """One 64-byte step of the thread's four rows: w[j] = 4 weight words of row j, sw[j] = the
-        scale word of row j (4 scale columns), kt = first K element of the thread's bytes."""
+        scale word of row j (4 scale columns), kt = first K element of the thread's bytes.
+        Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
+        per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
+        sub-chunk's first item)."""
         v = self.v
         nt, Q = v.nt, self.q
         col = (kt // self.b_block) % 4  # the thread's first scale column (byte) in the word
@@ -636,7 +840,11 @@ class Sm90DecodeGemm:
         for q in cutlass.range_constexpr(Q):
             act = []
             for i in cutlass.range_constexpr(nt):
-                act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
+                if cutlass.const_expr(win is None):
+                    act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
+                else:
+                    lane_off, q_stride = win
+                    act.append(lds_v4(buf + (c * Q + q) * q_stride + lane_off[i]))
             blk = q // 2 if nblk == 2 else 0
             for rt in cutlass.range_constexpr(self.RT):
                 wg = [w[2 * rt][q * wpg + x] for x in range(wpg)]
