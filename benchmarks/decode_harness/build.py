@@ -4,7 +4,7 @@
         [--extra-tunings cpasync:4:1:2:2,regs:2:2:1:1]
 
 For every variant of jax_blockscale.kernels.sm90_decode (default tuning; plus, per extra tuning
-pipeline:stages:sub_steps:min_blocks:ctas_per_sm[:fold 0/1[:act_window bytes[:rows_per_thread[:cluster_reduce 0/1]]]],
+pipeline:stages:sub_steps:min_blocks:ctas_per_sm[:fold 0/1[:act_window bytes[:rows_per_thread]]],
 its bf16/f32-output
 variants named
 <name>_T<tag>) it runs cute.compile for sm_90a and export_to_c, then links the objects, a small C
@@ -91,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--only", default="*", help="fnmatch patterns (comma list) on variant names")
     ap.add_argument("--extra-tunings", default="",
                     help="comma list of pipeline:stages:sub_steps:min_blocks:ctas_per_sm"
-                         "[:fold_scale 0/1[:act_window bytes[:rows_per_thread[:cluster_reduce 0/1]]]]; each "
+                         "[:fold_scale 0/1[:act_window bytes[:rows_per_thread]]]; each "
                          "adds the bf16/f32-output variants under the name suffix _T<tag>")
     args = ap.parse_args(argv)
     from jax_blockscale.kernels import sm90_decode as dec
@@ -103,8 +103,7 @@ def main(argv=None):
         tun = dec.Tuning(p, int(st), int(sub), int(mb), int(cps),
                          fold_scale=bool(int(rest[0])) if rest else False,
                          act_window=int(rest[1]) if len(rest) > 1 else 0,
-                         rows_per_thread=int(rest[2]) if len(rest) > 2 else 4,
-                         cluster_reduce=bool(int(rest[3])) if len(rest) > 3 else False)
+                         rows_per_thread=int(rest[2]) if len(rest) > 2 else 4)
         jobs += [(v, tun, f"{v.name}_T{tun.tag}") for v in dec.VARIANTS if v.out in ("bf16", "f32")]
     exports, table = [], {}
     for v, tun, name in jobs:

@@ -69,7 +69,7 @@ from jax_blockscale.kernels.sm90_dequant_ptx import fp4_perm_pairs_ptx
 # Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
 # ----------------------------------------------------------------------------------------------
 from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
-    B_KINDS, KINDS, MAX_CLUSTER, OUTS, PAIRS, STEP_BYTES, THREADS, VARIANTS, WARPS,
+    B_KINDS, KINDS, OUTS, PAIRS, STEP_BYTES, THREADS, VARIANTS, WARPS,
     WIDE_TUNING, tuning_for,
     DEFAULT_TUNING, FOLD_ALPHA, DecodeVariant, Tuning, _K112, _K119, _K120, _K126,
     choose_decode_variant, steps_elems)
@@ -153,32 +153,6 @@ def stg_f32(addr, val, pred, *, loc=None, ip=None):
     body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}"
     _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,
          ["l", "f", "r"], loc, ip)
-
-
-@dsl_user_op
-def sts_f32(addr, val, *, loc=None, ip=None):
-    _asm(0, "r", [cutlass.Int32(addr), cutlass.Float32(val)], "st.shared.f32 [$0], $1;",
-         ["r", "f"], loc, ip)
-
-
-@dsl_user_op
-def cluster_sync(*, loc=None, ip=None):
-    """All threads of all CTAs of the cluster meet; shared-memory writes before it are visible
-    to the cluster's reads after it (release / acquire)."""
-    _asm(0, "r", [], "barrier.cluster.arrive.release.aligned;\n"
-         "barrier.cluster.wait.acquire.aligned;", [], loc, ip)
-
-
-@dsl_user_op
-def cluster_ctarank(*, loc=None, ip=None):
-    return _asm(1, "r", [], "mov.u32 $0, %cluster_ctarank;", [], loc, ip)[0]
-
-
-@dsl_user_op
-def ld_cluster_f32(addr, rank, *, loc=None, ip=None):
-    """The f32 at shared-memory address `addr` of the cluster's CTA `rank` (DSMEM)."""
-    body = "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $1, $2;\nld.shared::cluster.f32 $0, [ra];\n}"
-    return _asm(1, "f", [cutlass.Int32(addr), cutlass.Int32(rank)], body, ["r", "r"], loc, ip)[0]
 
 
 @dsl_user_op
@@ -435,7 +409,10 @@ class Sm90DecodeGemm:
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
         ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
-        launch = dict(
+        self.kernel(
+            a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
+            mchunks,
+        ).launch(
             # M chunks vary fastest: the CTAs that share a weight tile start together, so the
             # second and later chunks read the tile from L2 instead of HBM
             grid=[((n + self.BN - 1) // self.BN) * mchunks, splits, l],
@@ -445,19 +422,8 @@ class Sm90DecodeGemm:
             preferred_smem_carveout=100 if self.tuning.pipeline == "cpasync" else None,
             stream=stream,
         )
-        in_cluster = cutlass.Int32(splits <= MAX_CLUSTER)  # the splits reduce in the kernel
-        if cutlass.const_expr(self.tuning.cluster_reduce):
-            # one cluster = the splits of one output tile (a cluster of 1 when there are more)
-            launch["cluster"] = [1, in_cluster * splits + (1 - in_cluster), 1]
-        else:
-            in_cluster = cutlass.Int32(0)
-        self.kernel(
-            a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, mC, m, n, k, a_e5m2, b_e5m2,
-            splits, mchunks, in_cluster,
-        ).launch(**launch)
-        if in_cluster == 0:
-            self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
-                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+        self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
+            grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
     @cute.kernel
     def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, alpha_ptr: cute.Pointer,
@@ -491,7 +457,6 @@ class Sm90DecodeGemm:
         sb_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
-        c: cute.Tensor,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -499,7 +464,6 @@ class Sm90DecodeGemm:
         b_e5m2: cutlass.Int32,
         splits: cutlass.Int32,
         mchunks: cutlass.Int32,
-        in_cluster: cutlass.Int32,
     ):
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
@@ -516,9 +480,6 @@ class Sm90DecodeGemm:
         smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
                                  byte_alignment=128).toint()
-        part_base = 0  # this CTA's partial tile (Tuning.cluster_reduce)
-        if cutlass.const_expr(self.tuning.cluster_reduce):
-            part_base = smem.allocate(self.BN * 8 * nt * 4, byte_alignment=128).toint()
 
         a_addr = a_ptr.toint()
         b_addr = b_ptr.toint()
@@ -574,20 +535,8 @@ class Sm90DecodeGemm:
                                        a_addr, sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid,
                                        lane, t, a_fp8, b_fp8)
 
-        if cutlass.const_expr(self.tuning.cluster_reduce):
-            if in_cluster != 0:
-                self._cluster_epilogue(acc, part_base, c, alpha_ptr, bx, warp, g, t, tid, li, m,
-                                       m0, n, splits)
-            else:
-                self._store_partials(acc, ws_addr, bx, by, warp, g, t, li, m, m0, n)
-        else:
-            self._store_partials(acc, ws_addr, bx, by, warp, g, t, li, m, m0, n)
-
-    @cute.jit
-    def _store_partials(self, acc, ws_addr, bx, by, warp, g, t, li, m, m0, n):
-        """This split's partial -> ws[split, l, m, n] (plain stores; every split writes its
-        slice, an empty K range writes zeros; finalize_kernel sums the splits)."""
-        nt = self.v.nt
+        # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
+        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits) ----
         _, _, nl = cute.arch.grid_dim()  # L
         split_base = cutlass.Int64(by) * nl * m * n
         for rt in cutlass.range_constexpr(self.RT):
@@ -598,43 +547,6 @@ class Sm90DecodeGemm:
                     ok = (row < n) & (mm < m)
                     addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                     stg_f32(addr, acc[(rt * nt + i) * 4 + x], cutlass.Int32(ok))
-
-    @cute.jit
-    def _cluster_epilogue(self, acc, part_base, c, alpha_ptr, bx, warp, g, t, tid, li, m, m0, n,
-                          splits):
-        """Tuning.cluster_reduce: the cluster is this tile's `splits` CTAs (rank = split). Each
-        puts its partial tile in its shared memory; after a cluster barrier, CTA r adds rows
-        [r*rows, (r+1)*rows) of the tile over the splits in split order (the finalize kernel's
-        order: the same bits), times alpha, into c; a second barrier keeps every CTA's shared
-        memory alive until the others have read it."""
-        nt = self.v.nt
-        cols = 8 * nt  # partial tile: [BN rows][cols] f32
-        for rt in cutlass.range_constexpr(self.RT):
-            for i in cutlass.range_constexpr(nt):
-                for x in cutlass.range_constexpr(4):
-                    row = self._row(bx, warp, g, 2 * rt + x // 2) - bx * self.BN
-                    col = i * 8 + 2 * t + (x % 2)
-                    sts_f32(part_base + (row * cols + col) * 4, acc[(rt * nt + i) * 4 + x])
-        cluster_sync()
-        alpha = ldg_f32(alpha_ptr.toint())
-        if cutlass.const_expr(self.fold):
-            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
-        rank = cluster_ctarank()
-        rows = (self.BN + splits - 1) // splits
-        r0 = rank * rows
-        nrows = cutlass.max(0, cutlass.min(rows, self.BN - r0))
-        mc = cutlass.min(m - m0, cols)
-        for idx in range(tid, nrows * mc, THREADS):
-            col = idx // nrows  # rows fastest: consecutive threads store consecutive n
-            rl = r0 + idx - col * nrows
-            addr = part_base + (rl * cols + col) * 4
-            total = cutlass.Float32(0.0)
-            for sp in range(splits):
-                total = total + ld_cluster_f32(addr, sp)
-            row = bx * self.BN + rl
-            if row < n:
-                c[(li * m + m0 + col) * n + row] = self.c_dtype(total * alpha)
-        cluster_sync()
 
     @cute.jit
     def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,

@@ -29,7 +29,6 @@ OUTS = ("bf16", "f16", "f32")
 WARPS = 8  # warps per CTA
 THREADS = 32 * WARPS
 STEP_BYTES = 64  # bytes of one weight row per step (4 lanes x 16 B)
-MAX_CLUSTER = 8  # the largest portable thread-block cluster (Tuning.cluster_reduce)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +57,6 @@ class Tuning:
     # cp.async copies the real rows (< M) of as many sub-chunks as fit in one window, one barrier
     # per window, so the warps run apart for the rest (sm90_decode._mainloop_window).
     act_window: int = 0
-    # split-K partials summed inside the kernel: the CTAs of one output tile's splits form a
-    # thread-block cluster (splits <= MAX_CLUSTER) and add each other's partials through
-    # distributed shared memory, in split order (the finalize kernel's sums, bit for bit);
-    # larger split counts keep the workspace and the finalize kernel
-    cluster_reduce: bool = False
 
     @property
     def tag(self) -> str:
@@ -71,8 +65,6 @@ class Tuning:
             tag += f"_r{self.rows_per_thread}"
         if self.act_window:
             tag += f"_w{self.act_window // 1024}k"
-        if self.cluster_reduce:
-            tag += "_cr"
         return tag + ("_fold" if self.fold_scale else "")
 
     @property
