@@ -34,24 +34,10 @@ import ml_dtypes
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_variants_module():
-    """jax_blockscale/kernels/sm90_decode_variants.py (and the pure-Python sm90_dequant_ptx it
-    imports) without running the package's __init__ (jax, the plugin): the two packages are
-    entered as bare modules over their folders first."""
-    import importlib
-    import types
+sys.path.insert(0, HERE)
+from variants_loader import load_decode_variants  # noqa: E402
 
-    root = os.path.join(HERE, "..", "..", "jax_blockscale")
-    for name, path in (("jax_blockscale", root), ("jax_blockscale.kernels",
-                                                  os.path.join(root, "kernels"))):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [os.path.abspath(path)]
-            sys.modules[name] = pkg
-    return importlib.import_module("jax_blockscale.kernels.sm90_decode_variants")
-
-
-dec = _load_variants_module()
+dec = load_decode_variants()
 
 FP4_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 FMTS = {  # fmt -> (kernel kind, element kind)
