@@ -617,16 +617,23 @@ class Sm90DecodeGemm:
             cute.arch.sync_threads()  # everyone's activations are staged
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
-                w = []  # rows j = 2 rt + r2 -> 4 words
-                for r in cutlass.range_constexpr(self.R):
-                    slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
-                    w.append(lds_v4(ring_w + slot * 16))
-                sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
-                if cutlass.const_expr(self.R == 2):  # this warp's two quarters: 2h, 2h + 1
-                    hmask = cutlass.Int32(0) - (tid // 128) % 2  # all ones for h = 1
-                    sw = [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
+                w, sw = self._ring_words(ring_w, ring_s, stage, c, tid)
                 self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
         cp_async_wait(0)
+
+    @cute.jit
+    def _ring_words(self, ring_w, ring_s, stage, c, tid):
+        """Step c of ring stage `stage`, as this thread copied it: w[j] = the 4 weight words of
+        its row j (= 2 rt + r2), sw[j] = the scale word of row j."""
+        w = []
+        for r in cutlass.range_constexpr(self.R):
+            slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
+            w.append(lds_v4(ring_w + slot * 16))
+        sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
+        if cutlass.const_expr(self.R == 2):  # this warp's two quarters: 2h, 2h + 1
+            hmask = cutlass.Int32(0) - (tid // 128) % 2  # all ones for h = 1
+            sw = [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
+        return w, sw
 
     @cute.jit
     def _mainloop_window(self, acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr, li, m,
@@ -690,14 +697,7 @@ class Sm90DecodeGemm:
             buf = act_base + wsel * self.win_bytes + wpos * sub_bytes
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
-                w = []
-                for r in cutlass.range_constexpr(self.R):
-                    slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
-                    w.append(lds_v4(ring_w + slot * 16))
-                sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
-                if cutlass.const_expr(self.R == 2):
-                    hmask = cutlass.Int32(0) - (tid // 128) % 2
-                    sw = [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
+                w, sw = self._ring_words(ring_w, ring_s, stage, c, tid)
                 self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8,
                                    win=(lane_off, q_stride))
             wrap = cutlass.Int32(wpos + 1 == W)  # the window ends with this sub-chunk
