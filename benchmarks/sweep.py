@@ -77,8 +77,8 @@ def read_time_us(nbytes, cache):
     """Device time of the cheapest program that reads `nbytes` once: a jitted max over a uint32
     array of that size (XLA's reduction streams it at the read bandwidth a kernel of this length
     can reach; rotated through copies when it would fit in L2). The floor for a decode GEMM
-    that must read as many bytes: at ~150 MB the H100 reads ~2.5 TB/s, under the 2.9-3.0 TB/s
-    of a long copy. Cached per size; None on CPU."""
+    that must read as many bytes: at ~150 MB the H100 reads ~3.0 TB/s (50 us; plain CUDA read
+    kernels reach the same, benchmarks/probes/read_probe.py). Cached per size; None on CPU."""
     if nbytes not in cache:
         n = max(nbytes // 4, 1)
         xs = copies(jnp.arange(n, dtype=jnp.uint32), rotation_count(nbytes))
