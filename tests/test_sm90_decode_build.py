@@ -302,6 +302,13 @@ def _sass_of(obj, tmp):
     return _cubins.dump_sass(cubins[0].write(os.path.join(tmp, "k.cubin")))
 
 
+def _main_kernel_sass(obj, tmp):
+    """The SASS of the decode main kernel alone (not the finalize kernel beside it)."""
+    sass = _sass_of(obj, tmp)
+    main = sass[sass.index("Function : kernel_cutlass_kernel"):]
+    return main[:main.index("Function", 10)] if "Function" in main[10:] else main
+
+
 FAST = [dv.DecodeVariant("bf16", "nvfp4", "bf16", 1), dv.DecodeVariant("bf16", "mxfp8", "f32", 2),
         dv.DecodeVariant("mxfp4", "mxfp4", "f16", 2), dv.DecodeVariant("bf16", "nvfp4", "bf16", 4)]
 
@@ -316,9 +323,7 @@ def test_export_sm90a(variant, tmp_path):
     params = [p.strip().split()[-1].lstrip("*") for p in proto.group(2).split(",")]
     assert params == ["module", "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr",
                       "ws_ptr", "m", "n", "k", "l", "a_e5m2", "b_e5m2", "splits", "stream"]
-    sass = _sass_of(o, str(tmp_path))
-    main = sass[sass.index("Function : kernel_cutlass_kernel"):]
-    main = main[:main.index("Function", 10)] if "Function" in main[10:] else main
+    main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main  # tensor cores, bf16 in / f32 accumulate
     if dv.DEFAULT_TUNING.pipeline == "cpasync":  # 16-byte weight copies, L1 bypassed
         assert "LDGSTS.E.BYPASS.LTC256B.128" in main and "DEPBAR" in main
@@ -336,9 +341,7 @@ def test_export_act_window_tuning(variant, tmp_path):
     docs/sm90_decode_notes.md session 4) still builds: activations by cp.async too, no spills."""
     tuning = dataclasses.replace(dv.DEFAULT_TUNING, act_window=16384)
     h, o = dec.export_variant(variant, str(tmp_path), variant.name, tuning=tuning)
-    sass = _sass_of(o, str(tmp_path))
-    main = sass[sass.index("Function : kernel_cutlass_kernel"):]
-    main = main[:main.index("Function", 10)] if "Function" in main[10:] else main
+    main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main and "BAR.SYNC" in main
     assert "LDGSTS.E.BYPASS.LTC256B.128" in main
     assert "LDL" not in main and "STL" not in main
