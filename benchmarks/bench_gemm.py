@@ -54,6 +54,12 @@ def lowering_platform(device) -> str:
     return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
 
 
+def short_error(e, limit=160):
+    """`Type: first line of the message` for a result row (an empty message is fine too)."""
+    first = next(iter(str(e).splitlines()), "")
+    return f"{type(e).__name__}: {first[:limit]}"
+
+
 def spec_of(a, b):
     """The GemmSpec that `jbs.gemm(a, b)` (bf16 output) lowers with: what backends look at."""
     avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in
@@ -90,7 +96,7 @@ def bench_shape(fmt, m, n, k, platform, rng_key):
     try:
         row["nn_scaled_us"] = time_us(nn_scaled, a_plain, b_plain)
     except Exception as e:  # not every platform / format has it
-        row["nn_scaled_err"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        row["nn_scaled_err"] = short_error(e, 120)
     reference = None
     for name in runnable_backends(a_q, b_q, platform):
         f = jax.jit(lambda a, b, name=name: jbs.gemm(a, b, backend=name))

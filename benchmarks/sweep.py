@@ -32,7 +32,8 @@ import jax_blockscale as jbs
 from jax_blockscale.lowering import select_backend
 
 # the anchors and helpers of the side-by-side bench (one definition of each)
-from bench_gemm import dequant_dot, dot_bf16, lowering_platform, nn_scaled, spec_of
+from bench_gemm import (dequant_dot, dot_bf16, lowering_platform, nn_scaled, short_error,
+                        spec_of)
 from timing import L2_BYTES, copies, device_time_us, rotation_count, time_us
 
 DEFAULT_SHAPES = [(m, nk, nk) for nk in (8192, 16384) for m in (1, 16, 128, 1024, 8192)]
@@ -114,7 +115,7 @@ def _timed(row, key, f, arg_sets, timing):
         if device_us is not None:  # None: no GPU in the trace (CPU run)
             row[key + "_device_us"] = device_us
     except Exception as e:  # noqa: BLE001  (record it: not every platform runs every method)
-        row[key + "_err"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row[key + "_err"] = short_error(e)
 
 
 def bf16_dot_row(m, n, k, key, timing):
@@ -165,7 +166,7 @@ def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache, read_cache):
                 y, yr = gemm(a, b_q).astype(jnp.float32), ref(a, b_q).astype(jnp.float32)
                 row[key_ + "_rel_err"] = float(jnp.linalg.norm(y - yr) / jnp.linalg.norm(yr))
             except Exception as e:  # noqa: BLE001  (keep the sweep going; the row says why)
-                row[key_ + "_check_err"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                row[key_ + "_check_err"] = short_error(e)
 
     flops = 2.0 * m * n * k
     for method, _ in METHODS:
