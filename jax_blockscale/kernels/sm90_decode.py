@@ -33,12 +33,11 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
 * Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) with BN = Tuning.bn rows of N, M
   chunks fastest (the chunks that share a weight tile run together: later chunks read it from
-  L2). Each CTA stores its
-  partial sums (plain stores, no atomics) into its split's slice of an f32 workspace
-  [splits, L, M, N]; the exported launcher then runs a small kernel that adds the splits in a
-  fixed order, multiplies by alpha and converts to the output dtype. Two kernels per call, no
-  zeroing, and the result is bitwise reproducible. The workspace (splits*L*M*N f32) is the
-  caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
+  L2). Each CTA stores its partial sums (plain stores, no atomics) into its split's slice of an
+  f32 workspace [splits, L, M, N]; the exported launcher then runs a small kernel that adds the
+  splits in a fixed order, multiplies by alpha and converts to the output dtype. Two kernels per
+  call, no zeroing, and the result is bitwise reproducible. The workspace (splits*L*M*N f32) is
+  the caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
   (one wave of CTAs).
 
 Measured on an H100 (docs/sm90_decode_notes.md): M=16, N=K=16384, bf16 x nvfp4 in 68 us
@@ -377,7 +376,8 @@ class Sm90DecodeGemm:
         self.step_act_bytes = v.nt * self.q * 32 * 16
         self.buf_bytes = self.sub * self.step_act_bytes
         self.items = self.sub * v.nt * self.q * 32  # 16-byte staging items per sub-chunk
-        # cp.async ring: per stage, per step, per row, per thread 16 weight bytes + 4 scale bytes
+        # cp.async ring: per stage, per step, per row, per thread 16 weight bytes; per stage, per
+        # step, per thread one 16-byte blocked-scale entry (the scales of its rows)
         self.ring_w = tuning.stages * self.sub * self.R * THREADS * 16
         self.ring_s = tuning.stages * self.sub * THREADS * 16
         # activation windows (bf16 activations only: quantized ones are converted while staged)
