@@ -8,8 +8,9 @@ pipeline:stages:sub_steps:min_blocks:ctas_per_sm[:fold 0/1[:act_window bytes[:ro
 its bf16/f32-output variants named <name>_T<tag>) it runs cute.compile for sm_90a and
 export_to_c, then links the objects, a small C shim (one `load_<name>` and `run_<name>` per
 variant: the header's launcher is `static inline`), the DSL's libcuda_dialect_runtime_static.a and
-a static cudart into `libdecode_harness.so` (the plugin's recipe, DESIGN.md "AOT build"). Writes `variants.json` (name -> variant, tuning,
-default) next to it. run_decode.py loads the result on the GPU machine (carry the folder).
+a static cudart into `libdecode_harness.so` (the plugin's recipe, DESIGN.md "AOT build"). Writes
+`variants.json` (name -> variant, tuning, default) next to it. run_decode.py loads the result on
+the GPU machine (carry the folder).
 """
 from __future__ import annotations
 
