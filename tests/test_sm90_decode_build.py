@@ -325,7 +325,12 @@ def test_export_sm90a(variant, tmp_path):
                       "ws_ptr", "m", "n", "k", "l", "a_e5m2", "b_e5m2", "splits", "stream"]
     main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main  # tensor cores, bf16 in / f32 accumulate
-    if dv.DEFAULT_TUNING.pipeline == "cpasync":  # 16-byte weight copies, L1 bypassed
+    pipeline = dv.tuning_for(variant.nt).pipeline
+    if pipeline == "tma":  # weights and scales by TMA boxes, completing on mbarriers
+        assert "UTMALDG.3D" in main and "UTMALDG.3D" in main.replace("UTMALDG.3D", "", 1)
+        assert "SYNCS.PHASECHK.TRANS64" in main and "SYNCS.ARRIVE.TRANS64" in main
+        assert "LDGSTS" not in main
+    elif pipeline == "cpasync":  # 16-byte weight copies, L1 bypassed
         assert "LDGSTS.E.BYPASS.LTC256B.128" in main and "DEPBAR" in main
     else:  # 16-byte streaming weight loads into registers
         assert "LDG.E.NA.LTC256B.128" in main
@@ -339,7 +344,7 @@ def test_export_sm90a(variant, tmp_path):
 def test_export_act_window_tuning(variant, tmp_path):
     """The measured-but-not-shipped activation-window pipeline (Tuning.act_window,
     docs/sm90_decode_notes.md session 4) still builds: activations by cp.async too, no spills."""
-    tuning = dataclasses.replace(dv.DEFAULT_TUNING, act_window=16384)
+    tuning = dataclasses.replace(dv.DEFAULT_TUNING, pipeline="cpasync", act_window=16384)
     h, o = dec.export_variant(variant, str(tmp_path), variant.name, tuning=tuning)
     main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main and "BAR.SYNC" in main

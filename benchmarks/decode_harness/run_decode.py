@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
+import fnmatch
 import json
 import math
 import os
@@ -300,9 +302,16 @@ def main():
                     help="comma list of MxNK (e.g. 1x16384,16x16384): time only these shapes")
     ap.add_argument("--profile-tunings", default="default",
                     help="with --profile: comma list of tunings to launch ('default' or a tag)")
+    ap.add_argument("--tunings", default="",
+                    help="comma list of fnmatch patterns: only the extra tunings whose tag matches")
+    ap.add_argument("--watchdog", type=float, default=0,
+                    help="seconds: print every thread's stack and exit if still running (a hung "
+                         "kernel shows as a stack inside synchronize)")
     ap.add_argument("--profile", action="store_true",
                     help="only launch a few headline cases twice each (run it under ncu)")
     args = ap.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     lib = Lib(args.lib)
     table = json.load(open(os.path.join(args.lib, "variants.json")))
     built = set(table)
@@ -313,6 +322,9 @@ def main():
             tun = dec.Tuning(**ent["tuning"])
             extra[tun.tag] = tun
     extra = sorted(extra.items())
+    if args.tunings:
+        pats = args.tunings.split(",")
+        extra = [(tag, tun) for tag, tun in extra if any(fnmatch.fnmatch(tag, p) for p in pats)]
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     sm_count = props["multiProcessorCount"]

@@ -81,6 +81,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) tile2(const unsigned char* 
 extern "C" __global__ void __launch_bounds__(256, 2) tile4(const unsigned char* p, int s, unsigned* o) { tile<4>(p, s, o); }
 extern "C" __global__ void __launch_bounds__(256, 2) tile4sm(const unsigned char* p, int s, unsigned* o) { tile<4>(p, s, o, blockIdx.y, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(256, 2) tile2sm(const unsigned char* p, int s, unsigned* o) { tile<2>(p, s, o, blockIdx.y, blockIdx.x); }
+// a CTA owns RPC whole rows (one contiguous region) and reads them SEG bytes of every row at a
+// time (row segments across its rows, then the next segment): the current weight layout read
+// without split-K
+template <int SEG, int UNR>
+__device__ void rows(const unsigned char* p, int rpc, unsigned* out) {
+  const int tpr = SEG / 16, rpp = 256 / tpr;  // threads per row, rows per pass
+  const unsigned char* base = p + (long)blockIdx.x * rpc * PITCH_ + (threadIdx.x % tpr) * 16;
+  unsigned acc = 0;
+  for (int s = 0; s < PITCH_; s += SEG)
+    for (int r0 = 0; r0 < rpc; r0 += rpp * UNR) {
+      uint4 v[UNR];
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) v[u] = LD(base + (long)(r0 + u * rpp + threadIdx.x / tpr) * PITCH_ + s);
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) acc ^= v[u].x ^ v[u].w;
+    }
+  if (acc == 0x12345678) out[0] = acc;
+}
+extern "C" __global__ void __launch_bounds__(256, 2) rows512(const unsigned char* p, int r, unsigned* o) { rows<512, 4>(p, r, o); }
+extern "C" __global__ void __launch_bounds__(256, 2) rows1024(const unsigned char* p, int r, unsigned* o) { rows<1024, 8>(p, r, o); }
+extern "C" __global__ void __launch_bounds__(256, 2) rows256(const unsigned char* p, int r, unsigned* o) { rows<256, 2>(p, r, o); }
 '''.replace("PITCH_", str(PITCH))
 mod = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90"))
 nbuf = 3
@@ -118,6 +139,12 @@ for name in ("tile2", "tile4"):
     for splits in (4, 8):
         cases[f"{name}_s{splits}"] = lambda b, fn=f[name], sp=splits: fn((N // 256, sp), (256,), (b, np.int32(sp), out))
         cases[f"{name}sm_s{splits}"] = lambda b, fn=f[name + "sm"], sp=splits: fn((sp, N // 256), (256,), (b, np.int32(sp), out))
+for seg in (256, 512, 1024):
+    fn = mod.get_function(f"rows{seg}")
+    for rpc in (64, 128):
+        cases[f"rows{seg}_r{rpc}"] = lambda b, fn=fn, rpc=rpc: fn((N // rpc,), (256,), (b, np.int32(rpc), out))
+if os.environ.get("PROBE_ONLY"):  # e.g. PROBE_ONLY=rows: just those patterns
+    cases = {k: v for k, v in cases.items() if k.startswith(os.environ["PROBE_ONLY"])}
 res = {"bytes": NB}
 for k, launch in cases.items():
     us = graph_us(launch)

@@ -15,12 +15,15 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   Each warp owns 32 rows of N (two m16 row tiles): rows i0 + g + 32 j of a 128-row group
   (i0 = 8 (warp % 4), j = 0..3), so a thread's four rows share one 16-byte entry of the blocked
   scale layout (one 16-byte scale load per step, whole 128-byte lines per warp).
-* Weights stream 16 bytes per thread per row per step: lane = 4*g + t takes bytes [16t, 16t+16)
-  of the step's 64-byte slice of its rows (64 contiguous bytes per row). Default pipeline
-  (Tuning "cpasync", see sm90_decode_variants.DEFAULT_TUNING): cp.async (L1 bypass, 256-byte L2
-  prefetch) into a per-thread shared-memory ring two sub-chunks deep; the alternative "regs"
-  pipeline loads into registers one sub-chunk ahead. Activations are loaded one sub-chunk ahead
-  into registers and stored into a double-buffered shared tile; one barrier per sub-chunk.
+* Weights: lane = 4*g + t uses bytes [16t, 16t+16) of the step's 64-byte slice of its rows.
+  Default pipeline for M <= 16 (Tuning "tma", see sm90_decode_variants.DEFAULT_TUNING): warp 0
+  brings each sub-chunk in with TMA (one box of the CTA's 256 rows x 64 bytes per step, plus the
+  sub-chunk's blocked-scale tiles) into a shared-memory ring two sub-chunks deep, completing on
+  one mbarrier per slot; everyone reads its 16-byte pieces from there. M <= 32 / 64 ("cpasync",
+  WIDE_TUNING): each thread cp.async-copies its own pieces (L1 bypass, 256-byte L2 prefetch)
+  into a per-thread ring; the "regs" pipeline loads into registers one sub-chunk ahead.
+  Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
+  shared tile; one CTA barrier per sub-chunk.
 * The K index inside an MMA may be any permutation, as long as weights and activations use the
   same one. Each thread feeds its own 16 contiguous weight bytes to consecutive MMAs, so no weight
   shuffle is needed. The fp4 -> bf16 bit trick gives nibbles (j, j+4) of a 32-bit word as one
@@ -40,8 +43,9 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   the caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
   (one wave of CTAs).
 
-Measured on an H100 (docs/sm90_decode_notes.md): M=16, N=K=16384, bf16 x nvfp4 in 68 us
-(2.24 TB/s on the bytes that must move; bf16 jnp.dot 197 us); f32 output error <= 2e-6.
+Measured on an H100 (docs/sm90_decode_notes.md, session 5 run 25, harness CUDA-graph time with
+the finalize): M=16, N=K=16384, bf16 x nvfp4 in 64.6 us (2.35 TB/s on the bytes that must move;
+bf16 jnp.dot ~197 us); f32 output error <= 2e-6.
 
 Operands (device pointers; the contract shared with sm90_blockscaled.py and the FFI handler):
   a   : bf16 [L, M, K] (weight-only) | uint8 [L, M, K/2] (fp4) | uint8 [L, M, K] (fp8)
@@ -179,6 +183,36 @@ def cp_async_commit(*, loc=None, ip=None):
 def cp_async_wait(n, *, loc=None, ip=None):
     """Wait until at most n of this thread's committed copy groups are still in flight."""
     _asm(0, "r", [], f"cp.async.wait_group {n};", [], loc, ip)
+
+
+# --- mbarriers (Tuning "tma") ------------------------------------------------------------------
+@dsl_user_op
+def mbar_init(bar, count, *, loc=None, ip=None):
+    _asm(0, "r", [cutlass.Int32(bar), cutlass.Int32(count)],
+         "mbarrier.init.shared::cta.b64 [$0], $1;", ["r", "r"], loc, ip)
+
+
+@dsl_user_op
+def mbar_init_fence(*, loc=None, ip=None):
+    """Make the mbarrier inits visible to the async proxy (the TMA copies) before first use."""
+    _asm(0, "r", [], "fence.mbarrier_init.release.cluster;", [], loc, ip)
+
+
+@dsl_user_op
+def mbar_arrive_expect_tx(bar, nbytes, *, loc=None, ip=None):
+    """One arrival on `bar` that also announces `nbytes` of TMA copies for this phase."""
+    body = ("{\n.reg .b64 st;\n"
+            "mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;\n}")
+    _asm(0, "r", [cutlass.Int32(bar), cutlass.Int32(nbytes)], body, ["r", "r"], loc, ip)
+
+
+@dsl_user_op
+def mbar_wait(bar, parity, *, loc=None, ip=None):
+    """Spin until phase `parity` of `bar` has completed (labels are local to the braces)."""
+    body = ("{\n.reg .pred p;\nWAIT:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+            "@!p bra WAIT;\n}")
+    _asm(0, "r", [cutlass.Int32(bar), cutlass.Int32(parity)], body, ["r", "r"], loc, ip)
 
 
 # --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
@@ -380,6 +414,17 @@ class Sm90DecodeGemm:
         # step, per thread one 16-byte blocked-scale entry (the scales of its rows)
         self.ring_w = tuning.stages * self.sub * self.R * THREADS * 16
         self.ring_s = tuning.stages * self.sub * THREADS * 16
+        # "tma" ring: per stage, per step, the CTA's BN rows x 64 bytes (one TMA box each; rows
+        # past N and bytes past K arrive as zeros); per stage, per 128-row group, the sub-chunk's
+        # blocked-scale tiles (one box of 4 x 128 bytes per tile)
+        self.scale_tiles = self.sub * self.se // self.b_block // 4
+        if tuning.pipeline == "tma":
+            assert self.R == 4 and tuning.stages >= 2, tuning
+            assert self.sub * self.se % (4 * self.b_block) == 0, "whole scale tiles per stage"
+            self.ring_s = tuning.stages * 2 * self.scale_tiles * 512
+            w_tx = 0 if tuning.probe == "tmas" else self.sub * self.BN * STEP_BYTES
+            s_tx = 0 if tuning.probe == "tmaw" else 2 * self.scale_tiles * 512
+            self.stage_tx = w_tx + s_tx
         # activation windows (bf16 activations only: quantized ones are converted while staged)
         self.win_bytes = tuning.act_window if not self.a_quant else 0
         assert not self.win_bytes or tuning.pipeline == "cpasync", tuning
@@ -409,21 +454,47 @@ class Sm90DecodeGemm:
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
         ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
-        self.kernel(
-            a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
-            mchunks,
-        ).launch(
+        args = (a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
+                mchunks)
+        if cutlass.const_expr(self.tuning.pipeline == "tma"):
+            kern = self.kernel_tma(*args, *self._tma_atoms(b_ptr, sb_ptr, n, k, l))
+        else:
+            kern = self.kernel(*args)
+        kern.launch(
             # M chunks vary fastest: the CTAs that share a weight tile start together, so the
             # second and later chunks read the tile from L2 instead of HBM
             grid=[((n + self.BN - 1) // self.BN) * mchunks, splits, l],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=self.tuning.min_blocks,
             # with min_blocks > 1 the DSL wants the carveout (else it probes a GPU at build time)
-            preferred_smem_carveout=100 if self.tuning.pipeline == "cpasync" else None,
+            preferred_smem_carveout=100 if self.tuning.pipeline != "regs" else None,
             stream=stream,
         )
         self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
             grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+
+    def _tma_atoms(self, b_ptr, sb_ptr, n, k, l):
+        """TMA atoms (host side) for the weights, as (N, K bytes, L) in boxes of BN rows x one
+        64-byte step, and for the blocked scales, as rows of 128 bytes in boxes of one tile."""
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        kb = cute.assume(k * self.b_bits // 8, divby=16)
+        mB = cute.make_tensor(b_ptr, cute.make_layout((n, kb, l), stride=(kb, 1, n * kb)))
+        tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mB, self._w_box_layout(), (self.BN, STEP_BYTES))
+        # scales as (128-byte rows of one group's K tiles, 128, groups x L): a tile past the
+        # group's last one is out of bounds (zeros), never the next group's first tile
+        sk4 = (k // self.b_block + 3) // 4
+        mSB = cute.make_tensor(sb_ptr, cute.make_layout(
+            (4 * sk4, 128, ((n + 127) // 128) * l), stride=(128, 1, sk4 * 512)))
+        tma_s, tS = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mSB, self._s_box_layout(),
+                                                           (4, 128))
+        return tma_w, tW, tma_s, tS
+
+    def _w_box_layout(self):
+        return cute.make_layout((self.BN, STEP_BYTES), stride=(STEP_BYTES, 1))
+
+    def _s_box_layout(self):
+        return cute.make_layout((4, 128), stride=(128, 1))
 
     @cute.kernel
     def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, alpha_ptr: cute.Pointer,
@@ -465,6 +536,36 @@ class Sm90DecodeGemm:
         splits: cutlass.Int32,
         mchunks: cutlass.Int32,
     ):
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
+                   splits, mchunks, None)
+
+    @cute.kernel
+    def kernel_tma(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        ws_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        splits: cutlass.Int32,
+        mchunks: cutlass.Int32,
+        tma_w: cute.CopyAtom,
+        tW: cute.Tensor,
+        tma_s: cute.CopyAtom,
+        tS: cute.Tensor,
+    ):
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
+                   splits, mchunks, (tma_w, tW, tma_s, tS))
+
+    @cute.jit
+    def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
+              splits, mchunks, tma):
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
         tid, _, _ = cute.arch.thread_idx()
@@ -520,7 +621,11 @@ class Sm90DecodeGemm:
 
         acc = cute.make_rmem_tensor((self.RT * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
-        if cutlass.const_expr(self.tuning.pipeline == "regs"):
+        if cutlass.const_expr(self.tuning.pipeline == "tma"):
+            self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
+                               a_addr, sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t,
+                               a_fp8, b_fp8)
+        elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
         else:
@@ -620,6 +725,115 @@ class Sm90DecodeGemm:
                 w, sw = self._ring_words(ring_w, ring_s, stage, c, tid)
                 self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
         cp_async_wait(0)
+
+    @cute.jit
+    def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
+                      sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
+        """Tuning "tma": warp 0 loads each sub-chunk's weights (one TMA box per 64-byte step
+        of the CTA's rows) and scale tiles into a ring `stages` deep, completing on the stage's
+        mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per thread and
+        step. The CTA barrier that stages the activations also tells that the slot being
+        refilled has been read by everyone."""
+        tma_w, tW, tma_s, tS = tma
+        S = self.tuning.stages
+        T = self.scale_tiles
+        chunk = self.sub * self.se
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
+        ring_w = smem.allocate_array(cutlass.Uint8, self.ring_w, byte_alignment=1024)
+        ring_s = smem.allocate_array(cutlass.Uint8, self.ring_s, byte_alignment=128)
+        bars = smem.allocate_array(cutlass.Int64, S, byte_alignment=8)
+        if tid == 0:
+            for j in cutlass.range_constexpr(S):
+                mbar_init(bars.toint() + 8 * j, 1)  # thread 0's arrival + the bytes
+            mbar_init_fence()
+        cute.arch.sync_threads()
+        # TMA views: (box, tiles of N, steps of K, L) and (box, scale tiles)
+        one = cute.make_layout(1)
+        sW = cute.make_tensor(ring_w, cute.make_layout(
+            (self.BN, STEP_BYTES, S * self.sub), stride=(STEP_BYTES, 1, self.BN * STEP_BYTES)))
+        gW = cute.local_tile(tW, (self.BN, STEP_BYTES), (None, None, None))
+        tWs, tWg = cute.nvgpu.cpasync.tma_partition(
+            tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        sS = cute.make_tensor(ring_s, cute.make_layout((4, 128, S * 2 * T),
+                                                        stride=(128, 1, 512)))
+        gS = cute.local_tile(tS, (4, 128), (None, 0, None))
+        tSs, tSg = cute.nvgpu.cpasync.tma_partition(
+            tma_s, 0, one, cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
+        groups = [cutlass.min(bx * (self.BN // 128) + x, nb128 - 1) for x in range(2)]
+
+        views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
+        act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
+        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
+        if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
+            for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
+                if j < n_sub:
+                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
+        for it in range(n_sub):
+            kc = k_begin + it * chunk
+            buf = act_base + (it % 2) * self.buf_bytes
+            self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
+            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+                           it + 1 < n_sub)
+            stage = it % S
+            if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
+                mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
+            # everyone's activations are staged, and everyone is done with sub-chunk it - 1,
+            # whose slot the next copies refill
+            cute.arch.sync_threads()
+            if warp == 0:
+                if it + S - 1 < n_sub:
+                    self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane)
+            for c in cutlass.range_constexpr(self.sub):
+                w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
+                                        t)
+                if cutlass.const_expr(self.tuning.probe != "nocompute"):
+                    self._step_compute(w, sw, kc + c * self.se + t * self.e, buf, c, lane, acc,
+                                       b_fp8)
+                else:  # keep the shared-memory reads: fold them into one accumulator
+                    acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
+
+    @cute.jit
+    def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane):
+        """Warp 0: TMA sub-chunk j (its weight steps and scale tiles) into ring slot j % S. Lane
+        0 announces the bytes first (its copies follow in program order)."""
+        tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views
+        S = self.tuning.stages
+        T = self.scale_tiles
+        slot = j % S
+        kc = k_begin + j * self.sub * self.se
+        bar = bars + slot
+        probe = self.tuning.probe
+        if cutlass.const_expr(probe != "notma"):
+            if lane == 0:
+                mbar_arrive_expect_tx(bars.toint() + 8 * slot, self.stage_tx)
+            if cutlass.const_expr(probe != "tmas"):
+                for c in cutlass.range_constexpr(self.sub):
+                    step = (kc + c * self.se) // self.se
+                    cute.copy(tma_w, tWg[(None, bx, step, li)],
+                              tWs[(None, slot * self.sub + c)], tma_bar_ptr=bar)
+            if cutlass.const_expr(probe != "tmaw"):
+                tile0 = (kc // self.b_block) // 4
+                for x in cutlass.range_constexpr(2):
+                    for y in cutlass.range_constexpr(T):
+                        cute.copy(tma_s, tSg[(None, tile0 + y, li * nb128 + groups[x])],
+                                  tSs[(None, (slot * 2 + x) * T + y)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _tma_words(self, ring_w, ring_s, stage, c, kc, warp, g, t):
+        """Step c of TMA ring stage `stage`: w[j] = the 4 weight words of the thread's row j,
+        sw[j] = the scale word of row j (its 16-byte entry of the step's scale tile)."""
+        w = []
+        for r in cutlass.range_constexpr(self.R):
+            local = self._row(0, warp, g, r)
+            w.append(lds_v4(ring_w + ((stage * self.sub + c) * self.BN + local) * STEP_BYTES
+                            + t * 16))
+        kt = kc + c * self.se + t * self.e
+        tile = (kt // self.b_block) // 4 - (kc // self.b_block) // 4
+        sw = lds_v4(ring_s + ((stage * 2 + warp // 4) * self.scale_tiles + tile) * 512
+                    + ((warp % 4) * 8 + g) * 16)
+        return w, sw
 
     @cute.jit
     def _ring_words(self, ring_w, ring_s, stage, c, tid):

@@ -57,6 +57,13 @@ class Tuning:
     # cp.async copies the real rows (< M) of as many sub-chunks as fit in one window, one barrier
     # per window, so the warps run apart for the rest (sm90_decode._mainloop_window).
     act_window: int = 0
+    # Measurement only (decode harness, never shipped): "noload" skips the weight copies (the
+    # ring holds garbage), "nocompute" skips the dequantize + MMA work (the ring is still read),
+    # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
+    # part of its work taken away. Results are wrong by design. Pipeline "tma" (debugging the
+    # mbarrier protocol): "tmaw" / "tmas" copy only the weights / only the scales, "nowait" never
+    # waits on the stage's mbarrier, "notma" issues no copy at all.
+    probe: str = ""
 
     @property
     def tag(self) -> str:
@@ -65,6 +72,8 @@ class Tuning:
             tag += f"_r{self.rows_per_thread}"
         if self.act_window:
             tag += f"_w{self.act_window // 1024}k"
+        if self.probe:
+            tag += f"_p{self.probe}"
         return tag + ("_fold" if self.fold_scale else "")
 
     @property
@@ -73,14 +82,16 @@ class Tuning:
         return WARPS * 8 * self.rows_per_thread
 
 
-# Measured on the H100 (docs/sm90_decode_notes.md): cp.async ring of 2 sub-chunks of 2 steps,
-# 2 CTAs per SM; the multiply-based fp4 conversion and the NVFP4 scale fold (run 5: M=16,
-# N=K=16384, bf16 x nvfp4 74.0 -> 68.2 us).
-DEFAULT_TUNING = Tuning("cpasync", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
+# Measured on the H100 (docs/sm90_decode_notes.md): a TMA ring of 2 sub-chunks of 2 steps, 2
+# CTAs per SM; the multiply-based fp4 conversion and the NVFP4 scale fold (session 5, run 25:
+# M=16, N=K=16384, bf16 x nvfp4 69.9 us with the cp.async ring -> 64.6 us; 8192^2 24.8 -> 21.7).
+DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
                         fold_scale=True)
 # nt = 4 / 8 (M up to 32 / 64 per pass): one row tile per warp, so that 4-8 n8 tiles of
 # accumulators fit beside the pipeline; 1-step sub-chunks keep the staged activations small.
-WIDE_TUNING = dataclasses.replace(DEFAULT_TUNING, sub_steps=1, rows_per_thread=2)
+# The per-thread cp.async ring (the TMA ring is built for 4 rows per thread).
+WIDE_TUNING = Tuning("cpasync", stages=2, sub_steps=1, min_blocks=2, ctas_per_sm=2,
+                     fold_scale=True, rows_per_thread=2)
 NTS = (1, 2, 4, 8)  # n8 tiles of M per CTA: M <= 8, 16, 32, 64 rows per pass
 
 
