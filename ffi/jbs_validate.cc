@@ -144,13 +144,14 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
 // Constants of kernels/sm90_decode_variants.py (MAX_M, tuning_for(nt) and the CTA shape).
 namespace {
 constexpr int kDecodeMaxM = 64;        // past this the tensor-core GEMM wins
-constexpr int kDecodeCtasPerSm = 2;    // ctas_per_sm of both tunings
 constexpr int kDecodeStepBytes = 64;   // bytes of one weight row per step
 // n8 tiles of M per CTA (nt_for): M <= 8, 16, 32, 64
 int DecodeNt(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
-// DEFAULT_TUNING (nt 1, 2): 256 rows of N per CTA, 2-step sub-chunks; WIDE_TUNING (nt 4, 8): 128, 1
+// DEFAULT_TUNING (nt 1, 2): 256 rows of N per CTA, 4-step sub-chunks, 1 CTA per SM;
+// WIDE_TUNING (nt 4, 8): 128 rows, 1-step sub-chunks, 2 CTAs per SM
 int DecodeRowsPerCta(int nt) { return nt <= 2 ? 256 : 128; }
-int DecodeSubSteps(int nt) { return nt <= 2 ? 2 : 1; }
+int DecodeSubSteps(int nt) { return nt <= 2 ? 4 : 1; }
+int DecodeCtasPerSm(int nt) { return nt <= 2 ? 1 : 2; }
 int BitsOf(int kind) { return kind == JBS_MXFP8 ? 8 : (kind == JBS_BF16 ? 16 : 4); }
 int64_t DecodeKChunks(int b_kind, int64_t k, int nt) {
   const int64_t chunk = DecodeSubSteps(nt) * (kDecodeStepBytes * 8 / BitsOf(b_kind));
@@ -169,7 +170,7 @@ bool ChooseDecode(int a_kind, int b_kind, int out, int64_t m, int64_t n, int64_t
   const int nt = DecodeNt(m);
   const int64_t k_chunks = DecodeKChunks(b_kind, k, nt);
   const int64_t ctas = CeilDiv(n, DecodeRowsPerCta(nt)) * CeilDiv(m, 8 * nt);
-  int64_t want = (int64_t)kDecodeCtasPerSm * sm_count / (ctas > 1 ? ctas : 1);
+  int64_t want = (int64_t)DecodeCtasPerSm(nt) * sm_count / (ctas > 1 ? ctas : 1);
   int64_t splits = k_chunks < want ? k_chunks : want;
   if (splits < 1) splits = 1;
   const int64_t per = CeilDiv(k_chunks, splits);  // equal sub-chunks per split

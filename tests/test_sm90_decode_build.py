@@ -272,7 +272,7 @@ def test_choose_decode_variant():
     for m, nt in [(17, 4), (32, 4), (33, 8), (64, 8)]:
         v, s = dv.choose_decode_variant(m, 16384, 16384, None, "nvfp4", 132)
         assert v.nt == nt and dv.tuning_for(nt) == dv.WIDE_TUNING and dv.WIDE_TUNING.bn == 128
-        assert 1 <= s and -(-16384 // 128) * s <= 132 * cps
+        assert 1 <= s and -(-16384 // 128) * s <= 132 * dv.WIDE_TUNING.ctas_per_sm
     # not this kernel's job
     assert dv.choose_decode_variant(65, 4096, 4096, None, "nvfp4", 132) is None
     assert dv.choose_decode_variant(128, 4096, 4096, None, "nvfp4", 132) is None

@@ -17,9 +17,10 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   scale layout (one 16-byte scale load per step, whole 128-byte lines per warp).
 * Weights: lane = 4*g + t uses bytes [16t, 16t+16) of the step's 64-byte slice of its rows.
   Default pipeline for M <= 16 (Tuning "tma", see sm90_decode_variants.DEFAULT_TUNING): warp 0
-  brings each sub-chunk in with TMA (one box of the CTA's 256 rows x 64 bytes per step, plus the
-  sub-chunk's blocked-scale tiles) into a shared-memory ring two sub-chunks deep, completing on
-  one mbarrier per slot; everyone reads its 16-byte pieces from there. M <= 32 / 64 ("cpasync",
+  brings each sub-chunk in with TMA (boxes of the CTA's 256 rows x box_steps * 64 bytes: one
+  256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
+  into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
+  reads its 16-byte pieces from there. M <= 32 / 64 ("cpasync",
   WIDE_TUNING): each thread cp.async-copies its own pieces (L1 bypass, 256-byte L2 prefetch)
   into a per-thread ring; the "regs" pipeline loads into registers one sub-chunk ahead.
   Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
@@ -43,8 +44,8 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   the caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
   (one wave of CTAs).
 
-Measured on an H100 (docs/sm90_decode_notes.md, session 5 run 25, harness CUDA-graph time with
-the finalize): M=16, N=K=16384, bf16 x nvfp4 in 64.6 us (2.35 TB/s on the bytes that must move;
+Measured on an H100 (docs/sm90_decode_notes.md, session 5 run 28, harness CUDA-graph time with
+the finalize): M=16, N=K=16384, bf16 x nvfp4 in 61.9 us (2.46 TB/s on the bytes that must move;
 bf16 jnp.dot ~197 us); f32 output error <= 2e-6.
 
 Operands (device pointers; the contract shared with sm90_blockscaled.py and the FFI handler):
@@ -421,6 +422,9 @@ class Sm90DecodeGemm:
         if tuning.pipeline == "tma":
             assert self.R == 4 and tuning.stages >= 2, tuning
             assert self.sub * self.se % (4 * self.b_block) == 0, "whole scale tiles per stage"
+            assert self.sub % tuning.box_steps == 0, tuning
+            self.box_bytes = tuning.box_steps * STEP_BYTES  # bytes of each row per TMA box
+            self.boxes = self.sub // tuning.box_steps  # weight boxes per sub-chunk
             self.ring_s = tuning.stages * 2 * self.scale_tiles * 512
             w_tx = 0 if tuning.probe == "tmas" else self.sub * self.BN * STEP_BYTES
             s_tx = 0 if tuning.probe == "tmaw" else 2 * self.scale_tiles * 512
@@ -480,7 +484,7 @@ class Sm90DecodeGemm:
         kb = cute.assume(k * self.b_bits // 8, divby=16)
         mB = cute.make_tensor(b_ptr, cute.make_layout((n, kb, l), stride=(kb, 1, n * kb)))
         tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, mB, self._w_box_layout(), (self.BN, STEP_BYTES))
+            g2s, mB, self._w_box_layout(), (self.BN, self.box_bytes))
         # scales as (128-byte rows of one group's K tiles, 128, groups x L): a tile past the
         # group's last one is out of bounds (zeros), never the next group's first tile
         sk4 = (k // self.b_block + 3) // 4
@@ -491,7 +495,7 @@ class Sm90DecodeGemm:
         return tma_w, tW, tma_s, tS
 
     def _w_box_layout(self):
-        return cute.make_layout((self.BN, STEP_BYTES), stride=(STEP_BYTES, 1))
+        return cute.make_layout((self.BN, self.box_bytes), stride=(self.box_bytes, 1))
 
     def _s_box_layout(self):
         return cute.make_layout((4, 128), stride=(128, 1))
@@ -729,11 +733,12 @@ class Sm90DecodeGemm:
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                       sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
-        """Tuning "tma": warp 0 loads each sub-chunk's weights (one TMA box per 64-byte step
-        of the CTA's rows) and scale tiles into a ring `stages` deep, completing on the stage's
-        mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per thread and
-        step. The CTA barrier that stages the activations also tells that the slot being
-        refilled has been read by everyone."""
+        """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
+        box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
+        stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
+        thread and step. The CTA barrier that stages the activations also tells that the slot
+        being refilled has been read by everyone. (Rows of 128 / 256 bytes cost a 2-way bank
+        conflict in the 16-byte reads; the longer row segments more than pay for it.)"""
         tma_w, tW, tma_s, tS = tma
         S = self.tuning.stages
         T = self.scale_tiles
@@ -752,8 +757,9 @@ class Sm90DecodeGemm:
         # TMA views: (box, tiles of N, steps of K, L) and (box, scale tiles)
         one = cute.make_layout(1)
         sW = cute.make_tensor(ring_w, cute.make_layout(
-            (self.BN, STEP_BYTES, S * self.sub), stride=(STEP_BYTES, 1, self.BN * STEP_BYTES)))
-        gW = cute.local_tile(tW, (self.BN, STEP_BYTES), (None, None, None))
+            (self.BN, self.box_bytes, S * self.boxes),
+            stride=(self.box_bytes, 1, self.BN * self.box_bytes)))
+        gW = cute.local_tile(tW, (self.BN, self.box_bytes), (None, None, None))
         tWs, tWg = cute.nvgpu.cpasync.tma_partition(
             tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         sS = cute.make_tensor(ring_s, cute.make_layout((4, 128, S * 2 * T),
@@ -809,10 +815,11 @@ class Sm90DecodeGemm:
             if lane == 0:
                 mbar_arrive_expect_tx(bars.toint() + 8 * slot, self.stage_tx)
             if cutlass.const_expr(probe != "tmas"):
-                for c in cutlass.range_constexpr(self.sub):
-                    step = (kc + c * self.se) // self.se
-                    cute.copy(tma_w, tWg[(None, bx, step, li)],
-                              tWs[(None, slot * self.sub + c)], tma_bar_ptr=bar)
+                bs = self.tuning.box_steps
+                for c in cutlass.range_constexpr(self.boxes):
+                    box = (kc + c * bs * self.se) // (bs * self.se)  # K index in boxes
+                    cute.copy(tma_w, tWg[(None, bx, box, li)],
+                              tWs[(None, slot * self.boxes + c)], tma_bar_ptr=bar)
             if cutlass.const_expr(probe != "tmaw"):
                 tile0 = (kc // self.b_block) // 4
                 for x in cutlass.range_constexpr(2):
@@ -825,10 +832,11 @@ class Sm90DecodeGemm:
         """Step c of TMA ring stage `stage`: w[j] = the 4 weight words of the thread's row j,
         sw[j] = the scale word of row j (its 16-byte entry of the step's scale tile)."""
         w = []
+        bs = self.tuning.box_steps
+        box = ring_w + (stage * self.boxes + c // bs) * self.BN * self.box_bytes
         for r in cutlass.range_constexpr(self.R):
             local = self._row(0, warp, g, r)
-            w.append(lds_v4(ring_w + ((stage * self.sub + c) * self.BN + local) * STEP_BYTES
-                            + t * 16))
+            w.append(lds_v4(box + local * self.box_bytes + (c % bs) * STEP_BYTES + t * 16))
         kt = kc + c * self.se + t * self.e
         tile = (kt // self.b_block) // 4 - (kc // self.b_block) // 4
         sw = lds_v4(ring_s + ((stage * 2 + warp // 4) * self.scale_tiles + tile) * 512

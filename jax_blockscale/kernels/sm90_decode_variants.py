@@ -57,6 +57,9 @@ class Tuning:
     # cp.async copies the real rows (< M) of as many sub-chunks as fit in one window, one barrier
     # per window, so the warps run apart for the rest (sm90_decode._mainloop_window).
     act_window: int = 0
+    # "tma" pipeline: 64-byte steps per TMA box (1: one box of the CTA's rows x 64 bytes per
+    # step; 2 / 4: rows of 128 / 256 bytes, fewer and longer row segments per request)
+    box_steps: int = 1
     # Measurement only (decode harness, never shipped): "noload" skips the weight copies (the
     # ring holds garbage), "nocompute" skips the dequantize + MMA work (the ring is still read),
     # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
@@ -72,6 +75,8 @@ class Tuning:
             tag += f"_r{self.rows_per_thread}"
         if self.act_window:
             tag += f"_w{self.act_window // 1024}k"
+        if self.box_steps != 1:
+            tag += f"_x{self.box_steps}"
         if self.probe:
             tag += f"_p{self.probe}"
         return tag + ("_fold" if self.fold_scale else "")
@@ -82,11 +87,12 @@ class Tuning:
         return WARPS * 8 * self.rows_per_thread
 
 
-# Measured on the H100 (docs/sm90_decode_notes.md): a TMA ring of 2 sub-chunks of 2 steps, 2
-# CTAs per SM; the multiply-based fp4 conversion and the NVFP4 scale fold (session 5, run 25:
-# M=16, N=K=16384, bf16 x nvfp4 69.9 us with the cp.async ring -> 64.6 us; 8192^2 24.8 -> 21.7).
-DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
-                        fold_scale=True)
+# Measured on the H100 (docs/sm90_decode_notes.md, session 5): a TMA ring of 2 sub-chunks of 4
+# steps, each sub-chunk one box of 256 rows x 256 bytes, 1 CTA per SM; the multiply-based fp4
+# conversion and the NVFP4 scale fold. Runs 25-28, M=16 N=K=16384 bf16 x nvfp4: cp.async ring
+# (2 x 2 steps, 2 CTAs/SM) 69.9 us -> TMA with 64-byte boxes 64.6 -> 256-byte boxes 61.9.
+DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=1, ctas_per_sm=1,
+                        fold_scale=True, box_steps=4)
 # nt = 4 / 8 (M up to 32 / 64 per pass): one row tile per warp, so that 4-8 n8 tiles of
 # accumulators fit beside the pipeline; 1-step sub-chunks keep the staged activations small.
 # The per-thread cp.async ring (the TMA ring is built for 4 rows per thread).
