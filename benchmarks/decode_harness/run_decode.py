@@ -385,7 +385,8 @@ def main():
     # the other tunings in the library: f32 output, the odd shapes
     for tag, tun in ([] if args.split_sweep_only else extra):
         for fmt_a, fmt_b in pairs:
-            for (M, N, K, L, sp) in [shapes[1], shapes[2], shapes[3], shapes[4]]:
+            for (M, N, K, L, sp) in [shapes[1], shapes[2], shapes[3], shapes[4], shapes[6],
+                                     shapes[7], shapes[8]]:  # M <= 16 and M = 24, 64, 40
                 if have(fmt_a, fmt_b, "f32", M, (tag, tun)):
                     r = guarded(fmt_a, fmt_b, "f32", M, N, K, L=L, splits=sp, tuning=(tag, tun))
                     results["correctness"].append(r)

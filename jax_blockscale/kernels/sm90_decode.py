@@ -20,9 +20,10 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   brings each sub-chunk in with TMA (boxes of the CTA's 256 rows x box_steps * 64 bytes: one
   256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
-  reads its 16-byte pieces from there. M <= 32 / 64 ("cpasync",
-  WIDE_TUNING): each thread cp.async-copies its own pieces (L1 bypass, 256-byte L2 prefetch)
-  into a per-thread ring; the "regs" pipeline loads into registers one sub-chunk ahead.
+  reads its 16-byte pieces from there. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows
+  per CTA, 64-byte boxes. Measured alternatives kept as harness tunings: "cpasync" (each thread
+  cp.async-copies its own pieces into a per-thread ring) and "regs" (loads into registers one
+  sub-chunk ahead).
   Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
   shared tile; one CTA barrier per sub-chunk.
 * The K index inside an MMA may be any permutation, as long as weights and activations use the
@@ -397,7 +398,7 @@ class Sm90DecodeGemm:
         self.R = tuning.rows_per_thread  # weight rows per thread (2 per m16 row tile)
         self.RT = self.R // 2  # m16 row tiles per warp
         self.BN = tuning.bn  # rows of N per CTA
-        assert self.R in (2, 4) and (self.R == 4 or tuning.pipeline == "cpasync"), tuning
+        assert self.R in (2, 4) and (self.R == 4 or tuning.pipeline != "regs"), tuning
         self.v = v
         self.a_quant = v.a_kind != "bf16"
         self.b_bits = KINDS[v.b_kind]["bits"]
@@ -420,14 +421,15 @@ class Sm90DecodeGemm:
         # blocked-scale tiles (one box of 4 x 128 bytes per tile)
         self.scale_tiles = self.sub * self.se // self.b_block // 4
         if tuning.pipeline == "tma":
-            assert self.R == 4 and tuning.stages >= 2, tuning
+            assert tuning.stages >= 2, tuning
+            self.groups = self.BN // 128  # 128-row scale groups per CTA (R = 4: 2, R = 2: 1)
             assert self.sub * self.se % (4 * self.b_block) == 0, "whole scale tiles per stage"
             assert self.sub % tuning.box_steps == 0, tuning
             self.box_bytes = tuning.box_steps * STEP_BYTES  # bytes of each row per TMA box
             self.boxes = self.sub // tuning.box_steps  # weight boxes per sub-chunk
-            self.ring_s = tuning.stages * 2 * self.scale_tiles * 512
+            self.ring_s = tuning.stages * self.groups * self.scale_tiles * 512
             w_tx = 0 if tuning.probe == "tmas" else self.sub * self.BN * STEP_BYTES
-            s_tx = 0 if tuning.probe == "tmaw" else 2 * self.scale_tiles * 512
+            s_tx = 0 if tuning.probe == "tmaw" else self.groups * self.scale_tiles * 512
             self.stage_tx = w_tx + s_tx
         # activation windows (bf16 activations only: quantized ones are converted while staged)
         self.win_bytes = tuning.act_window if not self.a_quant else 0
@@ -762,12 +764,12 @@ class Sm90DecodeGemm:
         gW = cute.local_tile(tW, (self.BN, self.box_bytes), (None, None, None))
         tWs, tWg = cute.nvgpu.cpasync.tma_partition(
             tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-        sS = cute.make_tensor(ring_s, cute.make_layout((4, 128, S * 2 * T),
+        sS = cute.make_tensor(ring_s, cute.make_layout((4, 128, S * self.groups * T),
                                                         stride=(128, 1, 512)))
         gS = cute.local_tile(tS, (4, 128), (None, 0, None))
         tSs, tSg = cute.nvgpu.cpasync.tma_partition(
             tma_s, 0, one, cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
-        groups = [cutlass.min(bx * (self.BN // 128) + x, nb128 - 1) for x in range(2)]
+        groups = [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
@@ -822,10 +824,11 @@ class Sm90DecodeGemm:
                               tWs[(None, slot * self.boxes + c)], tma_bar_ptr=bar)
             if cutlass.const_expr(probe != "tmaw"):
                 tile0 = (kc // self.b_block) // 4
-                for x in cutlass.range_constexpr(2):
+                for x in cutlass.range_constexpr(self.groups):
                     for y in cutlass.range_constexpr(T):
                         cute.copy(tma_s, tSg[(None, tile0 + y, li * nb128 + groups[x])],
-                                  tSs[(None, (slot * 2 + x) * T + y)], tma_bar_ptr=bar)
+                                  tSs[(None, (slot * self.groups + x) * T + y)],
+                                  tma_bar_ptr=bar)
 
     @cute.jit
     def _tma_words(self, ring_w, ring_s, stage, c, kc, warp, g, t):
@@ -839,9 +842,18 @@ class Sm90DecodeGemm:
             w.append(lds_v4(box + local * self.box_bytes + (c % bs) * STEP_BYTES + t * 16))
         kt = kc + c * self.se + t * self.e
         tile = (kt // self.b_block) // 4 - (kc // self.b_block) // 4
-        sw = lds_v4(ring_s + ((stage * 2 + warp // 4) * self.scale_tiles + tile) * 512
+        group = warp // (16 // self.R)  # the warp's 128-row group in the CTA
+        sw = lds_v4(ring_s + ((stage * self.groups + group) * self.scale_tiles + tile) * 512
                     + ((warp % 4) * 8 + g) * 16)
+        if cutlass.const_expr(self.R == 2):
+            sw = self._own_quarters(sw, warp)
         return w, sw
+
+    def _own_quarters(self, sw, warp):
+        """R = 2: of a 16-byte scale entry (one word per 32-row quarter), the words of the two
+        quarters this warp's rows are in: 2h and 2h + 1, h = (warp // 4) % 2."""
+        hmask = cutlass.Int32(0) - (warp // 4) % 2  # all ones for h = 1
+        return [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
 
     @cute.jit
     def _ring_words(self, ring_w, ring_s, stage, c, tid):
@@ -852,9 +864,8 @@ class Sm90DecodeGemm:
             slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
             w.append(lds_v4(ring_w + slot * 16))
         sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
-        if cutlass.const_expr(self.R == 2):  # this warp's two quarters: 2h, 2h + 1
-            hmask = cutlass.Int32(0) - (tid // 128) % 2  # all ones for h = 1
-            sw = [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
+        if cutlass.const_expr(self.R == 2):
+            sw = self._own_quarters(sw, tid // 32)
         return w, sw
 
     @cute.jit

@@ -65,7 +65,8 @@ class Tuning:
     # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
     # part of its work taken away. Results are wrong by design. Pipeline "tma" (debugging the
     # mbarrier protocol): "tmaw" / "tmas" copy only the weights / only the scales, "nowait" never
-    # waits on the stage's mbarrier, "notma" issues no copy at all.
+    # waits on the stage's mbarrier (a CTA may exit with copies in flight: launch failure, the
+    # hang test only), "notma" issues no copy at all.
     probe: str = ""
 
     @property
@@ -93,10 +94,11 @@ class Tuning:
 # (2 x 2 steps, 2 CTAs/SM) 69.9 us -> TMA with 64-byte boxes 64.6 -> 256-byte boxes 61.9.
 DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=1, ctas_per_sm=1,
                         fold_scale=True, box_steps=4)
-# nt = 4 / 8 (M up to 32 / 64 per pass): one row tile per warp, so that 4-8 n8 tiles of
-# accumulators fit beside the pipeline; 1-step sub-chunks keep the staged activations small.
-# The per-thread cp.async ring (the TMA ring is built for 4 rows per thread).
-WIDE_TUNING = Tuning("cpasync", stages=2, sub_steps=1, min_blocks=2, ctas_per_sm=2,
+# nt = 4 / 8 (M up to 32 / 64 per pass): one row tile per warp (128 rows of N per CTA), so that
+# 4-8 n8 tiles of accumulators fit beside the pipeline; 2 CTAs/SM, a TMA ring of 2 sub-chunks of
+# 2 steps with 64-byte boxes (run 30: M=32 / 64, N=K=16384, bf16 x nvfp4 92.7 / 161.5 us with the
+# cp.async ring of 1-step sub-chunks -> 85.8 / 156.1; mxfp8 M=64 167.5 -> 149.9).
+WIDE_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
                      fold_scale=True, rows_per_thread=2)
 NTS = (1, 2, 4, 8)  # n8 tiles of M per CTA: M <= 8, 16, 32, 64 rows per pass
 
