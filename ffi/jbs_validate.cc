@@ -147,11 +147,12 @@ constexpr int kDecodeMaxM = 64;        // past this the tensor-core GEMM wins
 constexpr int kDecodeStepBytes = 64;   // bytes of one weight row per step
 // n8 tiles of M per CTA (nt_for): M <= 8, 16, 32, 64
 int DecodeNt(int64_t m) { return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8; }
-// DEFAULT_TUNING (nt 1, 2): 256 rows of N per CTA, 4-step sub-chunks, 1 CTA per SM;
+// NARROW_TUNING (nt 1): 128 rows of N per CTA, 4-step sub-chunks, 2 CTAs per SM;
+// DEFAULT_TUNING (nt 2): 256 rows, 4-step sub-chunks, 1 CTA per SM;
 // WIDE_TUNING (nt 4, 8): 128 rows, 2-step sub-chunks, 2 CTAs per SM
-int DecodeRowsPerCta(int nt) { return nt <= 2 ? 256 : 128; }
+int DecodeRowsPerCta(int nt) { return nt == 2 ? 256 : 128; }
 int DecodeSubSteps(int nt) { return nt <= 2 ? 4 : 2; }
-int DecodeCtasPerSm(int nt) { return nt <= 2 ? 1 : 2; }
+int DecodeCtasPerSm(int nt) { return nt == 2 ? 1 : 2; }
 int BitsOf(int kind) { return kind == JBS_MXFP8 ? 8 : (kind == JBS_BF16 ? 16 : 4); }
 int64_t DecodeKChunks(int b_kind, int64_t k, int nt) {
   const int64_t chunk = DecodeSubSteps(nt) * (kDecodeStepBytes * 8 / BitsOf(b_kind));

@@ -253,18 +253,20 @@ def test_activation_dequant_group(kind, elem):
 def test_choose_decode_variant():
     v, s = dv.choose_decode_variant(1, 16384, 16384, None, "nvfp4", 132)
     assert (v.a_kind, v.b_kind, v.nt, v.out) == ("bf16", "nvfp4", 1, "bf16")
-    cps = dv.DEFAULT_TUNING.ctas_per_sm
-    assert 1 <= s and -(-16384 // dv.DEFAULT_TUNING.bn) * s <= 132 * cps
+    tun = dv.tuning_for(1)
+    assert 1 <= s and -(-16384 // tun.bn) * s <= 132 * tun.ctas_per_sm
     v, s = dv.choose_decode_variant(16, 8192, 8192, "bf16", "mxfp8_e5m2", 132, "f32")
     assert (v.b_kind, v.nt, v.out) == ("mxfp8", 2, "f32")
-    assert 32 * s <= 132 * cps and s >= 4  # 32 CTAs over N: split K to fill the GPU
+    tun = dv.tuning_for(2)
+    tiles = 8192 // tun.bn  # CTAs over N: split K to fill the GPU
+    assert tiles * s <= 132 * tun.ctas_per_sm and s >= 132 * tun.ctas_per_sm // tiles // 2
     v, s = dv.choose_decode_variant(12, 1000, 4192, "nvfp4", "nvfp4", 132)
     assert v.a_kind == "nvfp4" and v.nt == 2
     # every split gets whole sub-chunks, none is empty
     for (m, n, k) in [(1, 256, 512), (3, 1000, 4192), (16, 300, 32 * 7), (8, 100000, 8192)]:
         for fmt in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
             v, s = dv.choose_decode_variant(m, n, k, None, fmt, 132)
-            chunk = dv.DEFAULT_TUNING.sub_steps * dv.steps_elems(v.b_kind)
+            chunk = dv.tuning_for(v.nt).sub_steps * dv.steps_elems(v.b_kind)
             k_chunks = -(-k // chunk)
             per = -(-k_chunks // s)
             assert (s - 1) * per < k_chunks, (m, n, k, fmt, s)

@@ -391,6 +391,11 @@ def main():
                     r = guarded(fmt_a, fmt_b, "f32", M, N, K, L=L, splits=sp, tuning=(tag, tun))
                     results["correctness"].append(r)
                     failures += not r.get("ok", False)
+            M, N, K, L, sp = shapes[4]  # one split, bf16 out: the main kernel converts
+            if have(fmt_a, fmt_b, "bf16", M, (tag, tun)):
+                r = guarded(fmt_a, fmt_b, "bf16", M, N, K, L=L, splits=sp, tuning=(tag, tun))
+                results["correctness"].append(r)
+                failures += not r.get("ok", False)
     print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed", flush=True)
 
     # ---- performance ----------------------------------------------------------------------
@@ -410,7 +415,7 @@ def main():
                         continue
                     if not have(fmt_a, fmt_b, "bf16", M, tuning):
                         continue
-                    perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=tuning is None,
+                    perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=True,
                                         time_it=True, tuning=tuning))
         # split-K sweep, default tuning (checks the heuristic's choice)
         for (M, NK) in ([] if args.extra_only else [(1, 8192), (16, 8192), (1, 16384),

@@ -20,8 +20,8 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   brings each sub-chunk in with TMA (boxes of the CTA's 256 rows x box_steps * 64 bytes: one
   256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
-  reads its 16-byte pieces from there. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows
-  per CTA, 64-byte boxes. Measured alternatives kept as harness tunings: "cpasync" (each thread
+  reads its 16-byte pieces from there. M <= 8 (NARROW_TUNING): the same with 128 rows per CTA
+  and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes. Measured alternatives kept as harness tunings: "cpasync" (each thread
   cp.async-copies its own pieces into a per-thread ring) and "regs" (loads into registers one
   sub-chunk ahead).
   Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
@@ -41,7 +41,8 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   L2). Each CTA stores its partial sums (plain stores, no atomics) into its split's slice of an
   f32 workspace [splits, L, M, N]; the exported launcher then runs a small kernel that adds the
   splits in a fixed order, multiplies by alpha and converts to the output dtype. Two kernels per
-  call, no zeroing, and the result is bitwise reproducible. The workspace (splits*L*M*N f32) is
+  call (one when there is one split: the main kernel then converts and writes the output), no
+  zeroing, and the result is bitwise reproducible. The workspace (splits*L*M*N f32) is
   the caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
   (one wave of CTAs).
 
@@ -460,8 +461,8 @@ class Sm90DecodeGemm:
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
         ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
-        args = (a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2, splits,
-                mchunks)
+        args = (a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
+                splits, mchunks)
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
             kern = self.kernel_tma(*args, *self._tma_atoms(b_ptr, sb_ptr, n, k, l))
         else:
@@ -476,8 +477,9 @@ class Sm90DecodeGemm:
             preferred_smem_carveout=100 if self.tuning.pipeline != "regs" else None,
             stream=stream,
         )
-        self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
-            grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+        if splits > 1:  # one K range: the main kernel wrote the output itself
+            self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
+                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
     def _tma_atoms(self, b_ptr, sb_ptr, n, k, l):
         """TMA atoms (host side) for the weights, as (N, K bytes, L) in boxes of BN rows x one
@@ -532,6 +534,7 @@ class Sm90DecodeGemm:
         b_ptr: cute.Pointer,
         sa_ptr: cute.Pointer,
         sb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
         m: cutlass.Int32,
@@ -542,8 +545,8 @@ class Sm90DecodeGemm:
         splits: cutlass.Int32,
         mchunks: cutlass.Int32,
     ):
-        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
-                   splits, mchunks, None)
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+                   b_e5m2, splits, mchunks, None)
 
     @cute.kernel
     def kernel_tma(
@@ -552,6 +555,7 @@ class Sm90DecodeGemm:
         b_ptr: cute.Pointer,
         sa_ptr: cute.Pointer,
         sb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
         m: cutlass.Int32,
@@ -566,12 +570,12 @@ class Sm90DecodeGemm:
         tma_s: cute.CopyAtom,
         tS: cute.Tensor,
     ):
-        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
-                   splits, mchunks, (tma_w, tW, tma_s, tS))
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+                   b_e5m2, splits, mchunks, (tma_w, tW, tma_s, tS))
 
     @cute.jit
-    def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
-              splits, mchunks, tma):
+    def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+              b_e5m2, splits, mchunks, tma):
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
         tid, _, _ = cute.arch.thread_idx()
@@ -647,17 +651,34 @@ class Sm90DecodeGemm:
                                        lane, t, a_fp8, b_fp8)
 
         # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
-        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits) ----
+        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits).
+        # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
+        # partial, bitwise) and the launcher skips finalize_kernel ----
         _, _, nl = cute.arch.grid_dim()  # L
-        split_base = cutlass.Int64(by) * nl * m * n
-        for rt in cutlass.range_constexpr(self.RT):
-            for i in cutlass.range_constexpr(nt):
-                for x in cutlass.range_constexpr(4):
-                    row = self._row(bx, warp, g, 2 * rt + x // 2)
-                    mm = m0 + i * 8 + 2 * t + (x % 2)
-                    ok = (row < n) & (mm < m)
-                    addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
-                    stg_f32(addr, acc[(rt * nt + i) * 4 + x], cutlass.Int32(ok))
+        if splits == 1:
+            alpha = ldg_f32(alpha_ptr.toint())
+            if cutlass.const_expr(self.fold):
+                alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+            mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
+            for rt in cutlass.range_constexpr(self.RT):
+                for i in cutlass.range_constexpr(nt):
+                    for x in cutlass.range_constexpr(4):
+                        row = self._row(bx, warp, g, 2 * rt + x // 2)
+                        mm = m0 + i * 8 + 2 * t + (x % 2)
+                        if (row < n) & (mm < m):
+                            mC[(li * m + mm) * n + row] = self.c_dtype(
+                                acc[(rt * nt + i) * 4 + x] * alpha)
+        else:
+            split_base = cutlass.Int64(by) * nl * m * n
+            for rt in cutlass.range_constexpr(self.RT):
+                for i in cutlass.range_constexpr(nt):
+                    for x in cutlass.range_constexpr(4):
+                        row = self._row(bx, warp, g, 2 * rt + x // 2)
+                        mm = m0 + i * 8 + 2 * t + (x % 2)
+                        ok = (row < n) & (mm < m)
+                        addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n
+                                          + row) * 4
+                        stg_f32(addr, acc[(rt * nt + i) * 4 + x], cutlass.Int32(ok))
 
     @cute.jit
     def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,
