@@ -339,10 +339,21 @@ def test_decode_splits_fit_the_workspace():
     assert want > 3
     for slices in (1, 2, 3):
         ok, name, splits = dispatch(m=1, n=256, k=8192, l=1, ws_bytes=256 * 4 * slices + 4)
-        k_chunks = 8192 // 256
+        k_chunks = 8192 // (dv.tuning_for(1).sub_steps * dv.steps_elems("nvfp4"))
         per = -(-k_chunks // splits)
         assert ok and name.startswith("jbs_sm90_decode_") and 1 <= splits <= slices, splits
         assert (splits - 1) * per < k_chunks  # no empty split
+
+
+def test_decode_one_split_and_several():
+    # K within one sub-chunk: one split, and the main kernel converts and writes the output
+    # itself (no finalize kernel). The GPU tests' test_decode_outputs (bf16 / f16 out) and
+    # test_decode_batched (L = 3) shapes take this path; the mxfp8 output case takes two splits.
+    for a, b, m, n, k, l, want in [("bf16", "nvfp4", 5, 300, 512, 1, 1),
+                                   ("bf16", "nvfp4", 4, 129, 256, 3, 1),
+                                   ("mxfp8", "mxfp8", 5, 300, 512, 1, 2)]:
+        ok, name, splits = dispatch(a=a, b=b, m=m, n=n, k=k, l=l)
+        assert ok and name.startswith("jbs_sm90_decode_") and splits == want, (a, m, splits)
 
 
 @pytest.mark.parametrize("over,match", [
