@@ -655,30 +655,28 @@ class Sm90DecodeGemm:
         # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
         # partial, bitwise) and the launcher skips finalize_kernel ----
         _, _, nl = cute.arch.grid_dim()  # L
+        outputs = self._outputs(bx, warp, g, t, m0)
         if splits == 1:
             alpha = ldg_f32(alpha_ptr.toint())
             if cutlass.const_expr(self.fold):
                 alpha = alpha * cutlass.Float32(FOLD_ALPHA)
             mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
-            for rt in cutlass.range_constexpr(self.RT):
-                for i in cutlass.range_constexpr(nt):
-                    for x in cutlass.range_constexpr(4):
-                        row = self._row(bx, warp, g, 2 * rt + x // 2)
-                        mm = m0 + i * 8 + 2 * t + (x % 2)
-                        if (row < n) & (mm < m):
-                            mC[(li * m + mm) * n + row] = self.c_dtype(
-                                acc[(rt * nt + i) * 4 + x] * alpha)
+            for row, mm, j in outputs:
+                if (row < n) & (mm < m):
+                    mC[(li * m + mm) * n + row] = self.c_dtype(acc[j] * alpha)
         else:
             split_base = cutlass.Int64(by) * nl * m * n
-            for rt in cutlass.range_constexpr(self.RT):
-                for i in cutlass.range_constexpr(nt):
-                    for x in cutlass.range_constexpr(4):
-                        row = self._row(bx, warp, g, 2 * rt + x // 2)
-                        mm = m0 + i * 8 + 2 * t + (x % 2)
-                        ok = (row < n) & (mm < m)
-                        addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n
-                                          + row) * 4
-                        stg_f32(addr, acc[(rt * nt + i) * 4 + x], cutlass.Int32(ok))
+            for row, mm, j in outputs:
+                addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
+                stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
+
+    def _outputs(self, bx, warp, g, t, m0):
+        """(row of N, row of M, accumulator index) of each output this thread holds: the m16n8
+        accumulator fragment (rows g, g + 8; columns 2t, 2t + 1) of each row tile and n8 tile."""
+        nt = self.v.nt
+        return [(self._row(bx, warp, g, 2 * rt + x // 2), m0 + i * 8 + 2 * t + (x % 2),
+                 (rt * nt + i) * 4 + x)
+                for rt in range(self.RT) for i in range(nt) for x in range(4)]
 
     @cute.jit
     def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,
