@@ -8,7 +8,7 @@ read once and used M times, so the time floor is "bytes of B and its scales / HB
 tensor-core GEMM of sm90_blockscaled.py tiles M by 128 and wastes most of its work here; this
 kernel is built for the bandwidth instead.
 
-How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
+How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range):
 
 * Swap A/B: the weights are the MMA's "A" operand (16 rows of N per mma.sync.m16n8k16) and the
   activations its "B" operand (8 rows of M per n8 tile; NT = 1 tile for M <= 8, 2 for M <= 16).
@@ -21,9 +21,9 @@ How it works (one CTA = 8 warps = 256 rows of N x one K range; 2 CTAs per SM):
   256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
   reads its 16-byte pieces from there. M <= 8 (NARROW_TUNING): the same with 128 rows per CTA
-  and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes. Measured alternatives kept as harness tunings: "cpasync" (each thread
-  cp.async-copies its own pieces into a per-thread ring) and "regs" (loads into registers one
-  sub-chunk ahead).
+  and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes.
+  Measured alternatives kept as harness tunings: "cpasync" (each thread cp.async-copies its own
+  pieces into a per-thread ring) and "regs" (loads into registers one sub-chunk ahead).
   Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
   shared tile; one CTA barrier per sub-chunk.
 * The K index inside an MMA may be any permutation, as long as weights and activations use the
@@ -621,7 +621,7 @@ class Sm90DecodeGemm:
             row = self._row(bx, warp, g, j)
             row = cutlass.min(row, n - 1)  # rows past N: read row N-1, never stored
             row_addr.append(b_addr + (cutlass.Int64(li) * n + row) * b_pitch + t * 16)
-        n128 = cutlass.min(bx * (self.BN // 128) + warp // (16 // self.R), nb128 - 1)  # past N: any
+        n128 = cutlass.min(bx * (self.BN // 128) + self._group_of(warp), nb128 - 1)  # past N: any
         sent_addr = sb_addr + cutlass.Int64(
             ((li * nb128 + n128) * sk4_b) * 512 + ((warp % 4) * 8 + g) * 16)
 
@@ -861,7 +861,7 @@ class Sm90DecodeGemm:
             w.append(lds_v4(box + local * self.box_bytes + (c % bs) * STEP_BYTES + t * 16))
         kt = kc + c * self.se + t * self.e
         tile = (kt // self.b_block) // 4 - (kc // self.b_block) // 4
-        group = warp // (16 // self.R)  # the warp's 128-row group in the CTA
+        group = self._group_of(warp)
         sw = lds_v4(ring_s + ((stage * self.groups + group) * self.scale_tiles + tile) * 512
                     + ((warp % 4) * 8 + g) * 16)
         if cutlass.const_expr(self.R == 2):
@@ -1019,10 +1019,15 @@ class Sm90DecodeGemm:
                 for x in cutlass.range_constexpr(4 * nt):
                     acc[(rt * nt) * 4 + x] = res[x]
 
+    def _group_of(self, warp):
+        """The warp's 128-row group in the CTA: a warp holds 8 R rows, so 16 / R warps fill a
+        group (R = 4: two groups of 4 warps; R = 2: one group of all 8)."""
+        return warp // (16 // self.R)
+
     def _row(self, bx, warp, g, j):
         """Row of N of a thread's row j (= 2 rt + r2; MMA row g + 8 r2 of row tile rt): quarter
         jj of the warp's 128-row group, 8 (w % 4) + g within the quarter."""
-        group = warp // (16 // self.R)  # R = 4: two groups of 4 warps; R = 2: one of 8
+        group = self._group_of(warp)
         jj = ((warp // 4) % (4 // self.R)) * self.R + j
         return bx * self.BN + group * 128 + jj * 32 + (warp % 4) * 8 + g
 
