@@ -227,7 +227,7 @@ JBS_EXPORT int jbs_check_problem(JBS_PROBLEM_PARAMS, char* msg, int msg_len) {
   return jbs_dispatch_problem(a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l, a_ptr, b_ptr,
                               sa_ptr, sb_ptr, c_ptr, alpha_ptr, a_bytes, b_bytes, sa_bytes,
                               sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor, sm_count, 0, 0,
-                              nullptr, nullptr, msg, msg_len);
+                              nullptr, msg, msg_len);
 }
 
 }  // extern "C"

@@ -710,7 +710,8 @@ class Sm90DecodeGemm:
             counters = counters_ptr.toint()
             if counters != 0:
                 if self._last_of_tile(counters, act_base, bxm, li, splits, tid):
-                    self._sum_partials(outputs, ws_addr, c_ptr, alpha_ptr, li, m, n, nl, splits)
+                    self._sum_partials(outputs, acc, ws_addr, c_ptr, alpha_ptr, li, m, n, nl,
+                                       splits)
 
     @cute.jit
     def _store_output(self, outputs, vals, c_ptr, alpha_ptr, li, m, n, nl):
@@ -729,14 +730,14 @@ class Sm90DecodeGemm:
         """After this CTA's partial stores: count its arrival on the tile's counter and say
         whether it arrived last (then every split's partial is visible to it). The last CTA
         puts the counter back to zero, so the counters stay zeroed between calls (the FFI
-        handler zeroes them once per device). The barrier orders everyone's stores before
-        thread 0's fence + atomic (release, cumulative); thread 0's acquire and the second
-        barrier order the partial loads after every arrival (CUTLASS's arrive / wait pattern)."""
+        handler zeroes them once per device). Every thread fences its own stores (cumulative
+        through the CTA barrier to thread 0's release); thread 0's acquire and the barrier
+        order the partial loads after every arrival."""
+        fence_acq_rel_gpu()
         cute.arch.sync_threads()  # also: everyone is done with the activation tile (flag_smem)
         nbx, _, _ = cute.arch.grid_dim()
         if tid == 0:
             addr = counters + (cutlass.Int64(li) * nbx + bxm) * 4
-            fence_acq_rel_gpu()
             last = cutlass.Int32(atom_add_acq_rel_gpu(addr, 1) == splits - 1)
             if last != 0:
                 st_relaxed_gpu_u32(addr, 0)
@@ -745,24 +746,18 @@ class Sm90DecodeGemm:
         return lds_u32(flag_smem) != 0
 
     @cute.jit
-    def _sum_partials(self, outputs, ws_addr, c_ptr, alpha_ptr, li, m, n, nl, splits):
+    def _sum_partials(self, outputs, acc, ws_addr, c_ptr, alpha_ptr, li, m, n, nl, splits):
         """The tile's last CTA: add every split's partial in split order, from 0.0, as
-        finalize_kernel does (same sums, same bits), and store the output. Four splits' loads
-        are in flight at once (a missing split reads as +0.0, which leaves a sum from +0.0
-        bitwise unchanged)."""
+        finalize_kernel does (same sums, same bits), and store the output."""
+        fence_acq_rel_gpu()
         total = cutlass.Int64(nl) * m * n
         sums = cute.make_rmem_tensor((len(outputs),), cutlass.Float32)
         sums.fill(0.0)
-        for sp in range(0, splits, 4):
-            parts = []
-            for q in cutlass.range_constexpr(4):
-                here = sp + q < splits
-                parts.append([ldg_cg_f32(
-                    ws_addr + ((sp + q) * total + (cutlass.Int64(li) * m + mm) * n + row) * 4,
-                    cutlass.Int32(here & (row < n) & (mm < m)))
-                    for row, mm, _ in outputs])
-            for x in cutlass.range_constexpr(len(outputs)):
-                sums[x] = (((sums[x] + parts[0][x]) + parts[1][x]) + parts[2][x]) + parts[3][x]
+        for sp in range(splits):
+            for x, (row, mm, j) in enumerate(outputs):
+                i = (cutlass.Int64(li) * m + mm) * n + row
+                ok = cutlass.Int32((row < n) & (mm < m))
+                sums[x] = sums[x] + ldg_cg_f32(ws_addr + (sp * total + i) * 4, ok)
         self._store_output([(row, mm, x) for x, (row, mm, _) in enumerate(outputs)], sums,
                            c_ptr, alpha_ptr, li, m, n, nl)
 
