@@ -31,10 +31,8 @@ struct LaunchArgs {
   void *a, *b, *sa, *sb, *c, *alpha;
   int32_t m, n, k, l, a_e5m2, b_e5m2, max_ctas;
   cudaStream_t stream;
-  void* ws;        // decode kernel only: f32 workspace, one L*M*N slice per split
+  void* ws;        // decode kernel only: f32 workspace of L*M*N floats (the launcher zeroes it)
   int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
-  void* counters;  // decode kernel only: zeroed u32 tile counters (the last CTA of a tile adds
-                   // the splits); nullptr: the launcher's finalize kernel adds them
 };
 // One compiled kernel. nt == 0: the fused GEMM (kernels/sm90_blockscaled.py, tile_m x tile_n);
 // nt == 1, 2, 4, 8: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per CTA
@@ -70,20 +68,8 @@ bool ChooseDecode(int a_kind, int b_kind, int out, int64_t m, int64_t n, int64_t
 // What one call runs: the variant and, for the decode kernel, its split count.
 struct Dispatch {
   const Variant* variant;
-  int splits;     // decode only (0 for the fused GEMM)
-  int64_t tiles;  // decode only: output tiles (CTAs of one split), one tile counter each
+  int splits;  // decode only (0 for the fused GEMM)
 };
-
-// Tile counters per device for the decode kernel's split-K (u32 each): a call with more output
-// tiles than this falls back to the finalize kernel.
-constexpr int64_t kDecodeTileCounters = 1 << 16;
-
-// Whether a dispatched decode call adds its splits in the main kernel (the last CTA of each
-// tile, on the tile counters) rather than with the finalize kernel: several splits, and a
-// counter for every tile.
-inline bool UsesTileCounters(const Dispatch& d) {
-  return d.variant && d.variant->nt > 0 && d.splits > 1 && d.tiles <= kDecodeTileCounters;
-}
 
 // Pure check + dispatch (no CUDA): ValidateProblem, then the decode kernel when the caller
 // declared a workspace, ChooseDecode accepts and the table has the variant (the workspace and

@@ -8,17 +8,14 @@
 //                       the lowering opts out of the decode kernel (then always the fused GEMM)
 //   attrs:    a_kind, b_kind, a_e5m2, b_e5m2 (int32), m, n, k, l (int64)
 //
-// instantiate: makes this device's decode tile counters (TileCounters), loads every compiled
-//              kernel module (fused GEMM and decode) once per process (the
+// instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
 //              capability / SM count.
 // execute:     validates the call and dispatches (jbs_validate.cc: DispatchProblem): the decode
 //              kernel (M <= 64, split-K into ws, heuristic ChooseDecode) when the lowering declared
 //              a workspace and the heuristic takes the problem, else the fused GEMM; launches on
-//              XLA's stream. Only stream-ordered work, so it is CUDA-graph (command buffer)
-//              compatible. Split-K calls add the splits in the main kernel (the last CTA of each
-//              output tile, counted on a per-device zeroed counter, TileCounters), or with a
-//              second, finalize kernel when there are no counters.
+//              XLA's stream. Only stream-ordered work (the decode launcher zeroes ws itself with a
+//              kernel), so it is CUDA-graph (command buffer) compatible.
 #include <cuda_runtime_api.h>
 
 #include <stdlib.h>
@@ -47,51 +44,10 @@ ffi::Error LoadModules() {
   });
 }
 
-// The decode kernel's tile counters (kDecodeTileCounters u32 per device). They must be zero when
-// a call starts, and every call leaves them zero (the last CTA of a tile resets its counter), so
-// one cudaMemset per device suffices. Calls on one device must be stream-ordered (XLA's are);
-// two decode calls running at once on different streams would share them.
-std::mutex g_counters_mu;
-void* g_counters[jbs_ffi::kMaxDevices];
-
-// This device's counters, made and zeroed on first use. nullptr (the launcher then runs the
-// finalize kernel instead) while `stream` is being captured into a CUDA graph and they do not
-// exist yet (a capture cannot allocate), or if the allocation fails.
-void* TileCounters(cudaStream_t stream) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= jbs_ffi::kMaxDevices) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(g_counters_mu);
-  if (g_counters[dev]) return g_counters[dev];
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  const size_t bytes = kDecodeTileCounters * sizeof(uint32_t);
-  void* p = nullptr;
-  if (cudaMalloc(&p, bytes) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it, or the launch check would report it
-    return nullptr;
-  }
-  if (cudaMemsetAsync(p, 0, bytes, stream) != cudaSuccess ||
-      cudaStreamSynchronize(stream) != cudaSuccess) {  // zero before any stream uses them
-    cudaGetLastError();
-    cudaFree(p);
-    return nullptr;
-  }
-  g_counters[dev] = p;
-  return p;
-}
-
 ffi::Error Instantiate() {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
   if (d->cc_major != 9 || d->cc_minor != 0) return ffi::Error::Success();  // execute reports it
-  TileCounters(nullptr);  // here, outside any capture (a graph-captured call can then use them)
   return LoadModules();
 }
 
@@ -134,10 +90,6 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   auto args = jbs_ffi::GemmLaunchArgs<LaunchArgs>(a, b, sa, sb, *c, alpha, m, n, k, l);
   args.a_e5m2 = a_e5m2; args.b_e5m2 = b_e5m2; args.max_ctas = d->sm_count;
   args.stream = stream; args.ws = ws->untyped_data(); args.splits = dispatch.splits;
-  // JAX_BLOCKSCALE_SM90_TILE_COUNTERS=0: the finalize kernel adds the splits (an A/B aid)
-  const char* use_counters = getenv("JAX_BLOCKSCALE_SM90_TILE_COUNTERS");
-  if (UsesTileCounters(dispatch) && !(use_counters && use_counters[0] == '0'))
-    args.counters = TileCounters(stream);  // else (or nullptr) the finalize kernel adds the splits
   return g_state.Launch(*v, args);
 }
 
@@ -201,12 +153,10 @@ JBS_EXPORT int jbs_choose_decode(int a_kind, int b_kind, int out, long long m, l
       int sm_count
 
 // The execute stage's full validation + dispatch (DispatchProblem), without a GPU: arguments of
-// jbs_check_problem plus the workspace. Returns 0 with the chosen variant's name in msg, its
-// split count (0 for the fused GEMM) in *splits and in *counters whether the splits are added on
-// the tile counters (UsesTileCounters), or 1 with the reason in msg.
+// jbs_check_problem plus the workspace. Returns 0 with the chosen variant's name in msg and its
+// split count (0 for the fused GEMM) in *splits, or 1 with the reason in msg.
 JBS_EXPORT int jbs_dispatch_problem(JBS_PROBLEM_PARAMS, unsigned long long ws_ptr,
-                                    long long ws_bytes, int* splits, int* counters, char* msg,
-                                    int msg_len) {
+                                    long long ws_bytes, int* splits, char* msg, int msg_len) {
   jbs::Problem p{a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l,
                  a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr,
                  a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor,
@@ -215,7 +165,6 @@ JBS_EXPORT int jbs_dispatch_problem(JBS_PROBLEM_PARAMS, unsigned long long ws_pt
   jbs::Dispatch d{};
   const char* why = jbs::DispatchProblem(p, kJbsVariants, kJbsNumVariants, &d, buf, sizeof(buf));
   if (splits) *splits = why ? 0 : d.splits;
-  if (counters) *counters = !why && jbs::UsesTileCounters(d);
   if (msg && msg_len > 0) snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : d.variant->name);
   return why ? 1 : 0;
 }

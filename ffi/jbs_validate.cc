@@ -184,7 +184,7 @@ bool ChooseDecode(int a_kind, int b_kind, int out, int64_t m, int64_t n, int64_t
 const char* DispatchProblem(const Problem& p, const Variant* variants, int num_variants,
                             Dispatch* out, char* buf, size_t buf_len) {
   const Variant* main = nullptr;
-  if (out) *out = Dispatch{nullptr, 0, 0};
+  if (out) *out = Dispatch{nullptr, 0};
   // Every assumption of the fused GEMM holds for the decode kernel too (16-byte aligned operands,
   // K % 32, K % block, exact buffer sizes, 32-bit indexing), and the decode pairs are a subset.
   if (const char* why = ValidateProblem(p, variants, num_variants, &main, buf, buf_len)) return why;
@@ -200,7 +200,7 @@ const char* DispatchProblem(const Problem& p, const Variant* variants, int num_v
     }
   }
   if (!dec) {  // the fused GEMM
-    if (out) *out = Dispatch{main, 0, 0};
+    if (out) *out = Dispatch{main, 0};
     return nullptr;
   }
   const int64_t kInt32Max = 2147483647LL;
@@ -225,8 +225,7 @@ const char* DispatchProblem(const Problem& p, const Variant* variants, int num_v
     JBS_FAIL("decode split count %d out of range [1, %lld]", splits, (long long)k_chunks);
   if (p.l > 65535 || CeilDiv(p.n, DecodeRowsPerCta(nt)) * CeilDiv(p.m, 8 * nt) > kInt32Max)
     JBS_FAIL("decode grid too large (L=%lld, M=%lld)", (long long)p.l, (long long)p.m);
-  const int64_t tiles = CeilDiv(p.n, DecodeRowsPerCta(nt)) * CeilDiv(p.m, 8 * nt) * p.l;
-  if (out) *out = Dispatch{dec, splits, tiles};
+  if (out) *out = Dispatch{dec, splits};
   return nullptr;
 }
 

@@ -77,11 +77,11 @@ def _header(variants):
             f"static void load_{p}() {{ {p}_Kernel_Module_Load(&g_{p}); }}",
             f"static int32_t launch_{p}(const jbs::LaunchArgs& a) {{",
         ]
-        if v.get("nt", 0):  # decode kernel: f32 workspace, tile counters, split-K count
+        if v.get("nt", 0):  # decode kernel: f32 workspace + split-K count
             lines += [
                 f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.ws,",
-                "                               a.counters, a.m, a.n, a.k, a.l, a.a_e5m2,",
-                "                               a.b_e5m2, a.splits, a.stream);",
+                "                               a.m, a.n, a.k, a.l, a.a_e5m2, a.b_e5m2, a.splits,",
+                "                               a.stream);",
             ]
         else:  # fused GEMM: persistent grid of max_ctas
             lines += [

@@ -243,8 +243,7 @@ def _lib():
     lib.jbs_choose_decode.restype = c.c_int
     lib.jbs_dispatch_problem.argtypes = (
         [c.c_int] * 5 + [c.c_longlong] * 4 + [c.c_ulonglong] * 6 + [c.c_longlong] * 6
-        + [c.c_int] * 3 + [c.c_ulonglong, c.c_longlong, c.POINTER(c.c_int), c.POINTER(c.c_int),
-                           c.c_char_p, c.c_int])
+        + [c.c_int] * 3 + [c.c_ulonglong, c.c_longlong, c.POINTER(c.c_int), c.c_char_p, c.c_int])
     lib.jbs_dispatch_problem.restype = c.c_int
     return lib
 
@@ -256,9 +255,8 @@ def cpp_choose(a, b, out, m, n, k, sm_count=132):
     return (nt.value, splits.value) if ok else None
 
 
-def dispatch(ws_bytes=None, ws_ptr=0x70000, with_counters=False, **kw):
-    """The execute stage's validation + dispatch: (ok, variant name or reason, splits), plus
-    whether the splits are added on the tile counters when `with_counters`."""
+def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
+    """The execute stage's validation + dispatch: (ok, variant name or reason, splits)."""
     p = problem(**kw)
     if ws_bytes is None:  # room for every split the heuristic can pick
         ws_bytes = p["l"] * p["m"] * p["n"] * 4 * 1024
@@ -266,11 +264,9 @@ def dispatch(ws_bytes=None, ws_ptr=0x70000, with_counters=False, **kw):
              "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "a_bytes", "b_bytes",
              "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor", "sm_count"]
     buf = ctypes.create_string_buffer(512)
-    splits, counters = ctypes.c_int(-1), ctypes.c_int(-1)
+    splits = ctypes.c_int(-1)
     rc = _lib().jbs_dispatch_problem(*(p[n] for n in names), ws_ptr, ws_bytes,
-                                     ctypes.byref(splits), ctypes.byref(counters), buf, len(buf))
-    if with_counters:
-        return rc == 0, buf.value.decode(), splits.value, bool(counters.value)
+                                     ctypes.byref(splits), buf, len(buf))
     return rc == 0, buf.value.decode(), splits.value
 
 
@@ -352,34 +348,12 @@ def test_decode_splits_fit_the_workspace():
 def test_decode_one_split_and_several():
     # K within one sub-chunk: one split, and the main kernel converts and writes the output
     # itself (no finalize kernel). The GPU tests' test_decode_outputs (bf16 / f16 out) and
-    # test_decode_batched (L = 3) shapes take this path; the mxfp8 output case takes two splits,
-    # added by the last CTA of each tile on the tile counters.
+    # test_decode_batched (L = 3) shapes take this path; the mxfp8 output case takes two splits.
     for a, b, m, n, k, l, want in [("bf16", "nvfp4", 5, 300, 512, 1, 1),
                                    ("bf16", "nvfp4", 4, 129, 256, 3, 1),
                                    ("mxfp8", "mxfp8", 5, 300, 512, 1, 2)]:
-        ok, name, splits, counters = dispatch(a=a, b=b, m=m, n=n, k=k, l=l, with_counters=True)
+        ok, name, splits = dispatch(a=a, b=b, m=m, n=n, k=k, l=l)
         assert ok and name.startswith("jbs_sm90_decode_") and splits == want, (a, m, splits)
-        assert counters == (splits > 1)
-
-
-def test_decode_tile_counters_or_finalize():
-    # Several splits take the tile counters while there is one for every output tile (65536 per
-    # device: CTAs of one split x L); past that the finalize kernel adds the splits. The fused
-    # GEMM and one split use neither.
-    cases = [  # (m, n, k, l): 128-row tiles at M <= 8
-        (1, 16384, 16384, 1, True),         # the headline decode shape: 128 tiles, 2 splits
-        (16, 8192, 8192, 1, True),          # 256-row tiles at M 9..16
-        (1, 256, 16384, 512, True),         # 2 x 512 = 1024 tiles
-        (1, 256, 16384, 32768, True),       # exactly 65536 tiles
-        (1, 384, 16384, 32768, False),      # 98304 tiles: more than the counters
-    ]
-    for m, n, k, l, want in cases:
-        ok, name, splits, counters = dispatch(m=m, n=n, k=k, l=l, with_counters=True,
-                                              ws_bytes=l * m * n * 4 * 64)
-        assert ok and name.startswith("jbs_sm90_decode_"), name
-        assert splits > 1 and counters == want, (m, n, l, splits, counters)
-    ok, name, splits, counters = dispatch(m=200, n=4096, k=4096, l=1, with_counters=True)
-    assert ok and not name.startswith("jbs_sm90_decode_") and not counters  # the fused GEMM
 
 
 @pytest.mark.parametrize("over,match", [

@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
 _SHIM = """
 static {p}_Kernel_Module_t g_{p};
 int load_{p}(void) {{ {p}_Kernel_Module_Load(&g_{p}); return (int)cudaGetLastError(); }}
-int run_{p}(void *a, void *b, void *sa, void *sb, void *c, void *alpha, void *ws,
-            void *counters, int32_t m, int32_t n, int32_t k, int32_t l, int32_t a_e5m2,
-            int32_t b_e5m2, int32_t splits, void *stream) {{
-  return cute_dsl_{p}_wrapper(&g_{p}, a, b, sa, sb, c, alpha, ws, counters, m, n, k, l, a_e5m2,
-                              b_e5m2, splits, (cudaStream_t)stream);
+int run_{p}(void *a, void *b, void *sa, void *sb, void *c, void *alpha, void *ws, int32_t m,
+            int32_t n, int32_t k, int32_t l, int32_t a_e5m2, int32_t b_e5m2, int32_t splits,
+            void *stream) {{
+  return cute_dsl_{p}_wrapper(&g_{p}, a, b, sa, sb, c, alpha, ws, m, n, k, l, a_e5m2, b_e5m2,
+                              splits, (cudaStream_t)stream);
 }}
 """
 

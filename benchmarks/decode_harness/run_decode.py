@@ -49,7 +49,6 @@ FMTS = {  # fmt -> (kernel kind, element kind)
 TOL = {"f32": 1e-5, "bf16": 8e-3, "f16": 1e-3}
 OUT_NP = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
 OUT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
-TILE_COUNTERS = 1 << 16  # ffi/jbs_common.h kDecodeTileCounters
 
 
 def _lut256(elem):
@@ -61,12 +60,8 @@ class Lib:
     def __init__(self, build_dir):
         self.dll = ctypes.CDLL(os.path.join(build_dir, "libdecode_harness.so"))
         self.loaded = set()
-        # the split-K tile counters: zeroed once, as the FFI handler does; every launch must
-        # leave them zero (main() checks that at the end)
-        self.counters = cp.zeros(TILE_COUNTERS, cp.uint32)
 
-    def run(self, name, a, b, sa, sb, c, alpha, ws, counters, m, n, k, l, a_e5m2, b_e5m2,
-            splits, stream):
+    def run(self, name, a, b, sa, sb, c, alpha, ws, m, n, k, l, a_e5m2, b_e5m2, splits, stream):
         if name not in self.loaded:
             fn = getattr(self.dll, f"load_{name}")
             fn.restype = ctypes.c_int
@@ -77,9 +72,8 @@ class Lib:
         fn = getattr(self.dll, f"run_{name}")
         fn.restype = ctypes.c_int
         vp, i32 = ctypes.c_void_p, ctypes.c_int32
-        fn.argtypes = [vp] * 8 + [i32] * 7 + [vp]
-        return fn(a, b, sa, sb, c, alpha, ws, counters, m, n, k, l, a_e5m2, b_e5m2, splits,
-                  stream)
+        fn.argtypes = [vp] * 7 + [i32] * 7 + [vp]
+        return fn(a, b, sa, sb, c, alpha, ws, m, n, k, l, a_e5m2, b_e5m2, splits, stream)
 
 
 # ---- operands -----------------------------------------------------------------------------------
@@ -159,10 +153,8 @@ def out_to_f64(c, out):
 
 # ---- one case -----------------------------------------------------------------------------------
 def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True, time_it=False,
-             reps=60, sm_count=132, log=print, tuning=None, profile=False, reduce="counters"):
-    """tuning: None = the library default (plain variant names), else (tag, Tuning).
-    reduce: how several splits are added: "counters" (the last CTA of each tile, as the FFI
-    handler runs it) or "finalize" (no counters: the launcher's second kernel)."""
+             reps=60, sm_count=132, log=print, tuning=None, profile=False):
+    """tuning: None = the library default (plain variant names), else (tag, Tuning)."""
     tun = tuning[1] if tuning else None
     choice = dec.choose_decode_variant(M, N, K, fmt_a, fmt_b, sm_count, out, tuning=tun)
     assert choice is not None, (M, N, K, fmt_a, fmt_b)
@@ -186,20 +178,17 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
     c = cp.empty((L, M, N), {"f32": cp.float32, "bf16": cp.uint16, "f16": cp.float16}[out])
     ws = cp.empty((splits, L, M, N), cp.float32)  # one slice per split
     stream = cp.cuda.get_current_stream()
-    tiles = -(-N // (tun or dec.tuning_for(variant.nt)).bn) * -(-M // (8 * variant.nt)) * L
-    use_counters = reduce == "counters" and tiles <= TILE_COUNTERS  # the FFI handler's rule
-    counters = lib.counters.data.ptr if use_counters else 0
 
-    def launch(bset, s=stream):
+    def launch(bset):
         err = lib.run(name, a.data.ptr, bset.data.data.ptr, sa.data.ptr,
-                      bset.scales.data.ptr, c.data.ptr, alpha.data.ptr, ws.data.ptr, counters,
-                      M, N, K, L, a_e5m2, bset.e5m2, splits, s.ptr)
+                      bset.scales.data.ptr, c.data.ptr, alpha.data.ptr, ws.data.ptr,
+                      M, N, K, L, a_e5m2, bset.e5m2, splits, stream.ptr)
         if err:
             raise RuntimeError(f"{name}: launcher returned {err}")
 
     rec = dict(fmt_a=fmt_a or "bf16", fmt_b=fmt_b, out=out, M=M, N=N, K=K, L=L,
                variant=name, tuning=tuning[0] if tuning else "default", splits=splits,
-               auto_splits=auto_splits, reduce=reduce if splits > 1 else "one split")
+               auto_splits=auto_splits)
     if check:
         ref = cp.asnumpy(cp.matmul(a_ref, qb.ref.transpose(0, 2, 1)))
         if out == "f16":  # keep the result inside f16's range (max 65504): a power-of-two alpha
@@ -209,21 +198,15 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
                 alpha[...] = cp.float32(alpha_val)
         ref = float(alpha_val) * ref
         rec["alpha"] = float(alpha_val)
-
-        def check_once():
-            # poison: NaN everywhere the kernel writes or reads back (bf16/f16 NaN bits too)
-            c.view(cp.uint8).fill(0xFF)
-            ws.fill(cp.nan)
-            launch(qb)
-            stream.synchronize()
-            cp.cuda.runtime.deviceSynchronize()
-            y = out_to_f64(c, out)
-            finite = bool(np.isfinite(y).all())
-            err = (float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if finite
-                   else float("inf"))
-            return err, finite
-
-        err, finite = check_once()
+        # poison: NaN everywhere the kernel writes or reads back (bf16/f16 NaN bit patterns too)
+        c.view(cp.uint8).fill(0xFF)
+        ws.fill(cp.nan)
+        launch(qb)
+        stream.synchronize()
+        cp.cuda.runtime.deviceSynchronize()
+        y = out_to_f64(c, out)
+        finite = bool(np.isfinite(y).all())
+        err = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if finite else float("inf")
         rec.update(rel_err=err, finite=finite, ok=bool(finite and err < TOL[out]))
     if profile:
         launch(sets[0])
@@ -251,7 +234,11 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
             with gs:
                 gs.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
                 for i in range(per):
-                    launch(sets[i % n_sets], gs)
+                    err = lib.run(name, a.data.ptr, sets[i % n_sets].data.data.ptr,
+                                  sa.data.ptr, sets[i % n_sets].scales.data.ptr, c.data.ptr,
+                                  alpha.data.ptr, ws.data.ptr, M, N, K, L, a_e5m2,
+                                  sets[i % n_sets].e5m2, splits, gs.ptr)
+                    assert err == 0, err
                 graph = gs.end_capture()
             graph.upload(gs)
             graph.launch(gs)
@@ -269,9 +256,6 @@ def run_case(lib, rng, fmt_a, fmt_b, out, M, N, K, L=1, splits=None, check=True,
             rec["graph_error"] = repr(e)[:200]
         us = us_graph if us_graph is not None else us_eager
         moved = qb.nbytes + a_bytes + L * M * N * OUT_BYTES[out]
-        if check:  # the same call again after the timed ones (counters still zero after them)
-            err2, finite2 = check_once()
-            rec.update(rel_err_after=err2, ok=bool(rec["ok"] and finite2 and err2 < TOL[out]))
         rec.update(us=us, us_eager=us_eager, us_graph=us_graph,
                    us_eager_p10=float(np.percentile(ts, 10)),
                    us_eager_p90=float(np.percentile(ts, 90)),
@@ -323,8 +307,6 @@ def main():
     ap.add_argument("--watchdog", type=float, default=0,
                     help="seconds: print every thread's stack and exit if still running (a hung "
                          "kernel shows as a stack inside synchronize)")
-    ap.add_argument("--reduce", choices=("counters", "finalize", "both"), default="counters",
-                    help="how several splits are added (both: every case both ways)")
     ap.add_argument("--profile", action="store_true",
                     help="only launch a few headline cases twice each (run it under ncu)")
     args = ap.parse_args()
@@ -358,8 +340,6 @@ def main():
     def have(fmt_a, fmt_b, out, m, tuning=None):
         v = dec.choose_decode_variant(m, 64, 64, fmt_a, fmt_b, sm_count, out)
         return v is not None and (v[0].name + (f"_T{tuning[0]}" if tuning else "")) in built
-
-    reduces = ("counters", "finalize") if args.reduce == "both" else (args.reduce,)
 
     def guarded(fmt_a, fmt_b, out, M, N, K, **kw):
         try:
@@ -399,10 +379,9 @@ def main():
                     continue  # the other output dtypes: two shapes each
                 if not have(fmt_a, fmt_b, out, M):
                     continue
-                for red in reduces:
-                    r = guarded(fmt_a, fmt_b, out, M, N, K, L=L, splits=sp, reduce=red)
-                    results["correctness"].append(r)
-                    failures += not r.get("ok", False)
+                r = guarded(fmt_a, fmt_b, out, M, N, K, L=L, splits=sp)
+                results["correctness"].append(r)
+                failures += not r.get("ok", False)
     # the other tunings in the library: f32 output, the odd shapes
     for tag, tun in ([] if args.split_sweep_only else extra):
         for fmt_a, fmt_b in pairs:
@@ -436,9 +415,8 @@ def main():
                         continue
                     if not have(fmt_a, fmt_b, "bf16", M, tuning):
                         continue
-                    for red in reduces:
-                        perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=True,
-                                            time_it=True, tuning=tuning, reduce=red))
+                    perf.append(guarded(fmt_a, fmt_b, "bf16", M, NK, NK, check=True,
+                                        time_it=True, tuning=tuning))
         # split-K sweep, default tuning (checks the heuristic's choice)
         for (M, NK) in ([] if args.extra_only else [(1, 8192), (16, 8192), (1, 16384),
                                                      (16, 16384)]):
@@ -447,19 +425,12 @@ def main():
                     perf.append(guarded(None, "nvfp4", "bf16", M, NK, NK, splits=sp, check=False,
                                         time_it=True))
         results["perf"] = perf
-        failures += sum(1 for r in perf if r.get("ok") is False or "error" in r)
-        print("\n tuning            fmt_a      fmt_b       M     N     K splits reduce    | us(graph) us(eager)  TB/s  rel_err")
+        print("\n tuning            fmt_a      fmt_b       M     N     K splits | us(graph) us(eager)  TB/s  rel_err")
         for r in perf:
             print(f" {r.get('tuning', ''):17s} {str(r['fmt_a']):10s} {r['fmt_b']:10s} {r['M']:3d} "
-                  f"{r['N']:5d} {r['K']:5d} {str(r.get('splits')):>5s} "
-                  f"{str(r.get('reduce', '')):9s} | {r['us']:8.1f} "
+                  f"{r['N']:5d} {r['K']:5d} {str(r.get('splits')):>5s} | {r['us']:8.1f} "
                   f"{r.get('us_eager', float('nan')):8.1f} {r['tbps']:5.2f}  "
                   f"{r.get('rel_err', float('nan')):.2e}")
-    # every launch leaves the tile counters zero (else the next call would miscount)
-    stray = int(cp.count_nonzero(lib.counters))
-    results["counters_left_nonzero"] = stray
-    print(f"tile counters left non-zero: {stray}", flush=True)
-    failures += stray != 0
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -467,7 +438,7 @@ def main():
     bad = [r for r in results["correctness"] if not r.get("ok", False)]
     for r in bad[:20]:
         print("FAILED", json.dumps(r))
-    print(f"failures (correctness, checked perf cases, stray counters): {failures}")
+    print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed")
     return 1 if failures else 0
 
 

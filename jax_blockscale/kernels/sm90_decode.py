@@ -167,45 +167,6 @@ def ldg_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_cg_f32(addr, pred, *, loc=None, ip=None):
-    """A float another CTA wrote (cached in L2 only, never a stale L1 line); 0.0 if !pred."""
-    body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0f00000000;\n"
-            "@p ld.global.cg.f32 $0, [$1];\n}")
-    return _asm(1, "f", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc,
-                ip)[0]
-
-
-@dsl_user_op
-def sts_u32(addr, val, *, loc=None, ip=None):
-    _asm(0, "r", [cutlass.Int32(addr), cutlass.Int32(val)], "st.shared.u32 [$0], $1;",
-         ["r", "r"], loc, ip)
-
-
-@dsl_user_op
-def lds_u32(addr, *, loc=None, ip=None):
-    return _asm(1, "r", [cutlass.Int32(addr)], "ld.shared.u32 $0, [$1];", ["r"], loc, ip)[0]
-
-
-# --- tile counters (split-K without the finalize kernel) ---------------------------------------
-@dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None):
-    _asm(0, "r", [], "fence.acq_rel.gpu;", [], loc, ip)
-
-
-@dsl_user_op
-def atom_add_acq_rel_gpu(addr, val, *, loc=None, ip=None):
-    """Old value of the u32 at addr, which becomes old + val (acquire + release, GPU scope)."""
-    return _asm(1, "r", [cutlass.Int64(addr), cutlass.Int32(val)],
-                "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", ["l", "r"], loc, ip)[0]
-
-
-@dsl_user_op
-def st_relaxed_gpu_u32(addr, val, *, loc=None, ip=None):
-    _asm(0, "r", [cutlass.Int64(addr), cutlass.Int32(val)], "st.relaxed.gpu.global.u32 [$0], $1;",
-         ["l", "r"], loc, ip)
-
-
-@dsl_user_op
 def cp_async(dst, src, nbytes, pred, *, loc=None, ip=None):
     """Asynchronous global -> shared copy of 16 bytes (L1 bypass, 256-byte L2 prefetch) or 4
     bytes; zero-filled when !pred (no global read then)."""
@@ -486,7 +447,6 @@ class Sm90DecodeGemm:
         c_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -501,8 +461,8 @@ class Sm90DecodeGemm:
         mC = cute.make_tensor(c_ptr, cute.make_layout(total))
         ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
-        args = (a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, counters_ptr, m, n, k,
-                a_e5m2, b_e5m2, splits, mchunks)
+        args = (a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
+                splits, mchunks)
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
             kern = self.kernel_tma(*args, *self._tma_atoms(b_ptr, sb_ptr, n, k, l))
         else:
@@ -517,9 +477,7 @@ class Sm90DecodeGemm:
             preferred_smem_carveout=100 if self.tuning.pipeline != "regs" else None,
             stream=stream,
         )
-        # One K range, or tile counters (the last CTA of each tile adds the partials): the main
-        # kernel wrote the output itself
-        if (splits > 1) & (counters_ptr.toint() == 0):
+        if splits > 1:  # one K range: the main kernel wrote the output itself
             self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
@@ -579,7 +537,6 @@ class Sm90DecodeGemm:
         c_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -588,8 +545,8 @@ class Sm90DecodeGemm:
         splits: cutlass.Int32,
         mchunks: cutlass.Int32,
     ):
-        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, counters_ptr, m, n, k,
-                   a_e5m2, b_e5m2, splits, mchunks, None)
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+                   b_e5m2, splits, mchunks, None)
 
     @cute.kernel
     def kernel_tma(
@@ -601,7 +558,6 @@ class Sm90DecodeGemm:
         c_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         ws_ptr: cute.Pointer,
-        counters_ptr: cute.Pointer,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -614,12 +570,12 @@ class Sm90DecodeGemm:
         tma_s: cute.CopyAtom,
         tS: cute.Tensor,
     ):
-        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, counters_ptr, m, n, k,
-                   a_e5m2, b_e5m2, splits, mchunks, (tma_w, tW, tma_s, tS))
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+                   b_e5m2, splits, mchunks, (tma_w, tW, tma_s, tS))
 
     @cute.jit
-    def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, counters_ptr, m, n,
-              k, a_e5m2, b_e5m2, splits, mchunks, tma):
+    def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+              b_e5m2, splits, mchunks, tma):
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
         tid, _, _ = cute.arch.thread_idx()
@@ -694,72 +650,25 @@ class Sm90DecodeGemm:
                                        a_addr, sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid,
                                        lane, t, a_fp8, b_fp8)
 
-        # ---- epilogue. One split: c[l, m, n] = alpha * acc here (what finalize would compute
-        # from one partial, bitwise). Several: this split's partial -> ws[split, l, m, n] (plain
-        # stores; every split writes its slice, an empty K range writes zeros), then either the
-        # last CTA of the tile adds the partials (tile counters given) or finalize_kernel does.
+        # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
+        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits).
+        # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
+        # partial, bitwise) and the launcher skips finalize_kernel ----
         _, _, nl = cute.arch.grid_dim()  # L
         outputs = self._outputs(bx, warp, g, t, m0)
         if splits == 1:
-            self._store_output(outputs, acc, c_ptr, alpha_ptr, li, m, n, nl)
+            alpha = ldg_f32(alpha_ptr.toint())
+            if cutlass.const_expr(self.fold):
+                alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+            mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
+            for row, mm, j in outputs:
+                if (row < n) & (mm < m):
+                    mC[(li * m + mm) * n + row] = self.c_dtype(acc[j] * alpha)
         else:
             split_base = cutlass.Int64(by) * nl * m * n
             for row, mm, j in outputs:
                 addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
-            counters = counters_ptr.toint()
-            if counters != 0:
-                if self._last_of_tile(counters, act_base, bxm, li, splits, tid):
-                    self._sum_partials(outputs, acc, ws_addr, c_ptr, alpha_ptr, li, m, n, nl,
-                                       splits)
-
-    @cute.jit
-    def _store_output(self, outputs, vals, c_ptr, alpha_ptr, li, m, n, nl):
-        """c[l, m, n] = out dtype(vals[j] * alpha) for this thread's outputs inside (M, N): the
-        one rounding that finalize_kernel also makes, so every path gives the same bits."""
-        alpha = ldg_f32(alpha_ptr.toint())
-        if cutlass.const_expr(self.fold):
-            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
-        mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
-        for row, mm, j in outputs:
-            if (row < n) & (mm < m):
-                mC[(li * m + mm) * n + row] = self.c_dtype(vals[j] * alpha)
-
-    @cute.jit
-    def _last_of_tile(self, counters, flag_smem, bxm, li, splits, tid):
-        """After this CTA's partial stores: count its arrival on the tile's counter and say
-        whether it arrived last (then every split's partial is visible to it). The last CTA
-        puts the counter back to zero, so the counters stay zeroed between calls (the FFI
-        handler zeroes them once per device). Every thread fences its own stores (cumulative
-        through the CTA barrier to thread 0's release); thread 0's acquire and the barrier
-        order the partial loads after every arrival."""
-        fence_acq_rel_gpu()
-        cute.arch.sync_threads()  # also: everyone is done with the activation tile (flag_smem)
-        nbx, _, _ = cute.arch.grid_dim()
-        if tid == 0:
-            addr = counters + (cutlass.Int64(li) * nbx + bxm) * 4
-            last = cutlass.Int32(atom_add_acq_rel_gpu(addr, 1) == splits - 1)
-            if last != 0:
-                st_relaxed_gpu_u32(addr, 0)
-            sts_u32(flag_smem, last)
-        cute.arch.sync_threads()
-        return lds_u32(flag_smem) != 0
-
-    @cute.jit
-    def _sum_partials(self, outputs, acc, ws_addr, c_ptr, alpha_ptr, li, m, n, nl, splits):
-        """The tile's last CTA: add every split's partial in split order, from 0.0, as
-        finalize_kernel does (same sums, same bits), and store the output."""
-        fence_acq_rel_gpu()
-        total = cutlass.Int64(nl) * m * n
-        sums = cute.make_rmem_tensor((len(outputs),), cutlass.Float32)
-        sums.fill(0.0)
-        for sp in range(splits):
-            for x, (row, mm, j) in enumerate(outputs):
-                i = (cutlass.Int64(li) * m + mm) * n + row
-                ok = cutlass.Int32((row < n) & (mm < m))
-                sums[x] = sums[x] + ldg_cg_f32(ws_addr + (sp * total + i) * 4, ok)
-        self._store_output([(row, mm, x) for x, (row, mm, _) in enumerate(outputs)], sums,
-                           c_ptr, alpha_ptr, li, m, n, nl)
 
     def _outputs(self, bx, warp, g, t, m0):
         """(row of N, row of M, accumulator index) of each output this thread holds: the m16n8
@@ -1251,7 +1160,6 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning
         make_ptr(OUT_DTYPES[variant.out], 16, gmem, assumed_align=16),
         make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),
         make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Int32, 16, gmem, assumed_align=4),
         *(cutlass.Int32(1) for _ in range(4)),
         cutlass.Int32(0),
         cutlass.Int32(0),
@@ -1275,8 +1183,8 @@ def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | 
                    arch: str = "sm_90a", tuning: Tuning | None = None):
     """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
 
-    The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, counters,
-    m, n, k, l, a_e5m2, b_e5m2, splits, stream)`; returns (header path, object path)."""
+    The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,
+    l, a_e5m2, b_e5m2, splits, stream)`; returns (header path, object path)."""
     prefix = function_prefix or variant.name
     compiled = compile_variant(variant, arch, tuning)
     os.makedirs(out_dir, exist_ok=True)
