@@ -166,6 +166,53 @@ def ldg_f32(addr, *, loc=None, ip=None):
     return _asm(1, "f", [cutlass.Int64(addr)], "ld.global.f32 $0, [$1];", ["l"], loc, ip)[0]
 
 
+def _predicated_ptx(pre, vector_op, scalar_ops):
+    """PTX that runs `vector_op` when $vec != 0, else scalar_ops[e] for e < $valid (the operand
+    numbers of $vec / $valid are in `pre`'s setp lines)."""
+    return ("{\n.reg .pred pv, p0, p1, p2, p3;\n" + pre + "@pv " + vector_op + "\n"
+            + "".join(f"@p{e} {op}\n" for e, op in enumerate(scalar_ops)) + "}")
+
+
+def _lane_preds(vec, valid):
+    return (f"setp.ne.b32 pv, {vec}, 0;\n"
+            + "".join(f"setp.gt.and.s32 p{e}, {valid}, {e}, !pv;\n" for e in range(4)))
+
+
+@dsl_user_op
+def ldg4_f32(addr, vec, valid, *, loc=None, ip=None):
+    """Four consecutive floats at addr: one 16-byte load when vec != 0 (addr 16-byte aligned),
+    else the first `valid` (0..4) one by one; the others are +0.0."""
+    body = _predicated_ptx(
+        "".join(f"mov.b32 ${e}, 0f00000000;\n" for e in range(4)) + _lane_preds("$5", "$6"),
+        "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];",
+        [f"ld.global.f32 ${e}, [$4+{4 * e}];" for e in range(4)])
+    return _asm(4, "f", [cutlass.Int64(addr), cutlass.Int32(vec), cutlass.Int32(valid)], body,
+                ["l", "r", "r"], loc, ip)
+
+
+OUT_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+@dsl_user_op
+def stg4_out(out, addr, vals, vec, valid, *, loc=None, ip=None):
+    """Four consecutive outputs (f32 values, rounded to nearest-even into `out`) at addr: one
+    vector store when vec != 0 (addr 16-byte aligned), else the first `valid` one by one."""
+    ins = [cutlass.Int64(addr)] + [cutlass.Float32(v) for v in vals] + [
+        cutlass.Int32(vec), cutlass.Int32(valid)]
+    preds = _lane_preds("$5", "$6")
+    if out == "f32":
+        body = _predicated_ptx(preds, "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+                               [f"st.global.f32 [$0+{4 * e}], ${e + 1};" for e in range(4)])
+    else:  # two halves per 32-bit word, element e at the lower address first
+        cvt = f"cvt.rn.{out}x2.f32"
+        pack = (".reg .b32 h01, h23;\n.reg .b16 e0, e1, e2, e3;\n"
+                f"{cvt} h01, $2, $1;\n{cvt} h23, $4, $3;\n"
+                "mov.b32 {e0, e1}, h01;\nmov.b32 {e2, e3}, h23;\n")
+        body = _predicated_ptx(pack + preds, "st.global.v2.b32 [$0], {h01, h23};",
+                               [f"st.global.b16 [$0+{2 * e}], e{e};" for e in range(4)])
+    _asm(0, "r", ins, body, ["l", "f", "f", "f", "f", "r", "r"], loc, ip)
+
+
 @dsl_user_op
 def cp_async(dst, src, nbytes, pred, *, loc=None, ip=None):
     """Asynchronous global -> shared copy of 16 bytes (L1 bypass, 256-byte L2 prefetch) or 4
@@ -457,9 +504,8 @@ class Sm90DecodeGemm:
         stream: cuda.CUstream,
     ):
         total = l * m * n
-        mWs = cute.make_tensor(ws_ptr, cute.make_layout(total * splits))
-        mC = cute.make_tensor(c_ptr, cute.make_layout(total))
-        ew_grid = cutlass.min((total + 255) // 256, 2048)  # one output per thread up to 512K
+        # finalize: four outputs per thread, 256 threads per CTA, up to 2M outputs in one pass
+        ew_grid = cutlass.min((total + 1023) // 1024, 2048)
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
         args = (a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
                 splits, mchunks)
@@ -478,7 +524,7 @@ class Sm90DecodeGemm:
             stream=stream,
         )
         if splits > 1:  # one K range: the main kernel wrote the output itself
-            self.finalize_kernel(mWs, mC, alpha_ptr, total, splits).launch(
+            self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
     def _tma_atoms(self, b_ptr, sb_ptr, n, k, l):
@@ -505,26 +551,38 @@ class Sm90DecodeGemm:
         return cute.make_layout((4, 128), stride=(128, 1))
 
     @cute.kernel
-    def finalize_kernel(self, ws: cute.Tensor, c: cute.Tensor, alpha_ptr: cute.Pointer,
-                        total: cutlass.Int32, splits: cutlass.Int32):
-        """c = alpha * (sum of the split partials, in split order: bitwise reproducible).
-        The partials are loaded four at a time before they are added (same order, same sums):
-        this kernel is a few L2 round trips long, so the loads must not wait for each other."""
+    def finalize_kernel(self, ws_ptr: cute.Pointer, c_ptr: cute.Pointer,
+                        alpha_ptr: cute.Pointer, total: cutlass.Int32, splits: cutlass.Int32):
+        """c = alpha * (sum of the split partials, in split order from +0.0: bitwise
+        reproducible). Each thread owns four consecutive outputs (16-byte loads and one vector
+        store when total % 4 == 0 and c is 16-byte aligned, else element by element) and loads
+        four splits' partials before adding them: this kernel is a few L2 round trips long, so
+        the loads must not wait for each other. A split past the last reads as +0.0, which
+        leaves a sum from +0.0 bitwise unchanged (it never is -0.0)."""
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
         alpha = ldg_f32(alpha_ptr.toint())
         if cutlass.const_expr(self.fold):
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
-        splits4 = splits - splits % 4
-        for i in range(bid * 256 + tid, total, nb * 256):
-            acc = cutlass.Float32(0.0)
-            for sp in range(0, splits4, 4):
-                v = [ws[(sp + j) * total + i] for j in range(4)]
-                acc = (((acc + v[0]) + v[1]) + v[2]) + v[3]
-            for sp in range(splits4, splits):
-                acc = acc + ws[sp * total + i]
-            c[i] = self.c_dtype(acc * alpha)
+        ws = ws_ptr.toint()
+        c = c_ptr.toint()
+        vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0))
+        esize = OUT_BYTES[self.v.out]
+        for i in range((bid * 256 + tid) * 4, total, nb * 1024):
+            valid = cutlass.min(total - i, 4)
+            sums = cute.make_rmem_tensor((4,), cutlass.Float32)
+            sums.fill(0.0)
+            for sp in range(0, splits, 4):
+                parts = []
+                for q in cutlass.range_constexpr(4):
+                    here = cutlass.Int32(sp + q < splits)
+                    parts.append(ldg4_f32(ws + (cutlass.Int64(sp + q) * total + i) * 4,
+                                          vec * here, valid * here))
+                for e in cutlass.range_constexpr(4):
+                    sums[e] = (((sums[e] + parts[0][e]) + parts[1][e]) + parts[2][e]) + parts[3][e]
+            stg4_out(self.v.out, c + cutlass.Int64(i) * esize, [sums[e] * alpha for e in range(4)],
+                     vec, valid)
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
