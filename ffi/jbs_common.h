@@ -31,7 +31,7 @@ struct LaunchArgs {
   void *a, *b, *sa, *sb, *c, *alpha;
   int32_t m, n, k, l, a_e5m2, b_e5m2, max_ctas;
   cudaStream_t stream;
-  void* ws;        // decode kernel only: f32 workspace of L*M*N floats (the launcher zeroes it)
+  void* ws;        // decode kernel only: f32 workspace, one L*M*N slice per split
   int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
 };
 // One compiled kernel. nt == 0: the fused GEMM (kernels/sm90_blockscaled.py, tile_m x tile_n);

@@ -247,7 +247,7 @@ def test_decode_pairs(fmt_a, fmt_b, m):
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 3, 96), (3, 257, 544), (7, 1000, 2080),
                                    (16, 255, 4192), (9, 8191, 1024), (24, 300, 512),
                                    (32, 129, 160), (5, 4096, 8192), (40, 777, 1056),
-                                   (64, 257, 2080), (17, 4096, 4096)])
+                                   (64, 257, 2080), (17, 4096, 4096), (15, 9999, 1056)])
 @pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("nvfp4", "nvfp4"),
                                          (None, "mxfp8_e4m3"), ("mxfp4", "mxfp4")])
 def test_decode_shapes(m, n, k, fmt_a, fmt_b):

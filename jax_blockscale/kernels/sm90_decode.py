@@ -191,6 +191,7 @@ def ldg4_f32(addr, vec, valid, *, loc=None, ip=None):
 
 
 OUT_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+FIN_FOUR_FROM = 1 << 17  # finalize: four outputs per thread from this many outputs on
 
 
 @dsl_user_op
@@ -504,8 +505,10 @@ class Sm90DecodeGemm:
         stream: cuda.CUstream,
     ):
         total = l * m * n
-        # finalize: four outputs per thread, 256 threads per CTA, up to 2M outputs in one pass
-        ew_grid = cutlass.min((total + 1023) // 1024, 2048)
+        # finalize: 256 threads per CTA, one output per thread, or four from 128K outputs on
+        # (fewer, fuller CTAs win there; small calls want every thread's loads in flight)
+        per_thread = cutlass.Int32(1) + 3 * cutlass.Int32(total >= FIN_FOUR_FROM)
+        ew_grid = cutlass.min((total + 256 * per_thread - 1) // (256 * per_thread), 2048)
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
         args = (a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
                 splits, mchunks)
@@ -524,7 +527,7 @@ class Sm90DecodeGemm:
             stream=stream,
         )
         if splits > 1:  # one K range: the main kernel wrote the output itself
-            self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits).launch(
+            self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
 
     def _tma_atoms(self, b_ptr, sb_ptr, n, k, l):
@@ -552,13 +555,14 @@ class Sm90DecodeGemm:
 
     @cute.kernel
     def finalize_kernel(self, ws_ptr: cute.Pointer, c_ptr: cute.Pointer,
-                        alpha_ptr: cute.Pointer, total: cutlass.Int32, splits: cutlass.Int32):
+                        alpha_ptr: cute.Pointer, total: cutlass.Int32, splits: cutlass.Int32,
+                        per_thread: cutlass.Int32):
         """c = alpha * (sum of the split partials, in split order from +0.0: bitwise
-        reproducible). Each thread owns four consecutive outputs (16-byte loads and one vector
-        store when total % 4 == 0 and c is 16-byte aligned, else element by element) and loads
-        four splits' partials before adding them: this kernel is a few L2 round trips long, so
-        the loads must not wait for each other. A split past the last reads as +0.0, which
-        leaves a sum from +0.0 bitwise unchanged (it never is -0.0)."""
+        reproducible). Each thread owns `per_thread` (1 or 4) consecutive outputs (four: 16-byte
+        loads and one vector store when total % 4 == 0 and c is 16-byte aligned, else element by
+        element) and loads four splits' partials before adding them: this kernel is a few L2
+        round trips long, so the loads must not wait for each other. A split past the last
+        reads as +0.0, which leaves a sum from +0.0 bitwise unchanged (it never is -0.0)."""
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
@@ -567,10 +571,10 @@ class Sm90DecodeGemm:
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
         ws = ws_ptr.toint()
         c = c_ptr.toint()
-        vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0))
+        vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0) & (per_thread == 4))
         esize = OUT_BYTES[self.v.out]
-        for i in range((bid * 256 + tid) * 4, total, nb * 1024):
-            valid = cutlass.min(total - i, 4)
+        for i in range((bid * 256 + tid) * per_thread, total, nb * 256 * per_thread):
+            valid = cutlass.min(total - i, per_thread)
             sums = cute.make_rmem_tensor((4,), cutlass.Float32)
             sums.fill(0.0)
             for sp in range(0, splits, 4):
