@@ -69,6 +69,16 @@ def device_time_us(f, *args, arg_sets=None, calls=8):
     """GPU kernel time per call (microseconds) of `calls` calls of f, from a profiler trace: the
     union of the kernel intervals on the GPU's streams, divided by `calls`. None when the trace
     holds no GPU activity (CPU runs). Same argument conventions as time_us."""
+    events = gpu_kernel_events(f, *args, arg_sets=arg_sets, calls=calls)
+    if not events:
+        return None
+    return union_length([(s, e) for _, s, e in events]) / calls / 1e3
+
+
+def gpu_kernel_events(f, *args, arg_sets=None, calls=8):
+    """(kernel name, start ns, end ns) of every GPU kernel that `calls` calls of f ran (after 2
+    warm-up calls), from a profiler trace; [] when there is no GPU. Same argument conventions as
+    time_us."""
     arg_sets = _warm_calls(f, args, arg_sets, warmup=2)
     tmp = tempfile.mkdtemp(prefix="jbs_trace_")
     try:
@@ -78,17 +88,14 @@ def device_time_us(f, *args, arg_sets=None, calls=8):
             jax.block_until_ready(out)
         paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         if not paths:
-            return None
+            return []
         data = jax.profiler.ProfileData.from_file(paths[0])
-        spans = [(e.start_ns, e.start_ns + e.duration_ns)
-                 for plane in data.planes if plane.name.startswith("/device:GPU")
-                 for line in plane.lines if line.name.startswith("Stream")
-                 for e in line.events]
+        return [(e.name, e.start_ns, e.start_ns + e.duration_ns)
+                for plane in data.planes if plane.name.startswith("/device:GPU")
+                for line in plane.lines if line.name.startswith("Stream")
+                for e in line.events]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if not spans:
-        return None
-    return union_length(spans) / calls / 1e3
 
 
 def union_length(intervals):

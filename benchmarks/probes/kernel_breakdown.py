@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -27,27 +24,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import jax_blockscale as jbs  # noqa: E402
-from timing import copies, rotation_count, union_length  # noqa: E402
-
-
-def kernel_events(f, arg_sets, calls):
-    """(name, start_ns, end_ns) of every GPU kernel of `calls` calls of f, after two warm-ups."""
-    for i in range(2):
-        jax.block_until_ready(f(*arg_sets[i % len(arg_sets)]))
-    tmp = tempfile.mkdtemp(prefix="jbs_breakdown_")
-    try:
-        with jax.profiler.trace(tmp):
-            for i in range(calls):
-                out = f(*arg_sets[i % len(arg_sets)])
-            jax.block_until_ready(out)
-        data = jax.profiler.ProfileData.from_file(
-            glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
-        return [(e.name, e.start_ns, e.start_ns + e.duration_ns)
-                for plane in data.planes if plane.name.startswith("/device:GPU")
-                for line in plane.lines if line.name.startswith("Stream")
-                for e in line.events]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+from timing import copies, gpu_kernel_events, rotation_count, union_length  # noqa: E402
 
 
 def breakdown(fmt, m, n, k, calls):
@@ -56,7 +33,7 @@ def breakdown(fmt, m, n, k, calls):
     w = jbs.quantize(jax.random.normal(kw, (n, k), jnp.float32), fmt, layout="blocked")
     ws = copies(w, rotation_count(n * k))  # ~1 byte per weight or less: 3x L2 of copies
     f = jax.jit(jbs.gemm)
-    ev = kernel_events(f, [(x, w_) for w_ in ws], calls)
+    ev = gpu_kernel_events(f, arg_sets=[(x, w_) for w_ in ws], calls=calls)
     if not ev:
         raise SystemExit("no GPU kernels in the trace (run it on a GPU)")
     per_name = collections.defaultdict(list)
