@@ -528,7 +528,10 @@ class Sm90DecodeGemm:
         )
         if splits > 1:  # one K range: the main kernel wrote the output itself
             self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
-                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream)
+                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream,
+                # programmatic dependent launch: its CTAs are launched while the main kernel
+                # runs and wait (griddepcontrol.wait) for it to finish and flush
+                use_pdl=True)
 
     def _tma_atoms(self, b_ptr, sb_ptr, n, k, l):
         """TMA atoms (host side) for the weights, as (N, K bytes, L) in boxes of BN rows x one
@@ -569,6 +572,7 @@ class Sm90DecodeGemm:
         alpha = ldg_f32(alpha_ptr.toint())
         if cutlass.const_expr(self.fold):
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+        cute.arch.griddepcontrol_wait()  # the main kernel's partials are complete and visible
         ws = ws_ptr.toint()
         c = c_ptr.toint()
         vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0) & (per_thread == 4))
@@ -642,6 +646,8 @@ class Sm90DecodeGemm:
         nt, se, e, Q = v.nt, self.se, self.e, self.q
         tid, _, _ = cute.arch.thread_idx()
         bxm, by, bz = cute.arch.block_idx()
+        # the finalize kernel (launched with PDL) may start now: it waits for this grid's end
+        cute.arch.griddepcontrol_launch_dependents()
         bx = bxm // mchunks  # row group of N
         warp = tid // 32
         lane = tid % 32
