@@ -40,9 +40,11 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   chunks fastest (the chunks that share a weight tile run together: later chunks read it from
   L2). Each CTA stores its partial sums (plain stores, no atomics) into its split's slice of an
   f32 workspace [splits, L, M, N]; the exported launcher then runs a small kernel that adds the
-  splits in a fixed order, multiplies by alpha and converts to the output dtype. Two kernels per
+  splits in a fixed order, multiplies by alpha and converts to the output dtype (launched by
+  programmatic dependent launch, so its start overlaps the main kernel's end). Two kernels per
   call (one when there is one split: the main kernel then converts and writes the output), no
-  zeroing, and the result is bitwise reproducible. The workspace (splits*L*M*N f32) is
+  zeroing, and the result is bitwise reproducible. (Adding the splits in the main kernel's last
+  CTA per tile instead was no faster: docs/sm90_decode_notes.md, session 7.) The workspace (splits*L*M*N f32) is
   the caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
   (one wave of CTAs).
 
