@@ -373,6 +373,13 @@ def main():
     if args.quick:
         shapes = shapes[:3]
     skip_suite = args.extra_only or args.split_sweep_only
+
+    def check(*case, **kw):  # one correctness case, recorded and counted
+        nonlocal failures
+        r = guarded(*case, **kw)
+        results["correctness"].append(r)
+        failures += not r.get("ok", False)
+
     for fmt_a, fmt_b in ([] if skip_suite else pairs):
         for out in ("f32", "bf16", "f16"):
             for (M, N, K, L, sp) in shapes:
@@ -380,23 +387,17 @@ def main():
                     continue  # the other output dtypes: two shapes each
                 if not have(fmt_a, fmt_b, out, M):
                     continue
-                r = guarded(fmt_a, fmt_b, out, M, N, K, L=L, splits=sp)
-                results["correctness"].append(r)
-                failures += not r.get("ok", False)
+                check(fmt_a, fmt_b, out, M, N, K, L=L, splits=sp)
     # the other tunings in the library: f32 output, the odd shapes
     for tag, tun in ([] if args.split_sweep_only else extra):
         for fmt_a, fmt_b in pairs:
             for (M, N, K, L, sp) in [shapes[1], shapes[2], shapes[3], shapes[4], shapes[6],
                                      shapes[7], shapes[8]]:  # M <= 16 and M = 24, 64, 40
                 if have(fmt_a, fmt_b, "f32", M, (tag, tun)):
-                    r = guarded(fmt_a, fmt_b, "f32", M, N, K, L=L, splits=sp, tuning=(tag, tun))
-                    results["correctness"].append(r)
-                    failures += not r.get("ok", False)
+                    check(fmt_a, fmt_b, "f32", M, N, K, L=L, splits=sp, tuning=(tag, tun))
             M, N, K, L, sp = shapes[4]  # one split, bf16 out: the main kernel converts
             if have(fmt_a, fmt_b, "bf16", M, (tag, tun)):
-                r = guarded(fmt_a, fmt_b, "bf16", M, N, K, L=L, splits=sp, tuning=(tag, tun))
-                results["correctness"].append(r)
-                failures += not r.get("ok", False)
+                check(fmt_a, fmt_b, "bf16", M, N, K, L=L, splits=sp, tuning=(tag, tun))
     print(f"correctness: {len(results['correctness']) - failures} ok, {failures} failed", flush=True)
 
     # ---- performance ----------------------------------------------------------------------

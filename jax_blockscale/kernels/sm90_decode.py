@@ -44,9 +44,9 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   programmatic dependent launch, so its start overlaps the main kernel's end). Two kernels per
   call (one when there is one split: the main kernel then converts and writes the output), no
   zeroing, and the result is bitwise reproducible. (Adding the splits in the main kernel's last
-  CTA per tile instead was no faster: docs/sm90_decode_notes.md, session 7.) The workspace (splits*L*M*N f32) is
-  the caller's (FFI scratch); `splits` is a run-time argument chosen by `choose_decode_variant`
-  (one wave of CTAs).
+  CTA per tile instead was no faster: docs/sm90_decode_notes.md, session 7.) The workspace
+  (splits*L*M*N f32) is the caller's (FFI scratch); `splits` is a run-time argument chosen by
+  `choose_decode_variant` (one wave of CTAs).
 
 Measured on an H100 (docs/sm90_decode_notes.md, session 5 run 28, harness CUDA-graph time with
 the finalize): M=16, N=K=16384, bf16 x nvfp4 in 61.9 us (2.46 TB/s on the bytes that must move;
@@ -192,7 +192,6 @@ def ldg4_f32(addr, vec, valid, *, loc=None, ip=None):
                 ["l", "r", "r"], loc, ip)
 
 
-OUT_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 FIN_FOUR_FROM = 1 << 17  # finalize: four outputs per thread from this many outputs on
 
 
@@ -571,14 +570,12 @@ class Sm90DecodeGemm:
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
-        alpha = ldg_f32(alpha_ptr.toint())
-        if cutlass.const_expr(self.fold):
-            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+        alpha = self._alpha(alpha_ptr)
         cute.arch.griddepcontrol_wait()  # the main kernel's partials are complete and visible
         ws = ws_ptr.toint()
         c = c_ptr.toint()
         vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0) & (per_thread == 4))
-        esize = OUT_BYTES[self.v.out]
+        esize = self.c_dtype.width // 8
         for i in range((bid * 256 + tid) * per_thread, total, nb * 256 * per_thread):
             valid = cutlass.min(total - i, per_thread)
             sums = cute.make_rmem_tensor((4,), cutlass.Float32)
@@ -723,13 +720,12 @@ class Sm90DecodeGemm:
         # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
         # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits).
         # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
-        # partial, bitwise) and the launcher skips finalize_kernel ----
+        # partial, bitwise except that finalize's sum from +0.0 turns a -0.0 into +0.0) and the
+        # launcher skips finalize_kernel ----
         _, _, nl = cute.arch.grid_dim()  # L
         outputs = self._outputs(bx, warp, g, t, m0)
         if splits == 1:
-            alpha = ldg_f32(alpha_ptr.toint())
-            if cutlass.const_expr(self.fold):
-                alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+            alpha = self._alpha(alpha_ptr)
             mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
             for row, mm, j in outputs:
                 if (row < n) & (mm < m):
@@ -739,6 +735,13 @@ class Sm90DecodeGemm:
             for row, mm, j in outputs:
                 addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
+
+    def _alpha(self, alpha_ptr):
+        """alpha from device memory, times FOLD_ALPHA when the nvfp4 scales carry the fold."""
+        alpha = ldg_f32(alpha_ptr.toint())
+        if cutlass.const_expr(self.fold):
+            alpha = alpha * cutlass.Float32(FOLD_ALPHA)
+        return alpha
 
     def _outputs(self, bx, warp, g, t, m0):
         """(row of N, row of M, accumulator index) of each output this thread holds: the m16n8
