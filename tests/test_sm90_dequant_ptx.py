@@ -3,6 +3,8 @@ times a spread of scales gives the exact bf16 value, in the element order the ke
 No GPU, no DSL needed."""
 from __future__ import annotations
 
+import zlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -72,7 +74,10 @@ def _decode(codes, elem):
                                             ("mxfp8", "e5m2", False)])
 def test_dequant_chunk_is_exact(kind, elem, fold, perm):
     """fold: the NVFP4 outputs are the values times FOLD_FACTOR (the kernel's alpha undoes it)."""
-    rng = np.random.default_rng(hash((kind, elem, fold, perm)) % 2**32)
+    # a seed per case that is the same in every process (hash() of strings is salted per
+    # process): the exactness share checked below is a property of the data drawn, and ~1 draw
+    # in 300 of mxfp8 e5m2 falls under 0.9
+    rng = np.random.default_rng(zlib.crc32(repr((kind, elem, fold, perm)).encode()))
     for _ in range(4):
         codes = _codes(elem, rng)
         sbits, scale = _scales(ptx.KINDS[kind]["scale"], rng)
