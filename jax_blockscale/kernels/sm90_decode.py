@@ -157,17 +157,6 @@ def sts_v4(addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def sts_f32(addr, val, *, loc=None, ip=None):
-    _asm(0, "r", [cutlass.Int32(addr), cutlass.Float32(val)], "st.shared.f32 [$0], $1;",
-         ["r", "f"], loc, ip)
-
-
-@dsl_user_op
-def lds_f32(addr, *, loc=None, ip=None):
-    return _asm(1, "f", [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", ["r"], loc, ip)[0]
-
-
-@dsl_user_op
 def stg_f32(addr, val, pred, *, loc=None, ip=None):
     body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}"
     _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,
@@ -468,10 +457,6 @@ class Sm90DecodeGemm:
         self.e = self.se // 4  # K elements per thread per step (32 fp4 / 16 fp8)
         self.q = self.e // 8  # 8-element groups per thread per step
         self.c_dtype = OUT_DTYPES[v.out]
-        self.parts = tuning.k_parts  # K parts per CTA (groups of WARPS warps)
-        assert self.parts in (1, 2) and (self.parts == 1 or tuning.pipeline == "tma"), tuning
-        assert self.sub % self.parts == 0, tuning
-        self.threads = THREADS * self.parts
         self.fold = tuning.fold_scale and v.b_kind == "nvfp4"
         # activation buffer: per step, per n8 tile, per group, 32 lanes x 16 bytes
         self.step_act_bytes = v.nt * self.q * 32 * 16
@@ -496,15 +481,6 @@ class Sm90DecodeGemm:
             w_tx = 0 if tuning.probe == "tmas" else self.sub * self.BN * STEP_BYTES
             s_tx = 0 if tuning.probe == "tmaw" else self.groups * self.scale_tiles * 512
             self.stage_tx = w_tx + s_tx
-        # activations by TMA (Tuning.act_tma): per stage, per step, two boxes (K halves of 64
-        # elements) of the 8*nt rows of M x 128 bytes, 128-byte swizzled
-        self.act_tma = tuning.act_tma and not self.a_quant
-        if self.act_tma:
-            assert tuning.pipeline == "tma" and self.b_bits == 4, tuning
-            self.a_rows = 8 * v.nt
-            self.a_box_bytes = self.a_rows * 128
-            self.a_boxes = tuning.stages * self.sub * 2
-            self.stage_tx += self.sub * 2 * self.a_box_bytes
         # activation windows (bf16 activations only: quantized ones are converted while staged)
         self.win_bytes = tuning.act_window if not self.a_quant else 0
         assert not self.win_bytes or tuning.pipeline == "cpasync", tuning
@@ -537,10 +513,7 @@ class Sm90DecodeGemm:
         mchunks = (m + 8 * self.v.nt - 1) // (8 * self.v.nt)
         args = (a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2, b_e5m2,
                 splits, mchunks)
-        if cutlass.const_expr(self.act_tma):
-            kern = self.kernel_tma_act(*args, *self._tma_atoms(b_ptr, sb_ptr, n, k, l),
-                                       *self._act_tma_atom(a_ptr, m, k, l))
-        elif cutlass.const_expr(self.tuning.pipeline == "tma"):
+        if cutlass.const_expr(self.tuning.pipeline == "tma"):
             kern = self.kernel_tma(*args, *self._tma_atoms(b_ptr, sb_ptr, n, k, l))
         else:
             kern = self.kernel(*args)
@@ -548,7 +521,7 @@ class Sm90DecodeGemm:
             # M chunks vary fastest: the CTAs that share a weight tile start together, so the
             # second and later chunks read the tile from L2 instead of HBM
             grid=[((n + self.BN - 1) // self.BN) * mchunks, splits, l],
-            block=[self.threads, 1, 1],
+            block=[THREADS, 1, 1],
             min_blocks_per_mp=self.tuning.min_blocks,
             # with min_blocks > 1 the DSL wants the carveout (else it probes a GPU at build time)
             preferred_smem_carveout=100 if self.tuning.pipeline != "regs" else None,
@@ -577,21 +550,6 @@ class Sm90DecodeGemm:
         tma_s, tS = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mSB, self._s_box_layout(),
                                                            (4, 128))
         return tma_w, tW, tma_s, tS
-
-    def _act_tma_atom(self, a_ptr, m, k, l):
-        """TMA atom (host side) for bf16 activations, as (M, K, L) in boxes of 8*nt rows x 64 K
-        elements (128 bytes, swizzled): rows past M and K past k arrive as zeros."""
-        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        mA = cute.make_tensor(a_ptr, cute.make_layout((m, k, l), stride=(k, 1, m * k)))
-        box = cute.slice_(self._act_layout(), (None, None, 0))
-        return cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mA, box, (self.a_rows, 64))
-
-    def _act_layout(self):
-        """The activation ring: a_boxes boxes of (8*nt rows, 64 elements), 128-byte swizzle (byte
-        offset row*128 + 16*c of a box holds its 16-byte chunk c ^ (row % 8))."""
-        sw128 = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.BFloat16)
-        return cute.tile_to_shape(sw128, (self.a_rows, 64, self.a_boxes), order=(0, 1, 2))
 
     def _w_box_layout(self):
         return cute.make_layout((self.BN, self.box_bytes), stride=(self.box_bytes, 1))
@@ -680,33 +638,6 @@ class Sm90DecodeGemm:
         self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
                    b_e5m2, splits, mchunks, (tma_w, tW, tma_s, tS))
 
-    @cute.kernel
-    def kernel_tma_act(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        sa_ptr: cute.Pointer,
-        sb_ptr: cute.Pointer,
-        c_ptr: cute.Pointer,
-        alpha_ptr: cute.Pointer,
-        ws_ptr: cute.Pointer,
-        m: cutlass.Int32,
-        n: cutlass.Int32,
-        k: cutlass.Int32,
-        a_e5m2: cutlass.Int32,
-        b_e5m2: cutlass.Int32,
-        splits: cutlass.Int32,
-        mchunks: cutlass.Int32,
-        tma_w: cute.CopyAtom,
-        tW: cute.Tensor,
-        tma_s: cute.CopyAtom,
-        tS: cute.Tensor,
-        tma_a: cute.CopyAtom,
-        tA: cute.Tensor,
-    ):
-        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
-                   b_e5m2, splits, mchunks, (tma_w, tW, tma_s, tS, tma_a, tA))
-
     @cute.jit
     def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
               b_e5m2, splits, mchunks, tma):
@@ -718,11 +649,6 @@ class Sm90DecodeGemm:
         cute.arch.griddepcontrol_launch_dependents()
         bx = bxm // mchunks  # row group of N
         warp = tid // 32
-        if cutlass.const_expr(self.parts > 1):
-            warp = warp % WARPS  # the rows a warp owns repeat in every K part
-        part = 0  # K part of this warp (k_parts > 1)
-        if cutlass.const_expr(self.parts > 1):
-            part = tid // THREADS
         lane = tid % 32
         g = lane // 4
         t = lane % 4
@@ -730,10 +656,8 @@ class Sm90DecodeGemm:
         m0 = (bxm % mchunks) * (8 * nt)
 
         smem = cutlass.memory.SmemAllocator()
-        act_base = 0  # act_tma: the activations live in the TMA ring
-        if cutlass.const_expr(not self.act_tma):
-            act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
-                                     byte_alignment=128).toint()
+        act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
+                                 byte_alignment=128).toint()
 
         a_addr = a_ptr.toint()
         b_addr = b_ptr.toint()
@@ -777,7 +701,7 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
                                a_addr, sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t,
-                               a_fp8, b_fp8, part)
+                               a_fp8, b_fp8)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
@@ -798,20 +722,8 @@ class Sm90DecodeGemm:
         # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
         # partial, bitwise except that finalize's sum from +0.0 turns a -0.0 into +0.0) and the
         # launcher skips finalize_kernel ----
-        if cutlass.const_expr(self.parts == 2):
-            self._add_parts(smem, acc, tid, part)
         _, _, nl = cute.arch.grid_dim()  # L
         outputs = self._outputs(bx, warp, g, t, m0)
-        if cutlass.const_expr(self.parts == 1):
-            self._store_outputs(acc, outputs, c_ptr, alpha_ptr, ws_addr, li, by, m, n, nl,
-                                splits)
-        elif part == 0:  # part 1's sums are in part 0's accumulators now
-            self._store_outputs(acc, outputs, c_ptr, alpha_ptr, ws_addr, li, by, m, n, nl,
-                                splits)
-
-    @cute.jit
-    def _store_outputs(self, acc, outputs, c_ptr, alpha_ptr, ws_addr, li, by, m, n, nl, splits):
-        """The accumulators -> the output (one split) or this split's workspace slice."""
         if splits == 1:
             alpha = self._alpha(alpha_ptr)
             mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
@@ -823,21 +735,6 @@ class Sm90DecodeGemm:
             for row, mm, j in outputs:
                 addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
-
-    @cute.jit
-    def _add_parts(self, smem, acc, tid, part):
-        """k_parts = 2: part 1's accumulators -> shared memory -> added into part 0's (part 0 +
-        part 1, the same order every run)."""
-        n_acc = self.RT * self.v.nt * 4
-        buf = smem.allocate(n_acc * THREADS * 4, byte_alignment=16).toint()
-        lt = tid % THREADS
-        if part == 1:
-            for j in cutlass.range_constexpr(n_acc):
-                sts_f32(buf + (j * THREADS + lt) * 4, acc[j])
-        cute.arch.sync_threads()
-        if part == 0:
-            for j in cutlass.range_constexpr(n_acc):
-                acc[j] = acc[j] + lds_f32(buf + (j * THREADS + lt) * 4)
 
     def _alpha(self, alpha_ptr):
         """alpha from device memory, times FOLD_ALPHA when the nvfp4 scales carry the fold."""
@@ -929,19 +826,18 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
-                      sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8,
-                      part):
+                      sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
         """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
         box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
         stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
         thread and step. The CTA barrier that stages the activations also tells that the slot
         being refilled has been read by everyone. (Rows of 128 / 256 bytes cost a 2-way bank
         conflict in the 16-byte reads; the longer row segments more than pay for it.)"""
-        tma_w, tW, tma_s, tS = tma[:4]
+        tma_w, tW, tma_s, tS = tma
         S = self.tuning.stages
         T = self.scale_tiles
         chunk = self.sub * self.se
-        if tid // 32 == 0:
+        if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
         ring_w = smem.allocate_array(cutlass.Uint8, self.ring_w, byte_alignment=1024)
@@ -969,78 +865,40 @@ class Sm90DecodeGemm:
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
-        if cutlass.const_expr(self.act_tma):
-            tma_a, tA = tma[4:]
-            lay = self._act_layout()
-            sA = smem.allocate_tensor(cutlass.BFloat16, lay.outer, byte_alignment=1024,
-                                      swizzle=lay.inner)
-            gA = cute.local_tile(tA, (self.a_rows, 64), (None, None, None))
-            tAs, tAg = cute.nvgpu.cpasync.tma_partition(
-                tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-            views = views + (tma_a, tAg, tAs, m0 // self.a_rows)
-            if tid // 32 == 0:
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            act_lane = self._act_lane(sA.iterator.toint(), g, t)
-        else:
-            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid,
-                           n_sub > 0)
-        if tid // 32 == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
+        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
+        if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
                     self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
         for it in range(n_sub):
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
-            if cutlass.const_expr(not self.act_tma):
-                self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-                self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
-                               it + 1 < n_sub)
+            self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
+            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+                           it + 1 < n_sub)
             stage = it % S
             if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
                 mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
             # everyone's activations are staged, and everyone is done with sub-chunk it - 1,
             # whose slot the next copies refill
             cute.arch.sync_threads()
-            if tid // 32 == 0:
+            if warp == 0:
                 if it + S - 1 < n_sub:
                     self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane)
-            # K part p computes steps p * sub / parts .. (p + 1) * sub / parts - 1
-            for cc in cutlass.range_constexpr(self.sub // self.parts):
-                c = self._part_step(part, cc)
+            for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
                                         t)
-                act_src = None
-                if cutlass.const_expr(self.act_tma):
-                    box0 = (stage * self.sub + c) * 2 * self.a_box_bytes
-                    act_src = (act_lane[0] + box0,) + act_lane[1:]
                 if cutlass.const_expr(self.tuning.probe != "nocompute"):
                     self._step_compute(w, sw, kc + c * self.se + t * self.e, buf, c, lane, acc,
-                                       b_fp8, act_tma=act_src)
+                                       b_fp8)
                 else:  # keep the shared-memory reads: fold them into one accumulator
                     acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
-
-    def _part_step(self, part, cc):
-        """Step cc of K part `part`'s share of a sub-chunk (a Python int with one part)."""
-        return cc if self.parts == 1 else part * (self.sub // self.parts) + cc
-
-    def _act_lane(self, ring_a, g, t):
-        """act_tma: what lane (g, t) needs to read its activations from the ring: (its box base
-        (box t // 2 of a step), its row offset per n8 tile, its chunk offset per group j, the
-        flip mask, the flip bit). Lanes t = 2, 3 take their four 8-element groups in the order
-        2, 3, 0, 1 (so the two K halves of a step, which share the swizzle, meet different banks:
-        the 8 lanes of a 16-byte read phase hit 8 different chunks)."""
-        flip = (t >> 1) & 1
-        chunk = ((t & 1) << 2) ^ (flip << 1) ^ g  # the swizzled chunk of group 0, rows g
-        return (ring_a + (t >> 1) * self.a_box_bytes,
-                [(8 * i + g) * 128 for i in range(self.v.nt)],
-                [(chunk ^ j) << 4 for j in range(self.q)],
-                cutlass.Int32(0) - flip, flip)
 
     @cute.jit
     def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane):
         """Warp 0: TMA sub-chunk j (its weight steps and scale tiles) into ring slot j % S. Lane
         0 announces the bytes first (its copies follow in program order)."""
-        tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views[:8]
+        tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views
         S = self.tuning.stages
         T = self.scale_tiles
         slot = j % S
@@ -1056,13 +914,6 @@ class Sm90DecodeGemm:
                     box = (kc + c * bs * self.se) // (bs * self.se)  # K index in boxes
                     cute.copy(tma_w, tWg[(None, bx, box, li)],
                               tWs[(None, slot * self.boxes + c)], tma_bar_ptr=bar)
-            if cutlass.const_expr(self.act_tma):
-                tma_a, tAg, tAs, mt = views[8:]
-                for c in cutlass.range_constexpr(self.sub):
-                    for h in cutlass.range_constexpr(2):
-                        kb = (kc + c * self.se) // 64 + h
-                        cute.copy(tma_a, tAg[(None, mt, kb, li)],
-                                  tAs[(None, (slot * self.sub + c) * 2 + h)], tma_bar_ptr=bar)
             if cutlass.const_expr(probe != "tmaw"):
                 tile0 = (kc // self.b_block) // 4
                 for x in cutlass.range_constexpr(self.groups):
@@ -1207,26 +1058,17 @@ class Sm90DecodeGemm:
             sts_v4(buf + j * 16, permute_fp4_order(lds_v4(buf + j * 16)))
 
     @cute.jit
-    def _step_compute(self, w, sw, kt, buf, c, lane, acc, b_fp8, win=None, act_tma=None):
+    def _step_compute(self, w, sw, kt, buf, c, lane, acc, b_fp8, win=None):
         """One 64-byte step of the thread's four rows: w[j] = 4 weight words of row j, sw[j] = the
         scale word of row j (4 scale columns), kt = first K element of the thread's bytes.
         Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
         per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
-        sub-chunk's first item), or with `act_tma` (_act_lane's tuple, the box base of this step)
-        raw from the TMA ring, groups in the lane's order."""
+        sub-chunk's first item)."""
         v = self.v
         nt, Q = v.nt, self.q
         col = (kt // self.b_block) % 4  # the thread's first scale column (byte) in the word
         nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
-        blks = list(range(nblk))
-        if cutlass.const_expr(act_tma is not None):
-            abase, row_offs, lane_offs, fmask, flip = act_tma
-            # flipped lanes: group j is the thread's group j ^ 2 (its words and its block)
-            w = [[(w[r][x ^ 2] & fmask) | (w[r][x] & ~fmask) for x in range(4)]
-                 for r in range(self.R)]
-            if cutlass.const_expr(nblk == 2):
-                blks = [flip, 1 - flip]
-        sels = [SCALE_BYTE_SEL + 0x101 * (col + b) for b in blks]  # byte -> both halves
+        sels = [SCALE_BYTE_SEL + 0x101 * (col + b) for b in range(nblk)]  # byte -> both halves
         sc = []  # bf16x2 scale per row and block: converted once, used by every group
         for j in cutlass.range_constexpr(self.R):
             sc.append([scale_bf16x2(v.b_kind, sw[j], sels[b], self.fold)
@@ -1235,9 +1077,7 @@ class Sm90DecodeGemm:
         for q in cutlass.range_constexpr(Q):
             act = []
             for i in cutlass.range_constexpr(nt):
-                if cutlass.const_expr(act_tma is not None):
-                    act.append(permute_fp4_order(lds_v4(abase + row_offs[i] + lane_offs[q])))
-                elif cutlass.const_expr(win is None):
+                if cutlass.const_expr(win is None):
                     act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
                 else:
                     lane_off, q_stride = win
@@ -1319,7 +1159,7 @@ class Sm90DecodeGemm:
 
     @property
     def _act_per_thread(self):
-        return (self.items + self.threads - 1) // self.threads
+        return (self.items + THREADS - 1) // THREADS
 
     @cute.jit
     def _load_act(self, raw, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, active):
@@ -1329,7 +1169,7 @@ class Sm90DecodeGemm:
         v = self.v
         nt, Q, W = v.nt, self.q, self._act_words
         for j in cutlass.range_constexpr(self._act_per_thread):
-            idx = tid + j * self.threads
+            idx = tid + j * THREADS
             lane = idx % 32
             q = (idx // 32) % Q
             i = (idx // (32 * Q)) % nt
@@ -1364,7 +1204,7 @@ class Sm90DecodeGemm:
         v = self.v
         W = self._act_words
         for j in cutlass.range_constexpr(self._act_per_thread):
-            idx = tid + j * self.threads
+            idx = tid + j * THREADS
             x = [raw[j * W + w] for w in range(W)]
             if cutlass.const_expr(not self.a_quant):
                 if cutlass.const_expr(self.b_bits == 4):

@@ -60,16 +60,6 @@ class Tuning:
     # "tma" pipeline: 64-byte steps per TMA box (1: one box of the CTA's rows x 64 bytes per
     # step; 2 / 4: rows of 128 / 256 bytes, fewer and longer row segments per request)
     box_steps: int = 1
-    # "tma" pipeline, bf16 activations x fp4 weights: the activations come by TMA too (raw, one
-    # 128-byte-swizzled box of 8*nt rows x 64 K elements per half step, into the weights' ring
-    # stage) and each lane puts what it reads into the weights' pair order itself: no staging
-    # loads, stores or registers (sm90_decode._act_tma_words)
-    act_tma: bool = False
-    # "tma" pipeline: K parts inside a CTA. 2: two groups of 8 warps (512 threads) share the
-    # CTA's rows and ring, each computing half the steps of every sub-chunk; the halves are added
-    # in shared memory at the end. Twice the warps per CTA: one CTA per SM hides latency as two
-    # did, with one K range (no split-K partials or finalize kernel) when N fills the grid
-    k_parts: int = 1
     # Measurement only (decode harness, never shipped): "noload" skips the weight copies (the
     # ring holds garbage), "nocompute" skips the dequantize + MMA work (the ring is still read),
     # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
@@ -88,10 +78,6 @@ class Tuning:
             tag += f"_w{self.act_window // 1024}k"
         if self.box_steps != 1:
             tag += f"_x{self.box_steps}"
-        if self.act_tma:
-            tag += "_at"
-        if self.k_parts != 1:
-            tag += f"_kp{self.k_parts}"
         if self.probe:
             tag += f"_p{self.probe}"
         return tag + ("_fold" if self.fold_scale else "")
