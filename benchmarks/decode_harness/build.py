@@ -105,10 +105,7 @@ def main(argv=None):
                          act_window=int(rest[1]) if len(rest) > 1 else 0,
                          rows_per_thread=int(rest[2]) if len(rest) > 2 else 4,
                          probe=rest[3] if len(rest) > 3 else "",
-                         box_steps=int(rest[4]) if len(rest) > 4 else 1,
-                         wgmma=bool(int(rest[5])) if len(rest) > 5 else False,
-                         wgmma_lbo=int(rest[6]) if len(rest) > 6 else 128,
-                         wgmma_pending=int(rest[7]) if len(rest) > 7 else 0)
+                         box_steps=int(rest[4]) if len(rest) > 4 else 1)
         jobs += [(v, tun, f"{v.name}_T{tun.tag}") for v in dec.VARIANTS if v.out in ("bf16", "f32")]
     exports, table = [], {}
     for v, tun, name in jobs:

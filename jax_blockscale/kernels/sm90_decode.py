@@ -398,72 +398,6 @@ def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, fold=False, *,
                 side_effects=False)
 
 
-# --- wgmma (Tuning.wgmma) ------------------------------------------------------------------
-WG_TILE = 512  # one k16 x n16 bf16 B tile in shared memory: 2 (K halves) x 2 (N halves) core
-# matrices of 8 rows x 16 bytes
-
-
-def dequant_wgmma_ptx(b_kind: str, fold: bool, lbo: int, pending: int = 0) -> str:
-    """PTX of one step of dequant_wgmma. Operands: $0..$15 accumulators (row tile rt: $8rt..
-    $8rt+7, the m64n16 fragment), the same again as tied inputs, then the weight words w[r][q]
-    (16: row r = 2 rt + r2, group q), the bf16x2 scales sc[r][b] (4 * blocks per step), and the
-    descriptor's low word for this step's first B tile (address >> 4 | LBO >> 4 << 16)."""
-    nblk = 2 if b_kind == "nvfp4" else 1
-    sbo = WG_TILE // 2 if lbo == WG_TILE // 4 else WG_TILE // 4
-    w0, s0 = 32, 48
-    d = s0 + 4 * nblk
-    code = ["{", ".reg .b32 cv0, cv1, cvk, dhi, one;", ".reg .b32 a<64>;",
-            ".reg .b64 ds, ds0;", ".reg .pred p;", "mov.b32 one, 1;", "setp.ne.b32 p, one, 0;",
-            f"mov.b32 dhi, {sbo >> 4};", f"mov.b64 ds0, {{${d}, dhi}};"]
-    for q in range(4):
-        blk = q // 2 if nblk == 2 else 0
-        regs = {}
-        for rt in range(2):
-            for r2 in range(2):
-                r = 2 * rt + r2
-                outs = [f"a{q * 16 + rt * 8 + r2 * 4 + j}" for j in range(4)]
-                regs[(rt, r2)] = outs
-                code.append(_fp4_pairs_ptx(f"${w0 + 4 * r + q}", f"${s0 + r * nblk + blk}",
-                                           outs, fold=fold))
-        # the A registers were written by ordinary instructions: fence before wgmma reads them
-        code.append("wgmma.fence.sync.aligned;")
-        for rt in range(2):
-            pg, ph = regs[(rt, 0)], regs[(rt, 1)]
-            acc = ", ".join(f"${8 * rt + x}" for x in range(8))
-            for h in range(2):
-                code.append(f"add.s64 ds, ds0, {((q * 2 + h) * WG_TILE) >> 4};")
-                code.append("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-                            f"{{{acc}}}, {{{pg[2 * h]}, {ph[2 * h]}, {pg[2 * h + 1]}, "
-                            f"{ph[2 * h + 1]}}}, ds, p, 1, 1, 0;")
-    # pending = 1: this step's wgmmas stay in flight while the next step dequantizes
-    code += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {pending};", "}"]
-    return "\n".join(code)
-
-
-@dsl_user_op
-def dequant_wgmma(b_kind, w, sc, acc, dlo, fold, lbo, pending, *, loc=None, ip=None):
-    """One 64-byte step of a thread's four rows as wgmma: w[r] = 4 weight words of row r, sc[r] =
-    its bf16x2 block scales, acc = 16 accumulators, dlo = descriptor low word of the step's first
-    B tile. Returns the 16 accumulators (the asm waits for its wgmmas)."""
-    ins = list(acc) + [cutlass.Int32(x) for r in w for x in r]
-    ins += [cutlass.Int32(x) for r in sc for x in r] + [cutlass.Int32(dlo)]
-    cons = [str(i) for i in range(16)] + ["r"] * (16 + sum(len(r) for r in sc) + 1)
-    return _asm(16, "f", ins, dequant_wgmma_ptx(b_kind, fold, lbo, pending), cons, loc, ip)
-
-
-@dsl_user_op
-def wgmma_wait_all(acc, *, loc=None, ip=None):
-    """Wait for every wgmma of this warpgroup; the accumulators pass through (ordering)."""
-    return _asm(16, "f", list(acc), "wgmma.wait_group.sync.aligned 0;",
-                [str(i) for i in range(16)], loc, ip)
-
-
-@dsl_user_op
-def fence_proxy_async(*, loc=None, ip=None):
-    """Shared-memory writes of this thread -> visible to the async proxy (wgmma operand reads)."""
-    _asm(0, "r", [], "fence.proxy.async.shared::cta;", [], loc, ip)
-
-
 # outputs $0..$3, inputs $4..$7 = (x0x1, x2x3, x4x5, x6x7)
 PERMUTE_FP4_PTX = ("prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
                    "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;")
@@ -549,12 +483,6 @@ class Sm90DecodeGemm:
             self.stage_tx = w_tx + s_tx
         # activation windows (bf16 activations only: quantized ones are converted while staged)
         self.win_bytes = tuning.act_window if not self.a_quant else 0
-        self.wg = tuning.wgmma
-        if self.wg:
-            assert (tuning.pipeline == "tma" and not self.a_quant and self.b_bits == 4
-                    and v.nt == 2 and self.R == 4), tuning
-            assert self.buf_bytes == self.sub * self.q * 2 * WG_TILE
-            self.wg_combos = self.sub * v.nt * self.q * 8  # (step, n8 tile, group, row g)
         assert not self.win_bytes or tuning.pipeline == "cpasync", tuning
 
     # ------------------------------------------------------------------------------------------
@@ -937,12 +865,7 @@ class Sm90DecodeGemm:
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
-        if cutlass.const_expr(self.wg):
-            act_raw = cute.make_rmem_tensor((self._wg_per_thread * 16,), cutlass.Int32)
-            self._load_act_wg(act_raw, a_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
-        else:
-            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid,
-                           n_sub > 0)
+        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
@@ -950,14 +873,9 @@ class Sm90DecodeGemm:
         for it in range(n_sub):
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
-            if cutlass.const_expr(self.wg):
-                self._store_act_wg(buf, act_raw, tid)  # loaded one iteration ago
-                self._load_act_wg(act_raw, a_addr, li, m, m0, k, kc + chunk, k_end, tid,
-                                  it + 1 < n_sub)
-            else:
-                self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-                self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
-                               it + 1 < n_sub)
+            self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
+            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+                           it + 1 < n_sub)
             stage = it % S
             if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
                 mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
@@ -970,17 +888,11 @@ class Sm90DecodeGemm:
             for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
                                         t)
-                if cutlass.const_expr(self.wg):
-                    self._step_wgmma(w, sw, kc + c * self.se + t * self.e, buf, c, acc)
-                elif cutlass.const_expr(self.tuning.probe != "nocompute"):
+                if cutlass.const_expr(self.tuning.probe != "nocompute"):
                     self._step_compute(w, sw, kc + c * self.se + t * self.e, buf, c, lane, acc,
                                        b_fp8)
                 else:  # keep the shared-memory reads: fold them into one accumulator
                     acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
-        if cutlass.const_expr(self.wg and self.tuning.wgmma_pending > 0):
-            res = wgmma_wait_all([acc[x] for x in range(16)])
-            for x in cutlass.range_constexpr(16):
-                acc[x] = res[x]
 
     @cute.jit
     def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane):
@@ -1179,77 +1091,6 @@ class Sm90DecodeGemm:
                                   a_in, b_fp8, self.fold)
                 for x in cutlass.range_constexpr(4 * nt):
                     acc[(rt * nt) * 4 + x] = res[x]
-
-    def _scales(self, sw, kt):
-        """bf16x2 block scales of the thread's rows for one step: sc[j][b] = row j, block b of
-        its 32 elements (two for NVFP4, one for the MX kinds); converted once per step."""
-        v = self.v
-        col = (kt // self.b_block) % 4  # the thread's first scale column (byte) in the word
-        nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
-        sels = [SCALE_BYTE_SEL + 0x101 * (col + b) for b in range(nblk)]  # byte -> both halves
-        return [[scale_bf16x2(v.b_kind, sw[j], sels[b], self.fold) for b in range(nblk)]
-                for j in range(self.R)]
-
-    def _step_wgmma(self, w, sw, kt, buf, c, acc):
-        """Tuning.wgmma: one 64-byte step of the thread's four rows, the MMAs as wgmma reading
-        the step's B tiles (staged by _store_act_wg) from `buf`."""
-        sc = self._scales(sw, kt)
-        lbo = self.tuning.wgmma_lbo
-        dlo = ((buf + c * self.q * 2 * WG_TILE) >> 4) | ((lbo >> 4) << 16)
-        res = dequant_wgmma(self.v.b_kind, w, sc, [acc[x] for x in range(16)], dlo, self.fold,
-                            lbo, self.tuning.wgmma_pending)
-        for x in range(16):
-            acc[x] = res[x]
-
-    @property
-    def _wg_per_thread(self):
-        return (self.wg_combos + THREADS - 1) // THREADS
-
-    @cute.jit
-    def _load_act_wg(self, raw, a_addr, li, m, m0, k, kc, k_end, tid, active):
-        """Tuning.wgmma: issue the loads of one sub-chunk's bf16 activations. A thread takes
-        combos (c, i, q, g) and loads the four lanes' items t = 0..3 of row m0 + 8i + g (K
-        kc + c*se + t*e + 8q, 16 bytes each), so that it can write whole B-tile rows."""
-        nt, Q = self.v.nt, self.q
-        for j in cutlass.range_constexpr(self._wg_per_thread):
-            idx = tid + j * THREADS
-            g = idx % 8
-            q = (idx // 8) % Q
-            i = (idx // (8 * Q)) % nt
-            c = idx // (8 * Q * nt)
-            row = m0 + i * 8 + g
-            rowc = cutlass.min(row, m - 1)
-            for t in cutlass.range_constexpr(4):
-                kk = kc + c * self.se + t * self.e + q * 8
-                ok = cutlass.Int32(active & (idx < self.wg_combos) & (row < m) & (kk < k_end))
-                x = ldg_v4(a_addr + (cutlass.Int64(li) * m + rowc) * k * 2 + cutlass.Int64(kk) * 2,
-                           ok)
-                for w in cutlass.range_constexpr(4):
-                    raw[(j * 4 + t) * 4 + w] = x[w]
-
-    @cute.jit
-    def _store_act_wg(self, buf, raw, tid):
-        """Tuning.wgmma: the loaded activations -> the sub-chunk's B tiles (tile (c, q, h) at
-        ((c*Q + q)*2 + h) * WG_TILE; K half kh at kh * LBO, N half i at the other offset, row g
-        at 16 g): word t of B-tile row (g, kh) is lane t's pair 2h + kh in the fp4 pair order."""
-        nt, Q = self.v.nt, self.q
-        lbo = self.tuning.wgmma_lbo
-        sbo = WG_TILE // 2 if lbo == WG_TILE // 4 else WG_TILE // 4
-        for j in cutlass.range_constexpr(self._wg_per_thread):
-            idx = tid + j * THREADS
-            g = idx % 8
-            q = (idx // 8) % Q
-            i = (idx // (8 * Q)) % nt
-            c = idx // (8 * Q * nt)
-            pairs = [permute_fp4_order([raw[(j * 4 + t) * 4 + w] for w in range(4)])
-                     for t in range(4)]
-            if idx < self.wg_combos:
-                for h in cutlass.range_constexpr(2):
-                    for kh in cutlass.range_constexpr(2):
-                        addr = (buf + ((c * Q + q) * 2 + h) * WG_TILE + kh * lbo + i * sbo
-                                + g * 16)
-                        sts_v4(addr, [pairs[t][2 * h + kh] for t in range(4)])
-        fence_proxy_async()  # the tensor cores read these through the async proxy
 
     def _group_of(self, warp):
         """The warp's 128-row group in the CTA: a warp holds 8 R rows, so 16 / R warps fill a

@@ -60,14 +60,6 @@ class Tuning:
     # "tma" pipeline: 64-byte steps per TMA box (1: one box of the CTA's rows x 64 bytes per
     # step; 2 / 4: rows of 128 / 256 bytes, fewer and longer row segments per request)
     box_steps: int = 1
-    # "tma" pipeline, bf16 activations x fp4 weights, nt = 2, 4 rows per thread: the MMAs are
-    # wgmma (each warpgroup's 64 rows x 16 rows of M per k16, weights as the register A operand,
-    # activations read by the tensor cores from shared memory in the core-matrix layout), one
-    # instruction for what took two mma.sync, and no B-fragment loads. wgmma_lbo: the byte
-    # offset between the two K halves of a B tile (128; 256 puts the N halves there instead)
-    wgmma: bool = False
-    wgmma_lbo: int = 128
-    wgmma_pending: int = 0  # wgmma groups left in flight at the end of a step (0 or 1)
     # Measurement only (decode harness, never shipped): "noload" skips the weight copies (the
     # ring holds garbage), "nocompute" skips the dequantize + MMA work (the ring is still read),
     # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
@@ -86,8 +78,6 @@ class Tuning:
             tag += f"_w{self.act_window // 1024}k"
         if self.box_steps != 1:
             tag += f"_x{self.box_steps}"
-        if self.wgmma:
-            tag += f"_wg{self.wgmma_lbo}p{self.wgmma_pending}"
         if self.probe:
             tag += f"_p{self.probe}"
         return tag + ("_fold" if self.fold_scale else "")
