@@ -39,8 +39,11 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     else:
         a_elems, sa, fmt_a, layout_a = jnp.asarray(a), None, None, None
     operands = join_operands(a_elems, b.data, sa, b.scales, _alpha(a, b))
+    no_global_scale = all(not isinstance(q, BlockScaled) or q.global_scale is None
+                          for q in (a, b))
     return gemm_p.bind(*operands, fmt_a=fmt_a, fmt_b=b.fmt, layout_a=layout_a,
-                       layout_b=b.layout, out_dtype=np.dtype(out_dtype), backend=backend)
+                       layout_b=b.layout, out_dtype=np.dtype(out_dtype), backend=backend,
+                       alpha_is_one=no_global_scale)
 
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):

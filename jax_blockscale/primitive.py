@@ -6,6 +6,8 @@ Operands, in order: ``a, b, [sa], sb, alpha``.
   b      (*batch_b, N, K): quantized elements.
   sa, sb scales in `layout_a` / `layout_b` ("plain" or "blocked", see layout.py).
   alpha  f32 scalar: the product of the global scales (1.0 when there are none).
+Param ``alpha_is_one`` (optional, default False): the caller promises alpha is 1.0, so a backend
+may round the GEMM's f32 accumulators straight to ``out_dtype`` (no separate scaling pass).
 Result: (*broadcast(batch_a, batch_b), M, N) in `out_dtype`,
 ``y[..., m, n] = alpha * sum_k A[..., m, k] * B[..., n, k]``.
 
@@ -84,7 +86,8 @@ def _check_scales(name, s, x, fmt, layout):
                                       else ""))
 
 
-def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=None) -> GemmSpec:
+def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=None,
+              alpha_is_one=False) -> GemmSpec:
     """Validate the operands' shapes and dtypes and describe the problem."""
     a, b, sa, sb, alpha = split_operands(avals, fmt_a)
     if fmt_b is None:
@@ -113,7 +116,7 @@ def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=Non
                          f"{tuple(b.shape[:-2])} do not broadcast") from None
     return GemmSpec(fmt_a, fmt_b, layout_a if fmt_a else None, layout_b, np.dtype(a.dtype),
                     np.dtype(out_dtype), tuple(batch), tuple(a.shape[:-2]), tuple(b.shape[:-2]),
-                    a.shape[-2], b.shape[-2], a.shape[-1])
+                    a.shape[-2], b.shape[-2], a.shape[-1], bool(alpha_is_one))
 
 
 def _abstract_eval(*avals, **params):
@@ -215,8 +218,9 @@ def _jvp(primals, tangents, **params):
     terms = []
     if fmt_a is None and not _is_zero(ta):
         terms.append(gemm_p.bind(*join_operands(ta, b, sa, sb, alpha), **params))
-    if not _is_zero(talpha):
-        terms.append(gemm_p.bind(*join_operands(a, b, sa, sb, talpha), **params))
+    if not _is_zero(talpha):  # the tangent of alpha is no longer 1
+        terms.append(gemm_p.bind(*join_operands(a, b, sa, sb, talpha),
+                                 **dict(params, alpha_is_one=False)))
     if not terms:
         return y, ad.Zero.from_primal_value(y)
     return y, functools.reduce(jnp.add, terms)

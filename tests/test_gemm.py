@@ -111,3 +111,58 @@ def test_scaled_matmul_matches_gemm_semantics():
         jbs.scaled_matmul(a.data[0], b.data[0], a.scales[0], b.scales[0])
     with pytest.raises(ValueError, match="no block-scaled format"):
         jbs.scaled_matmul(a.data, b.data, a.scales[..., :1], b.scales[..., :1])
+
+
+def _gemm_params(a, b, **kw):
+    (eqn,) = [e for e in jax.make_jaxpr(lambda a, b: jbs.gemm(a, b, **kw))(a, b).eqns
+              if e.primitive is jbs.gemm_p]
+    return eqn.params
+
+
+def _reference_dot_types(a, b, out_dtype):
+    """Result element types of the dot_generals in the reference backend's CUDA lowering."""
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="reference"))
+    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    return [line.rsplit("x", 1)[-1].rstrip(">") for line in text.splitlines()
+            if "stablehlo.dot_general" in line]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_gemm_rounds_in_the_dot_only_without_global_scales(fmt):
+    """With no global scale (alpha == 1) the GPU lowering lets the bf16 GEMM round its f32
+    accumulators itself (no f32 M x N round trip); with one, alpha must scale the f32 result
+    before the one rounding, so the dot stays f32."""
+    x = np.random.default_rng(10).standard_normal((24, 64)).astype(np.float32)
+    w = np.random.default_rng(11).standard_normal((40, 64)).astype(np.float32)
+    a, b = jbs.quantize(x, fmt, global_scale=None), jbs.quantize(w, fmt, global_scale=None)
+    act = jnp.asarray(x, jnp.bfloat16)
+    assert _gemm_params(a, b)["alpha_is_one"] and _gemm_params(act, b)["alpha_is_one"]
+    assert _reference_dot_types(a, b, jnp.bfloat16) == ["bf16"]
+    assert _reference_dot_types(act, b, jnp.bfloat16) == ["bf16"]
+    assert _reference_dot_types(a, b, jnp.float32) == ["f32"]
+    assert _reference_dot_types(a, b, jnp.float16) == ["f32"]  # bf16 operands, f16 out: f32 dot
+    if fmt == "nvfp4":
+        scaled = jbs.quantize(w, fmt)  # "auto" global scale
+        assert not _gemm_params(a, scaled)["alpha_is_one"]
+        assert _reference_dot_types(a, scaled, jnp.bfloat16) == ["f32"]
+        assert _reference_dot_types(act, scaled, jnp.bfloat16) == ["f32"]
+    # f32 activations keep f32 operands (bf16 would round them): f32 dot
+    assert _reference_dot_types(jnp.asarray(x), b, jnp.bfloat16) == ["f32"]
+
+
+def test_alpha_tangent_drops_the_unit_alpha_promise():
+    """d/d(global scale) binds gemm with the tangent as alpha: it must not claim alpha == 1."""
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((8, 32)), jnp.float32)
+    q = jbs.quantize(np.random.default_rng(13).standard_normal((16, 32)).astype(np.float32),
+                     "nvfp4")
+
+    def f(g):
+        w = jbs.BlockScaled(q.data, q.scales, g, q.fmt, q.layout)
+        return jbs.gemm(x, w, out_dtype=jnp.float32).sum()
+
+    g0 = jnp.float32(q.global_scale)
+    jaxpr = jax.make_jaxpr(jax.jvp, static_argnums=0)(f, (g0,), (jnp.float32(1.0),))
+    params = [e.params for e in jaxpr.eqns if e.primitive is jbs.gemm_p]
+    assert params and not any(p["alpha_is_one"] for p in params)
+    _, tangent = jax.jvp(f, (g0,), (jnp.float32(1.0),))
+    np.testing.assert_allclose(float(tangent), float(f(g0)) / float(g0), rtol=1e-5)

@@ -329,3 +329,38 @@ def test_decode_matches_fused_kernel(monkeypatch):
     y_fused = np.asarray(jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32,
                                                        backend="sm90"))(a, b))
     assert _rel(y_dec, y_fused) < 1e-5
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b,global_scale", [
+    (None, "mxfp4", None), ("mxfp4", "mxfp4", None), ("mxfp8_e4m3", "mxfp8_e4m3", None),
+    (None, "nvfp4", None), ("nvfp4", "nvfp4", "auto"), (None, "nvfp4", "auto")])
+def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
+    """Above the kernel's row limit the backend dequantizes and calls XLA's GEMM; without global
+    scales that GEMM writes the bf16 output itself. Either way: one rounding of the f32 sum."""
+    from oracle import dequantize as np_dequantize  # tests/oracle.py
+
+    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
+    kx, kw = jax.random.split(_key())
+    x = jax.random.normal(kx, (48, 4096), jnp.float32)
+    w = jax.random.normal(kw, (136, 4096), jnp.float32)
+    a = x.astype(jnp.bfloat16) if fmt_a is None else jbs.quantize(x, fmt_a,
+                                                                  global_scale=global_scale)
+    kw_args = {} if fmt_b != "nvfp4" else {"global_scale": global_scale}
+    b = jbs.quantize(w, fmt_b, layout="blocked", **kw_args)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm90"))
+    text = f.lower(a, b).as_text()
+    assert _plugin.SM90_TARGET not in text  # the dequantize + dot lowering
+    direct = global_scale is None
+    dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+    assert dots and all(ln.endswith("bf16>") == direct for ln in dots), dots
+    _poison()
+    y = np.asarray(f(a, b), np.float64)
+    av = (np.asarray(a, np.float64) if fmt_a is None else
+          np_dequantize(a.data, a.scales, fmt_a, a.global_scale, a.layout))
+    bv = np_dequantize(b.data, b.scales, fmt_b, b.global_scale, b.layout)
+    want = av @ bv.T
+    # each element within bf16 rounding (2^-8 relative, plus the f32 sum's own error)
+    assert np.isfinite(y).all()
+    assert np.all(np.abs(y - want) <= 2.0 ** -8 * np.abs(want) + 1e-4 * np.abs(want).max())
+    assert _rel(y, want) < 4e-3

@@ -43,6 +43,9 @@ class GemmSpec:
     m: int
     n: int
     k: int
+    # True when the caller promises alpha == 1.0 (no global scales): a backend may then let its
+    # GEMM round straight to out_dtype instead of scaling an f32 result first (same value).
+    alpha_is_one: bool = False
 
 
 _BACKENDS: dict[str, object] = {}
