@@ -35,9 +35,21 @@ def dot_bf16(a, b):
     return jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
+def _anchor_values(q):
+    """bf16 values of a plain-scaled operand, written as the shared anchor writes them (f32
+    convert, times the f32 scales, to bf16), not with jbs.dequantize: the anchor is what a
+    JAX user writes, and must not pick up this package's faster dequantization."""
+    f = q.format
+    if f.is_code_stored:  # fp6 codes (uint8): no jnp dtype converts them
+        return jbs.dequantize(q, jnp.bfloat16)
+    *lead, k = q.data.shape
+    v = q.data.astype(jnp.float32).reshape(*lead, k // f.block, f.block)
+    return (v * q.scales.astype(jnp.float32)[..., None]).reshape(*lead, k).astype(jnp.bfloat16)
+
+
 @jax.jit
 def dequant_dot(a, b):
-    av, bv = jbs.dequantize(a, jnp.bfloat16), jbs.dequantize(b, jnp.bfloat16)
+    av, bv = _anchor_values(a), _anchor_values(b)
     return jnp.dot(av, bv.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 

@@ -129,19 +129,23 @@ def bf16_dot_row(m, n, k, key, timing):
     return row
 
 
-def bench_row(fmt, m, n, k, platform, key, timing, bf16_cache, read_cache):
+def bench_row(token, m, n, k, platform, key, timing, bf16_cache, read_cache):
+    # "nvfp4/none": NVFP4 quantized without the global (fp32) scale, so alpha == 1 and large-M
+    # calls let the GEMM write bf16 itself (plain "nvfp4" calibrates one: alpha != 1)
+    fmt, _, global_scale = token.partition("/")
+    ours = dict(global_scale=None) if global_scale == "none" else {}
     ka, kb = jax.random.split(key)
     a_f = normal(ka, (m, k), jnp.float32)
     b_f = normal(kb, (n, k), jnp.float32)
     a_plain = quantize(a_f, fmt, global_scale=None)  # the anchors take plain scales
     b_plain = quantize(b_f, fmt, global_scale=None)
-    a_q, b_q = quantize(a_f, fmt), quantize(b_f, fmt, layout="blocked")
+    a_q, b_q = quantize(a_f, fmt, **ours), quantize(b_f, fmt, layout="blocked", **ours)
     x = a_f.astype(jnp.bfloat16)
     del a_f, b_f
     n_copies = rotation_count(quantized_bytes(fmt, n, k))
     b_plains, b_qs = copies(b_plain, n_copies), copies(b_q, n_copies)
 
-    row = dict(fmt=fmt, M=m, N=n, K=k, platform=platform,
+    row = dict(fmt=token, M=m, N=n, K=k, platform=platform,
                backend=select_backend(spec_of(a_q, b_q), platform).name,
                backend_weight_only=select_backend(spec_of(x, b_q), platform).name,
                weight_copies=n_copies)
@@ -289,7 +293,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", help="comma-separated MxNxK list (default: M in 1..8192 x N=K in "
                    "8192, 16384)")
-    p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3")
+    p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3",
+                   help="comma list; nvfp4/none: NVFP4 without the global scale (alpha = 1)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few calls (CPU smoke run)")
     p.add_argument("--iters", type=int, default=None, help="calls per trial (default 20; quick 5)")
     p.add_argument("--trials", type=int, default=None, help="trials, median (default 5; quick 3)")

@@ -124,11 +124,27 @@ def encode_elements(x: jax.Array, fmt: str | Format) -> jax.Array:
     return x.astype(fmt.storage_dtype)
 
 
+def _e2m1_values(data: jax.Array) -> jax.Array:
+    """FP4 (e2m1) elements to f32 through their bf16 bit patterns, built with integer ops.
+
+    Exact, and on GPUs XLA's fusion runs it ~20 % faster than its own float4 conversion (the
+    dequantize pass of a large-M gemm: 398 -> 319 us at 16384^2 on an H100, docs/sm90_notes.md).
+    """
+    code = lax.bitcast_convert_type(data, jnp.uint4).astype(jnp.uint32)
+    mag = code & 7  # 0, .5, 1, 1.5, 2, 3, 4, 6: from 2 on, 1.0 (0x3F80) plus 0x40 per step
+    normal = jnp.uint32(0x3F80) + (mag - 2) * jnp.uint32(0x40)
+    bits = jnp.where(mag >= 2, normal, jnp.where(mag == 1, jnp.uint32(0x3F00), jnp.uint32(0)))
+    bits = (((code & 8) << 12) | bits).astype(jnp.uint16)  # the sign: bit 3 -> bit 15
+    return lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+
+
 def decode_elements(data: jax.Array, fmt: str | Format) -> jax.Array:
     """The f32 value of each stored element."""
     fmt = get_format(fmt)
     if fmt.is_code_stored:
         return jnp.asarray(_f6_value_table(fmt))[data & jnp.uint8(63)]
+    if data.dtype == jnp.float4_e2m1fn:
+        return _e2m1_values(data)
     return data.astype(jnp.float32)
 
 

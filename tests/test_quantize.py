@@ -133,3 +133,24 @@ def test_formats_table():
     assert jbs.can_multiply("mxfp8_e4m3", "mxfp4") and jbs.can_multiply("mxfp6_e3m2", "mxfp8_e5m2")
     assert jbs.can_multiply(None, "nvfp4")
     assert len(jbs.supported_pairs()) == 1 + 5 * 5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_elements_every_code(fmt):
+    """Every storable element (all 16 fp4 codes incl. -0, all 64 fp6 codes, all 256 fp8 bit
+    patterns but NaN) decodes to the value ml_dtypes gives it, sign of zero included."""
+    from jax_blockscale.quantize import decode_elements
+
+    f = jbs.get_format(fmt)
+    if f.element_bits == 4:
+        data = np.arange(16, dtype=np.uint8).view(ml_dtypes.uint4).view(f.storage_dtype)
+    elif f.is_code_stored:
+        data = np.arange(64, dtype=np.uint8)
+    else:
+        data = np.arange(256, dtype=np.uint8).view(f.storage_dtype)
+        data = data[~np.isnan(data.astype(np.float32))]
+    want = (data.view(np.uint8).view(f.element_dtype) if f.is_code_stored else data)
+    want = np.asarray(want, np.float32)
+    got = np.asarray(jax.jit(lambda d: decode_elements(d, fmt))(jnp.asarray(data)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

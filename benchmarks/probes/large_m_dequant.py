@@ -67,6 +67,43 @@ def lut_values(q: BlockScaled):
     return (vals.reshape(*lead, k // f.block, f.block) * s[..., None]).reshape(vals.shape)
 
 
+def _e2m1_bf16_bits(n):
+    """bf16 bit pattern (u32, low 16 bits) of e2m1 codes n (u32 in 0..15), by integer ops."""
+    mag = n & 7  # 0, .5, 1, 1.5, 2, 3, 4, 6: from 2 on, 1.0 (0x3F80) plus 0x40 per step
+    normal = jnp.uint32(0x3F80) + (mag - 2) * jnp.uint32(0x40)
+    bits = jnp.where(mag >= 2, normal, jnp.where(mag == 1, jnp.uint32(0x3F00), jnp.uint32(0)))
+    return ((n & 8) << 12) | bits
+
+
+def _scaled(vals, q):
+    f = q.format
+    *lead, k = vals.shape
+    s = q.plain_scales().astype(jnp.bfloat16)
+    return (vals.reshape(*lead, k // f.block, f.block) * s[..., None]).reshape(vals.shape)
+
+
+def pair_bits_values(q: BlockScaled):
+    """fp4: each byte (two codes) -> one u32 holding both bf16 values; fp8: convert."""
+    f = q.format
+    *lead, k = q.data.shape
+    if f.element_bits != 4:
+        return _scaled(decode_elements(q.data, f).astype(jnp.bfloat16), q)
+    codes = lax.bitcast_convert_type(q.data.reshape(*lead, k // 2, 2), jnp.uint8)
+    c = codes.astype(jnp.uint32)
+    words = _e2m1_bf16_bits(c & 15) | (_e2m1_bf16_bits(c >> 4) << 16)
+    return _scaled(lax.bitcast_convert_type(words, jnp.bfloat16).reshape(*lead, k), q)
+
+
+def elem_bits_values(q: BlockScaled):
+    """fp4: each code -> its bf16 bits (u16) by integer ops; fp8: convert."""
+    f = q.format
+    if f.element_bits != 4:
+        return _scaled(decode_elements(q.data, f).astype(jnp.bfloat16), q)
+    c = lax.bitcast_convert_type(q.data, jnp.uint4).astype(jnp.uint32)
+    bits = _e2m1_bf16_bits(c).astype(jnp.uint16)
+    return _scaled(lax.bitcast_convert_type(bits, jnp.bfloat16), q)
+
+
 def bf16_out_gemm(values):
     """The dot with a bf16 result straight from the GEMM (f32 accumulation inside; alpha = 1)."""
     def g(a, b):
@@ -112,6 +149,7 @@ def main():
     ap.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3")
     ap.add_argument("--json", default=None)
     ap.add_argument("--hlo-dir", default=None)
+    ap.add_argument("--variants", default="", help="comma list (default: all)")
     args = ap.parse_args()
     rows = []
     key = jax.random.key(0)
@@ -119,7 +157,11 @@ def main():
     ref = jax.jit(lambda a, b: jbs.gemm(a, b, backend="reference"))
     variants = {"current": gemm, "bf16_math": jax.jit(bf16_math_gemm),
                 "ref_bf16out": jax.jit(bf16_out_gemm(ref_values_bf16)),
-                "lut_bf16out": jax.jit(bf16_out_gemm(lut_values))}
+                "lut_bf16out": jax.jit(bf16_out_gemm(lut_values)),
+                "pairbits_bf16out": jax.jit(bf16_out_gemm(pair_bits_values)),
+                "elembits_bf16out": jax.jit(bf16_out_gemm(elem_bits_values))}
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         ka, kb = jax.random.split(jax.random.fold_in(key, m * 7 + n))
