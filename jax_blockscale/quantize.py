@@ -195,7 +195,9 @@ def _quantize_nvfp4(x: jax.Array, fmt: Format, global_scale):
         enc = 1.0 / decode
     block_amax = jnp.max(jnp.abs(xb), axis=-1)
     scales = jnp.minimum(block_amax / fmt.elem_max * enc, _E4M3_MAX).astype(fmt.scale_dtype)
-    scales_f32 = scales.astype(jnp.float32)[..., None]
+    # the stored (rounded) scales divide the elements; the barrier keeps XLA from removing the
+    # f32 -> e4m3 -> f32 round trip, as it does in dequantize on GPUs (not seen here: defensive)
+    scales_f32 = lax.optimization_barrier(scales).astype(jnp.float32)[..., None]
     safe = jnp.where(scales_f32 > 0, scales_f32, 1.0)
     elems = jnp.where(scales_f32 > 0, xb * (enc / safe), 0.0)
     data = encode_elements(elems, fmt)

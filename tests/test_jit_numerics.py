@@ -42,3 +42,26 @@ def test_quantize_in_jit_matches_eager_on_gpu(monkeypatch, fmt, backend):
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
     with jax.default_device(jax.devices("gpu")[0]):
         _check_jit_matches_eager(fmt, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_on_gpu_matches_cpu(fmt):
+    """The same stored bits on both devices: NVFP4 divides by its rounded e4m3 scales, a
+    round trip of converts that XLA may remove on GPUs (as it did in dequantize)."""
+    x = np.random.default_rng(7).standard_normal((3, 37, 256)).astype(np.float32)
+    x[1] *= 1e-3  # other binades, incl. e4m3 scale subnormals
+    x[2] *= 300.0
+
+    def stored(device):
+        with jax.default_device(device):
+            q = jax.jit(lambda x: jbs.quantize(x, fmt))(x)
+            return (np.asarray(q.data).view(np.uint8), np.asarray(q.scales).view(np.uint8),
+                    None if q.global_scale is None else float(q.global_scale))
+
+    on_gpu, on_cpu = stored(jax.devices("gpu")[0]), stored(jax.devices("cpu")[0])
+    np.testing.assert_array_equal(on_gpu[0], on_cpu[0])
+    np.testing.assert_array_equal(on_gpu[1], on_cpu[1])
+    assert (on_gpu[2] is None) == (on_cpu[2] is None)
+    if on_gpu[2] is not None:
+        np.testing.assert_allclose(on_gpu[2], on_cpu[2], rtol=1e-7)
