@@ -1,7 +1,7 @@
 """The pure-JAX reference backend: dequantize exactly, then one `dot_general` (f32 accumulation).
 
 Runs on every platform. Every element format times its scale is exact in f32, and in bf16 too
-(at most 5 significant bits); on GPUs the operands are dequantized to bf16 so the dot runs on the
+(at most 6 significant bits: e2m1 x e4m3); on GPUs the operands are dequantized to bf16 so the dot runs on the
 tensor cores, elsewhere to f32. The global scales (alpha) are applied once, after the dot; with
 none (alpha == 1) and a bf16 output on GPUs, the bf16 GEMM rounds its f32 accumulators itself.
 """
