@@ -129,11 +129,16 @@ def bf16_dot_row(m, n, k, key, timing):
     return row
 
 
-def bench_row(token, m, n, k, platform, key, timing, bf16_cache, read_cache):
-    # "nvfp4/none": NVFP4 quantized without the global (fp32) scale, so alpha == 1 and large-M
-    # calls let the GEMM write bf16 itself (plain "nvfp4" calibrates one: alpha != 1)
+def format_token(token):
+    """(format, quantize keywords) of a --formats entry. "nvfp4/none": NVFP4 quantized without
+    the global (fp32) scale, so alpha == 1 and large-M calls let the GEMM write bf16 itself
+    (plain "nvfp4" calibrates one: alpha != 1)."""
     fmt, _, global_scale = token.partition("/")
-    ours = dict(global_scale=None) if global_scale == "none" else {}
+    return fmt, (dict(global_scale=None) if global_scale == "none" else {})
+
+
+def bench_row(token, m, n, k, platform, key, timing, bf16_cache, read_cache):
+    fmt, ours = format_token(token)
     ka, kb = jax.random.split(key)
     a_f = normal(ka, (m, k), jnp.float32)
     b_f = normal(kb, (n, k), jnp.float32)

@@ -5,12 +5,14 @@ GEMM". This probe times, at large M, that lowering against other exact ways of w
 dequantization, and lists the GPU kernels each one runs (whether XLA fused the dequantization into
 its GEMM or ran it as a separate pass over the operand):
 
-  current   jbs.gemm on its default backend (the reference formulation: f32 values x f32
-            scales, then a cast to bf16)
-  bf16_math elements and scales converted to bf16 and multiplied in bf16 (exact: an e2m1 or
-            e4m3 element times an e4m3 or e8m0 scale has at most 6 significant bits)
-  bf16_plain  bf16_math with the weight's scales already in the plain layout (isolates the
-            blocked -> plain rearrangement)
+  current           jbs.gemm on its default backend (what the library lowers to)
+  bf16_math         elements and scales converted to bf16 and multiplied in bf16, f32 dot
+                    (exact: an element times a scale has at most 6 significant bits)
+  ref_bf16out       jbs.dequantize to bf16, the dot writing bf16 itself (alpha = 1)
+  lut_bf16out       fp4 bytes through a 256-entry table of bf16 pairs, bf16 dot output
+  pairbits_bf16out  fp4: both nibbles' bf16 bits built into one u32 per byte, bf16 dot output
+  elembits_bf16out  fp4: each code's bf16 bits built by integer ops, bf16 dot output
+  (fp8 operands: convert in every variant)
 
     python benchmarks/probes/large_m_dequant.py --shapes 8192x8192x8192 --json out.json
 """
@@ -30,19 +32,23 @@ from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax_blockscale as jbs  # noqa: E402
-from jax_blockscale.quantize import BlockScaled, decode_elements  # noqa: E402
+from bench_gemm import dot_bf16  # noqa: E402  (the anchor)
+from jax_blockscale.quantize import BlockScaled, decode_elements, e2m1_bf16_bits  # noqa: E402
+from sweep import quantize  # noqa: E402
 from timing import copies, device_time_us, gpu_kernel_events, rotation_count, time_us  # noqa: E402
 
-quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
+
+def _scaled(vals, q):
+    """bf16 element values times q's scales, in bf16."""
+    f = q.format
+    *lead, k = vals.shape
+    s = q.plain_scales().astype(jnp.bfloat16)
+    return (vals.reshape(*lead, k // f.block, f.block) * s[..., None]).reshape(vals.shape)
 
 
 def bf16_values(q: BlockScaled):
     """q's values in bf16, computed in bf16."""
-    f = q.format
-    vals = decode_elements(q.data, f).astype(jnp.bfloat16)
-    *lead, k = vals.shape
-    s = q.plain_scales().astype(jnp.bfloat16)
-    return (vals.reshape(*lead, k // f.block, f.block) * s[..., None]).reshape(vals.shape)
+    return _scaled(decode_elements(q.data, q.format).astype(jnp.bfloat16), q)
 
 
 def _fp4_pair_table():
@@ -63,23 +69,7 @@ def lut_values(q: BlockScaled):
         vals = lax.bitcast_convert_type(words, jnp.bfloat16).reshape(*lead, k)
     else:
         vals = decode_elements(q.data, f).astype(jnp.bfloat16)
-    s = q.plain_scales().astype(jnp.bfloat16)
-    return (vals.reshape(*lead, k // f.block, f.block) * s[..., None]).reshape(vals.shape)
-
-
-def _e2m1_bf16_bits(n):
-    """bf16 bit pattern (u32, low 16 bits) of e2m1 codes n (u32 in 0..15), by integer ops."""
-    mag = n & 7  # 0, .5, 1, 1.5, 2, 3, 4, 6: from 2 on, 1.0 (0x3F80) plus 0x40 per step
-    normal = jnp.uint32(0x3F80) + (mag - 2) * jnp.uint32(0x40)
-    bits = jnp.where(mag >= 2, normal, jnp.where(mag == 1, jnp.uint32(0x3F00), jnp.uint32(0)))
-    return ((n & 8) << 12) | bits
-
-
-def _scaled(vals, q):
-    f = q.format
-    *lead, k = vals.shape
-    s = q.plain_scales().astype(jnp.bfloat16)
-    return (vals.reshape(*lead, k // f.block, f.block) * s[..., None]).reshape(vals.shape)
+    return _scaled(vals, q)
 
 
 def pair_bits_values(q: BlockScaled):
@@ -90,7 +80,7 @@ def pair_bits_values(q: BlockScaled):
         return _scaled(decode_elements(q.data, f).astype(jnp.bfloat16), q)
     codes = lax.bitcast_convert_type(q.data.reshape(*lead, k // 2, 2), jnp.uint8)
     c = codes.astype(jnp.uint32)
-    words = _e2m1_bf16_bits(c & 15) | (_e2m1_bf16_bits(c >> 4) << 16)
+    words = e2m1_bf16_bits(c & 15) | (e2m1_bf16_bits(c >> 4) << 16)
     return _scaled(lax.bitcast_convert_type(words, jnp.bfloat16).reshape(*lead, k), q)
 
 
@@ -100,7 +90,7 @@ def elem_bits_values(q: BlockScaled):
     if f.element_bits != 4:
         return _scaled(decode_elements(q.data, f).astype(jnp.bfloat16), q)
     c = lax.bitcast_convert_type(q.data, jnp.uint4).astype(jnp.uint32)
-    bits = _e2m1_bf16_bits(c).astype(jnp.uint16)
+    bits = e2m1_bf16_bits(c).astype(jnp.uint16)
     return _scaled(lax.bitcast_convert_type(bits, jnp.bfloat16), q)
 
 
@@ -167,10 +157,8 @@ def main():
         ka, kb = jax.random.split(jax.random.fold_in(key, m * 7 + n))
         x = jax.random.normal(ka, (m, k), jnp.bfloat16)
         w = jax.random.normal(kb, (n, k), jnp.bfloat16)
-        dot = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32)
-                      .astype(jnp.bfloat16))
         ws = copies(w, rotation_count(2 * n * k))
-        t_dot = gpu_or_loop_us(dot, [(x, w_) for w_ in ws])
+        t_dot = gpu_or_loop_us(dot_bf16, [(x, w_) for w_ in ws])
         print(f"{shape} bf16 dot {t_dot:.1f} us", flush=True)
         for fmt in args.formats.split(","):
             # no global scale (alpha = 1): the bf16-output variants are exact then
@@ -179,11 +167,10 @@ def main():
             for kind, a in (("weight_only", x), ("w_and_a", a_q)):
                 y_ref = ref(a, b_q).astype(jnp.float32)
                 for vname, f in variants.items():
-                    b = b_q
-                    bs = copies(b, rotation_count(n * k // 2))
+                    bs = copies(b_q, rotation_count(n * k // 2))
                     sets = [(a, b_) for b_ in bs]
                     t = gpu_or_loop_us(f, sets)
-                    y = f(a, b).astype(jnp.float32)
+                    y = f(a, b_q).astype(jnp.float32)
                     err = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
                     kern = kernel_summary(f, sets)
                     row = dict(shape=shape, fmt=fmt, kind=kind, variant=vname, device_us=t,
@@ -195,7 +182,7 @@ def main():
                           + "; ".join(f"{k_[:60]}={v:.0f}" for k_, v in kern.items()), flush=True)
                     if args.hlo_dir:
                         os.makedirs(args.hlo_dir, exist_ok=True)
-                        txt = f.lower(a, b).compile().as_text()
+                        txt = f.lower(a, b_q).compile().as_text()
                         with open(os.path.join(args.hlo_dir,
                                                f"{shape}_{fmt}_{kind}_{vname}.hlo"), "w") as fh:
                             fh.write(txt)

@@ -21,14 +21,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax_blockscale as jbs  # noqa: E402
+from bench_gemm import dot_bf16  # noqa: E402  (the anchor)
+from sweep import format_token, quantize  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
-
-quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
-
-
-@jax.jit
-def dot_bf16(a, b):  # the anchor, as the shared anchor script writes it
-    return jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
 def main():
@@ -47,8 +42,7 @@ def main():
     methods = {"bf16_dot": (dot_bf16, [(xb, w_) for w_ in copies(wb, rotation_count(2 * n * k))])}
     gemm = jax.jit(jbs.gemm)
     for token in args.formats.split(","):
-        fmt, _, gs = token.partition("/")
-        kw_ = dict(global_scale=None) if gs == "none" else {}
+        fmt, kw_ = format_token(token)
         a_q = quantize(x, fmt, **kw_)
         b_qs = copies(quantize(w, fmt, layout="blocked", **kw_), rotation_count(n * k // 2))
         methods[token + " gemm"] = (gemm, [(a_q, b) for b in b_qs])
