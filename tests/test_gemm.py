@@ -119,35 +119,66 @@ def _gemm_params(a, b, **kw):
     return eqn.params
 
 
-def _reference_dot_types(a, b, out_dtype):
-    """Result element types of the dot_generals in the reference backend's CUDA lowering."""
-    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="reference"))
-    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+def _dot_types(f, *args):
+    """Result element types of the dot_generals in f's CUDA lowering."""
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return [line.rsplit("x", 1)[-1].rstrip(">") for line in text.splitlines()
             if "stablehlo.dot_general" in line]
 
 
+def _reference_dot_types(a, b, out_dtype):
+    """... of the reference backend."""
+    return _dot_types(lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="reference"), a, b)
+
+
+def _large_m_dot_types(a, b, out_dtype):
+    """... of the dequantize + dot that the sm90 backend lowers large M to (`reference_gemm`
+    with allow_direct_output), with bf16 operands as there."""
+    from jax_blockscale.lowering.reference import reference_gemm
+    from jax_blockscale.primitive import gemm_spec
+
+    def f(a, b):
+        a_elems, sa = (a.data, a.scales) if isinstance(a, jbs.BlockScaled) else (a, None)
+        args = (a_elems, b.data) + (() if sa is None else (sa,)) + (b.scales, jnp.float32(1))
+        no_global_scale = all(not isinstance(q, jbs.BlockScaled) or q.global_scale is None
+                              for q in (a, b))
+        spec = gemm_spec([jax.typeof(x) for x in args],
+                         fmt_a=getattr(a, "fmt", None), fmt_b=b.fmt,
+                         layout_a=getattr(a, "layout", None), layout_b=b.layout,
+                         out_dtype=np.dtype(out_dtype), alpha_is_one=no_global_scale)
+        return reference_gemm(a_elems, b.data, sa, b.scales, jnp.float32(1), spec=spec,
+                              compute_dtype=jnp.bfloat16, allow_direct_output=True)
+    return _dot_types(f, a, b)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
 def test_gemm_rounds_in_the_dot_only_without_global_scales(fmt):
-    """With no global scale (alpha == 1) the GPU lowering lets the bf16 GEMM round its f32
-    accumulators itself (no f32 M x N round trip); with one, alpha must scale the f32 result
-    before the one rounding, so the dot stays f32."""
-    x = np.random.default_rng(10).standard_normal((24, 64)).astype(np.float32)
-    w = np.random.default_rng(11).standard_normal((40, 64)).astype(np.float32)
+    """With no global scale (alpha == 1) the sm90 backend's large-M lowering lets the bf16 GEMM
+    round its f32 accumulators itself (no f32 M x N round trip); with one, alpha must scale the
+    f32 result before the one rounding, so the dot stays f32. So do small outputs (the GEMM may
+    add bf16 partials there) and the reference backend, always."""
+    from jax_blockscale.lowering.reference import DIRECT_OUTPUT_MIN_OUTPUTS
+
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2048, 64)).astype(np.float32)
+    w = rng.standard_normal((2048, 64)).astype(np.float32)
+    assert 2048 * 2048 >= DIRECT_OUTPUT_MIN_OUTPUTS
     a, b = jbs.quantize(x, fmt, global_scale=None), jbs.quantize(w, fmt, global_scale=None)
     act = jnp.asarray(x, jnp.bfloat16)
     assert _gemm_params(a, b)["alpha_is_one"] and _gemm_params(act, b)["alpha_is_one"]
-    assert _reference_dot_types(a, b, jnp.bfloat16) == ["bf16"]
-    assert _reference_dot_types(act, b, jnp.bfloat16) == ["bf16"]
-    assert _reference_dot_types(a, b, jnp.float32) == ["f32"]
-    assert _reference_dot_types(a, b, jnp.float16) == ["f32"]  # bf16 operands, f16 out: f32 dot
+    assert _large_m_dot_types(a, b, jnp.bfloat16) == ["bf16"]
+    assert _large_m_dot_types(act, b, jnp.bfloat16) == ["bf16"]
+    assert _large_m_dot_types(a, b, jnp.float32) == ["f32"]
+    assert _large_m_dot_types(a, b, jnp.float16) == ["f32"]  # bf16 operands, f16 out: f32 dot
+    small_a = jbs.quantize(x[:24], fmt, global_scale=None)
+    assert _large_m_dot_types(small_a, b, jnp.bfloat16) == ["f32"]  # 24 x 2048 outputs
+    assert _reference_dot_types(a, b, jnp.bfloat16) == ["f32"]
+    assert _reference_dot_types(act, b, jnp.bfloat16) == ["f32"]
     if fmt == "nvfp4":
         scaled = jbs.quantize(w, fmt)  # "auto" global scale
         assert not _gemm_params(a, scaled)["alpha_is_one"]
-        assert _reference_dot_types(a, scaled, jnp.bfloat16) == ["f32"]
-        assert _reference_dot_types(act, scaled, jnp.bfloat16) == ["f32"]
-    # f32 activations keep f32 operands (bf16 would round them): f32 dot
-    assert _reference_dot_types(jnp.asarray(x), b, jnp.bfloat16) == ["f32"]
+        assert _large_m_dot_types(a, scaled, jnp.bfloat16) == ["f32"]
+        assert _large_m_dot_types(act, scaled, jnp.bfloat16) == ["f32"]
 
 
 def test_alpha_tangent_drops_the_unit_alpha_promise():

@@ -337,13 +337,15 @@ def test_decode_matches_fused_kernel(monkeypatch):
     (None, "nvfp4", None), ("nvfp4", "nvfp4", "auto"), (None, "nvfp4", "auto")])
 def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
     """Above the kernel's row limit the backend dequantizes and calls XLA's GEMM; without global
-    scales that GEMM writes the bf16 output itself. Either way: one rounding of the f32 sum."""
+    scales (and with >= 2^22 outputs) that GEMM writes the bf16 output itself. Either way: one
+    rounding of the f32 sum."""
     from oracle import dequantize as np_dequantize  # tests/oracle.py
 
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
     kx, kw = jax.random.split(_key())
-    x = jax.random.normal(kx, (48, 4096), jnp.float32)
-    w = jax.random.normal(kw, (136, 4096), jnp.float32)
+    # 2^22 outputs: the smallest problem whose GEMM may round to bf16 itself
+    x = jax.random.normal(kx, (1024, 1024), jnp.float32)
+    w = jax.random.normal(kw, (4096, 1024), jnp.float32)
     a = x.astype(jnp.bfloat16) if fmt_a is None else jbs.quantize(x, fmt_a,
                                                                   global_scale=global_scale)
     kw_args = {} if fmt_b != "nvfp4" else {"global_scale": global_scale}

@@ -178,7 +178,8 @@ class Sm90Backend:
         max_rows = kernel_max_rows(spec)
         if max_rows is not None and M > max_rows:
             # Large M: the tensor cores are the limit; dequantize once and use XLA's GEMM.
-            return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16)
+            return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16,
+                                  allow_direct_output=True)
         N, K = spec.n, spec.k
         Kp = _padded_k(spec)
         ka, kb = _KIND[spec.fmt_a], _KIND[spec.fmt_b]

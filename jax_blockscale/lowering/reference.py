@@ -2,10 +2,13 @@
 
 Runs on every platform. Every element format times its scale is exact in f32, and in bf16 too
 (at most 6 significant bits: e2m1 x e4m3); on GPUs the operands are dequantized to bf16 so the dot runs on the
-tensor cores, elsewhere to f32. The global scales (alpha) are applied once, after the dot; with
-none (alpha == 1) and a bf16 output on GPUs, the bf16 GEMM rounds its f32 accumulators itself.
+tensor cores, elsewhere to f32. The global scales (alpha) are applied once, after the dot, to its
+f32 result. (The sm90 backend's large-M lowering may let the GEMM round to bf16 itself instead:
+`allow_direct_output`.)
 """
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -21,8 +24,12 @@ def operand_values(x, s, fmt, layout, dtype):
     return dequantize(BlockScaled(x, s, None, fmt, layout), dtype)
 
 
-def reference_gemm(a, b, sa, sb, alpha, *, spec: GemmSpec, compute_dtype=jnp.float32):
-    """y[..., m, n] = alpha * sum_k A[..., m, k] * B[..., n, k], computed in f32."""
+def reference_gemm(a, b, sa, sb, alpha, *, spec: GemmSpec, compute_dtype=jnp.float32,
+                   allow_direct_output=False):
+    """y[..., m, n] = alpha * sum_k A[..., m, k] * B[..., n, k], computed in f32.
+
+    allow_direct_output: a bf16 result may come straight from the GEMM where `direct_output`
+    says so (for speed at large M; the reference backend itself never asks)."""
     av = operand_values(a, sa, spec.fmt_a, spec.layout_a, compute_dtype)
     bv = operand_values(b, sb, spec.fmt_b, spec.layout_b, compute_dtype)
     av = jnp.broadcast_to(av, spec.batch_shape + av.shape[-2:])
@@ -30,7 +37,7 @@ def reference_gemm(a, b, sa, sb, alpha, *, spec: GemmSpec, compute_dtype=jnp.flo
     nb = len(spec.batch_shape)
     batch = tuple(range(nb))
     dims = (((nb + 1,), (nb + 1,)), (batch, batch))
-    if direct_output(spec, compute_dtype):
+    if allow_direct_output and direct_output(spec, compute_dtype):
         # The GEMM accumulates in f32 and rounds once to bf16 itself: the same value as the
         # f32 result rounded below, without writing M*N f32 and reading them back (8 % of
         # an 8192^3 call on an H100, docs/sm90_notes.md).
@@ -41,12 +48,21 @@ def reference_gemm(a, b, sa, sb, alpha, *, spec: GemmSpec, compute_dtype=jnp.flo
     return (y * alpha).astype(spec.out_dtype)
 
 
+# Outputs from which a bf16-output dot rounds only once. Below, XLA may pick a GEMM that adds
+# bf16 partials (split K): on the H100, at 1 x 16384 x 16384 the bf16-output dot was 2.3e-3 off
+# the decode kernel where the f32 dot had been 8.7e-6 off; from 512 x 16384 (2^23 outputs) up it
+# matched the f32 dot rounded once bitwise (docs/sm90_notes.md, session 9).
+DIRECT_OUTPUT_MIN_OUTPUTS = 1 << 22
+
+
 def direct_output(spec: GemmSpec, compute_dtype) -> bool:
     """Whether the dot may produce out_dtype itself: bf16 operands and output (the GPUs'
-    bf16 GEMMs accumulate in f32) and no alpha to apply before the one rounding."""
+    bf16 GEMMs accumulate in f32), no alpha to apply before the one rounding, and enough
+    outputs that the GEMM does not split K."""
     bf16 = jnp.dtype(jnp.bfloat16)
+    outputs = math.prod(spec.batch_shape) * spec.m * spec.n
     return (spec.alpha_is_one and jnp.dtype(compute_dtype) == bf16
-            and jnp.dtype(spec.out_dtype) == bf16)
+            and jnp.dtype(spec.out_dtype) == bf16 and outputs >= DIRECT_OUTPUT_MIN_OUTPUTS)
 
 
 class ReferenceBackend:
