@@ -21,6 +21,9 @@ ENV_NO_PLUGIN = "JAX_BLOCKSCALE_NO_PLUGIN"  # set by the AOT build: never load t
 LIB_NAME = "libjax_blockscale.so"
 SM90_TARGET = "jax_blockscale_gemm_sm90"
 SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), same library
+# cuBLASLt GEMM with alpha in its epilogue (ffi/jbs_dot_alpha.cc): the sm90 large-M path with a
+# global scale
+DOT_ALPHA_TARGET = "jax_blockscale_dot_alpha"
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -113,6 +116,11 @@ def register_targets() -> bool:
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
                     "execute": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100),
                 }, platform="CUDA")
+            if has_dot_alpha(lib):
+                jax.ffi.register_ffi_target(DOT_ALPHA_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_dot_alpha_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_dot_alpha),
+                }, platform="CUDA")
             _registered = True
     return True
 
@@ -160,6 +168,12 @@ def check_problem(**kw) -> tuple[bool, str]:
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_check_problem(*(kw[n] for n in names), buf, len(buf))
     return rc == 0, buf.value.decode()
+
+
+def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has the dot_alpha target (libraries built before it do not)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_dot_alpha")
 
 
 # ---- Blackwell (sm100) part of the library ----

@@ -336,9 +336,9 @@ def test_decode_matches_fused_kernel(monkeypatch):
     (None, "mxfp4", None), ("mxfp4", "mxfp4", None), ("mxfp8_e4m3", "mxfp8_e4m3", None),
     (None, "nvfp4", None), ("nvfp4", "nvfp4", "auto"), (None, "nvfp4", "auto")])
 def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
-    """Above the kernel's row limit the backend dequantizes and calls XLA's GEMM; without global
-    scales (and with >= 2^22 outputs) that GEMM writes the bf16 output itself. Either way: one
-    rounding of the f32 sum."""
+    """Above the kernel's row limit the backend dequantizes and calls a library GEMM: without
+    global scales (and with >= 2^22 outputs) XLA's, writing the bf16 output itself; with them the
+    dot_alpha target (cuBLASLt, alpha in the epilogue). Either way: one rounding of the f32 sum."""
     from oracle import dequantize as np_dequantize  # tests/oracle.py
 
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
@@ -353,9 +353,11 @@ def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
     f = jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm90"))
     text = f.lower(a, b).as_text()
     assert _plugin.SM90_TARGET not in text  # the dequantize + dot lowering
-    direct = global_scale is None
     dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
-    assert dots and all(ln.endswith("bf16>") == direct for ln in dots), dots
+    if global_scale is None:
+        assert dots and all(ln.endswith("bf16>") for ln in dots), dots
+    else:
+        assert not dots and _plugin.DOT_ALPHA_TARGET in text
     _poison()
     y = np.asarray(f(a, b), np.float64)
     av = (np.asarray(a, np.float64) if fmt_a is None else

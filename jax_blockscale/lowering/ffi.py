@@ -48,7 +48,7 @@ from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
 from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_rows_and_batch,
                               kernel_scale_bytes)
-from .reference import reference_gemm
+from .reference import direct_output, operand_values, reference_gemm
 
 # The pairs the sm90 kernel implements (jax_blockscale/kernels/sm90_blockscaled.py: PAIRS),
 # spelled with the package's format names. None = weight-only (bf16 activation).
@@ -90,6 +90,39 @@ def decode_max_rows() -> int:
     if v is not None:
         return int(v)
     return 64
+
+
+# The large-M path's GEMM when XLA's dot cannot round to the output itself (an alpha to apply
+# first: NVFP4's global scales; or an f16 / f32 output): then XLA writes the f32 sum to memory and
+# a second pass scales and rounds it (~8 % of an 8192^3 call on an H100). The dot_alpha target
+# (ffi/jbs_dot_alpha.cc) is one cuBLASLt GEMM that applies alpha in its epilogue instead.
+# JAX_BLOCKSCALE_SM90_DOT_ALPHA=0 keeps XLA's f32 pass (benchmarks, bisecting).
+ENV_DOT_ALPHA = "JAX_BLOCKSCALE_SM90_DOT_ALPHA"
+# cuBLASLt's workspace, declared as a second result of the call (nothing is allocated at run
+# time): 32 MiB, what cuBLAS asks for on Hopper.
+DOT_ALPHA_WORKSPACE_BYTES = 32 << 20
+
+
+def uses_dot_alpha(spec: GemmSpec) -> bool:
+    """Whether the large-M path runs the dot_alpha GEMM: XLA's dot cannot produce the output
+    itself, N and K rows are whole 16-byte multiples (what the handler accepts) and the library
+    has the target."""
+    if os.environ.get(ENV_DOT_ALPHA) == "0" or direct_output(spec, jnp.bfloat16):
+        return False
+    return spec.n % 8 == 0 and spec.k % 8 == 0 and _plugin.has_dot_alpha()
+
+
+def dot_alpha(a, b, alpha, out_dtype):
+    """round(alpha * sum_k a[l, m, k] * b[l, n, k]) to out_dtype, summed in f32, for bf16 a
+    [L, M, K] and b [L, N, K] and a scalar alpha: one cuBLASLt GEMM (the dot_alpha target)."""
+    n = b.shape[1]
+    call = jax.ffi.ffi_call(
+        _plugin.DOT_ALPHA_TARGET,
+        (jax.ShapeDtypeStruct(a.shape[:2] + (n,), out_dtype),
+         jax.ShapeDtypeStruct((DOT_ALPHA_WORKSPACE_BYTES,), jnp.uint8)))
+    # cuBLASLt takes a device alpha only as a vector, one value per output column
+    y, _ = call(a, b, jnp.broadcast_to(jnp.asarray(alpha, jnp.float32).reshape(()), (n,)))
+    return y
 
 
 _OUT_NAME = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "f16",
@@ -177,7 +210,14 @@ class Sm90Backend:
         M, L = kernel_rows_and_batch(spec)
         max_rows = kernel_max_rows(spec)
         if max_rows is not None and M > max_rows:
-            # Large M: the tensor cores are the limit; dequantize once and use XLA's GEMM.
+            # Large M: the tensor cores are the limit; dequantize once and use a library GEMM.
+            if uses_dot_alpha(spec):
+                av = operand_values(a, sa, spec.fmt_a, spec.layout_a, jnp.bfloat16)
+                bv = operand_values(b, sb, spec.fmt_b, spec.layout_b, jnp.bfloat16)
+                y = dot_alpha(kernel_batch_layout(av, M, spec.a_batch, spec=spec),
+                              kernel_batch_layout(bv, spec.n, None, spec=spec),
+                              alpha, spec.out_dtype)
+                return y.reshape(spec.batch_shape + (spec.m, spec.n))
             return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16,
                                   allow_direct_output=True)
         N, K = spec.n, spec.k
