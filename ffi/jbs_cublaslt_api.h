@@ -36,7 +36,7 @@ struct HeuristicResult {  // cublasLtMatmulHeuristicResult_t
 // enum values (all int32 in the API)
 constexpr int kComputeF32 = 68;  // CUBLAS_COMPUTE_32F
 constexpr int kOpN = 0, kOpT = 1;  // CUBLAS_OP_N, CUBLAS_OP_T
-constexpr int kPointerModeAlphaVectorBetaZero = 3;  // CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO
+constexpr int kPointerModeDevice = 1;  // CUBLASLT_POINTER_MODE_DEVICE
 constexpr int kDescPointerMode = 2;    // CUBLASLT_MATMUL_DESC_POINTER_MODE
 constexpr int kDescTransA = 3;         // CUBLASLT_MATMUL_DESC_TRANSA
 constexpr int kDescTransB = 4;         // CUBLASLT_MATMUL_DESC_TRANSB

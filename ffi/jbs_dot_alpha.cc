@@ -3,8 +3,8 @@
 // library is the libcublasLt.so.13 that JAX's CUDA plugin has loaded, found with dlopen.
 //
 //   target "jax_blockscale_dot_alpha"
-//   operands: a (bf16) [L, M, K], b (bf16) [L, N, K], alpha (f32) [N] (every entry the alpha)
-//   results:  c (bf16 | f16 | f32) [L, M, N] = alpha * (a @ b^T), summed in f32
+//   operands: a (bf16) [L, M, K], b (bf16) [L, N, K], alpha_beta (f32) [2] = (alpha, 0)
+//   results:  c (bf16 | f32) [L, M, N] = alpha * (a @ b^T), summed in f32
 //             ws (u8) [W]: cuBLASLt's workspace (declared by the lowering: nothing is allocated
 //                          at run time)
 //
@@ -13,9 +13,11 @@
 // rounded, so XLA's dot has to write M*N f32 values and a second pass reads them back: ~8 % of an
 // 8192^3 call on an H100 (docs/sm90_notes.md). Here alpha rides in the GEMM's epilogue instead.
 //
-// alpha is passed as a vector (CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO): it stays on
-// the device (it is a traced value), and this mode promises beta = 0, so the uninitialised output
-// buffer is never read as C.
+// alpha stays on the device (it is a traced value): CUBLASLT_POINTER_MODE_DEVICE, which takes
+// beta from the device too, hence the (alpha, 0) pair. On the H100 that mode is the only one of
+// the device modes cuBLASLt 13 has bf16 algorithms for (the alpha-vector modes: "not supported"),
+// and with beta = 0 it leaves C alone: an output buffer filled with NaN before the call came back
+// bitwise equal to XLA's f32 dot scaled and rounded (docs/sm90_notes.md, session 10).
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
@@ -133,8 +135,7 @@ ffi::Error GetHandle(const Api& api, int dev, lt::Handle* out) {
 }
 
 cudaDataType OutType(ffi::DataType t) {
-  return t == ffi::DataType::BF16 ? CUDA_R_16BF : t == ffi::DataType::F16 ? CUDA_R_16F
-                                                                         : CUDA_R_32F;
+  return t == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
 
 // cuBLASLt is column-major. Our row-major C[M, N] = A[M, K] B[N, K]^T is its column-major
@@ -146,7 +147,7 @@ ffi::Error MakePlan(const Api& api, lt::Handle h, int64_t l, int64_t m, int64_t 
     return s == lt::kStatusSuccess ? ffi::Error::Success() : LtError(api, what, s);
   };
   const int32_t trans_a = lt::kOpT, trans_b = lt::kOpN;
-  const int32_t mode = lt::kPointerModeAlphaVectorBetaZero;
+  const int32_t mode = lt::kPointerModeDevice;
   if (auto e = check("matmul descriptor", api.desc_create(&p->desc, lt::kComputeF32, CUDA_R_32F));
       e.failure())
     return e;
@@ -211,15 +212,15 @@ ffi::Error GetPlan(const Api& api, lt::Handle h, const PlanKey& key, ffi::DataTy
 }
 
 // ---- the call's checks (everything the lowering promises, checked again) ----
-ffi::Error Validate(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& alpha,
+ffi::Error Validate(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& alpha_beta,
                     const ffi::AnyBuffer& c, const ffi::AnyBuffer& ws) {
   using T = ffi::DataType;
   if (a.element_type() != T::BF16 || b.element_type() != T::BF16)
     return Invalid("a and b must be bfloat16");
-  if (alpha.element_type() != T::F32) return Invalid("alpha must be float32");
+  if (alpha_beta.element_type() != T::F32) return Invalid("alpha_beta must be float32");
   const T ct = c.element_type();
-  if (ct != T::BF16 && ct != T::F16 && ct != T::F32)
-    return Invalid("the output must be bfloat16, float16 or float32");
+  // cuBLASLt has bf16 x bf16 GEMMs into bf16 and f32 only (f16: "not supported")
+  if (ct != T::BF16 && ct != T::F32) return Invalid("the output must be bfloat16 or float32");
   if (ws.element_type() != T::U8) return Invalid("the workspace must be uint8");
   auto ad = a.dimensions(), bd = b.dimensions(), cd = c.dimensions();
   if (ad.size() != 3 || bd.size() != 3 || cd.size() != 3)
@@ -228,8 +229,7 @@ ffi::Error Validate(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi:
   if (l < 1 || m < 1 || n < 1 || k < 1) return Invalid("empty problem");
   if (bd[0] != l || bd[2] != k) return Invalid("b must be [L, N, K] with a's L and K");
   if (cd[0] != l || cd[1] != m || cd[2] != n) return Invalid("c must be [L, M, N]");
-  if (static_cast<int64_t>(alpha.element_count()) != n)
-    return Invalid("alpha must hold N values (one per output column)");
+  if (alpha_beta.element_count() != 2) return Invalid("alpha_beta must hold 2 values (alpha, 0)");
   if (k % kRowAlign != 0 || n % kRowAlign != 0)
     return Invalid("K and N must be multiples of 8 (16-byte rows)");
   if (l > 0x7fffffff) return Invalid("L must fit in int32");
@@ -253,9 +253,9 @@ ffi::Error Instantiate() {
   return GetHandle(*api, dev, &h);
 }
 
-ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer alpha,
+ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer alpha_beta_buf,
                    ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws) {
-  if (auto e = Validate(a, b, alpha, *c, *ws); e.failure()) return e;
+  if (auto e = Validate(a, b, alpha_beta_buf, *c, *ws); e.failure()) return e;
   int dev = 0;
   if (auto e = CurrentDevice(&dev); e.failure()) return e;
   const Api* api = nullptr;
@@ -268,9 +268,9 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
                     static_cast<int>(c->element_type()), ws_bytes};
   const Plan* p = nullptr;
   if (auto e = GetPlan(*api, h, key, c->element_type(), &p); e.failure()) return e;
-  static const float kZero = 0.0f;  // beta; the pointer mode says beta is zero, never read
-  lt::Status s = api->matmul(h, p->desc, alpha.untyped_data(), b.untyped_data(), p->a,
-                             a.untyped_data(), p->b, &kZero, c->untyped_data(), p->d,
+  const float* alpha_beta = static_cast<const float*>(alpha_beta_buf.untyped_data());
+  lt::Status s = api->matmul(h, p->desc, alpha_beta, b.untyped_data(), p->a,
+                             a.untyped_data(), p->b, alpha_beta + 1, c->untyped_data(), p->d,
                              c->untyped_data(), p->d, &p->algo, ws->untyped_data(),
                              static_cast<size_t>(ws_bytes), stream);
   if (s != lt::kStatusSuccess) return LtError(*api, "cublasLtMatmul", s);
@@ -288,6 +288,6 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_dot_alpha, jbs_dot_alpha::Execute,
                            .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                            .Arg<xla::ffi::AnyBuffer>()   // a
                            .Arg<xla::ffi::AnyBuffer>()   // b
-                           .Arg<xla::ffi::AnyBuffer>()   // alpha
+                           .Arg<xla::ffi::AnyBuffer>()   // alpha_beta
                            .Ret<xla::ffi::AnyBuffer>()   // c
                            .Ret<xla::ffi::AnyBuffer>());  // ws

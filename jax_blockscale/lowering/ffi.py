@@ -48,7 +48,8 @@ from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
 from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_rows_and_batch,
                               kernel_scale_bytes)
-from .reference import direct_output, operand_values, reference_gemm
+from .reference import (DIRECT_OUTPUT_MIN_OUTPUTS, direct_output, gemm_outputs, operand_values,
+                        reference_gemm)
 
 # The pairs the sm90 kernel implements (jax_blockscale/kernels/sm90_blockscaled.py: PAIRS),
 # spelled with the package's format names. None = weight-only (bf16 activation).
@@ -93,7 +94,7 @@ def decode_max_rows() -> int:
 
 
 # The large-M path's GEMM when XLA's dot cannot round to the output itself (an alpha to apply
-# first: NVFP4's global scales; or an f16 / f32 output): then XLA writes the f32 sum to memory and
+# first: NVFP4's global scales; or an f32 output): then XLA writes the f32 sum to memory and
 # a second pass scales and rounds it (~8 % of an 8192^3 call on an H100). The dot_alpha target
 # (ffi/jbs_dot_alpha.cc) is one cuBLASLt GEMM that applies alpha in its epilogue instead.
 # JAX_BLOCKSCALE_SM90_DOT_ALPHA=0 keeps XLA's f32 pass (benchmarks, bisecting).
@@ -101,27 +102,37 @@ ENV_DOT_ALPHA = "JAX_BLOCKSCALE_SM90_DOT_ALPHA"
 # cuBLASLt's workspace, declared as a second result of the call (nothing is allocated at run
 # time): 32 MiB, what cuBLAS asks for on Hopper.
 DOT_ALPHA_WORKSPACE_BYTES = 32 << 20
+# cuBLASLt's bf16 x bf16 GEMMs write bf16 or f32 (f16: "not supported" on the H100)
+_DOT_ALPHA_OUT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 
 
 def uses_dot_alpha(spec: GemmSpec) -> bool:
     """Whether the large-M path runs the dot_alpha GEMM: XLA's dot cannot produce the output
-    itself, N and K rows are whole 16-byte multiples (what the handler accepts) and the library
-    has the target."""
+    itself, the output is bf16 or f32, there are enough outputs, N and K rows are whole 16-byte
+    multiples (what the handler accepts) and the library has the target.
+
+    Below 2^22 outputs cuBLASLt splits K and lost to the f32 pass on the H100 (26.0 against 23.5
+    us at 256 x 1024 x 16384); from there up it was 5-8 % faster and bitwise equal to it."""
     if os.environ.get(ENV_DOT_ALPHA) == "0" or direct_output(spec, jnp.bfloat16):
         return False
-    return spec.n % 8 == 0 and spec.k % 8 == 0 and _plugin.has_dot_alpha()
+    return (gemm_outputs(spec) >= DIRECT_OUTPUT_MIN_OUTPUTS and spec.n % 8 == 0
+            and spec.k % 8 == 0 and np.dtype(spec.out_dtype) in _DOT_ALPHA_OUT
+            and _plugin.has_dot_alpha())
 
 
 def dot_alpha(a, b, alpha, out_dtype):
     """round(alpha * sum_k a[l, m, k] * b[l, n, k]) to out_dtype, summed in f32, for bf16 a
     [L, M, K] and b [L, N, K] and a scalar alpha: one cuBLASLt GEMM (the dot_alpha target)."""
+    if not _plugin.register_targets():
+        raise RuntimeError(f"jax_blockscale dot_alpha: {_plugin.unavailable_reason()}")
     n = b.shape[1]
     call = jax.ffi.ffi_call(
         _plugin.DOT_ALPHA_TARGET,
         (jax.ShapeDtypeStruct(a.shape[:2] + (n,), out_dtype),
          jax.ShapeDtypeStruct((DOT_ALPHA_WORKSPACE_BYTES,), jnp.uint8)))
-    # cuBLASLt takes a device alpha only as a vector, one value per output column
-    y, _ = call(a, b, jnp.broadcast_to(jnp.asarray(alpha, jnp.float32).reshape(()), (n,)))
+    # cuBLASLt reads alpha and beta from the device (alpha is traced); beta = 0: no C term
+    alpha_beta = jnp.stack([jnp.asarray(alpha, jnp.float32).reshape(()), jnp.float32(0)])
+    y, _ = call(a, b, alpha_beta)
     return y
 
 

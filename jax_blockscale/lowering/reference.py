@@ -60,9 +60,14 @@ def direct_output(spec: GemmSpec, compute_dtype) -> bool:
     bf16 GEMMs accumulate in f32), no alpha to apply before the one rounding, and enough
     outputs that the GEMM does not split K."""
     bf16 = jnp.dtype(jnp.bfloat16)
-    outputs = math.prod(spec.batch_shape) * spec.m * spec.n
     return (spec.alpha_is_one and jnp.dtype(compute_dtype) == bf16
-            and jnp.dtype(spec.out_dtype) == bf16 and outputs >= DIRECT_OUTPUT_MIN_OUTPUTS)
+            and jnp.dtype(spec.out_dtype) == bf16
+            and gemm_outputs(spec) >= DIRECT_OUTPUT_MIN_OUTPUTS)
+
+
+def gemm_outputs(spec: GemmSpec) -> int:
+    """Output elements of the whole (batched) problem."""
+    return math.prod(spec.batch_shape) * spec.m * spec.n
 
 
 class ReferenceBackend:
