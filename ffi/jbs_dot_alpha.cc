@@ -8,6 +8,9 @@
 //             ws (u8) [W]: cuBLASLt's workspace (declared by the lowering: nothing is allocated
 //                          at run time)
 //
+// The first call of each shape times the heuristic's candidate algorithms on its own buffers and
+// keeps the fastest (it synchronizes the stream once); later calls only launch the GEMM.
+//
 // Why it exists: at large M the sm90 backend dequantizes both operands to bf16 and runs a GEMM
 // (lowering/ffi.py). With a global scale (NVFP4) alpha must scale the f32 sum before it is
 // rounded, so XLA's dot has to write M*N f32 values and a second pass reads them back: ~8 % of an
@@ -21,10 +24,13 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <stdlib.h>
+
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "jbs_common.h"        // JBS_EXPORT
 #include "jbs_cublaslt_api.h"  // the cuBLASLt functions and values used here
@@ -111,12 +117,32 @@ ffi::Error LtError(const Api& api, const char* what, lt::Status s) {
   return Internal(std::string(what) + ": " + api.status_string(s));
 }
 
-// ---- per-device handle and per-problem plan (descriptors + the heuristic's algorithm) ----
+// ---- per-device handle and per-problem plan (descriptors + the fastest algorithm) ----
 struct Plan {
   lt::MatmulDesc desc;
   lt::MatrixLayout a, b, d;  // cuBLASLt's A, B (our b, a: see MakePlan) and C = D
-  lt::MatmulAlgo algo;
+  std::vector<lt::MatmulAlgo> candidates;  // the heuristic's, best guess first
+  lt::MatmulAlgo algo;  // the one that runs: the fastest candidate, timed on the first call
+  bool tuned;
 };
+
+// The buffers of one call.
+struct Operands {
+  const float* alpha_beta;
+  const void *a, *b;
+  void *c, *ws;
+  size_t ws_bytes;
+  cudaStream_t stream;
+};
+
+// How many of the heuristic's algorithms the first call of a shape times (XLA autotunes its own
+// GEMMs the same way): JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES, default 8; 1 takes the heuristic's
+// first choice untimed.
+int CandidateCount() {
+  const char* v = getenv("JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES");
+  const int n = v ? atoi(v) : 8;
+  return n < 1 ? 1 : n > 32 ? 32 : n;
+}
 // (device, L, M, N, K, output dtype, workspace bytes)
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int, int64_t>;
 
@@ -184,21 +210,66 @@ ffi::Error MakePlan(const Api& api, lt::Handle h, int64_t l, int64_t m, int64_t 
   if (auto e = check("preference", api.pref_create(&pref)); e.failure()) return e;
   const uint64_t max_ws = static_cast<uint64_t>(ws_bytes);
   lt::Status s = api.pref_set(pref, lt::kPrefMaxWorkspace, &max_ws, sizeof(max_ws));
-  lt::HeuristicResult result{};
+  std::vector<lt::HeuristicResult> results(CandidateCount());
   int found = 0;
   if (s == lt::kStatusSuccess)
-    s = api.heuristic(h, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
+    s = api.heuristic(h, p->desc, p->a, p->b, p->d, p->d, pref, static_cast<int>(results.size()),
+                      results.data(), &found);
   api.pref_destroy(pref);
   if (s != lt::kStatusSuccess) return LtError(api, "cublasLtMatmulAlgoGetHeuristic", s);
-  if (found < 1)
+  for (int i = 0; i < found; ++i)
+    if (results[i].state == lt::kStatusSuccess) p->candidates.push_back(results[i].algo);
+  if (p->candidates.empty())
     return Internal("cuBLASLt has no algorithm for L=" + std::to_string(l) + " M=" +
                     std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k));
-  p->algo = result.algo;
+  p->algo = p->candidates[0];
+  p->tuned = p->candidates.size() == 1;
   return ffi::Error::Success();
 }
 
+lt::Status RunMatmul(const Api& api, lt::Handle h, const Plan& p, const lt::MatmulAlgo& algo,
+                     const Operands& o) {
+  // beta = alpha_beta[1] = 0: C (the output buffer) is not read
+  return api.matmul(h, p.desc, o.alpha_beta, o.b, p.a, o.a, p.b, o.alpha_beta + 1, o.c, p.d,
+                    o.c, p.d, &algo, o.ws, o.ws_bytes, o.stream);
+}
+
+// Times every candidate on this call's buffers (3 runs each after a warm-up, CUDA events on
+// XLA's stream) and keeps the fastest; once per plan. The runs only write c and ws, which the
+// real call then overwrites.
+ffi::Error Tune(const Api& api, lt::Handle h, Plan* p, const Operands& o) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cudaError_t e = cudaEventCreate(&start);
+  if (e == cudaSuccess) e = cudaEventCreate(&stop);
+  float best_ms = -1.0f;
+  for (const lt::MatmulAlgo& algo : p->candidates) {
+    if (e != cudaSuccess) break;
+    if (RunMatmul(api, h, *p, algo, o) != lt::kStatusSuccess) continue;  // skip what fails
+    bool ran = true;
+    e = cudaEventRecord(start, o.stream);
+    for (int r = 0; r < 3 && ran && e == cudaSuccess; ++r)
+      ran = RunMatmul(api, h, *p, algo, o) == lt::kStatusSuccess;
+    if (e == cudaSuccess) e = cudaEventRecord(stop, o.stream);
+    if (e == cudaSuccess) e = cudaEventSynchronize(stop);
+    float ms = 0.0f;
+    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, start, stop);
+    if (e == cudaSuccess && ran && (best_ms < 0.0f || ms < best_ms)) {
+      best_ms = ms;
+      p->algo = algo;
+    }
+  }
+  if (start) cudaEventDestroy(start);
+  if (stop) cudaEventDestroy(stop);
+  if (e != cudaSuccess)
+    return Internal(std::string("timing the cuBLASLt candidates: ") + cudaGetErrorString(e));
+  if (best_ms < 0.0f) return Internal("none of cuBLASLt's candidate algorithms ran");
+  p->tuned = true;
+  return ffi::Error::Success();
+}
+
+// The plan of `key`, made and tuned on first use (under the lock: one tuning per shape).
 ffi::Error GetPlan(const Api& api, lt::Handle h, const PlanKey& key, ffi::DataType c_type,
-                   const Plan** out) {
+                   const Operands& o, const Plan** out) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
@@ -207,12 +278,15 @@ ffi::Error GetPlan(const Api& api, lt::Handle h, const PlanKey& key, ffi::DataTy
     if (auto e = MakePlan(api, h, l, m, n, k, c_type, ws_bytes, &p); e.failure()) return e;
     it = g_plans.emplace(key, p).first;
   }
+  if (!it->second.tuned)
+    if (auto e = Tune(api, h, &it->second, o); e.failure()) return e;
   *out = &it->second;
   return ffi::Error::Success();
 }
 
 // ---- the call's checks (everything the lowering promises, checked again) ----
-ffi::Error Validate(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& alpha_beta,
+ffi::Error Validate(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                    const ffi::AnyBuffer& alpha_beta,
                     const ffi::AnyBuffer& c, const ffi::AnyBuffer& ws) {
   using T = ffi::DataType;
   if (a.element_type() != T::BF16 || b.element_type() != T::BF16)
@@ -253,7 +327,8 @@ ffi::Error Instantiate() {
   return GetHandle(*api, dev, &h);
 }
 
-ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer alpha_beta_buf,
+ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                   ffi::AnyBuffer alpha_beta_buf,
                    ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws) {
   if (auto e = Validate(a, b, alpha_beta_buf, *c, *ws); e.failure()) return e;
   int dev = 0;
@@ -266,14 +341,13 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   const int64_t ws_bytes = static_cast<int64_t>(ws->size_bytes());
   const PlanKey key{dev, ad[0], ad[1], b.dimensions()[1], ad[2],
                     static_cast<int>(c->element_type()), ws_bytes};
+  const Operands o{static_cast<const float*>(alpha_beta_buf.untyped_data()), a.untyped_data(),
+                   b.untyped_data(), c->untyped_data(), ws->untyped_data(),
+                   static_cast<size_t>(ws_bytes), stream};
   const Plan* p = nullptr;
-  if (auto e = GetPlan(*api, h, key, c->element_type(), &p); e.failure()) return e;
-  const float* alpha_beta = static_cast<const float*>(alpha_beta_buf.untyped_data());
-  lt::Status s = api->matmul(h, p->desc, alpha_beta, b.untyped_data(), p->a,
-                             a.untyped_data(), p->b, alpha_beta + 1, c->untyped_data(), p->d,
-                             c->untyped_data(), p->d, &p->algo, ws->untyped_data(),
-                             static_cast<size_t>(ws_bytes), stream);
-  if (s != lt::kStatusSuccess) return LtError(*api, "cublasLtMatmul", s);
+  if (auto e = GetPlan(*api, h, key, c->element_type(), o, &p); e.failure()) return e;
+  if (lt::Status s = RunMatmul(*api, h, *p, p->algo, o); s != lt::kStatusSuccess)
+    return LtError(*api, "cublasLtMatmul", s);
   return ffi::Error::Success();
 }
 
