@@ -188,7 +188,7 @@ def _lower_for_cuda(monkeypatch, f, *args):
 
 
 @pytest.mark.parametrize("case", ["plain", "fold_batch_into_m", "batched", "pad_k", "weight_only",
-                                  "large_m"])
+                                  "dequantize_a", "large_m"])
 def test_lowering_emits_the_custom_call(monkeypatch, case):
     import jax_blockscale as jbs
 
@@ -208,12 +208,17 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
     elif case == "weight_only":
         a = jax.random.normal(key, (9, 64)).astype(jnp.bfloat16)
         b, want = q((24, 64), "nvfp4"), dict(m=9, n=24, k=64, l=1, a_kind=4)
+    elif case == "dequantize_a":  # the fused kernel's rows: A dequantized, weight-only kernel
+        a, b = q((2, 3, 40, 64), "mxfp8_e4m3", "blocked"), q((24, 64), "mxfp4", "blocked")
+        want = dict(m=240, n=24, k=64, l=1, a_kind=4, b_kind=2)
     else:  # past the dispatch limit: dequantize + dot, no custom call
         a, b, want = q((1024, 64), "nvfp4"), q((24, 64), "nvfp4"), None
     if want is not None:
         from jax_blockscale.lowering import ffi as sm90
 
         monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")  # the kernel at every size
+        if case != "dequantize_a":  # the two-operand kernel's own operand layout
+            monkeypatch.setenv(sm90.ENV_DEQUANT_A, "0")
     text = _lower_for_cuda(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm90"), a, b)
     calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
     if want is None:

@@ -27,8 +27,11 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _always_the_kernel(monkeypatch):
-    # exercise the custom call at every size (large M would otherwise use dequantize + dot)
+    # exercise the custom call at every size (large M would otherwise use dequantize + dot), and
+    # the two-operand fused kernel itself (by default a quantized A is dequantized first past the
+    # decode kernel's rows: test_dequantized_activation covers that path)
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "0")
+    monkeypatch.setenv(sm90_ffi.ENV_DEQUANT_A, "0")
 
 
 def _hopper() -> bool:
@@ -99,6 +102,23 @@ def _check(a, b, out, fn=None):
 def test_pairs_and_outputs(fmt_a, fmt_b, out):
     a, b = _operands(fmt_a, fmt_b, (), (), 200, 136, 320)
     _check(a, b, out, jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=OUTS[out][0], backend="sm90")))
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b", [p for p in PAIRS if p[0] is not None])
+@pytest.mark.parametrize("batch_a,m,n,k", [((), 65, 136, 320), ((), 200, 264, 96),
+                                           ((2, 3), 45, 131, 160)])
+def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
+    """The default past the decode kernel's rows: A dequantized to bf16 by XLA, then the
+    weight-only kernel (alpha, the global scales, in its epilogue)."""
+    monkeypatch.delenv(sm90_ffi.ENV_DEQUANT_A)
+    a, b = _operands(fmt_a, fmt_b, batch_a, (), m, n, k)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    calls = [ln for ln in f.lower(a, b).as_text().splitlines()
+             if "custom_call @" + _plugin.SM90_TARGET in ln]
+    assert len(calls) == 1 and "a_kind = 4 : i32" in calls[0], calls  # a bf16 activation
+    _check(a, b, "f32", f)
+    _check(a, b, "bf16")
 
 
 SHAPES = [(1, 1, 32), (1, 7, 64), (7, 1, 96), (33, 65, 32), (129, 257, 160), (128, 128, 64),

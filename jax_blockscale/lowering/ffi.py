@@ -25,9 +25,12 @@ row count M (after folding batch dims into M) and N, K:
     conversion for up to 64 rows). H100, bf16 x nvfp4 (decode notes, run 9): M = 32: 93 us at
     N=K=16384 (fused kernel 243), 30 us at 8192; M = 64: 157 / 47 us; M = 96..128 (two 64-row
     chunks): 300 us at 16384, slower than the fused kernel (~240), which takes over.
-  * otherwise up to kernel_max_rows() (128 / 512): the **fused GEMM** (kernels/
+  * otherwise up to kernel_max_rows() (256 / 512): the **fused GEMM** (kernels/
     sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
-  * above: **dequantize + XLA's bf16 GEMM**, faster there on Hopper.
+    A quantized activation is dequantized to bf16 first and the weight-only variant runs
+    (dequantizes_activation_first: 1.2-1.5x faster than converting A inside the kernel).
+  * above: **dequantize + a bf16 GEMM**, faster there on Hopper: XLA's, or the dot_alpha
+    target (cuBLASLt with alpha in its epilogue) when alpha must scale the f32 sum first.
 
 JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS=0 turns the decode kernel off (benchmarks, bisecting).
 Every runtime assumption is re-checked by the FFI handler, which returns an error rather than
@@ -35,6 +38,7 @@ launching anything it cannot run.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -75,7 +79,10 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
     # weight-only (only B to dequantize) and large weights amortize better
     if spec.fmt_a is None or spec.n * spec.k >= 2**28:
         return 512
-    return 128
+    # A quantized activation is dequantized first (dequantizes_activation_first) and the
+    # weight-only kernel beat dequantize + dot up to 256 rows at N = K = 8192 and 4096, but not
+    # at 512 (docs/sm90_notes.md, session 10); the fused two-operand kernel only up to 128.
+    return 128 if os.environ.get(ENV_DEQUANT_A) == "0" else 256
 
 
 # Rows up to which the decode kernel runs (when it has the pair). Measured on the H100
@@ -157,6 +164,27 @@ def uses_decode(spec: GemmSpec, m: int) -> bool:
     return decode_splits(spec, m) > 0
 
 
+# In the fused kernel's range, a quantized activation is dequantized to bf16 first (one small XLA
+# pass over M x K) and the weight-only kernel runs: the fused kernel would convert every A tile
+# again for each of the N / tile_n column tiles, and at M = 128, N = K = 16384 it ran 281 us for
+# nvfp4 x nvfp4 against 220 us for bf16 x nvfp4 (docs/sm90_notes.md, session 10). Exact: the
+# dequantized activation is exact in bf16, and alpha (the global scales) stays in the epilogue.
+# JAX_BLOCKSCALE_SM90_DEQUANT_A=0 keeps the fused two-operand kernel (benchmarks, bisecting).
+ENV_DEQUANT_A = "JAX_BLOCKSCALE_SM90_DEQUANT_A"
+
+
+def dequantizes_activation_first(spec: GemmSpec, m: int) -> bool:
+    """Whether the call with kernel row count m dequantizes A and runs the weight-only kernel."""
+    return (spec.fmt_a is not None and os.environ.get(ENV_DEQUANT_A) != "0"
+            and ("bf16", _KIND[spec.fmt_b]) in _KERNEL_PAIRS and not uses_decode(spec, m))
+
+
+def with_dequantized_activation(spec: GemmSpec) -> GemmSpec:
+    """The weight-only problem that spec becomes once A is dequantized to bf16."""
+    return dataclasses.replace(spec, fmt_a=None, layout_a=None,
+                               a_dtype=np.dtype(jnp.bfloat16))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count() -> int:
     """Multiprocessors of the largest visible GPU (132 on an H100 SXM / H200 when none is visible,
@@ -231,6 +259,10 @@ class Sm90Backend:
                 return y.reshape(spec.batch_shape + (spec.m, spec.n))
             return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16,
                                   allow_direct_output=True)
+        if dequantizes_activation_first(spec, M):
+            av = operand_values(a, sa, spec.fmt_a, spec.layout_a, jnp.bfloat16)
+            return self(av, b, None, sb, alpha, spec=with_dequantized_activation(spec),
+                        platform=platform)
         N, K = spec.n, spec.k
         Kp = _padded_k(spec)
         ka, kb = _KIND[spec.fmt_a], _KIND[spec.fmt_b]
