@@ -107,16 +107,19 @@ def test_pairs_and_outputs(fmt_a, fmt_b, out):
 @needs_sm90
 @pytest.mark.parametrize("fmt_a,fmt_b", [p for p in PAIRS if p[0] is not None])
 @pytest.mark.parametrize("batch_a,m,n,k", [((), 65, 136, 320), ((), 200, 264, 96),
-                                           ((2, 3), 45, 131, 160)])
+                                           ((2, 3), 45, 131, 160), ((), 40, 264, 512)])
 def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
-    """The default past the decode kernel's rows: A dequantized to bf16 by XLA, then the
-    weight-only kernel (alpha, the global scales, in its epilogue)."""
+    """The default past the decode kernel's rows, and for an mxfp8 activation in its wide rows:
+    A dequantized to bf16 by XLA, then the weight-only kernel (alpha, the global scales, in its
+    epilogue). An fp4 activation at 40 rows stays in the two-operand decode kernel."""
     monkeypatch.delenv(sm90_ffi.ENV_DEQUANT_A)
     a, b = _operands(fmt_a, fmt_b, batch_a, (), m, n, k)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     calls = [ln for ln in f.lower(a, b).as_text().splitlines()
              if "custom_call @" + _plugin.SM90_TARGET in ln]
-    assert len(calls) == 1 and "a_kind = 4 : i32" in calls[0], calls  # a bf16 activation
+    rows = m * int(np.prod(batch_a))
+    bf16_activation = rows > 64 or fmt_a.startswith("mxfp8")
+    assert len(calls) == 1 and ("a_kind = 4 : i32" in calls[0]) == bf16_activation, calls
     _check(a, b, "f32", f)
     _check(a, b, "bf16")
 

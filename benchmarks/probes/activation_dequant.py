@@ -1,7 +1,9 @@
-"""Two-operand calls (W4A4 / W8A8) in the fused kernel's row range, three ways (GPU only):
+"""Two-operand calls (W4A4 / W8A8), three ways (GPU only):
 
-  fused        : the sm90 fused kernel converts both operands (JAX_BLOCKSCALE_SM90_DEQUANT_A=0)
-  dequant_a    : A dequantized to bf16 by XLA, then the weight-only kernel (the default)
+  fused        : the sm90 kernel converts both operands (JAX_BLOCKSCALE_SM90_DEQUANT_A=0): the
+                 two-operand decode kernel up to 64 rows, the fused kernel above
+  dequant_a    : A dequantized to bf16 by XLA, then the weight-only kernel (=all; the default
+                 above the decode kernel's rows)
   dequant_dot  : both dequantized, then a library GEMM (the large-M path)
 
 each forced at every M (JAX_BLOCKSCALE_SM90_MAX_ROWS), against bf16 `jnp.dot`, in paired rounds
@@ -33,7 +35,7 @@ from timing import copies, device_time_us, rotation_count  # noqa: E402
 # method -> environment while it is compiled
 METHODS = {
     "fused": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_DEQUANT_A: "0"},
-    "dequant_a": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_DEQUANT_A: "1"},
+    "dequant_a": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_DEQUANT_A: "all"},
     "dequant_dot": {sm90_ffi.ENV_MAX_ROWS: "1"},
 }
 

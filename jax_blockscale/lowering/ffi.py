@@ -28,7 +28,8 @@ row count M (after folding batch dims into M) and N, K:
   * otherwise up to kernel_max_rows() (256 / 512): the **fused GEMM** (kernels/
     sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
     A quantized activation is dequantized to bf16 first and the weight-only variant runs
-    (dequantizes_activation_first: 1.2-1.5x faster than converting A inside the kernel).
+    (dequantizes_activation_first: 1.2-1.5x faster than converting A inside the kernel; so
+    does an mxfp8 activation in the decode kernel's wide rows, 17..64).
   * above: **dequantize + a bf16 GEMM**, faster there on Hopper: XLA's, or the dot_alpha
     target (cuBLASLt with alpha in its epilogue) when alpha must scale the f32 sum first.
 
@@ -76,12 +77,16 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
     v = os.environ.get(ENV_MAX_ROWS)
     if v is not None:
         return int(v) or None
-    # weight-only (only B to dequantize) and large weights amortize better
-    if spec.fmt_a is None or spec.n * spec.k >= 2**28:
+    # large weights amortize better (H100, docs/sm90_notes.md, sessions 1 and 10)
+    if spec.n * spec.k >= 2**28:
         return 512
+    if spec.fmt_a is None:
+        # weight-only: at 512 rows the kernel still won at N = K = 8192 (~162 against ~176 us)
+        # but lost at 4096 from 384 rows (66.5 against 51.5)
+        return 512 if spec.n * spec.k >= 2**26 else 256
     # A quantized activation is dequantized first (dequantizes_activation_first) and the
     # weight-only kernel beat dequantize + dot up to 256 rows at N = K = 8192 and 4096, but not
-    # at 512 (docs/sm90_notes.md, session 10); the fused two-operand kernel only up to 128.
+    # at 512 (4096: not at 384); the fused two-operand kernel only up to 128.
     return 128 if os.environ.get(ENV_DEQUANT_A) == "0" else 256
 
 
@@ -169,14 +174,22 @@ def uses_decode(spec: GemmSpec, m: int) -> bool:
 # again for each of the N / tile_n column tiles, and at M = 128, N = K = 16384 it ran 281 us for
 # nvfp4 x nvfp4 against 220 us for bf16 x nvfp4 (docs/sm90_notes.md, session 10). Exact: the
 # dequantized activation is exact in bf16, and alpha (the global scales) stays in the epilogue.
-# JAX_BLOCKSCALE_SM90_DEQUANT_A=0 keeps the fused two-operand kernel (benchmarks, bisecting).
+# JAX_BLOCKSCALE_SM90_DEQUANT_A=0 keeps the two-operand kernels everywhere, =all dequantizes A
+# for the decode kernel's rows too (benchmarks, bisecting).
 ENV_DEQUANT_A = "JAX_BLOCKSCALE_SM90_DEQUANT_A"
 
 
 def dequantizes_activation_first(spec: GemmSpec, m: int) -> bool:
     """Whether the call with kernel row count m dequantizes A and runs the weight-only kernel."""
-    return (spec.fmt_a is not None and os.environ.get(ENV_DEQUANT_A) != "0"
-            and ("bf16", _KIND[spec.fmt_b]) in _KERNEL_PAIRS and not uses_decode(spec, m))
+    mode = os.environ.get(ENV_DEQUANT_A, "1")
+    if spec.fmt_a is None or mode == "0" or ("bf16", _KIND[spec.fmt_b]) not in _KERNEL_PAIRS:
+        return False
+    if mode == "all" or not uses_decode(spec, m):
+        return True
+    # In the decode kernel's rows only an mxfp8 activation past 16 rows (the wide variants)
+    # gains: 168 -> 142 us at 48 x 16384^2, 50 -> 44 at 64 x 8192^2; fp4 activations convert
+    # cheaply in the kernel (64 x 16384^2 nvfp4: 146 there, 160 dequantized first).
+    return _KIND[spec.fmt_a] == "mxfp8" and m > 16
 
 
 def with_dequantized_activation(spec: GemmSpec) -> GemmSpec:
