@@ -25,23 +25,12 @@ import jax_blockscale as jbs
 from jax_blockscale import _plugin
 from jax_blockscale.lowering import ffi as sm90_ffi
 from jax_blockscale.primitive import gemm_spec
+from hopper import needs_sm90, poison as _poison  # tests/hopper.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_lib = pytest.mark.skipif(_plugin.unavailable_reason() is not None or
                                not _plugin.has_dot_alpha(),
                                reason="needs libjax_blockscale.so with the dot_alpha target")
-
-
-def _hopper() -> bool:
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return False
-    return bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
-
-
-needs_sm90 = pytest.mark.skipif(not _hopper() or _plugin.unavailable_reason() is not None,
-                                reason="needs an sm90 GPU and libjax_blockscale.so")
 
 
 # ---- CPU: the lowering ----
@@ -176,14 +165,6 @@ CHECK(MatmulFn, cublasLtMatmul);
 
 
 # ---- GPU: numerics and errors ----
-
-def _poison():
-    # Hand the allocator NaN-filled memory: an output read as C (beta * C) or left unwritten
-    # would show up as NaN.
-    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
-
 
 OUT_ULP = {jnp.bfloat16: 2.0 ** -8, jnp.float32: 2.0 ** -24}
 

@@ -328,17 +328,6 @@ def test_gpu_custom_call_export_needs_the_documented_allowance():
         jax.export.deserialize(on_cpu.serialize()).call(x)
 
 
-def _hopper_with_library() -> bool:
-    from jax_blockscale import _plugin
-
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return False
-    return (bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
-            and _plugin.unavailable_reason() is None)
-
-
 @pytest.mark.gpu
 def test_exported_layer_on_hopper_holds_the_sm90_call():
     """On an H100 with the library: the export carries our FFI target, needs the allowance, and
@@ -346,7 +335,9 @@ def test_exported_layer_on_hopper_holds_the_sm90_call():
     from jax_blockscale import _plugin
     from jax_blockscale.lowering import ffi  # noqa: F401  (registers the sm90 backend)
 
-    if not _hopper_with_library():
+    from hopper import hopper_with_library  # tests/hopper.py
+
+    if not hopper_with_library():
         pytest.skip("needs an sm90 GPU and libjax_blockscale.so")
     layer = jnn.QuantizedLinear(256, 256, fmt="nvfp4", act_fmt="nvfp4", dtype=jnp.bfloat16,
                                 rngs=nnx.Rngs(0))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
 from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: F401  (registers "sm90")
+from hopper import needs_sm90, poison as _poison  # tests/hopper.py
 
 pytestmark = pytest.mark.gpu
 
@@ -33,18 +34,6 @@ def _always_the_kernel(monkeypatch):
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "0")
     monkeypatch.setenv(sm90_ffi.ENV_DEQUANT_A, "0")
 
-
-def _hopper() -> bool:
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return False
-    return bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
-
-
-needs_sm90 = pytest.mark.skipif(
-    not _hopper() or _plugin.unavailable_reason() is not None,
-    reason="needs an sm90 GPU and libjax_blockscale.so")
 
 PAIRS = [
     ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"),
@@ -59,13 +48,6 @@ _seed = [1000]
 def _key():
     _seed[0] += 1
     return jax.random.PRNGKey(_seed[0])
-
-
-def _poison():
-    # Hand the allocator NaN-filled memory, so a kernel that skips an output element is caught.
-    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
 
 
 def _operands(fmt_a, fmt_b, batch_a, batch_b, m, n, k, layout="plain"):

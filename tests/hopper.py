@@ -1,0 +1,31 @@
+"""Helpers of the GPU test modules: whether this machine can run the sm90 backend, and a way to
+hand the allocator NaN-filled memory before a call."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_blockscale import _plugin
+
+
+def hopper_with_library() -> bool:
+    """Every visible GPU is compute capability 9.0 and libjax_blockscale.so is loaded."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return (bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
+            and _plugin.unavailable_reason() is None)
+
+
+needs_sm90 = pytest.mark.skipif(not hopper_with_library(),
+                                reason="needs an sm90 GPU and libjax_blockscale.so")
+
+
+def poison():
+    """Fill 256 MiB of fresh device memory with NaN and free it, so the next allocations reuse it:
+    an output element a kernel skips (or reads, as a GEMM's C) shows up as NaN."""
+    x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
