@@ -82,7 +82,8 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
         return 512
     if spec.fmt_a is None:
         # weight-only: at 512 rows the kernel still won at N = K = 8192 (~162 against ~176 us)
-        # but lost at 4096 from 384 rows (66.5 against 51.5)
+        # but lost at 4096 from 384 rows (66.5 against 51.5, both with a dequantized nvfp4
+        # activation: probes/activation_dequant.py)
         return 512 if spec.n * spec.k >= 2**26 else 256
     # A quantized activation is dequantized first (dequantizes_activation_first) and the
     # weight-only kernel beat dequantize + dot up to 256 rows at N = K = 8192 and 4096, but not
