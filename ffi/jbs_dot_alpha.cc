@@ -44,7 +44,7 @@ namespace ffi = xla::ffi;
 namespace lt = jbs_cublaslt;
 
 constexpr const char* kPrefix = "jax_blockscale dot_alpha: ";
-constexpr int64_t kRowAlign = 8;  // bf16 / f16 elements in 16 bytes: cuBLASLt's fast kernels
+constexpr int64_t kRowAlign = 8;  // bf16 elements in 16 bytes: what cuBLASLt's fast kernels want
 constexpr int kMaxDevices = 64;
 
 ffi::Error Invalid(const std::string& why) { return ffi::Error::InvalidArgument(kPrefix + why); }
