@@ -388,6 +388,24 @@ def test_decode_weight_only_needs_bf16_activations():
     assert not ok and "A buffer" in msg
 
 
+def test_activation_dequantized_only_where_bf16_fits_the_kernel():
+    """A bf16 activation takes 2-4x the bytes of a quantized one: when it would overflow the
+    kernel's 32-bit offsets, the two-operand kernel keeps the call (no late FFI error)."""
+    from jax_blockscale.lowering import GemmSpec
+    from jax_blockscale.lowering import ffi as sm90
+
+    def spec(fmt, k):
+        return GemmSpec(fmt, fmt, "plain", "plain", np.dtype(np.uint8), np.dtype(jnp.bfloat16),
+                        (), (), (), 200, 64, k)
+
+    for fmt in ("nvfp4", "mxfp8_e4m3"):
+        assert sm90.dequantizes_activation_first(spec(fmt, 4096), 200)
+        big = spec(fmt, 1 << 23)  # A: 200 x 2^23 elements, 3.4 GB as bf16
+        assert sm90.fits_32bit_indexing(big)
+        assert not sm90.fits_32bit_indexing(sm90.with_dequantized_activation(big))
+        assert not sm90.dequantizes_activation_first(big, 200)
+
+
 def test_lowering_declares_the_decode_workspace(monkeypatch):
     import jax_blockscale as jbs
     from jax_blockscale.lowering import ffi as sm90

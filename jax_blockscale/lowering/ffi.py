@@ -185,6 +185,8 @@ def dequantizes_activation_first(spec: GemmSpec, m: int) -> bool:
     mode = os.environ.get(ENV_DEQUANT_A, "1")
     if spec.fmt_a is None or mode == "0" or ("bf16", _KIND[spec.fmt_b]) not in _KERNEL_PAIRS:
         return False
+    if not fits_32bit_indexing(with_dequantized_activation(spec)):
+        return False  # A in bf16 takes 2-4x the bytes of the quantized A
     if mode == "all" or not uses_decode(spec, m):
         return True
     # In the decode kernel's rows only an mxfp8 activation past 16 rows (the wide variants)
@@ -225,6 +227,16 @@ def _device_reason() -> str | None:
     return None
 
 
+def fits_32bit_indexing(spec: GemmSpec) -> bool:
+    """Whether the kernel's buffers (A and B bytes, C elements) have 32-bit offsets."""
+    m, l = kernel_rows_and_batch(spec)
+    k = _padded_k(spec)
+    ka, kb = _KIND[spec.fmt_a], _KIND[spec.fmt_b]
+    a_row = 2 * k if ka == "bf16" else k // (2 if "fp4" in ka else 1)
+    b_row = k // (2 if "fp4" in kb else 1)
+    return max(m * spec.n * l, m * a_row * l, spec.n * b_row * l) <= _INT32_MAX
+
+
 def _padded_k(spec: GemmSpec) -> int:
     return spec.k + (spec.k % 32)  # only NVFP4 (block 16) can leave 16 over
 
@@ -245,12 +257,7 @@ class Sm90Backend:
             return f"out dtype {np.dtype(spec.out_dtype).name} not supported"
         if min(spec.m, spec.n, spec.k) < 1 or 0 in spec.batch_shape:
             return "empty problem"
-        m, l = kernel_rows_and_batch(spec)
-        k = _padded_k(spec)
-        a_row = 2 * k if ka == "bf16" else k // (2 if "fp4" in ka else 1)
-        b_row = k // (2 if "fp4" in kb else 1)
-        if m * spec.n * l > _INT32_MAX or m * a_row * l > _INT32_MAX or \
-                spec.n * b_row * l > _INT32_MAX:
+        if not fits_32bit_indexing(spec):
             return "problem too large for the kernel's 32-bit indexing"
         why = _device_reason()
         if why is not None:
