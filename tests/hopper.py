@@ -1,5 +1,5 @@
-"""Helpers of the GPU test modules: whether this machine can run the sm90 backend, and a way to
-hand the allocator NaN-filled memory before a call."""
+"""Helpers of the sm90 test modules: whether this machine can run the sm90 backend, a way to
+hand the allocator NaN-filled memory before a call, and cross-lowering for CUDA without a GPU."""
 from __future__ import annotations
 
 import jax
@@ -29,3 +29,11 @@ def poison():
     x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
     x.block_until_ready()
     del x
+
+
+def lower_for_cuda(monkeypatch, f, *args) -> str:
+    """Cross-lower `f` for CUDA on this (GPU-less) machine, as if it had a Hopper GPU."""
+    from jax_blockscale.lowering import ffi as sm90
+
+    monkeypatch.setattr(sm90, "_device_reason", lambda: None)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
 from jax_blockscale.lowering import ffi as sm90_ffi
-from jax_blockscale.primitive import gemm_spec
-from hopper import needs_sm90, poison as _poison  # tests/hopper.py
+from hopper import lower_for_cuda, needs_sm90, poison as _poison  # tests/hopper.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_lib = pytest.mark.skipif(_plugin.unavailable_reason() is not None or
@@ -36,23 +35,10 @@ needs_lib = pytest.mark.skipif(_plugin.unavailable_reason() is not None or
 # ---- CPU: the lowering ----
 
 def _large_m_lowering(a, b, out_dtype, monkeypatch):
-    """The CUDA lowering (as text) of the sm90 backend's large-M path for gemm(a, b)."""
+    """The CUDA lowering (as text) of jbs.gemm(a, b) on the sm90 backend's large-M path."""
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
-
-    def f(a, b):
-        a_elems, sa = (a.data, a.scales) if isinstance(a, jbs.BlockScaled) else (a, None)
-        args = (a_elems, b.data) + (() if sa is None else (sa,)) + (b.scales, jnp.float32(1))
-        alpha = jnp.float32(1)
-        for q in (a, b):
-            if isinstance(q, jbs.BlockScaled) and q.global_scale is not None:
-                alpha = alpha * q.global_scale
-        spec = gemm_spec([jax.typeof(x) for x in args], fmt_a=getattr(a, "fmt", None),
-                         fmt_b=b.fmt, layout_a=getattr(a, "layout", None), layout_b=b.layout,
-                         out_dtype=np.dtype(out_dtype),
-                         alpha_is_one=all(not isinstance(q, jbs.BlockScaled)
-                                          or q.global_scale is None for q in (a, b)))
-        return sm90_ffi.SM90(a_elems, b.data, sa, b.scales, alpha, spec=spec)
-    return jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(
+        monkeypatch, lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="sm90"), a, b)
 
 
 @needs_lib

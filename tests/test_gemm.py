@@ -155,8 +155,9 @@ def _large_m_dot_types(a, b, out_dtype):
 def test_gemm_rounds_in_the_dot_only_without_global_scales(fmt):
     """With no global scale (alpha == 1) the sm90 backend's large-M lowering lets the bf16 GEMM
     round its f32 accumulators itself (no f32 M x N round trip); with one, alpha must scale the
-    f32 result before the one rounding, so the dot stays f32. So do small outputs (the GEMM may
-    add bf16 partials there) and the reference backend, always."""
+    f32 result before the one rounding, so reference_gemm's dot stays f32 (the sm90 backend runs
+    the dot_alpha target there when it can: tests/test_dot_alpha.py). So do small outputs (the
+    GEMM may add bf16 partials there) and the reference backend, always."""
     from jax_blockscale.lowering.reference import DIRECT_OUTPUT_MIN_OUTPUTS
 
     rng = np.random.default_rng(10)

@@ -15,6 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from hopper import lower_for_cuda  # tests/hopper.py
 from jax_blockscale import _plugin
 from jax_blockscale.aot import KIND_CODES, OUT_CODES
 
@@ -179,14 +180,6 @@ def test_sm90_backend_declines_without_hopper():
     assert jbs.gemm(a, a).shape == (8, 8)
 
 
-def _lower_for_cuda(monkeypatch, f, *args):
-    """Cross-lower `f` for CUDA on this (GPU-less) machine, as if it had a Hopper GPU."""
-    from jax_blockscale.lowering import ffi as sm90
-
-    monkeypatch.setattr(sm90, "_device_reason", lambda: None)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("case", ["plain", "fold_batch_into_m", "batched", "pad_k", "weight_only",
                                   "dequantize_a", "large_m"])
 def test_lowering_emits_the_custom_call(monkeypatch, case):
@@ -219,7 +212,7 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
         monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")  # the kernel at every size
         if case != "dequantize_a":  # the two-operand kernel's own operand layout
             monkeypatch.setenv(sm90.ENV_DEQUANT_A, "0")
-    text = _lower_for_cuda(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm90"), a, b)
+    text = lower_for_cuda(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm90"), a, b)
     calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
     if want is None:
         assert not calls
