@@ -45,7 +45,7 @@ namespace lt = jbs_cublaslt;
 
 constexpr const char* kPrefix = "jax_blockscale dot_alpha: ";
 constexpr int64_t kRowAlign = 8;  // bf16 elements in 16 bytes: what cuBLASLt's fast kernels want
-constexpr int kMaxDevices = 64;
+using jbs_ffi::kMaxDevices;
 
 ffi::Error Invalid(const std::string& why) { return ffi::Error::InvalidArgument(kPrefix + why); }
 ffi::Error Internal(const std::string& why) {
@@ -268,13 +268,14 @@ ffi::Error Tune(const Api& api, lt::Handle h, Plan* p, const Operands& o) {
 }
 
 // The plan of `key`, made and tuned on first use (under the lock: one tuning per shape).
-ffi::Error GetPlan(const Api& api, lt::Handle h, const PlanKey& key, ffi::DataType c_type,
-                   const Operands& o, const Plan** out) {
+ffi::Error GetPlan(const Api& api, lt::Handle h, const PlanKey& key, const Operands& o,
+                   const Plan** out) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan p{};
     auto [dev, l, m, n, k, c_code, ws_bytes] = key;
+    const auto c_type = static_cast<ffi::DataType>(c_code);
     if (auto e = MakePlan(api, h, l, m, n, k, c_type, ws_bytes, &p); e.failure()) return e;
     it = g_plans.emplace(key, p).first;
   }
@@ -345,7 +346,7 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    b.untyped_data(), c->untyped_data(), ws->untyped_data(),
                    static_cast<size_t>(ws_bytes), stream};
   const Plan* p = nullptr;
-  if (auto e = GetPlan(*api, h, key, c->element_type(), o, &p); e.failure()) return e;
+  if (auto e = GetPlan(*api, h, key, o, &p); e.failure()) return e;
   if (lt::Status s = RunMatmul(*api, h, *p, p->algo, o); s != lt::kStatusSuccess)
     return LtError(*api, "cublasLtMatmul", s);
   return ffi::Error::Success();
