@@ -15,11 +15,11 @@ each forced at every M (JAX_BLOCKSCALE_SM90_MAX_ROWS), against bf16 `jnp.dot`, i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +38,6 @@ METHODS = {
     "dequant_a": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_DEQUANT_A: "all"},
     "dequant_dot": {sm90_ffi.ENV_MAX_ROWS: "1"},
 }
-
-
-@contextlib.contextmanager
-def environment(values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main():
@@ -77,7 +63,7 @@ def main():
                                              rotation_count(n * k // 2))]
             fns, outs = {}, {}
             for name, env in METHODS.items():
-                with environment(env):
+                with mock.patch.dict(os.environ, env):
                     fns[name] = jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm90"))
                     outs[name] = np.asarray(fns[name](*sets[0]), np.float32)
             ref = outs["dequant_dot"]
@@ -87,7 +73,7 @@ def main():
             for _ in range(args.rounds):
                 times["bf16_dot"].append(device_time_us(dot_bf16, arg_sets=dot_sets))
                 for name, env in METHODS.items():
-                    with environment(env):
+                    with mock.patch.dict(os.environ, env):
                         times[name].append(device_time_us(fns[name], arg_sets=sets))
             med = {name: statistics.median(t) for name, t in times.items()}
             row = dict(shape=shape, format=token, us=med, rel_diff_vs_dequant_dot=agree)
