@@ -59,7 +59,7 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
   // dtypes of the buffers (sizes and everything else: ValidateProblem)
-  const bool a_is_bf16 = a_kind == JBS_BF16;
+  const bool a_is_bf16 = a_kind == JBS_BF16 || a_kind == JBS_BF16_KPERM;
   if (a.element_type() != (a_is_bf16 ? ffi::DataType::BF16 : ffi::DataType::U8))
     return g_state.InvalidArgument("A must be uint8 (packed) or bf16 (weight-only)");
   if (auto err = jbs_ffi::CheckU8AndAlpha(g_state, {&b, &sb, &sa},

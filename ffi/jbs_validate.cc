@@ -23,7 +23,8 @@ int64_t RowBytes(int kind, int64_t k) {
     case JBS_NVFP4:
     case JBS_MXFP4: return k / 2;
     case JBS_MXFP8: return k;
-    case JBS_BF16: return 2 * k;
+    case JBS_BF16:
+    case JBS_BF16_KPERM: return 2 * k;
     default: return -1;
   }
 }
@@ -39,6 +40,7 @@ const char* KindName(int kind) {
     case JBS_MXFP4: return "mxfp4";
     case JBS_MXFP8: return "mxfp8";
     case JBS_BF16: return "bf16";
+    case JBS_BF16_KPERM: return "bf16 (register-weight K order)";
     default: return "unknown";
   }
 }
@@ -68,7 +70,8 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.cc_major != 9 || p.cc_minor != 0)
     JBS_FAIL("jax_blockscale sm90 kernels need compute capability 9.0 (sm_90a), device has %d.%d",
              p.cc_major, p.cc_minor);
-  if (p.a_kind < JBS_NVFP4 || p.a_kind > JBS_BF16 || p.b_kind < JBS_NVFP4 || p.b_kind > JBS_MXFP8)
+  if (p.a_kind < JBS_NVFP4 || p.a_kind > JBS_BF16_KPERM || p.b_kind < JBS_NVFP4 ||
+      p.b_kind > JBS_MXFP8)
     JBS_FAIL("unknown operand kinds a=%d b=%d", p.a_kind, p.b_kind);
   if (OutBytes(p.out) == 0) JBS_FAIL("unknown output dtype code %d", p.out);
   // The variant: operand kinds and output must match; among tiles prefer the requested one.
@@ -96,6 +99,9 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   const int ba = BlockOf(p.a_kind), bb = BlockOf(p.b_kind);
   if (ba && p.k % ba) JBS_FAIL("K=%lld not a multiple of A's block %d", (long long)p.k, ba);
   if (p.k % bb) JBS_FAIL("K=%lld not a multiple of B's block %d", (long long)p.k, bb);
+  // the register-weight variants permute K within 64-element k-tiles
+  if (p.a_kind == JBS_BF16_KPERM && p.k % 64)
+    JBS_FAIL("K=%lld must be a multiple of 64 for a K-permuted activation", (long long)p.k);
   // The kernel indexes with 32-bit integers.
   const int64_t a_row = RowBytes(p.a_kind, p.k), b_row = RowBytes(p.b_kind, p.k);
   if (p.m > kInt32Max / p.n / p.l || p.m > kInt32Max / a_row / p.l ||

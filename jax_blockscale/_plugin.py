@@ -11,6 +11,7 @@ unavailable and gemm runs on the reference backend, after one warning that says 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -168,6 +169,13 @@ def check_problem(**kw) -> tuple[bool, str]:
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_check_problem(*(kw[n] for n in names), buf, len(buf))
     return rc == 0, buf.value.decode()
+
+
+@functools.lru_cache(maxsize=None)
+def register_weight_kinds() -> frozenset:
+    """Weight kind codes the library's register-weight variants take (a K-permuted bf16
+    activation, kind code 5); empty for libraries built before them."""
+    return frozenset(v["b_kind"] for v in variants() if v["a_kind"] == 5)
 
 
 def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:

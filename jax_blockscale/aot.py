@@ -31,19 +31,23 @@ import sys
 import time
 
 # Kind codes shared with ffi/ (jbs_common.h) and lowering/ffi.py. Keep the three in sync.
-KIND_CODES = {"nvfp4": 1, "mxfp4": 2, "mxfp8": 3, "bf16": 4}
+# "bf16_kperm": a bf16 activation stored in the register-weight kernels' K order
+# (kernels/sm90_blockscaled.py: activation_k_order), which only those variants read.
+KIND_CODES = {"nvfp4": 1, "mxfp4": 2, "mxfp8": 3, "bf16": 4, "bf16_kperm": 5}
 OUT_CODES = {"bf16": 1, "f16": 2, "f32": 3}
 
 
 def variant_matrix():
     """(a_kind, b_kind, out, tile_m, tile_n) for every variant the library ships."""
-    from jax_blockscale.kernels.sm90_blockscaled import OUT_DTYPES, PAIRS
+    from jax_blockscale.kernels.sm90_blockscaled import OUT_DTYPES, PAIRS, REGISTER_WEIGHT_KINDS
 
     # 128x64 keeps small-M problems spread over all SMs; 128x256 halves B re-reads at large M
     tiles = [(128, 64), (128, 128), (128, 256)]
-    return [
-        (a, b, out, tm, tn) for (a, b) in PAIRS for out in OUT_DTYPES for (tm, tn) in tiles
-    ]
+    fused = [(a, b, out, tm, tn) for (a, b) in PAIRS for out in OUT_DTYPES for (tm, tn) in tiles]
+    # register-weight mode (fp4 weights as wgmma's register operand; one 128x128 tile)
+    register_weights = [("bf16_kperm", b, out, 128, 128) for b in REGISTER_WEIGHT_KINDS
+                        for out in OUT_DTYPES]
+    return fused + register_weights
 
 
 def variant_name(a, b, out, tm, tn):
@@ -77,7 +81,7 @@ def _header(variants):
             f"static void load_{p}() {{ {p}_Kernel_Module_Load(&g_{p}); }}",
             f"static int32_t launch_{p}(const jbs::LaunchArgs& a) {{",
         ]
-        if v.get("nt", 0):  # decode kernel: f32 workspace + split-K count
+        if v.get("nt", 0) > 0:  # decode kernel: f32 workspace + split-K count
             lines += [
                 f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.ws,",
                 "                               a.m, a.n, a.k, a.l, a.a_e5m2, a.b_e5m2, a.splits,",
@@ -114,7 +118,10 @@ def _build_one(args):
 
     name = variant_name(a, b, out, tm, tn)
     t0 = time.time()
-    compiled = compile_variant(a, b, out, (tm, tn))
+    if a == "bf16_kperm":
+        compiled = compile_variant("bf16", b, out, (tm, tn), weights_in_registers=True)
+    else:
+        compiled = compile_variant(a, b, out, (tm, tn))
     compiled.export_to_c(file_path=out_dir, file_name=name, function_prefix=name)
     return dict(name=name, a=a, b=b, out=out, tile_m=tm, tile_n=tn, sm=90, nt=0), time.time() - t0
 

@@ -101,9 +101,55 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
              if "custom_call @" + _plugin.SM90_TARGET in ln]
     rows = m * int(np.prod(batch_a))
     bf16_activation = rows > 64 or fmt_a.startswith("mxfp8")
-    assert len(calls) == 1 and ("a_kind = 4 : i32" in calls[0]) == bf16_activation, calls
+    # a_kind 4: bf16, 5: bf16 in the register-weight variants' K order
+    a_kind = next(c for c in "12345" if f"a_kind = {c} : i32" in calls[0])
+    assert len(calls) == 1 and (a_kind in "45") == bf16_activation, calls
     _check(a, b, "f32", f)
     _check(a, b, "bf16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("batch_a,batch_b,m,n,k", [
+    ((), (), 65, 128, 64), ((), (), 128, 128, 128), ((), (), 200, 300, 192),
+    ((), (), 129, 1000, 1024), ((), (), 517, 257, 256), ((), (), 96, 8, 4096),
+    ((2, 3), (), 45, 131, 320), ((3,), (3,), 70, 90, 128)])
+def test_register_weights(fmt_b, batch_a, batch_b, m, n, k):
+    """The register-weight variants (fp4 weights converted straight into wgmma's register
+    operand, the activations K-permuted by the lowering): which call runs, and the numerics for
+    odd M / N tails, several k-tiles, folded and L batches, every output dtype."""
+    a, b = _operands(None, fmt_b, batch_a, batch_b, m, n, k)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    calls = [ln for ln in f.lower(a, b).as_text().splitlines()
+             if "custom_call @" + _plugin.SM90_TARGET in ln]
+    assert len(calls) == 1 and "a_kind = 5 : i32" in calls[0], calls
+    _check(a, b, "f32", f)
+    _check(a, b, "bf16")
+    _check(a, b, "f16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_register_weights_two_operand(monkeypatch, fmt):
+    """W4A4 past the decode kernel's rows: A dequantized by XLA, K-permuted, then the
+    register-weight variant (alpha, the global scales, in its epilogue)."""
+    monkeypatch.delenv(sm90_ffi.ENV_DEQUANT_A)
+    a, b = _operands(fmt, fmt, (), (), 130, 264, 640)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    assert "a_kind = 5 : i32" in f.lower(a, b).as_text()
+    _check(a, b, "f32", f)
+    _check(a, b, "bf16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4"])
+def test_shared_memory_weights(monkeypatch, fmt_b):
+    """JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS=0 keeps the shared-memory weight-only variants."""
+    monkeypatch.setenv(sm90_ffi.ENV_REGISTER_WEIGHTS, "0")
+    a, b = _operands(None, fmt_b, (), (), 200, 300, 192)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    assert "a_kind = 4 : i32" in f.lower(a, b).as_text()
+    _check(a, b, "f32", f)
 
 
 SHAPES = [(1, 1, 32), (1, 7, 64), (7, 1, 96), (33, 65, 32), (129, 257, 160), (128, 128, 64),

@@ -47,6 +47,8 @@ from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
 from .sm90_dequant_ptx import FOLD_FACTOR, KINDS, cvt_asm
 
+SCALE_BYTE_SEL = 0x4040  # prmt selector: byte 0 of a word into the low byte of both halves
+
 # (a_kind, b_kind) pairs the kernel implements.
 PAIRS = [
     ("nvfp4", "nvfp4"),
@@ -57,6 +59,8 @@ PAIRS = [
     ("bf16", "mxfp4"),
     ("bf16", "mxfp8"),
 ]
+# weight kinds of the register-weight mode (bf16 activations in activation_k_order)
+REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4")
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
@@ -105,14 +109,112 @@ def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+# --- register-weight mode (weights_in_registers) -------------------------------------------------
+# The MMA runs transposed, C^T = W @ A^T: the weight tile is wgmma's A operand, converted from the
+# TMA'd packed bytes straight into registers, and the bf16 activation tile (TMA, 128B swizzle) is
+# its B operand read from shared memory. No bf16 weight tile is written to shared memory and no
+# barrier sits between the conversion and the MMA. The activations arrive with K permuted inside
+# each 64-element k-tile (register_weight_order.py says which order and why).
+
+# shared-memory descriptor of a K-major, 128B-swizzled bf16 tile (wgmma B operand): high word =
+# stride between 8-row groups (1024 bytes, >> 4) | swizzle mode 1 (128B) << 62; low word =
+# start address >> 4 | leading byte offset 1 (unused with swizzling) << 16
+RW_DESC_HI = (1024 >> 4) | (1 << 30)
+
+
+def rw_wgmma_ptx(an: int, wait: int) -> str:
+    """PTX of one k-tile's four m64n{an}k16 wgmmas: $0..$(an/2-1) accumulators (tied inputs
+    follow), then 16 A registers (four per MMA), then the descriptor words (lo of the stage's
+    first 32-byte K column, hi)."""
+    n_acc = an // 2
+    a0 = 2 * n_acc
+    d_lo, d_hi = f"${a0 + 16}", f"${a0 + 17}"
+    acc = ", ".join(f"${i}" for i in range(n_acc))
+    code = ["{", ".reg .b32 dl;", ".reg .b64 d;", ".reg .pred p;", "setp.ne.b32 p, 1, 0;",
+            "wgmma.fence.sync.aligned;"]
+    for b in range(4):
+        a = ", ".join(f"${a0 + 4 * b + i}" for i in range(4))
+        code.append(f"add.u32 dl, {d_lo}, {2 * b};")  # + 32 bytes per k16 column
+        code.append(f"mov.b64 d, {{dl, {d_hi}}};")
+        code.append(f"wgmma.mma_async.sync.aligned.m64n{an}k16.f32.bf16.bf16 {{{acc}}}, {{{a}}}, "
+                    "d, p, 1, 1, 0;")
+    code += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {wait};", "}"]
+    return "\n".join(code)
+
+
+@dsl_user_op
+def _rw_wgmma(acc, a_regs, d_lo, an, wait, *, loc=None, ip=None):
+    """acc += W (64 x 64, the four k16 MMAs' A registers) @ A^T (the stage's activation tile)."""
+    n_acc = an // 2
+    ins = [x.ir_value(loc=loc, ip=ip) for x in acc] + [_i32(x, loc, ip) for x in a_regs]
+    ins += [_i32(d_lo, loc, ip), _i32(RW_DESC_HI, loc, ip)]
+    cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + ["r"] * 18)
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an, wait), cons,
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+            for i in range(n_acc)]
+
+
+@dsl_user_op
+def _rw_load_row(addr, scale_addr, *, loc=None, ip=None):
+    """A thread's 8 fp4 weight bytes of one row (two words) and the row's scale word."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 3), [_i32(addr, loc, ip), _i32(scale_addr, loc, ip)],
+        "ld.shared.v2.b32 {$0, $1}, [$3];\nld.shared.b32 $2, [$4];", "=r,=r,=r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(3)]
+
+
+def rw_convert_ptx(kind: str) -> str:
+    """PTX: $8, $9 = a row's two fp4 words, $10 = its scale word, $11 = byte selector ->
+    $0..$7 = pairs (j, j+4) of word 0, then of word 1, times the scale (NVFP4 folded)."""
+    from .sm90_dequant_ptx import fp4_perm_pairs_ptx
+
+    fold = kind == "nvfp4"
+    if fold:
+        scale = f"""prmt.b32 t, $10, 0, $11;
+shl.b32 t, t, 4;
+mov.b32 k, {_BF16X2_2P120:#x};
+mul.rn.bf16x2 t, t, k;
+mov.b32 k, {0x7B007B00:#x};
+mul.rn.bf16x2 sp, t, k;
+"""
+    else:
+        scale = """prmt.b32 t, $10, 0, $11;
+setp.eq.u32 p, t, 0;
+shl.b32 t, t, 7;
+selp.b32 sp, 0x00400040, t, p;
+"""
+    body = scale
+    body += fp4_perm_pairs_ptx("$8", "sp", [f"${j}" for j in range(4)], "t", "y", "k", fold)
+    body += fp4_perm_pairs_ptx("$9", "sp", [f"${4 + j}" for j in range(4)], "t", "y", "k", fold)
+    return "{\n.reg .b32 sp, t, y, k;\n.reg .pred p;\n" + body + "}"
+
+
+@dsl_user_op
+def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 8),
+        [_i32(x, loc, ip) for x in (w0, w1, sword, sel)], rw_convert_ptx(kind),
+        ",".join(["=r"] * 8 + ["r"] * 4), has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
+
+
 class Sm90BlockScaledGemm:
     """One compiled variant: operand kinds, output dtype and tile shape are compile time."""
 
-    def __init__(self, a_kind: str, b_kind: str, out: str, tile_mn=(128, 128)):
+    def __init__(self, a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
+                 weights_in_registers: bool = False):
         assert (a_kind, b_kind) in PAIRS, (a_kind, b_kind)
         assert out in OUT_DTYPES
         self.a_kind, self.b_kind, self.out = a_kind, b_kind, out
         self.a_quant = a_kind != "bf16"
+        # register-weight mode: bf16 activations (K-permuted, activation_k_order) x fp4 weights
+        self.reg_w = weights_in_registers
+        assert not self.reg_w or (a_kind == "bf16" and KINDS[b_kind]["bits"] == 4
+                                  and tile_mn == (128, 128)), (a_kind, b_kind, tile_mn)
         # NVFP4 operands are dequantized times FOLD_FACTOR (sm90_dequant_ptx): alpha undoes it
         self.alpha_fix = 1.0 / FOLD_FACTOR ** ((a_kind == "nvfp4") + (b_kind == "nvfp4"))
         self.bm, self.bn = tile_mn
@@ -126,7 +228,7 @@ class Sm90BlockScaledGemm:
         self.num_consumer_wg = 2
         self.threads = 128 * (1 + self.num_consumer_wg)
         self.num_consumer_threads = 128 * self.num_consumer_wg
-        self.bf16_buffers = 3  # see the consumer loop for why three
+        self.bf16_buffers = 0 if self.reg_w else 3  # see the consumer loop for why three
         # chunks dequantized per load/convert/store group (registers vs latency hiding)
         self.group = 8 if self.bn <= 128 else 6
         # shared memory budget -> number of raw stages
@@ -136,6 +238,9 @@ class Sm90BlockScaledGemm:
         bufs = self.bf16_buffers * ((self.bm * BK * 2 if self.a_quant else 0) + self.bn * BK * 2)
         smem_cap = 227 * 1024 - 4096  # leave room for barriers and alignment padding
         self.stages = max(2, min(8, (smem_cap - bufs) // raw_stage))
+        if self.reg_w:
+            # ring depth: the register-weight consumers wait for their MMAs every k-tile
+            self.stages = min(self.stages, 6)
         self.tx_bytes = raw_stage
 
     # ------------------------------------------------------------------------------------------
@@ -221,7 +326,7 @@ class Sm90BlockScaledGemm:
 
         a_raw_elem = cutlass.Uint8 if self.a_quant else cutlass.BFloat16
         a16_cosize = bm * BK * self.bf16_buffers if self.a_quant else 8
-        b16_cosize = bn * BK * self.bf16_buffers
+        b16_cosize = max(8, bn * BK * self.bf16_buffers)
         a_raw_cosize = bm * (self.a_row_bytes if self.a_quant else BK) * self.stages
         b_raw_cosize = bn * self.b_row_bytes * self.stages
 
@@ -257,8 +362,9 @@ class Sm90BlockScaledGemm:
             cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.BFloat16
         )
         bm, bn = self.bm, self.bn
-        self.a16_layout = cute.tile_to_shape(sw128, (bm, BK, self.bf16_buffers), order=(0, 1, 2))
-        self.b16_layout = cute.tile_to_shape(sw128, (bn, BK, self.bf16_buffers), order=(0, 1, 2))
+        bufs = max(1, self.bf16_buffers)  # the register-weight mode has none (unused layouts)
+        self.a16_layout = cute.tile_to_shape(sw128, (bm, BK, bufs), order=(0, 1, 2))
+        self.b16_layout = cute.tile_to_shape(sw128, (bn, BK, bufs), order=(0, 1, 2))
         if cutlass.const_expr(self.a_quant):
             self.a_raw_layout = cute.make_layout(
                 (bm, self.a_row_bytes, self.stages),
@@ -395,6 +501,9 @@ class Sm90BlockScaledGemm:
                     sch.advance_to_next_work()
                     work = sch.get_current_work()
                 pipe.producer_tail(ps)
+        elif cutlass.const_expr(self.reg_w):
+            cute.arch.setmaxregister_increase(232)
+            self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, tidx, sched)
         else:
             # ============================ consumers ===========================================
             cute.arch.setmaxregister_increase(232)
@@ -542,12 +651,86 @@ class Sm90BlockScaledGemm:
                 sch.advance_to_next_work()
                 work = sch.get_current_work()
 
+    @cute.jit
+    def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, tidx, sched):
+        """Consumers of the register-weight mode. Thread (warp group wg, warp wq, lane = 4 g + t)
+        owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's 128 and the accumulator
+        of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2), column 8 j + 2 t + x % 2]."""
+        bm, bn = self.bm, self.bn
+        ctid = tidx - 128
+        wg = ctid // 128
+        wq = (ctid // 32) % 4
+        lane = ctid % 32
+        g = lane // 4
+        t = lane % 4
+        r0 = wg * 64 + wq * 16 + g
+        n_acc = bm // 2
+        b_blk = KINDS[self.b_kind]["block"]
+        k_tiles = (k + BK - 1) // BK
+        a_raw_base = st.a_raw.data_ptr().toint()
+        b_raw_base = st.b_raw.data_ptr().toint()
+        sb_base = st.sb.data_ptr().toint()
+        # this thread's weight bytes and scale words inside a stage (rows r0, r0 + 8)
+        w_off = [r * self.b_row_bytes + t * (self.b_row_bytes // 4) for r in (r0, r0 + 8)]
+        s_off = [(r % 32) * 16 + (r // 32) * 4 for r in (r0, r0 + 8)]
+        acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
+        sch = utils.StaticPersistentTileScheduler.create(
+            sched, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sch.initial_work_tile_info()
+        rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        while work.is_valid_tile:
+            tm, tn, tl = work.tile_idx
+            acc.fill(0.0)
+            for kt in range(k_tiles):
+                pipe.consumer_wait(rs)
+                stage = rs.index
+                # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX:
+                # block 2 kt + t // 2): a byte of the row's scale word
+                if cutlass.const_expr(b_blk == 16):
+                    byte = t
+                else:
+                    byte = (kt * (BK // b_blk) + t // 2) % 4
+                sel = SCALE_BYTE_SEL + 0x101 * byte
+                pairs = []
+                for r in cutlass.range_constexpr(2):
+                    w0, w1, sw = _rw_load_row(
+                        b_raw_base + stage * (bn * self.b_row_bytes) + w_off[r],
+                        sb_base + stage * SCALE_CHUNK + s_off[r])
+                    pairs.append(_rw_convert(self.b_kind, w0, w1, sw, sel))
+                # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
+                a_regs = []
+                for b in cutlass.range_constexpr(4):
+                    s_, h = b // 2, b % 2
+                    a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
+                               pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
+                d_lo = ((a_raw_base + stage * (bm * BK * 2)) >> 4) | (1 << 16)
+                res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, bm, 0)
+                for i in cutlass.range_constexpr(n_acc):
+                    acc[i] = res[i]
+                pipe.consumer_release(rs)
+                rs.advance()
+            # epilogue: C[l, m, n] = alpha * C^T[n, m], predicated for the M / N tails
+            m0 = tm * bm
+            n0 = tn * bn
+            alpha = mAlpha[0]
+            if cutlass.const_expr(self.alpha_fix != 1.0):
+                alpha = alpha * cutlass.Float32(self.alpha_fix)
+            for i in cutlass.range_constexpr(n_acc):
+                row = n0 + r0 + 8 * ((i % 4) // 2)
+                col = m0 + 8 * (i // 4) + 2 * t + i % 2
+                if col < m and row < n:
+                    mC[col, row, tl] = self.c_dtype(acc[i] * alpha)
+            sch.advance_to_next_work()
+            work = sch.get_current_work()
 
-def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128)):
+
+def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
+                    weights_in_registers: bool = False):
     """cute.compile one variant for the current CUTE_DSL_ARCH with placeholder pointers."""
     from cutlass.cute.runtime import make_ptr
 
-    gemm = Sm90BlockScaledGemm(a_kind, b_kind, out, tile_mn)
+    gemm = Sm90BlockScaledGemm(a_kind, b_kind, out, tile_mn, weights_in_registers)
     gmem = cute.AddressSpace.gmem
     a_t = cutlass.BFloat16 if a_kind == "bf16" else cutlass.Uint8
     args = (

@@ -49,6 +49,7 @@ import numpy as np
 
 from .. import _plugin
 from ..aot import KIND_CODES
+from ..kernels.register_weight_order import K_DIGITS, K_TILE, SLOT_ORDER
 from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
 from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_rows_and_batch,
@@ -195,6 +196,34 @@ def dequantizes_activation_first(spec: GemmSpec, m: int) -> bool:
     return _KIND[spec.fmt_a] == "mxfp8" and m > 16
 
 
+# Register-weight variants (kernels/sm90_blockscaled.py, weights_in_registers): the fp4 weight
+# tile is converted straight into wgmma's register operand and the bf16 activation tile is the
+# shared-memory operand, so no bf16 weight tile goes through shared memory. They read the
+# activation with K permuted inside each 64-element k-tile (activation_k_order), which the
+# lowering applies with one XLA transpose. JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS=0 keeps the
+# shared-memory variants.
+ENV_REGISTER_WEIGHTS = "JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS"
+KPERM_KIND_CODE = KIND_CODES["bf16_kperm"]
+
+
+def uses_register_weights(spec: GemmSpec, m: int) -> bool:
+    """Whether a weight-only call with kernel row count m runs a register-weight variant."""
+    if os.environ.get(ENV_REGISTER_WEIGHTS) == "0" or spec.fmt_a is not None:
+        return False
+    if spec.k % K_TILE or uses_decode(spec, m):
+        return False
+    return KIND_CODES[_KIND[spec.fmt_b]] in _plugin.register_weight_kinds()
+
+
+def permute_activation_k(a):
+    """[..., K] -> the same values with K in the register-weight variants' order (K % 64 == 0)."""
+    lead, k = a.shape[:-1], a.shape[-1]
+    x = a.reshape(lead + (k // K_TILE,) + K_DIGITS)
+    n = len(lead) + 1  # axes before the k-tile's digits
+    x = jnp.transpose(x, tuple(range(n)) + tuple(n + d for d in SLOT_ORDER))
+    return x.reshape(lead + (k,))
+
+
 def with_dequantized_activation(spec: GemmSpec) -> GemmSpec:
     """The weight-only problem that spec becomes once A is dequantized to bf16."""
     return dataclasses.replace(spec, fmt_a=None, layout_a=None,
@@ -295,6 +324,9 @@ class Sm90Backend:
             return x if fmt is None else element_bytes(x)  # fmt None: the bf16 activation
 
         a8 = elements(a, spec.fmt_a, M, spec.a_batch)
+        a_code = KIND_CODES[ka]
+        if uses_register_weights(spec, M):
+            a8, a_code = permute_activation_k(a8), KPERM_KIND_CODE
         b8 = elements(b, spec.fmt_b, N, None)
         sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
         if spec.fmt_a is None:
@@ -312,7 +344,7 @@ class Sm90Backend:
              jax.ShapeDtypeStruct((ws_len,), jnp.float32)),
         )
         y, _ = call(a8, b8, sa8, sb8, jnp.reshape(alpha.astype(jnp.float32), (1,)),
-                 a_kind=np.int32(KIND_CODES[ka]), b_kind=np.int32(KIND_CODES[kb]),
+                 a_kind=np.int32(a_code), b_kind=np.int32(KIND_CODES[kb]),
                  a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
                  b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
                  m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L))

@@ -1,0 +1,92 @@
+"""The sm90 fused kernel's two weight paths, side by side (GPU only):
+
+  smem       : the weights dequantized into a bf16 shared-memory tile, both wgmma operands from
+               shared memory (JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS=0)
+  registers  : the weights converted straight into wgmma's register operand, the K-permuted
+               activations from shared memory (the register-weight variants)
+  dequant_dot: dequantize, then a library GEMM (the large-M path)
+
+each forced at every M (JAX_BLOCKSCALE_SM90_MAX_ROWS), against bf16 `jnp.dot`, in paired rounds
+(device time, median of the per-round values), for weight-only ("w:nvfp4": bf16 activations)
+and two-operand calls (the activation dequantized first, the default past the decode kernel's
+rows). Also checks that the paths agree.
+
+    python benchmarks/probes/register_weights.py --shapes 128x16384x16384 \
+        --formats w:nvfp4,nvfp4,w:mxfp4 --rounds 3 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax_blockscale as jbs  # noqa: E402
+from bench_gemm import dot_bf16  # noqa: E402  (the anchor)
+from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: E402
+from sweep import format_token, quantize  # noqa: E402
+from timing import copies, device_time_us, rotation_count  # noqa: E402
+
+# method -> environment while it is compiled
+METHODS = {
+    "smem": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_REGISTER_WEIGHTS: "0"},
+    "registers": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_REGISTER_WEIGHTS: "1"},
+    "dequant_dot": {sm90_ffi.ENV_MAX_ROWS: "1"},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="128x16384x16384,256x16384x16384,128x8192x8192")
+    ap.add_argument("--formats", default="w:nvfp4,nvfp4,w:mxfp4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        m, n, k = (int(v) for v in shape.split("x"))
+        kx, kw = jax.random.split(jax.random.key(m + n))
+        x = jax.random.normal(kx, (m, k), jnp.float32)
+        w = jax.random.normal(kw, (n, k), jnp.float32)
+        dot_sets = [(x.astype(jnp.bfloat16), w_) for w_ in
+                    copies(w.astype(jnp.bfloat16), rotation_count(2 * n * k))]
+        for token in args.formats.split(","):
+            weight_only = token.startswith("w:")
+            fmt, kw_ = format_token(token.removeprefix("w:"))
+            a = x.astype(jnp.bfloat16) if weight_only else quantize(x, fmt, **kw_)
+            sets = [(a, b) for b in copies(quantize(w, fmt, layout="blocked", **kw_),
+                                           rotation_count(n * k // 2))]
+            fns, outs = {}, {}
+            for name, env in METHODS.items():
+                with mock.patch.dict(os.environ, env):
+                    fns[name] = jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm90"))
+                    outs[name] = np.asarray(fns[name](*sets[0]), np.float32)
+            ref = outs["dequant_dot"]
+            agree = {name: float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+                     for name, o in outs.items()}
+            times = {name: [] for name in ["bf16_dot"] + list(METHODS)}
+            for _ in range(args.rounds):
+                times["bf16_dot"].append(device_time_us(dot_bf16, arg_sets=dot_sets))
+                for name, env in METHODS.items():
+                    with mock.patch.dict(os.environ, env):
+                        times[name].append(device_time_us(fns[name], arg_sets=sets))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            row = dict(shape=shape, format=token, us=med, rel_diff_vs_dequant_dot=agree)
+            rows.append(row)
+            print(f"{shape} {token}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in med.items())
+                  + " us; rel diff vs dequant_dot " +
+                  ", ".join(f"{k_} {v:.1e}" for k_, v in agree.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
