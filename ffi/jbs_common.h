@@ -81,6 +81,8 @@ const char* DispatchProblem(const Problem& p, const Variant* variants, int num_v
 
 // Tile N for a problem: 64 when 128x128 tiles would leave SMs idle, else 128.
 int PreferredTileN(int64_t m, int64_t n, int64_t l, int sm_count);
+// Tile (activation rows, weight rows) of the register-weight variants (a_kind JBS_BF16_KPERM).
+void RegisterWeightTile(int64_t m, int64_t n, int64_t l, int sm_count, int* tile_m, int* tile_n);
 
 // Pure check (no CUDA): returns nullptr when the kernel can run `p`, else a message.
 // `variants` is the compiled table; the matching variant is returned through *found.

@@ -57,6 +57,13 @@ int PreferredTileN(int64_t m, int64_t n, int64_t l, int sm_count) {
   return 128;
 }
 
+void RegisterWeightTile(int64_t m, int64_t n, int64_t l, int sm_count, int* tile_m, int* tile_n) {
+  // activation rows: 64 while they cover M, else 128; weight rows: 128 (two consumer warp groups)
+  // while that still gives every SM a tile, else 64
+  *tile_m = m <= 64 ? 64 : 128;
+  *tile_n = CeilDiv(m, *tile_m) * CeilDiv(n, 128) * l >= sm_count ? 128 : 64;
+}
+
 #define JBS_FAIL(...)                        \
   do {                                       \
     snprintf(buf, buf_len, __VA_ARGS__);     \
@@ -75,15 +82,22 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     JBS_FAIL("unknown operand kinds a=%d b=%d", p.a_kind, p.b_kind);
   if (OutBytes(p.out) == 0) JBS_FAIL("unknown output dtype code %d", p.out);
   // The variant: operand kinds and output must match; among tiles prefer the requested one.
-  const int want_n = p.tile_n_pref ? p.tile_n_pref : PreferredTileN(p.m, p.n, p.l, p.sm_count);
+  int want_m = 128, want_n = p.tile_n_pref ? p.tile_n_pref : PreferredTileN(p.m, p.n, p.l, p.sm_count);
+  if (p.a_kind == JBS_BF16_KPERM) {
+    int rw_n = 0;
+    RegisterWeightTile(p.m, p.n, p.l, p.sm_count, &want_m, &rw_n);
+    if (!p.tile_n_pref) want_n = rw_n;
+  }
+  // the preferred tile, else one with tile_n 128 and the preferred tile_m, else any
+  auto score = [&](const Variant& c) {
+    return 4 * (c.tile_m == want_m) + 2 * (c.tile_n == want_n) + (c.tile_n == 128);
+  };
   const Variant* v = nullptr;
   for (int i = 0; i < num_variants; ++i) {
     const Variant& c = variants[i];
     if (c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out && c.sm == 90 &&
-        c.nt == 0) {
-      if (!v || (c.tile_n == want_n && v->tile_n != want_n) ||
-          (v->tile_n != want_n && c.tile_n == 128)) v = &c;
-    }
+        c.nt == 0 && (!v || score(c) > score(*v)))
+      v = &c;
   }
   if (!v) JBS_FAIL("no sm90 kernel for %s x %s with output code %d", KindName(p.a_kind),
                    KindName(p.b_kind), p.out);

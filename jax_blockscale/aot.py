@@ -39,14 +39,15 @@ OUT_CODES = {"bf16": 1, "f16": 2, "f32": 3}
 
 def variant_matrix():
     """(a_kind, b_kind, out, tile_m, tile_n) for every variant the library ships."""
-    from jax_blockscale.kernels.sm90_blockscaled import OUT_DTYPES, PAIRS, REGISTER_WEIGHT_KINDS
+    from jax_blockscale.kernels.sm90_blockscaled import (OUT_DTYPES, PAIRS, REGISTER_WEIGHT_KINDS,
+                                                         REGISTER_WEIGHT_TILES)
 
     # 128x64 keeps small-M problems spread over all SMs; 128x256 halves B re-reads at large M
     tiles = [(128, 64), (128, 128), (128, 256)]
     fused = [(a, b, out, tm, tn) for (a, b) in PAIRS for out in OUT_DTYPES for (tm, tn) in tiles]
     # register-weight mode (fp4 weights as wgmma's register operand; one 128x128 tile)
-    register_weights = [("bf16_kperm", b, out, 128, 128) for b in REGISTER_WEIGHT_KINDS
-                        for out in OUT_DTYPES]
+    register_weights = [("bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS
+                        for out in OUT_DTYPES for (tm, tn) in REGISTER_WEIGHT_TILES]
     return fused + register_weights
 
 

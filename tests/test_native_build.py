@@ -181,7 +181,7 @@ def test_sm90_backend_declines_without_hopper():
 
 
 @pytest.mark.parametrize("case", ["plain", "fold_batch_into_m", "batched", "pad_k", "weight_only",
-                                  "dequantize_a", "large_m"])
+                                  "dequantize_a", "shared_memory_weights", "large_m"])
 def test_lowering_emits_the_custom_call(monkeypatch, case):
     import jax_blockscale as jbs
 
@@ -201,9 +201,13 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
     elif case == "weight_only":
         a = jax.random.normal(key, (9, 64)).astype(jnp.bfloat16)
         b, want = q((24, 64), "nvfp4"), dict(m=9, n=24, k=64, l=1, a_kind=4)
-    elif case == "dequantize_a":  # the fused kernel's rows: A dequantized, weight-only kernel
+    elif case == "dequantize_a":  # the fused kernel's rows: A dequantized, K-permuted (kind
+        # 5) for the register-weight variant
         a, b = q((2, 3, 40, 64), "mxfp8_e4m3", "blocked"), q((24, 64), "mxfp4", "blocked")
-        want = dict(m=240, n=24, k=64, l=1, a_kind=4, b_kind=2)
+        want = dict(m=240, n=24, k=64, l=1, a_kind=5, b_kind=2)
+    elif case == "shared_memory_weights":  # a K not a multiple of 64: no register weights
+        a = jax.random.normal(key, (90, 96)).astype(jnp.bfloat16)
+        b, want = q((24, 96), "nvfp4"), dict(m=90, n=24, k=96, l=1, a_kind=4)
     else:  # past the dispatch limit: dequantize + dot, no custom call
         a, b, want = q((1024, 64), "nvfp4"), q((24, 64), "nvfp4"), None
     if want is not None:

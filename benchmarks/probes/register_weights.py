@@ -5,8 +5,9 @@
   registers  : the weights converted straight into wgmma's register operand, the K-permuted
                activations from shared memory (the register-weight variants)
   dequant_dot: dequantize, then a library GEMM (the large-M path)
+  default    : what jbs.gemm runs by default (the decode kernel up to 64 rows)
 
-each forced at every M (JAX_BLOCKSCALE_SM90_MAX_ROWS), against bf16 `jnp.dot`, in paired rounds
+the first two forced at every M (no decode kernel, no large-M path), against bf16 `jnp.dot`, in paired rounds
 (device time, median of the per-round values), for weight-only ("w:nvfp4": bf16 activations)
 and two-operand calls (the activation dequantized first, the default past the decode kernel's
 rows). Also checks that the paths agree.
@@ -35,10 +36,12 @@ from sweep import format_token, quantize  # noqa: E402
 from timing import copies, device_time_us, rotation_count  # noqa: E402
 
 # method -> environment while it is compiled
+_FORCED = {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_DECODE_MAX_ROWS: "0"}
 METHODS = {
-    "smem": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_REGISTER_WEIGHTS: "0"},
-    "registers": {sm90_ffi.ENV_MAX_ROWS: "0", sm90_ffi.ENV_REGISTER_WEIGHTS: "1"},
+    "smem": {**_FORCED, sm90_ffi.ENV_REGISTER_WEIGHTS: "0"},
+    "registers": {**_FORCED, sm90_ffi.ENV_REGISTER_WEIGHTS: "1"},
     "dequant_dot": {sm90_ffi.ENV_MAX_ROWS: "1"},
+    "default": {},  # what jbs.gemm runs (the decode kernel up to 64 rows)
 }
 
 

@@ -61,6 +61,8 @@ PAIRS = [
 ]
 # weight kinds of the register-weight mode (bf16 activations in activation_k_order)
 REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4")
+# (activation rows, weight rows) per tile of the register-weight mode
+REGISTER_WEIGHT_TILES = ((64, 64), (64, 128), (128, 64), (128, 128))
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
@@ -122,7 +124,7 @@ def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
 RW_DESC_HI = (1024 >> 4) | (1 << 30)
 
 
-def rw_wgmma_ptx(an: int, wait: int) -> str:
+def rw_wgmma_ptx(an: int) -> str:
     """PTX of one k-tile's four m64n{an}k16 wgmmas: $0..$(an/2-1) accumulators (tied inputs
     follow), then 16 A registers (four per MMA), then the descriptor words (lo of the stage's
     first 32-byte K column, hi)."""
@@ -138,19 +140,19 @@ def rw_wgmma_ptx(an: int, wait: int) -> str:
         code.append(f"mov.b64 d, {{dl, {d_hi}}};")
         code.append(f"wgmma.mma_async.sync.aligned.m64n{an}k16.f32.bf16.bf16 {{{acc}}}, {{{a}}}, "
                     "d, p, 1, 1, 0;")
-    code += ["wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {wait};", "}"]
+    code += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
     return "\n".join(code)
 
 
 @dsl_user_op
-def _rw_wgmma(acc, a_regs, d_lo, an, wait, *, loc=None, ip=None):
+def _rw_wgmma(acc, a_regs, d_lo, an, *, loc=None, ip=None):
     """acc += W (64 x 64, the four k16 MMAs' A registers) @ A^T (the stage's activation tile)."""
     n_acc = an // 2
     ins = [x.ir_value(loc=loc, ip=ip) for x in acc] + [_i32(x, loc, ip) for x in a_regs]
     ins += [_i32(d_lo, loc, ip), _i32(RW_DESC_HI, loc, ip)]
     cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + ["r"] * 18)
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an, wait), cons,
+        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an), cons,
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
             for i in range(n_acc)]
@@ -213,19 +215,20 @@ class Sm90BlockScaledGemm:
         self.a_quant = a_kind != "bf16"
         # register-weight mode: bf16 activations (K-permuted, activation_k_order) x fp4 weights
         self.reg_w = weights_in_registers
+        # tile: (activation rows = the wgmma N, weight rows = 64 per consumer warp group)
         assert not self.reg_w or (a_kind == "bf16" and KINDS[b_kind]["bits"] == 4
-                                  and tile_mn == (128, 128)), (a_kind, b_kind, tile_mn)
+                                  and tile_mn in REGISTER_WEIGHT_TILES), (a_kind, b_kind, tile_mn)
         # NVFP4 operands are dequantized times FOLD_FACTOR (sm90_dequant_ptx): alpha undoes it
         self.alpha_fix = 1.0 / FOLD_FACTOR ** ((a_kind == "nvfp4") + (b_kind == "nvfp4"))
         self.bm, self.bn = tile_mn
-        assert self.bm == 128 and self.bn in (64, 128, 256), tile_mn
+        assert self.reg_w or (self.bm == 128 and self.bn in (64, 128, 256)), tile_mn
         self.nsb = max(1, self.bn // 128)  # 128-row scale tiles of B per stage
         self.c_dtype = OUT_DTYPES[out]
         self.acc_dtype = cutlass.Float32
         # raw (packed) bytes per row of one k-tile
         self.a_row_bytes = BK * KINDS[a_kind]["bits"] // 8
         self.b_row_bytes = BK * KINDS[b_kind]["bits"] // 8
-        self.num_consumer_wg = 2
+        self.num_consumer_wg = self.bn // 64 if self.reg_w else 2
         self.threads = 128 * (1 + self.num_consumer_wg)
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.bf16_buffers = 0 if self.reg_w else 3  # see the consumer loop for why three
@@ -239,7 +242,6 @@ class Sm90BlockScaledGemm:
         smem_cap = 227 * 1024 - 4096  # leave room for barriers and alignment padding
         self.stages = max(2, min(8, (smem_cap - bufs) // raw_stage))
         if self.reg_w:
-            # ring depth: the register-weight consumers wait for their MMAs every k-tile
             self.stages = min(self.stages, 6)
         self.tx_bytes = raw_stage
 
@@ -670,9 +672,8 @@ class Sm90BlockScaledGemm:
         a_raw_base = st.a_raw.data_ptr().toint()
         b_raw_base = st.b_raw.data_ptr().toint()
         sb_base = st.sb.data_ptr().toint()
-        # this thread's weight bytes and scale words inside a stage (rows r0, r0 + 8)
+        # this thread's weight bytes inside a stage (rows r0, r0 + 8)
         w_off = [r * self.b_row_bytes + t * (self.b_row_bytes // 4) for r in (r0, r0 + 8)]
-        s_off = [(r % 32) * 16 + (r // 32) * 4 for r in (r0, r0 + 8)]
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
         sch = utils.StaticPersistentTileScheduler.create(
             sched, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -682,6 +683,10 @@ class Sm90BlockScaledGemm:
         while work.is_valid_tile:
             tm, tn, tl = work.tile_idx
             acc.fill(0.0)
+            # the rows' scale words inside the stage's 128-row scale tile (a 64-row tile may
+            # be its second half)
+            rg = [(tn * bn) % 128 + r for r in (r0, r0 + 8)]
+            s_off = [(r % 32) * 16 + (r // 32) * 4 for r in rg]
             for kt in range(k_tiles):
                 pipe.consumer_wait(rs)
                 stage = rs.index
@@ -705,7 +710,9 @@ class Sm90BlockScaledGemm:
                     a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
                                pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
                 d_lo = ((a_raw_base + stage * (bm * BK * 2)) >> 4) | (1 << 16)
-                res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, bm, 0)
+                # the asm waits for its MMAs (keeping a group in flight across the next
+                # k-tile's conversion measured slower), so the stage is free again
+                res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, bm)
                 for i in cutlass.range_constexpr(n_acc):
                     acc[i] = res[i]
                 pipe.consumer_release(rs)
