@@ -28,7 +28,10 @@ CLAIMED_PAIRS = [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("m
                  ("bf16", "nvfp4"), ("bf16", "mxfp4"), ("bf16", "mxfp8")]
 CLAIMED_OUTS = ["bf16", "f16", "f32"]
 CLAIMED_TILE_N = [64, 128, 256]
-BLOCK = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32, "bf16": None}
+BLOCK = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32, "bf16": None, "bf16_kperm": None}
+# the register-weight variants: (activation rows, weight rows) tiles, fp4 weights
+CLAIMED_RW_KINDS = ["nvfp4", "mxfp4"]
+CLAIMED_RW_TILES = [(64, 64), (64, 128), (128, 64), (128, 128)]
 
 
 def test_library_loads_and_registers():
@@ -42,6 +45,9 @@ def test_variant_table_covers_the_kernel():
            for v in _plugin.variants()}
     want = {(KIND_CODES[a], KIND_CODES[b], OUT_CODES[o], 128, tn, 90)
             for (a, b), o, tn in itertools.product(CLAIMED_PAIRS, CLAIMED_OUTS, CLAIMED_TILE_N)}
+    want |= {(KIND_CODES["bf16_kperm"], KIND_CODES[b], OUT_CODES[o], tm, tn, 90)
+             for b, o, (tm, tn) in itertools.product(CLAIMED_RW_KINDS, CLAIMED_OUTS,
+                                                     CLAIMED_RW_TILES)}
     assert want <= got, f"missing variants: {sorted(want - got)}"
     names = [v["name"] for v in _plugin.variants()]
     assert len(names) == len(set(names)), "function prefixes must be unique"
@@ -55,6 +61,8 @@ def test_kernel_module_claims_match(request):
         pytest.skip("nvidia-cutlass-dsl not installed")
     assert sorted(k.PAIRS) == sorted(CLAIMED_PAIRS)
     assert sorted(k.OUT_DTYPES) == sorted(CLAIMED_OUTS)
+    assert sorted(k.REGISTER_WEIGHT_KINDS) == sorted(CLAIMED_RW_KINDS)
+    assert sorted(k.REGISTER_WEIGHT_TILES) == CLAIMED_RW_TILES
 
 
 def test_manifest_matches_library():
@@ -68,7 +76,7 @@ def test_manifest_matches_library():
 # ---- the handler's validation, without a GPU ---------------------------------------------------
 
 def _row_bytes(kind, k):
-    return {"nvfp4": k // 2, "mxfp4": k // 2, "mxfp8": k, "bf16": 2 * k}[kind]
+    return {"nvfp4": k // 2, "mxfp4": k // 2, "mxfp8": k, "bf16": 2 * k, "bf16_kperm": 2 * k}[kind]
 
 
 def _scale_bytes(l, mn, k, block):
@@ -181,7 +189,8 @@ def test_sm90_backend_declines_without_hopper():
 
 
 @pytest.mark.parametrize("case", ["plain", "fold_batch_into_m", "batched", "pad_k", "weight_only",
-                                  "dequantize_a", "shared_memory_weights", "large_m"])
+                                  "dequantize_a", "register_weights_in_decode_rows",
+                                  "decode_rows", "shared_memory_weights", "large_m"])
 def test_lowering_emits_the_custom_call(monkeypatch, case):
     import jax_blockscale as jbs
 
@@ -205,6 +214,12 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
         # 5) for the register-weight variant
         a, b = q((2, 3, 40, 64), "mxfp8_e4m3", "blocked"), q((24, 64), "mxfp4", "blocked")
         want = dict(m=240, n=24, k=64, l=1, a_kind=5, b_kind=2)
+    elif case == "register_weights_in_decode_rows":  # fp4 weights from 33 rows: W4A4 too
+        a, b = q((48, 128), "nvfp4"), q((24, 128), "nvfp4")
+        want = dict(m=48, n=24, k=128, l=1, a_kind=5, b_kind=1)
+    elif case == "decode_rows":  # up to 32 rows: the two-operand decode kernel
+        a, b = q((32, 128), "nvfp4"), q((24, 128), "nvfp4")
+        want = dict(m=32, n=24, k=128, l=1, a_kind=1, b_kind=1)
     elif case == "shared_memory_weights":  # a K not a multiple of 64: no register weights
         a = jax.random.normal(key, (90, 96)).astype(jnp.bfloat16)
         b, want = q((24, 96), "nvfp4"), dict(m=90, n=24, k=96, l=1, a_kind=4)
@@ -214,8 +229,8 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
         from jax_blockscale.lowering import ffi as sm90
 
         monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")  # the kernel at every size
-        if case != "dequantize_a":  # the two-operand kernel's own operand layout
-            monkeypatch.setenv(sm90.ENV_DEQUANT_A, "0")
+        if case not in ("dequantize_a", "register_weights_in_decode_rows", "decode_rows"):
+            monkeypatch.setenv(sm90.ENV_DEQUANT_A, "0")  # the two-operand kernel's own layout
     text = lower_for_cuda(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm90"), a, b)
     calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
     if want is None:
@@ -270,6 +285,43 @@ def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
     rc = _lib().jbs_dispatch_problem(*(p[n] for n in names), ws_ptr, ws_bytes,
                                      ctypes.byref(splits), buf, len(buf))
     return rc == 0, buf.value.decode(), splits.value
+
+
+@pytest.mark.parametrize("b", CLAIMED_RW_KINDS)
+@pytest.mark.parametrize("m,n,l,tile", [
+    (40, 16384, 1, "64x128"),     # 128 tiles of 128 weight rows: every SM busy
+    (128, 16384, 1, "128x128"),
+    (128, 8192, 1, "128x64"),     # 64 tiles of 128 rows would leave half the SMs idle
+    (65, 300, 2, "128x64"), (500, 16384, 1, "128x128")])
+def test_register_weight_dispatch(b, m, n, l, tile):
+    """A K-permuted bf16 activation (kind 5) runs a register-weight variant, tile chosen by
+    RegisterWeightTile; never the decode kernel."""
+    ok, name, splits = dispatch(a="bf16_kperm", b=b, m=m, n=n, k=256, l=l)
+    assert ok and name == f"jbs_sm90_bf16_kperm_{b}_bf16_{tile}" and splits == 0, name
+
+
+def test_register_weight_rejects():
+    # K must be whole 64-element k-tiles; there is no mxfp8 register-weight variant
+    ok, msg, _ = dispatch(a="bf16_kperm", b="nvfp4", m=100, n=70, k=96, l=1)
+    assert not ok and "multiple of 64" in msg, msg
+    ok, msg, _ = dispatch(a="bf16_kperm", b="mxfp8", m=100, n=70, k=256, l=1)
+    assert not ok and "no sm90 kernel" in msg, msg
+
+
+def test_activation_k_order():
+    """The lowering's transpose puts element activation_k_order()[p] in slot p of every k-tile,
+    and that order is the one the kernel's threads feed (register_weight_order's formula)."""
+    from jax_blockscale.kernels.register_weight_order import activation_k_order
+    from jax_blockscale.lowering.ffi import permute_activation_k
+
+    order = activation_k_order()
+    assert sorted(order) == list(range(64))
+    for s_, h, hi, t, q in itertools.product(range(2), range(2), range(2), range(4), range(2)):
+        assert order[16 * (2 * s_ + h) + 8 * hi + 2 * t + q] == 16 * t + 8 * s_ + 4 * q + 2 * h + hi
+    x = np.random.default_rng(0).normal(size=(2, 3, 192)).astype(np.float32)
+    y = np.asarray(permute_activation_k(jnp.asarray(x)))
+    for j in range(3):
+        np.testing.assert_array_equal(y[..., 64 * j:64 * (j + 1)], x[..., 64 * j:][..., order])
 
 
 def test_decode_variants_in_the_table():
@@ -431,11 +483,18 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
 
     big = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
                    np.dtype(jnp.bfloat16), (), (), (), 32, 16384, 16384)
-    assert sm90.uses_decode(big, 64) and not sm90.uses_decode(big, 65)
+    # fp4 weights: the register-weight variants from 33 rows; mxfp8 weights up to 64
+    assert sm90.uses_decode(big, 32) and not sm90.uses_decode(big, 33)
+    assert sm90.uses_register_weights(big, 33) and not sm90.uses_register_weights(big, 32)
     import dataclasses
 
+    mx8 = dataclasses.replace(big, fmt_b="mxfp8_e4m3")
+    assert sm90.uses_decode(mx8, 64) and not sm90.uses_decode(mx8, 65)
     small = dataclasses.replace(big, n=8192, k=8192)
+    assert sm90.uses_decode(small, 32) and not sm90.uses_decode(small, 33)
+    monkeypatch.setenv(sm90.ENV_REGISTER_WEIGHTS, "0")  # the decode kernel's wide rows again
     assert sm90.uses_decode(small, 64) and not sm90.uses_decode(small, 65)
+    monkeypatch.delenv(sm90.ENV_REGISTER_WEIGHTS)
     calls = text(7, (2,))  # folded: M = 14
     assert len(calls) == 1 and f"tensor<{ws_len(14)}xf32>" in calls[0], calls
     calls = text(7, (2, 5))  # folded: M = 70 > 64: the fused GEMM
@@ -446,6 +505,8 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "64")
     calls = text(7, (2, 2))
     assert len(calls) == 1 and f"tensor<{ws_len(28)}xf32>" in calls[0], calls
+    calls = text(7, (2, 3))  # folded: M = 42: the register-weight variant (fp4 weight)
+    assert len(calls) == 1 and "tensor<0xf32>" in calls[0] and "a_kind = 5" in calls[0], calls
     monkeypatch.delenv(sm90.ENV_DECODE_MAX_ROWS)
     monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")
     calls = text(100)  # fused GEMM: an empty workspace

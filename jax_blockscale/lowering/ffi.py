@@ -158,7 +158,7 @@ def decode_splits(spec: GemmSpec, m: int) -> int:
     """Split-K count of the decode kernel for the call with kernel row count m, or 0 if the decode
     kernel does not run it (then no workspace is declared). The FFI handler re-checks with the
     C++ mirror of the same heuristic and takes fewer splits if the workspace holds fewer."""
-    if m > decode_max_rows():
+    if m > decode_max_rows() or register_weights_take(spec, m):
         return 0
     out = _OUT_NAME.get(np.dtype(spec.out_dtype))
     choice = out and choose_decode_variant(
@@ -206,13 +206,37 @@ ENV_REGISTER_WEIGHTS = "JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS"
 KPERM_KIND_CODE = KIND_CODES["bf16_kperm"]
 
 
-def uses_register_weights(spec: GemmSpec, m: int) -> bool:
-    """Whether a weight-only call with kernel row count m runs a register-weight variant."""
+# From this many rows the register-weight variants beat the decode kernel's wide variants (H100,
+# N = K = 16384, nvfp4: 80 / 82 us at 48 / 64 rows against 144 / 157; 87 against 86 at 32:
+# docs/sm90_notes.md, session 11), so fp4 weights skip the decode kernel there.
+REGISTER_WEIGHT_MIN_ROWS = 33
+
+
+def register_weights_available(spec: GemmSpec) -> bool:
+    """Whether the library has a register-weight variant for this weight-only call."""
     if os.environ.get(ENV_REGISTER_WEIGHTS) == "0" or spec.fmt_a is not None:
         return False
-    if spec.k % K_TILE or uses_decode(spec, m):
+    return spec.k % K_TILE == 0 and (
+        KIND_CODES[_KIND[spec.fmt_b]] in _plugin.register_weight_kinds())
+
+
+def register_weights_take(spec: GemmSpec, m: int) -> bool:
+    """Whether a call with kernel row count m in the decode kernel's rows goes to a register-weight
+    variant instead (a quantized activation is dequantized to bf16 first)."""
+    if m < REGISTER_WEIGHT_MIN_ROWS:
         return False
-    return KIND_CODES[_KIND[spec.fmt_b]] in _plugin.register_weight_kinds()
+    if spec.fmt_a is not None:
+        if (os.environ.get(ENV_DEQUANT_A) == "0"
+                or ("bf16", _KIND[spec.fmt_b]) not in _KERNEL_PAIRS
+                or not fits_32bit_indexing(with_dequantized_activation(spec))):
+            return False
+        spec = with_dequantized_activation(spec)
+    return register_weights_available(spec)
+
+
+def uses_register_weights(spec: GemmSpec, m: int) -> bool:
+    """Whether a weight-only call with kernel row count m runs a register-weight variant."""
+    return register_weights_available(spec) and not uses_decode(spec, m)
 
 
 def permute_activation_k(a):
