@@ -27,6 +27,10 @@ row count M (after folding batch dims into M) and N, K:
     chunks): 300 us at 16384, slower than the fused kernel (~240), which takes over.
   * otherwise up to kernel_max_rows() (256 / 512): the **fused GEMM** (kernels/
     sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
+    FP4 weights with K % 64 == 0 run its register-weight variants (uses_register_weights: the
+    weights converted straight into wgmma's register operand, the activation K-permuted here,
+    kind code 5), which also take over from the decode kernel from 33 rows
+    (register_weights_take; H100, 16384^2: 80-88 us at 48-64 rows against 144-157).
     A quantized activation is dequantized to bf16 first and the weight-only variant runs
     (dequantizes_activation_first: 1.2-1.5x faster than converting A inside the kernel; so
     does an mxfp8 activation in the decode kernel's wide rows, 17..64).
