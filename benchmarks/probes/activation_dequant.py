@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import jax_blockscale as jbs  # noqa: E402
-from bench_gemm import dot_bf16  # noqa: E402  (the anchor)
+from env_methods import compare_methods, report  # noqa: E402  (benchmarks/probes/)
 from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: E402
 from sweep import format_token, quantize  # noqa: E402
-from timing import copies, device_time_us, rotation_count  # noqa: E402
+from timing import copies, rotation_count  # noqa: E402
 
 # method -> environment while it is compiled
 METHODS = {
@@ -61,26 +57,8 @@ def main():
             a_q = quantize(x, fmt, **kw_)
             sets = [(a_q, b) for b in copies(quantize(w, fmt, layout="blocked", **kw_),
                                              rotation_count(n * k // 2))]
-            fns, outs = {}, {}
-            for name, env in METHODS.items():
-                with mock.patch.dict(os.environ, env):
-                    fns[name] = jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm90"))
-                    outs[name] = np.asarray(fns[name](*sets[0]), np.float32)
-            ref = outs["dequant_dot"]
-            agree = {name: float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
-                     for name, o in outs.items()}
-            times = {name: [] for name in ["bf16_dot"] + list(METHODS)}
-            for _ in range(args.rounds):
-                times["bf16_dot"].append(device_time_us(dot_bf16, arg_sets=dot_sets))
-                for name, env in METHODS.items():
-                    with mock.patch.dict(os.environ, env):
-                        times[name].append(device_time_us(fns[name], arg_sets=sets))
-            med = {name: statistics.median(t) for name, t in times.items()}
-            row = dict(shape=shape, format=token, us=med, rel_diff_vs_dequant_dot=agree)
-            rows.append(row)
-            print(f"{shape} {token}: " + ", ".join(f"{k_} {v:.1f}" for k_, v in med.items())
-                  + " us; rel diff vs dequant_dot " +
-                  ", ".join(f"{k_} {v:.1e}" for k_, v in agree.items()), flush=True)
+            med, agree = compare_methods(METHODS, sets, dot_sets, args.rounds)
+            rows.append(report(shape, token, med, agree))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)

@@ -643,15 +643,21 @@ class Sm90BlockScaledGemm:
                 # -- epilogue: alpha * acc -> out dtype, predicated for M/N tails
                 m0 = tm * bm
                 n0 = tn * bn
-                alpha = mAlpha[0]
-                if cutlass.const_expr(self.alpha_fix != 1.0):
-                    alpha = alpha * cutlass.Float32(self.alpha_fix)
+                alpha = self._epilogue_alpha(mAlpha)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, cc = tCcC[i]
                     if m0 + r < m and n0 + cc < n:
                         mC[m0 + r, n0 + cc, tl] = self.c_dtype(acc[i] * alpha)
                 sch.advance_to_next_work()
                 work = sch.get_current_work()
+
+    def _epilogue_alpha(self, mAlpha):
+        """alpha from device memory, times the NVFP4 fold's correction (plain Python, traced
+        inline into the kernel)."""
+        alpha = mAlpha[0]
+        if self.alpha_fix != 1.0:
+            alpha = alpha * cutlass.Float32(self.alpha_fix)
+        return alpha
 
     @cute.jit
     def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, tidx, sched):
@@ -720,9 +726,7 @@ class Sm90BlockScaledGemm:
             # epilogue: C[l, m, n] = alpha * C^T[n, m], predicated for the M / N tails
             m0 = tm * bm
             n0 = tn * bn
-            alpha = mAlpha[0]
-            if cutlass.const_expr(self.alpha_fix != 1.0):
-                alpha = alpha * cutlass.Float32(self.alpha_fix)
+            alpha = self._epilogue_alpha(mAlpha)
             for i in cutlass.range_constexpr(n_acc):
                 row = n0 + r0 + 8 * ((i % 4) // 2)
                 col = m0 + 8 * (i // 4) + 2 * t + i % 2

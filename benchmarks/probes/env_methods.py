@@ -1,0 +1,47 @@
+"""Shared by the probes that compare ways of lowering one jbs.gemm call, each chosen by environment
+variables read at trace time (GPU only): compile the call under each method's environment, check
+that the outputs agree, and time bf16 `jnp.dot` and every method in paired rounds."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from unittest import mock
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax_blockscale as jbs  # noqa: E402
+from bench_gemm import dot_bf16  # noqa: E402  (the anchor)
+from timing import device_time_us  # noqa: E402
+
+
+def compare_methods(methods, sets, dot_sets, rounds, ref="dequant_dot"):
+    """methods: name -> environment. sets: rotating (a, b) operands of jbs.gemm; dot_sets: the
+    bf16 dot's. Returns (median device us per method and "bf16_dot", relative difference of each
+    method's output from `ref`'s). One round times every method once, so clock drift within a
+    run affects them alike; the median is taken per method over the rounds."""
+    fns, outs = {}, {}
+    for name, env in methods.items():
+        with mock.patch.dict(os.environ, env):
+            fns[name] = jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm90"))
+            outs[name] = np.asarray(fns[name](*sets[0]), np.float32)
+    want = outs[ref]
+    agree = {name: float(np.linalg.norm(o - want) / np.linalg.norm(want))
+             for name, o in outs.items()}
+    times = {name: [] for name in ["bf16_dot"] + list(methods)}
+    for _ in range(rounds):
+        times["bf16_dot"].append(device_time_us(dot_bf16, arg_sets=dot_sets))
+        for name, env in methods.items():
+            with mock.patch.dict(os.environ, env):
+                times[name].append(device_time_us(fns[name], arg_sets=sets))
+    return {name: statistics.median(t) for name, t in times.items()}, agree
+
+
+def report(shape, token, med, agree, ref="dequant_dot"):
+    """One line per (shape, format), and the row the probes save."""
+    print(f"{shape} {token}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+          + f" us; rel diff vs {ref} " + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()),
+          flush=True)
+    return dict(shape=shape, format=token, us=med, **{f"rel_diff_vs_{ref}": agree})
