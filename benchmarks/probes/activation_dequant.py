@@ -20,13 +20,11 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from env_methods import compare_methods, report  # noqa: E402  (benchmarks/probes/)
+from env_methods import compare_methods, gemm_sets, report, shape_data  # noqa: E402
 from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: E402
 from sweep import format_token, quantize  # noqa: E402
-from timing import copies, rotation_count  # noqa: E402
 
 # method -> environment while it is compiled
 METHODS = {
@@ -46,17 +44,10 @@ def main():
     args = ap.parse_args()
     rows = []
     for shape in args.shapes.split(","):
-        m, n, k = (int(v) for v in shape.split("x"))
-        kx, kw = jax.random.split(jax.random.key(m + n))
-        x = jax.random.normal(kx, (m, k), jnp.float32)
-        w = jax.random.normal(kw, (n, k), jnp.float32)
-        dot_sets = [(x.astype(jnp.bfloat16), w_) for w_ in
-                    copies(w.astype(jnp.bfloat16), rotation_count(2 * n * k))]
+        m, n, k, x, w, dot_sets = shape_data(shape)
         for token in args.formats.split(","):
             fmt, kw_ = format_token(token)
-            a_q = quantize(x, fmt, **kw_)
-            sets = [(a_q, b) for b in copies(quantize(w, fmt, layout="blocked", **kw_),
-                                             rotation_count(n * k // 2))]
+            sets = gemm_sets(quantize(x, fmt, **kw_), w, token, n, k)
             med, agree = compare_methods(METHODS, sets, dot_sets, args.rounds)
             rows.append(report(shape, token, med, agree))
     if args.json:

@@ -9,12 +9,33 @@ import sys
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax_blockscale as jbs  # noqa: E402
 from bench_gemm import dot_bf16  # noqa: E402  (the anchor)
-from timing import device_time_us  # noqa: E402
+from sweep import format_token, quantize  # noqa: E402
+from timing import copies, device_time_us, rotation_count  # noqa: E402
+
+
+def shape_data(shape):
+    """(m, n, k, f32 activation, f32 weight, rotating bf16 operand sets of the anchor dot) for a
+    "MxNxK" token."""
+    m, n, k = (int(v) for v in shape.split("x"))
+    kx, kw = jax.random.split(jax.random.key(m + n))
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw, (n, k), jnp.float32)
+    dot_sets = [(x.astype(jnp.bfloat16), w_) for w_ in
+                copies(w.astype(jnp.bfloat16), rotation_count(2 * n * k))]
+    return m, n, k, x, w, dot_sets
+
+
+def gemm_sets(a, w, token, n, k):
+    """Rotating (a, quantized weight) operand sets; `token` as sweep.py's --formats."""
+    fmt, kw = format_token(token)
+    return [(a, b) for b in copies(quantize(w, fmt, layout="blocked", **kw),
+                                   rotation_count(n * k // 2))]
 
 
 def compare_methods(methods, sets, dot_sets, rounds, ref="dequant_dot"):
