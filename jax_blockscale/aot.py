@@ -45,7 +45,7 @@ def variant_matrix():
     # 128x64 keeps small-M problems spread over all SMs; 128x256 halves B re-reads at large M
     tiles = [(128, 64), (128, 128), (128, 256)]
     fused = [(a, b, out, tm, tn) for (a, b) in PAIRS for out in OUT_DTYPES for (tm, tn) in tiles]
-    # register-weight mode (fp4 weights as wgmma's register operand; one 128x128 tile)
+    # register-weight mode (the weights as wgmma's register operand)
     register_weights = [("bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS
                         for out in OUT_DTYPES for (tm, tn) in REGISTER_WEIGHT_TILES]
     return fused + register_weights

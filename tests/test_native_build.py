@@ -30,7 +30,7 @@ CLAIMED_OUTS = ["bf16", "f16", "f32"]
 CLAIMED_TILE_N = [64, 128, 256]
 BLOCK = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32, "bf16": None, "bf16_kperm": None}
 # the register-weight variants: (activation rows, weight rows) tiles, fp4 weights
-CLAIMED_RW_KINDS = ["nvfp4", "mxfp4"]
+CLAIMED_RW_KINDS = ["nvfp4", "mxfp4", "mxfp8"]
 CLAIMED_RW_TILES = [(64, 64), (64, 128), (128, 64), (128, 128)]
 
 
@@ -301,11 +301,13 @@ def test_register_weight_dispatch(b, m, n, l, tile):
 
 
 def test_register_weight_rejects():
-    # K must be whole 64-element k-tiles; there is no mxfp8 register-weight variant
+    # K must be whole 64-element k-tiles; e5m2 applies to the mxfp8 weight only
     ok, msg, _ = dispatch(a="bf16_kperm", b="nvfp4", m=100, n=70, k=96, l=1)
     assert not ok and "multiple of 64" in msg, msg
-    ok, msg, _ = dispatch(a="bf16_kperm", b="mxfp8", m=100, n=70, k=256, l=1)
-    assert not ok and "no sm90 kernel" in msg, msg
+    ok, msg, _ = dispatch(a="bf16_kperm", b="mxfp8", m=100, n=70, k=256, l=1, a_e5m2=1)
+    assert not ok and "only valid for mxfp8" in msg, msg
+    ok, name, _ = dispatch(a="bf16_kperm", b="mxfp8", m=100, n=70, k=256, l=1, b_e5m2=1)
+    assert ok and name == "jbs_sm90_bf16_kperm_mxfp8_bf16_128x64", name
 
 
 def test_activation_k_order():
@@ -483,13 +485,15 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
 
     big = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
                    np.dtype(jnp.bfloat16), (), (), (), 32, 16384, 16384)
-    # fp4 weights: the register-weight variants from 33 rows; mxfp8 weights up to 64
+    # the register-weight variants from 33 rows
     assert sm90.uses_decode(big, 32) and not sm90.uses_decode(big, 33)
     assert sm90.uses_register_weights(big, 33) and not sm90.uses_register_weights(big, 32)
     import dataclasses
 
     mx8 = dataclasses.replace(big, fmt_b="mxfp8_e4m3")
-    assert sm90.uses_decode(mx8, 64) and not sm90.uses_decode(mx8, 65)
+    assert sm90.uses_decode(mx8, 32) and sm90.uses_register_weights(mx8, 33)
+    odd_k = dataclasses.replace(big, k=16384 + 32)  # not whole 64-element k-tiles: decode
+    assert sm90.uses_decode(odd_k, 64) and not sm90.uses_decode(odd_k, 65)
     small = dataclasses.replace(big, n=8192, k=8192)
     assert sm90.uses_decode(small, 32) and not sm90.uses_decode(small, 33)
     monkeypatch.setenv(sm90.ENV_REGISTER_WEIGHTS, "0")  # the decode kernel's wide rows again

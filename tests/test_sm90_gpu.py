@@ -92,16 +92,15 @@ def test_pairs_and_outputs(fmt_a, fmt_b, out):
                                            ((2, 3), 45, 131, 160), ((), 40, 264, 512)])
 def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
     """The default past the decode kernel's rows, for an mxfp8 activation in its wide rows, and
-    from 33 rows for fp4 weights (the register-weight variants): A dequantized to bf16 by XLA,
-    then a weight-only kernel (alpha, the global scales, in its epilogue)."""
+    from 33 rows when K is whole 64-element k-tiles (the register-weight variants): A dequantized
+    to bf16 by XLA, then a weight-only kernel (alpha, the global scales, in its epilogue)."""
     monkeypatch.delenv(sm90_ffi.ENV_DEQUANT_A)
     a, b = _operands(fmt_a, fmt_b, batch_a, (), m, n, k)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     calls = [ln for ln in f.lower(a, b).as_text().splitlines()
              if "custom_call @" + _plugin.SM90_TARGET in ln]
     rows = m * int(np.prod(batch_a))
-    bf16_activation = (rows > 64 or fmt_a.startswith("mxfp8")
-                       or (rows > 32 and "fp4" in fmt_b and k % 64 == 0))
+    bf16_activation = rows > 64 or fmt_a.startswith("mxfp8") or (rows > 32 and k % 64 == 0)
     # a_kind 4: bf16, 5: bf16 in the register-weight variants' K order
     a_kind = next(c for c in "12345" if f"a_kind = {c} : i32" in calls[0])
     assert len(calls) == 1 and (a_kind in "45") == bf16_activation, calls
@@ -110,7 +109,7 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
 
 
 @needs_sm90
-@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("batch_a,batch_b,m,n,k", [
     ((), (), 65, 128, 64), ((), (), 128, 128, 128), ((), (), 200, 300, 192),
     ((), (), 129, 1000, 1024), ((), (), 517, 257, 256), ((), (), 96, 8, 4096),

@@ -45,7 +45,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_dequant_ptx import FOLD_FACTOR, KINDS, cvt_asm
+from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, KINDS, cvt_asm
 
 SCALE_BYTE_SEL = 0x4040  # prmt selector: byte 0 of a word into the low byte of both halves
 
@@ -60,7 +60,7 @@ PAIRS = [
     ("bf16", "mxfp8"),
 ]
 # weight kinds of the register-weight mode (bf16 activations in activation_k_order)
-REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4")
+REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
 # (activation rows, weight rows) per tile of the register-weight mode
 REGISTER_WEIGHT_TILES = ((64, 64), (64, 128), (128, 64), (128, 128))
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
@@ -90,12 +90,13 @@ def _load_chunk(kind: str, src, scale, ok, *, loc=None, ip=None):
 
 @dsl_user_op
 def _convert_chunk(kind: str, perm: bool, words, shift, mask, fix, *, loc=None, ip=None):
-    """Pure arithmetic: 8 elements and their scale -> 4 bf16x2 words (exact); see
+    """Pure arithmetic: 8 elements (`words`: two words, then the scale byte) and their scale ->
+    4 bf16x2 words (exact); see
     sm90_dequant_ptx for the element order `perm` selects. NVFP4 is folded: its values come out
     times FOLD_FACTOR (one multiply less per pair), which the epilogue's alpha undoes."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
-        list(words) + [_i32(x, loc, ip) for x in (shift, mask, fix)],
+        [_i32(x, loc, ip) for x in (*words, shift, mask, fix)],
         cvt_asm(kind, perm, fold=kind == "nvfp4"), "=r,=r,=r,=r,r,r,r,r,r,r", has_side_effects=False,
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(4)]
@@ -159,13 +160,17 @@ def _rw_wgmma(acc, a_regs, d_lo, an, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _rw_load_row(addr, scale_addr, *, loc=None, ip=None):
-    """A thread's 8 fp4 weight bytes of one row (two words) and the row's scale word."""
+def _rw_load_row(words, addr, scale_addr, *, loc=None, ip=None):
+    """A thread's 16 weight elements of one row (2 words of fp4, 4 of fp8) and the row's scale
+    word."""
+    vec = f"v{words}.b32 {{{', '.join(f'${i}' for i in range(words))}}}"
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 3), [_i32(addr, loc, ip), _i32(scale_addr, loc, ip)],
-        "ld.shared.v2.b32 {$0, $1}, [$3];\nld.shared.b32 $2, [$4];", "=r,=r,=r,r,r",
+        llvm.StructType.get_literal([T.i32()] * (words + 1)),
+        [_i32(addr, loc, ip), _i32(scale_addr, loc, ip)],
+        f"ld.shared.{vec}, [${words + 1}];\nld.shared.b32 ${words}, [${words + 2}];",
+        ",".join(["=r"] * (words + 1) + ["r", "r"]),
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(3)]
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(words + 1)]
 
 
 def rw_convert_ptx(kind: str) -> str:
@@ -213,10 +218,11 @@ class Sm90BlockScaledGemm:
         assert out in OUT_DTYPES
         self.a_kind, self.b_kind, self.out = a_kind, b_kind, out
         self.a_quant = a_kind != "bf16"
-        # register-weight mode: bf16 activations (K-permuted, activation_k_order) x fp4 weights
+        # register-weight mode: bf16 activations (K-permuted, activation_k_order) x quantized
+        # weights (REGISTER_WEIGHT_KINDS)
         self.reg_w = weights_in_registers
         # tile: (activation rows = the wgmma N, weight rows = 64 per consumer warp group)
-        assert not self.reg_w or (a_kind == "bf16" and KINDS[b_kind]["bits"] == 4
+        assert not self.reg_w or (a_kind == "bf16" and b_kind in REGISTER_WEIGHT_KINDS
                                   and tile_mn in REGISTER_WEIGHT_TILES), (a_kind, b_kind, tile_mn)
         # NVFP4 operands are dequantized times FOLD_FACTOR (sm90_dequant_ptx): alpha undoes it
         self.alpha_fix = 1.0 / FOLD_FACTOR ** ((a_kind == "nvfp4") + (b_kind == "nvfp4"))
@@ -505,7 +511,7 @@ class Sm90BlockScaledGemm:
                 pipe.producer_tail(ps)
         elif cutlass.const_expr(self.reg_w):
             cute.arch.setmaxregister_increase(232)
-            self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, tidx, sched)
+            self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched)
         else:
             # ============================ consumers ===========================================
             cute.arch.setmaxregister_increase(232)
@@ -660,7 +666,7 @@ class Sm90BlockScaledGemm:
         return alpha
 
     @cute.jit
-    def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, tidx, sched):
+    def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched):
         """Consumers of the register-weight mode. Thread (warp group wg, warp wq, lane = 4 g + t)
         owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's 128 and the accumulator
         of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2), column 8 j + 2 t + x % 2]."""
@@ -678,6 +684,10 @@ class Sm90BlockScaledGemm:
         a_raw_base = st.a_raw.data_ptr().toint()
         b_raw_base = st.b_raw.data_ptr().toint()
         sb_base = st.sb.data_ptr().toint()
+        # fp8 flavour of the weights (run time): shift, mask and power-of-two fix
+        fp8_params = [cutlass.Int32(x) for x in FP8_E4M3]
+        if b_e5m2 != 0:
+            fp8_params = [cutlass.Int32(x) for x in FP8_E5M2]
         # this thread's weight bytes inside a stage (rows r0, r0 + 8)
         w_off = [r * self.b_row_bytes + t * (self.b_row_bytes // 4) for r in (r0, r0 + 8)]
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
@@ -705,10 +715,17 @@ class Sm90BlockScaledGemm:
                 sel = SCALE_BYTE_SEL + 0x101 * byte
                 pairs = []
                 for r in cutlass.range_constexpr(2):
-                    w0, w1, sw = _rw_load_row(
-                        b_raw_base + stage * (bn * self.b_row_bytes) + w_off[r],
-                        sb_base + stage * SCALE_CHUNK + s_off[r])
-                    pairs.append(_rw_convert(self.b_kind, w0, w1, sw, sel))
+                    ws = _rw_load_row(
+                        self.b_row_bytes // 16, b_raw_base + stage * (bn * self.b_row_bytes)
+                        + w_off[r], sb_base + stage * SCALE_CHUNK + s_off[r])
+                    if cutlass.const_expr(KINDS[self.b_kind]["bits"] == 4):
+                        pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
+                    else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
+                        sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
+                        pairs.append(
+                            _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *fp8_params)
+                            + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte],
+                                             *fp8_params))
                 # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
                 a_regs = []
                 for b in cutlass.range_constexpr(4):

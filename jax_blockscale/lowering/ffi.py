@@ -27,7 +27,7 @@ row count M (after folding batch dims into M) and N, K:
     chunks): 300 us at 16384, slower than the fused kernel (~240), which takes over.
   * otherwise up to kernel_max_rows() (256 / 512): the **fused GEMM** (kernels/
     sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
-    FP4 weights with K % 64 == 0 run its register-weight variants (uses_register_weights: the
+    With K % 64 == 0 it runs its register-weight variants (uses_register_weights: the
     weights converted straight into wgmma's register operand, the activation K-permuted here,
     kind code 5), which also take over from the decode kernel from 33 rows
     (register_weights_take; H100, 16384^2: 80-88 us at 48-64 rows against 144-157).
@@ -200,7 +200,7 @@ def dequantizes_activation_first(spec: GemmSpec, m: int) -> bool:
     return _KIND[spec.fmt_a] == "mxfp8" and m > 16
 
 
-# Register-weight variants (kernels/sm90_blockscaled.py, weights_in_registers): the fp4 weight
+# Register-weight variants (kernels/sm90_blockscaled.py, weights_in_registers): the weight
 # tile is converted straight into wgmma's register operand and the bf16 activation tile is the
 # shared-memory operand, so no bf16 weight tile goes through shared memory. They read the
 # activation with K permuted inside each 64-element k-tile (activation_k_order), which the
@@ -212,7 +212,8 @@ KPERM_KIND_CODE = KIND_CODES["bf16_kperm"]
 
 # From this many rows the register-weight variants beat the decode kernel's wide variants (H100,
 # N = K = 16384, nvfp4: 80 / 82 us at 48 / 64 rows against 144 / 157; 87 against 86 at 32:
-# docs/sm90_notes.md, session 11), so fp4 weights skip the decode kernel there.
+# docs/sm90_notes.md, session 11; mxfp8: 116 against ~145 at 64 rows), so such calls skip the
+# decode kernel there.
 REGISTER_WEIGHT_MIN_ROWS = 33
 
 
