@@ -6,7 +6,7 @@
 // Operand-kind and output codes. Must match jax_blockscale/aot.py (KIND_CODES, OUT_CODES)
 // and jax_blockscale/lowering/ffi.py.
 // JBS_BF16_KPERM: a bf16 activation whose K runs in the register-weight variants' order
-// (kernels/sm90_blockscaled.py: activation_k_order); only those variants take it.
+// (kernels/register_weight_order.py); only those variants take it.
 enum JbsKind { JBS_NVFP4 = 1, JBS_MXFP4 = 2, JBS_MXFP8 = 3, JBS_BF16 = 4, JBS_BF16_KPERM = 5 };
 enum JbsOut { JBS_OUT_BF16 = 1, JBS_OUT_F16 = 2, JBS_OUT_F32 = 3 };
 

@@ -32,7 +32,7 @@ import time
 
 # Kind codes shared with ffi/ (jbs_common.h) and lowering/ffi.py. Keep the three in sync.
 # "bf16_kperm": a bf16 activation stored in the register-weight kernels' K order
-# (kernels/sm90_blockscaled.py: activation_k_order), which only those variants read.
+# (kernels/register_weight_order.py), which only those variants read.
 KIND_CODES = {"nvfp4": 1, "mxfp4": 2, "mxfp8": 3, "bf16": 4, "bf16_kperm": 5}
 OUT_CODES = {"bf16": 1, "f16": 2, "f32": 3}
 
@@ -82,7 +82,7 @@ def _header(variants):
             f"static void load_{p}() {{ {p}_Kernel_Module_Load(&g_{p}); }}",
             f"static int32_t launch_{p}(const jbs::LaunchArgs& a) {{",
         ]
-        if v.get("nt", 0) > 0:  # decode kernel: f32 workspace + split-K count
+        if v.get("nt", 0):  # decode kernel: f32 workspace + split-K count
             lines += [
                 f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.ws,",
                 "                               a.m, a.n, a.k, a.l, a.a_e5m2, a.b_e5m2, a.splits,",

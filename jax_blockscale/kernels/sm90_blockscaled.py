@@ -45,9 +45,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, KINDS, cvt_asm
-
-SCALE_BYTE_SEL = 0x4040  # prmt selector: byte 0 of a word into the low byte of both halves
+from .sm90_decode import SCALE_BYTE_SEL, scale_bf16x2
+from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, KINDS, cvt_asm, fp4_perm_pairs_ptx
 
 # (a_kind, b_kind) pairs the kernel implements.
 PAIRS = [
@@ -173,38 +172,23 @@ def _rw_load_row(words, addr, scale_addr, *, loc=None, ip=None):
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(words + 1)]
 
 
-def rw_convert_ptx(kind: str) -> str:
-    """PTX: $8, $9 = a row's two fp4 words, $10 = its scale word, $11 = byte selector ->
-    $0..$7 = pairs (j, j+4) of word 0, then of word 1, times the scale (NVFP4 folded)."""
-    from .sm90_dequant_ptx import fp4_perm_pairs_ptx
-
-    fold = kind == "nvfp4"
-    if fold:
-        scale = f"""prmt.b32 t, $10, 0, $11;
-shl.b32 t, t, 4;
-mov.b32 k, {_BF16X2_2P120:#x};
-mul.rn.bf16x2 t, t, k;
-mov.b32 k, {0x7B007B00:#x};
-mul.rn.bf16x2 sp, t, k;
-"""
-    else:
-        scale = """prmt.b32 t, $10, 0, $11;
-setp.eq.u32 p, t, 0;
-shl.b32 t, t, 7;
-selp.b32 sp, 0x00400040, t, p;
-"""
-    body = scale
-    body += fp4_perm_pairs_ptx("$8", "sp", [f"${j}" for j in range(4)], "t", "y", "k", fold)
-    body += fp4_perm_pairs_ptx("$9", "sp", [f"${4 + j}" for j in range(4)], "t", "y", "k", fold)
-    return "{\n.reg .b32 sp, t, y, k;\n.reg .pred p;\n" + body + "}"
+def rw_fp4_pairs_ptx(fold: bool) -> str:
+    """PTX: $8, $9 = a row's two fp4 words, $10 = its bf16x2 block scale -> $0..$7 = pairs
+    (j, j+4) of word 0, then of word 1, times the scale (fold: NVFP4, the scale carries 2^126)."""
+    body = "".join(fp4_perm_pairs_ptx(f"${8 + w}", "$10", [f"${4 * w + j}" for j in range(4)],
+                                      "t", "y", "k", fold) for w in range(2))
+    return "{\n.reg .b32 t, y, k;\n" + body + "}"
 
 
 @dsl_user_op
 def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
+    """A row's 16 fp4 elements (two words) and byte `sel` of its scale word -> 8 bf16x2 words."""
+    fold = kind == "nvfp4"
+    scale = scale_bf16x2(kind, sword, sel, fold, loc=loc, ip=ip)
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 8),
-        [_i32(x, loc, ip) for x in (w0, w1, sword, sel)], rw_convert_ptx(kind),
-        ",".join(["=r"] * 8 + ["r"] * 4), has_side_effects=False, is_align_stack=False,
+        [_i32(x, loc, ip) for x in (w0, w1, scale)], rw_fp4_pairs_ptx(fold),
+        ",".join(["=r"] * 8 + ["r"] * 3), has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
 
@@ -668,7 +652,7 @@ class Sm90BlockScaledGemm:
     @cute.jit
     def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched):
         """Consumers of the register-weight mode. Thread (warp group wg, warp wq, lane = 4 g + t)
-        owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's 128 and the accumulator
+        owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's bn and the accumulator
         of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2), column 8 j + 2 t + x % 2]."""
         bm, bn = self.bm, self.bn
         ctid = tidx - 128
