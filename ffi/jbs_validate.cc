@@ -58,10 +58,11 @@ int PreferredTileN(int64_t m, int64_t n, int64_t l, int sm_count) {
 }
 
 void RegisterWeightTile(int64_t m, int64_t n, int64_t l, int sm_count, int* tile_m, int* tile_n) {
-  // activation rows: 64 while they cover M, else 128. Weight rows: 128 (two consumer warp
-  // groups per SM) while that gives at least half the SMs a tile, else 64 (one warp group per
-  // SM, twice the SMs): H100, 128 x 8192^2 nvfp4 ran 55 us with 128 rows, 35 with 64.
-  *tile_m = m <= 64 ? 64 : 128;
+  // activation rows: the smallest of 16, 32, 64 that covers M, else 128. Weight rows: 128 (two
+  // consumer warp groups per SM) while that gives at least half the SMs a tile, else 64 (one
+  // warp group per SM, twice the SMs): H100, 128 x 8192^2 nvfp4 ran 55 us with 128 rows, 35
+  // with 64.
+  *tile_m = m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
   *tile_n = 2 * CeilDiv(m, *tile_m) * CeilDiv(n, 128) * l >= sm_count ? 128 : 64;
 }
 

@@ -31,7 +31,7 @@ CLAIMED_TILE_N = [64, 128, 256]
 BLOCK = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32, "bf16": None, "bf16_kperm": None}
 # the register-weight variants: (activation rows, weight rows) tiles, fp4 weights
 CLAIMED_RW_KINDS = ["nvfp4", "mxfp4", "mxfp8"]
-CLAIMED_RW_TILES = [(64, 64), (64, 128), (128, 64), (128, 128)]
+CLAIMED_RW_TILES = [(16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128)]
 
 
 def test_library_loads_and_registers():
@@ -290,6 +290,7 @@ def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
 @pytest.mark.parametrize("b", CLAIMED_RW_KINDS)
 @pytest.mark.parametrize("m,n,l,tile", [
     (40, 16384, 1, "64x128"),     # 128 tiles of 128 weight rows: every SM busy
+    (16, 16384, 1, "16x128"), (17, 16384, 1, "32x128"), (1, 8192, 1, "16x64"),
     (128, 16384, 1, "128x128"),
     (128, 8192, 1, "128x64"),     # 64 tiles of 128 rows would leave half the SMs idle
     (65, 300, 2, "128x64"), (500, 16384, 1, "128x128")])
@@ -485,17 +486,19 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
 
     big = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
                    np.dtype(jnp.bfloat16), (), (), (), 32, 16384, 16384)
-    # the register-weight variants from 33 rows
-    assert sm90.uses_decode(big, 32) and not sm90.uses_decode(big, 33)
-    assert sm90.uses_register_weights(big, 33) and not sm90.uses_register_weights(big, 32)
+    # the register-weight variants from 17 rows when the weights give every SM a 128-row tile
+    assert sm90.uses_decode(big, 16) and not sm90.uses_decode(big, 17)
+    assert sm90.uses_register_weights(big, 17) and not sm90.uses_register_weights(big, 16)
     import dataclasses
 
     mx8 = dataclasses.replace(big, fmt_b="mxfp8_e4m3")
-    assert sm90.uses_decode(mx8, 32) and sm90.uses_register_weights(mx8, 33)
+    assert sm90.uses_decode(mx8, 16) and sm90.uses_register_weights(mx8, 17)
     odd_k = dataclasses.replace(big, k=16384 + 32)  # not whole 64-element k-tiles: decode
     assert sm90.uses_decode(odd_k, 64) and not sm90.uses_decode(odd_k, 65)
-    small = dataclasses.replace(big, n=8192, k=8192)
+    small = dataclasses.replace(big, n=8192, k=8192)  # 64 weight tiles: from 33 rows
     assert sm90.uses_decode(small, 32) and not sm90.uses_decode(small, 33)
+    batched = dataclasses.replace(small, b_batch=(2,), batch_shape=(2,), a_batch=(2,))
+    assert not sm90.uses_decode(batched, 17)  # two batches of 64 tiles
     monkeypatch.setenv(sm90.ENV_REGISTER_WEIGHTS, "0")  # the decode kernel's wide rows again
     assert sm90.uses_decode(small, 64) and not sm90.uses_decode(small, 65)
     monkeypatch.delenv(sm90.ENV_REGISTER_WEIGHTS)

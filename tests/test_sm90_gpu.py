@@ -113,11 +113,19 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
 @pytest.mark.parametrize("batch_a,batch_b,m,n,k", [
     ((), (), 65, 128, 64), ((), (), 128, 128, 128), ((), (), 200, 300, 192),
     ((), (), 129, 1000, 1024), ((), (), 517, 257, 256), ((), (), 96, 8, 4096),
-    ((2, 3), (), 45, 131, 320), ((3,), (3,), 70, 90, 128)])
-def test_register_weights(fmt_b, batch_a, batch_b, m, n, k):
-    """The register-weight variants (fp4 weights converted straight into wgmma's register
-    operand, the activations K-permuted by the lowering): which call runs, and the numerics for
-    odd M / N tails, several k-tiles, folded and L batches, every output dtype."""
+    ((2, 3), (), 45, 131, 320), ((3,), (3,), 70, 90, 128),
+    # more tiles than SMs: CTAs run several tiles, so a k-tile's MMAs still in flight at a
+    # tile's end would corrupt the next tile (128 x 128 and 64 x 128 tiles)
+    ((), (), 256, 17920, 256), ((), (), 64, 40000, 128),
+    # the 16- and 32-row activation tiles (the decode kernel turned off)
+    ((), (), 1, 300, 256), ((), (), 13, 40000, 192), ((), (), 32, 1000, 1024),
+    ((2,), (), 12, 264, 128)])
+def test_register_weights(monkeypatch, fmt_b, batch_a, batch_b, m, n, k):
+    """The register-weight variants (weights converted straight into wgmma's register operand,
+    the activations K-permuted by the lowering): which call runs, and the numerics for odd M / N
+    tails, several k-tiles, CTAs that run several tiles, folded and L batches, every output
+    dtype."""
+    monkeypatch.setenv(sm90_ffi.ENV_DECODE_MAX_ROWS, "0")
     a, b = _operands(None, fmt_b, batch_a, batch_b, m, n, k)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     calls = [ln for ln in f.lower(a, b).as_text().splitlines()

@@ -44,9 +44,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="128x16384x16384,256x16384x16384,128x8192x8192")
     ap.add_argument("--formats", default="w:nvfp4,nvfp4,w:mxfp4")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated subset of " + ", ".join(METHODS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    methods = {name: METHODS[name] for name in args.methods.split(",")}
     rows = []
     for shape in args.shapes.split(","):
         m, n, k, x, w, dot_sets = shape_data(shape)
@@ -55,7 +58,7 @@ def main():
             fmt, kw_ = format_token(weight_token)
             a = x.astype(jnp.bfloat16) if token.startswith("w:") else quantize(x, fmt, **kw_)
             sets = gemm_sets(a, w, weight_token, n, k)
-            med, agree = compare_methods(METHODS, sets, dot_sets, args.rounds)
+            med, agree = compare_methods(methods, sets, dot_sets, args.rounds)
             rows.append(report(shape, token, med, agree))
     if args.json:
         with open(args.json, "w") as f:

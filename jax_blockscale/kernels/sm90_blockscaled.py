@@ -45,7 +45,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_decode import SCALE_BYTE_SEL, scale_bf16x2
+from .sm90_decode import SCALE_BYTE_SEL, compile_for_arch, scale_bf16x2
 from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, KINDS, cvt_asm, fp4_perm_pairs_ptx
 
 # (a_kind, b_kind) pairs the kernel implements.
@@ -61,7 +61,11 @@ PAIRS = [
 # weight kinds of the register-weight mode (bf16 activations in activation_k_order)
 REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
 # (activation rows, weight rows) per tile of the register-weight mode
-REGISTER_WEIGHT_TILES = ((64, 64), (64, 128), (128, 64), (128, 128))
+REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128),
+                         (128, 64), (128, 128))
+# most raw stages of the register-weight ring by activation rows: small tiles stream the weights
+# (more bytes in flight), 128-row tiles are bound by the MMAs
+REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6}
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
@@ -124,10 +128,11 @@ def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
 RW_DESC_HI = (1024 >> 4) | (1 << 30)
 
 
-def rw_wgmma_ptx(an: int) -> str:
+def rw_wgmma_ptx(an: int, in_flight: int = 0) -> str:
     """PTX of one k-tile's four m64n{an}k16 wgmmas: $0..$(an/2-1) accumulators (tied inputs
     follow), then 16 A registers (four per MMA), then the descriptor words (lo of the stage's
-    first 32-byte K column, hi)."""
+    first 32-byte K column, hi). It returns once at most `in_flight` committed groups (this
+    k-tile's, when 1) are still running."""
     n_acc = an // 2
     a0 = 2 * n_acc
     d_lo, d_hi = f"${a0 + 16}", f"${a0 + 17}"
@@ -140,19 +145,36 @@ def rw_wgmma_ptx(an: int) -> str:
         code.append(f"mov.b64 d, {{dl, {d_hi}}};")
         code.append(f"wgmma.mma_async.sync.aligned.m64n{an}k16.f32.bf16.bf16 {{{acc}}}, {{{a}}}, "
                     "d, p, 1, 1, 0;")
-    code += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    code += ["wgmma.commit_group.sync.aligned;",
+             f"wgmma.wait_group.sync.aligned {in_flight};", "}"]
     return "\n".join(code)
 
 
 @dsl_user_op
-def _rw_wgmma(acc, a_regs, d_lo, an, *, loc=None, ip=None):
-    """acc += W (64 x 64, the four k16 MMAs' A registers) @ A^T (the stage's activation tile)."""
+def _rw_wgmma(acc, a_regs, d_lo, an, in_flight=0, *, loc=None, ip=None):
+    """acc += W (64 x 64, the four k16 MMAs' A registers) @ A^T (the stage's activation tile).
+    With in_flight = 1 the MMAs may still run when this returns: the caller must not touch acc
+    (other than through the next _rw_wgmma) or the stage before _rw_wait_all / the next call."""
     n_acc = an // 2
     ins = [x.ir_value(loc=loc, ip=ip) for x in acc] + [_i32(x, loc, ip) for x in a_regs]
     ins += [_i32(d_lo, loc, ip), _i32(RW_DESC_HI, loc, ip)]
     cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + ["r"] * 18)
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an), cons,
+        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an, in_flight), cons,
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+            for i in range(n_acc)]
+
+
+@dsl_user_op
+def _rw_wait_all(acc, *, loc=None, ip=None):
+    """Wait for every wgmma of this warp group; returns acc (tied through the asm, so reads of
+    the sums stay behind the wait)."""
+    n_acc = len(acc)
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * n_acc),
+        [x.ir_value(loc=loc, ip=ip) for x in acc], "wgmma.wait_group.sync.aligned 0;",
+        ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)]),
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
             for i in range(n_acc)]
@@ -230,9 +252,8 @@ class Sm90BlockScaledGemm:
         )
         bufs = self.bf16_buffers * ((self.bm * BK * 2 if self.a_quant else 0) + self.bn * BK * 2)
         smem_cap = 227 * 1024 - 4096  # leave room for barriers and alignment padding
-        self.stages = max(2, min(8, (smem_cap - bufs) // raw_stage))
-        if self.reg_w:
-            self.stages = min(self.stages, 6)
+        max_stages = REGISTER_WEIGHT_MAX_STAGES[self.bm] if self.reg_w else 8
+        self.stages = max(2, min(max_stages, (smem_cap - bufs) // raw_stage))
         self.tx_bytes = raw_stage
 
     # ------------------------------------------------------------------------------------------
@@ -675,11 +696,16 @@ class Sm90BlockScaledGemm:
         # this thread's weight bytes inside a stage (rows r0, r0 + 8)
         w_off = [r * self.b_row_bytes + t * (self.b_row_bytes // 4) for r in (r0, r0 + 8)]
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
+        kw = dict(t=t, a_raw_base=a_raw_base, b_raw_base=b_raw_base, sb_base=sb_base,
+                  w_off=w_off, fp8=fp8_params)
         sch = utils.StaticPersistentTileScheduler.create(
             sched, cute.arch.block_idx(), cute.arch.grid_dim()
         )
         work = sch.initial_work_tile_info()
         rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        # a k-tile's MMAs run while the next k-tile is converted, so its stage goes back to the
+        # producer one k-tile later: rel trails rs
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         while work.is_valid_tile:
             tm, tn, tl = work.tile_idx
             acc.fill(0.0)
@@ -687,43 +713,32 @@ class Sm90BlockScaledGemm:
             # be its second half)
             rg = [(tn * bn) % 128 + r for r in (r0, r0 + 8)]
             s_off = [(r % 32) * 16 + (r // 32) * 4 for r in rg]
-            for kt in range(k_tiles):
-                pipe.consumer_wait(rs)
-                stage = rs.index
-                # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX:
-                # block 2 kt + t // 2): a byte of the row's scale word
-                if cutlass.const_expr(b_blk == 16):
-                    byte = t
-                else:
-                    byte = (kt * (BK // b_blk) + t // 2) % 4
-                sel = SCALE_BYTE_SEL + 0x101 * byte
-                pairs = []
-                for r in cutlass.range_constexpr(2):
-                    ws = _rw_load_row(
-                        self.b_row_bytes // 16, b_raw_base + stage * (bn * self.b_row_bytes)
-                        + w_off[r], sb_base + stage * SCALE_CHUNK + s_off[r])
-                    if cutlass.const_expr(KINDS[self.b_kind]["bits"] == 4):
-                        pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
-                    else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
-                        sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
-                        pairs.append(
-                            _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *fp8_params)
-                            + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte],
-                                             *fp8_params))
-                # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
-                a_regs = []
-                for b in cutlass.range_constexpr(4):
-                    s_, h = b // 2, b % 2
-                    a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
-                               pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
-                d_lo = ((a_raw_base + stage * (bm * BK * 2)) >> 4) | (1 << 16)
-                # the asm waits for its MMAs (keeping a group in flight across the next
-                # k-tile's conversion measured slower), so the stage is free again
-                res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, bm)
-                for i in cutlass.range_constexpr(n_acc):
-                    acc[i] = res[i]
-                pipe.consumer_release(rs)
+            # k-tiles in pairs, then an odd last one: consecutive k-tiles convert into different
+            # registers, so the registers a k-tile's MMAs still read are never the ones the next
+            # k-tile is converted into. (A loop over single k-tiles rewrites one set each pass;
+            # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
+            for kp in range(k_tiles // 2):
+                self._register_weight_k_tile(pipe, rs, acc, kw, s_off, 2 * kp)
                 rs.advance()
+                if kp > 0:  # the previous pair's second k-tile's MMAs are done
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                self._register_weight_k_tile(pipe, rs, acc, kw, s_off, 2 * kp + 1)
+                rs.advance()
+                pipe.consumer_release(rel)  # this pair's first k-tile
+                rel.advance()
+            if k_tiles % 2 == 1:
+                self._register_weight_k_tile(pipe, rs, acc, kw, s_off, k_tiles - 1)
+                rs.advance()
+                if k_tiles > 1:
+                    pipe.consumer_release(rel)
+                    rel.advance()
+            res = _rw_wait_all([acc[i] for i in range(n_acc)])
+            for i in cutlass.range_constexpr(n_acc):
+                acc[i] = res[i]
+            if k_tiles > 0:  # the last k-tile
+                pipe.consumer_release(rel)
+                rel.advance()
             # epilogue: C[l, m, n] = alpha * C^T[n, m], predicated for the M / N tails
             m0 = tm * bm
             n0 = tn * bn
@@ -737,9 +752,51 @@ class Sm90BlockScaledGemm:
             work = sch.get_current_work()
 
 
+    def _register_weight_k_tile(self, pipe, rs, acc, kw, s_off, kt):
+        """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
+        stage, convert the thread's 16 weight elements of each of its two rows into the four
+        k16 MMAs' A registers and issue them (acc += W A^T). Returns once the previous k-tile's
+        MMAs are done; this one's may still run. The caller advances rs (the tracer only sees
+        state rebound in the loop body itself) and releases the stages."""
+        pipe.consumer_wait(rs)
+        stage = rs.index
+        b_blk = KINDS[self.b_kind]["block"]
+        t = kw["t"]
+        # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX: block
+        # 2 kt + t // 2): a byte of the row's scale word
+        if cutlass.const_expr(b_blk == 16):
+            byte = t
+        else:
+            byte = (kt * (BK // b_blk) + t // 2) % 4
+        sel = SCALE_BYTE_SEL + 0x101 * byte
+        pairs = []
+        for r in range(2):
+            ws = _rw_load_row(
+                self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
+                + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
+            if KINDS[self.b_kind]["bits"] == 4:
+                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
+            else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
+                sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
+                pairs.append(
+                    _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
+                    + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte], *kw["fp8"]))
+        # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
+        a_regs = []
+        for b in range(4):
+            s_, h = b // 2, b % 2
+            a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
+                       pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
+        d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
+        n_acc = self.bm // 2
+        res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, self.bm, in_flight=1)
+        for i in range(n_acc):
+            acc[i] = res[i]
+
+
 def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
-                    weights_in_registers: bool = False):
-    """cute.compile one variant for the current CUTE_DSL_ARCH with placeholder pointers."""
+                    weights_in_registers: bool = False, arch: str = "sm_90a"):
+    """cute.compile one variant for `arch` with placeholder pointers."""
     from cutlass.cute.runtime import make_ptr
 
     gemm = Sm90BlockScaledGemm(a_kind, b_kind, out, tile_mn, weights_in_registers)
@@ -758,4 +815,4 @@ def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
         cutlass.Int32(132),
         cuda.CUstream(0),
     )
-    return cute.compile(gemm, *args)
+    return compile_for_arch(gemm, args, arch)

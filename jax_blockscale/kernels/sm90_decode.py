@@ -1239,15 +1239,20 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning
         cutlass.Int32(1),
         cuda.CUstream(0),
     )
-    # The DSL takes the target from CUTE_DSL_ARCH (read once); set it on the DSL itself so that
-    # no GPU is probed and the caller's environment does not matter.
+    return compile_for_arch(gemm, args, arch)
+
+
+def compile_for_arch(fn, args, arch: str):
+    """cute.compile(fn, *args) for `arch`. The DSL takes the target from CUTE_DSL_ARCH (read
+    once); setting it on the DSL itself means no GPU is probed and the caller's environment
+    (another arch's build in the same process, say) does not matter."""
     from cutlass.cutlass_dsl import CuTeDSL
 
     env = CuTeDSL._get_dsl().envar
     prev = env._arch
     env.arch = arch
     try:
-        return cute.compile(gemm, *args)
+        return cute.compile(fn, *args)
     finally:
         env._arch = prev
 

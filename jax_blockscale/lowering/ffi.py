@@ -30,7 +30,7 @@ row count M (after folding batch dims into M) and N, K:
     With K % 64 == 0 it runs its register-weight variants (uses_register_weights: the
     weights converted straight into wgmma's register operand, the activation K-permuted here,
     kind code 5), which also take over from the decode kernel from 33 rows
-    (register_weights_take; H100, 16384^2: 80-88 us at 48-64 rows against 144-157).
+    (register_weights_take; H100, 16384^2: 71-76 us at 32-64 rows against 87-157).
     A quantized activation is dequantized to bf16 first and the weight-only variant runs
     (dequantizes_activation_first: 1.2-1.5x faster than converting A inside the kernel; so
     does an mxfp8 activation in the decode kernel's wide rows, 17..64).
@@ -210,11 +210,22 @@ ENV_REGISTER_WEIGHTS = "JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS"
 KPERM_KIND_CODE = KIND_CODES["bf16_kperm"]
 
 
-# From this many rows the register-weight variants beat the decode kernel's wide variants (H100,
-# N = K = 16384, nvfp4: 80 / 82 us at 48 / 64 rows against 144 / 157; 87 against 86 at 32:
-# docs/sm90_notes.md, session 11; mxfp8: 116 against ~145 at 64 rows), so such calls skip the
-# decode kernel there.
-REGISTER_WEIGHT_MIN_ROWS = 33
+# From this many rows the register-weight variants beat the decode kernel's wide variants, so
+# such calls skip the decode kernel there. H100, nvfp4 weights (docs/sm90_notes.md, session 12):
+# at N = K = 16384 (128 weight tiles of 128 rows: one per SM) 70.8 against 87.2 us at 32 rows and
+# 74.6 against 144 at 48, but 68.1 against 60.8 at 16; at N = K = 8192 (64 tiles) the decode
+# kernel's split-K keeps every SM busy and wins at 32 rows (26.6 against 30.0).
+REGISTER_WEIGHT_MIN_ROWS = 17
+# ... and with fewer 128-row weight tiles than ~90 % of the SMs
+REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = 33
+
+
+def register_weight_min_rows(spec: GemmSpec) -> int:
+    _, l = kernel_rows_and_batch(spec)
+    weight_tiles = -(-spec.n // 128) * l
+    if weight_tiles >= 0.9 * _sm_count():
+        return REGISTER_WEIGHT_MIN_ROWS
+    return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
 
 
 def register_weights_available(spec: GemmSpec) -> bool:
@@ -228,7 +239,7 @@ def register_weights_available(spec: GemmSpec) -> bool:
 def register_weights_take(spec: GemmSpec, m: int) -> bool:
     """Whether a call with kernel row count m in the decode kernel's rows goes to a register-weight
     variant instead (a quantized activation is dequantized to bf16 first)."""
-    if m < REGISTER_WEIGHT_MIN_ROWS:
+    if m < register_weight_min_rows(spec):
         return False
     if spec.fmt_a is not None:
         if (os.environ.get(ENV_DEQUANT_A) == "0"

@@ -1,0 +1,64 @@
+"""The sm90 register-weight variants, no GPU needed: they compile for sm_90a, keep one k-tile's
+wgmma group in flight while the next k-tile is converted, and never write the registers a running
+group reads its A operand from (tests/wgmma_hazards.py). The last is what broke the first
+in-flight version: a loop over single k-tiles converted each k-tile into the registers the
+previous k-tile's MMAs were still reading.
+
+Needs nvidia-cutlass-dsl, and for the SASS the pip packages nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm (skipped, with the reason, where absent).
+"""
+from __future__ import annotations
+
+import pytest
+
+from jax_blockscale import _cubins
+from wgmma_hazards import register_a_hazards
+
+aot = pytest.importorskip("jax_blockscale.aot")
+kern = pytest.importorskip("jax_blockscale.kernels.sm90_blockscaled",
+                           reason="needs nvidia-cutlass-dsl (build-time dependency)")
+
+
+def _sass(tmp_path, b_kind, tile):
+    missing = _cubins.sass_tools_missing()
+    if missing:
+        pytest.skip(f"SASS not checked: {missing}")
+    info, _ = aot._build_one((str(tmp_path), "bf16_kperm", b_kind, "bf16", *tile))
+    (sass,) = _cubins.sass_of_object(str(tmp_path / f"{info['name']}.o"),
+                                     str(tmp_path / "cubins"))
+    return sass
+
+
+@pytest.mark.parametrize("b_kind", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("tile", [(16, 128), (64, 64), (128, 128)])
+def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile):
+    sass = _sass(tmp_path, b_kind, tile)
+    groups, hazards = register_a_hazards(sass)
+    assert groups >= 2, "expected the k-tile pair's HGMMA groups"
+    assert not hazards, "\n".join(hazards[:20])
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
+
+
+SYNTHETIC = """
+        /*0100*/                   HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR12], R24 ;
+        /*0110*/                   HGMMA.64x64x16.F32.BF16 R24, R92, gdesc[UR12], R24, gsb0 ;
+        /*0120*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0130*/                   LOP3.LUT R{w}, R17, 0x81c081c0, RZ, 0xc0, !PT ;
+        /*0140*/                   HGMMA.64x64x16.F32.BF16 R24, R56, gdesc[UR12], R24, gsb0 ;
+        /*0150*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0160*/                   LDS.64 R{w2}, [R3] ;
+        /*0170*/               @P0 BRA 0x100 ;
+        /*0180*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0190*/                   EXIT ;
+"""
+
+
+def test_the_check_finds_a_rewrite():
+    """The checker itself: a write to a running group's A registers is reported (before the
+    retiring DEPBAR, also around the loop), one after it is not."""
+    groups, hazards = register_a_hazards(SYNTHETIC.format(w=90, w2=4))
+    assert groups == 2 and len(hazards) == 1 and "0x130" in hazards[0], hazards
+    _, hazards = register_a_hazards(SYNTHETIC.format(w=4, w2=57))  # R57 of the 0x140 group
+    assert len(hazards) == 1 and "0x160" in hazards[0], hazards
+    _, hazards = register_a_hazards(SYNTHETIC.format(w=4, w2=8))
+    assert not hazards, hazards
