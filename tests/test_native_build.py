@@ -521,3 +521,31 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     monkeypatch.setenv(sm90.ENV_DECODE_MAX_ROWS, "0")
     calls = text(16)
     assert len(calls) == 1 and "tensor<0xf32>" in calls[0], calls
+
+
+def test_kernel_row_limits(monkeypatch):
+    """Where the fused kernel hands over to dequantize + dot: higher with the register-weight
+    variants (K % 64 == 0), by weight size and activation format (measured crossovers)."""
+    import dataclasses
+
+    from jax_blockscale.lowering import GemmSpec
+    from jax_blockscale.lowering import ffi as sm90
+
+    monkeypatch.delenv(sm90.ENV_MAX_ROWS, raising=False)
+    monkeypatch.delenv(sm90.ENV_DEQUANT_A, raising=False)
+    w_only = GemmSpec(None, "nvfp4", "plain", "plain", np.dtype(jnp.bfloat16),
+                      np.dtype(jnp.bfloat16), (), (), (), 128, 16384, 16384)
+    w4a4 = dataclasses.replace(w_only, fmt_a="nvfp4", layout_a="plain",
+                               a_dtype=np.dtype(np.uint8))
+    assert sm90.kernel_max_rows(w_only) == 2048 and sm90.kernel_max_rows(w4a4) == 2048
+    mid = dict(n=8192, k=8192)
+    assert sm90.kernel_max_rows(dataclasses.replace(w_only, **mid)) == 1024
+    assert sm90.kernel_max_rows(dataclasses.replace(w4a4, **mid)) == 2048
+    # no register-weight variant (K not whole 64-element k-tiles): the shared-memory path's limits
+    assert sm90.kernel_max_rows(dataclasses.replace(w_only, k=16384 + 32)) == 512
+    assert sm90.kernel_max_rows(dataclasses.replace(w_only, n=8192, k=8192 + 32)) == 512
+    assert sm90.kernel_max_rows(dataclasses.replace(w_only, n=4096, k=4096)) == 256
+    monkeypatch.setenv(sm90.ENV_DEQUANT_A, "0")  # the two-operand fused kernel
+    assert sm90.kernel_max_rows(dataclasses.replace(w4a4, **mid)) == 128
+    monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")
+    assert sm90.kernel_max_rows(w_only) is None

@@ -25,12 +25,13 @@ row count M (after folding batch dims into M) and N, K:
     conversion for up to 64 rows). H100, bf16 x nvfp4 (decode notes, run 9): M = 32: 93 us at
     N=K=16384 (fused kernel 243), 30 us at 8192; M = 64: 157 / 47 us; M = 96..128 (two 64-row
     chunks): 300 us at 16384, slower than the fused kernel (~240), which takes over.
-  * otherwise up to kernel_max_rows() (256 / 512): the **fused GEMM** (kernels/
-    sm90_blockscaled.py); the workspace result then has zero elements (the handler's opt-out).
-    With K % 64 == 0 it runs its register-weight variants (uses_register_weights: the
-    weights converted straight into wgmma's register operand, the activation K-permuted here,
-    kind code 5), which also take over from the decode kernel from 33 rows
-    (register_weights_take; H100, 16384^2: 71-76 us at 32-64 rows against 87-157).
+  * otherwise up to kernel_max_rows() (128 .. 2048 by weight size and path): the **fused GEMM**
+    (kernels/sm90_blockscaled.py); the workspace result then has zero elements (the handler's
+    opt-out). With K % 64 == 0 it runs its register-weight variants (uses_register_weights:
+    the weights converted straight into wgmma's register operand, the activation K-permuted
+    here, kind code 5), which also take over from the decode kernel from 17 rows when the
+    weights give every SM a 128-row tile, else from 33 (register_weights_take; H100, 16384^2:
+    71-76 us at 32-64 rows against 87-157).
     A quantized activation is dequantized to bf16 first and the weight-only variant runs
     (dequantizes_activation_first: 1.2-1.5x faster than converting A inside the kernel; so
     does an mxfp8 activation in the decode kernel's wide rows, 17..64).
@@ -82,6 +83,16 @@ def kernel_max_rows(spec: GemmSpec) -> int | None:
     v = os.environ.get(ENV_MAX_ROWS)
     if v is not None:
         return int(v) or None
+    if _register_weights_reachable(spec):
+        # The register-weight variants (H100, nvfp4, docs/sm90_notes.md, session 12): at N = K =
+        # 16384 they beat dequantize + dot by 1.2-1.3x at 1024 rows and were level (weight-only,
+        # 1642 against 1631 us) or ahead (W4A4, 1571 against 1629) at 2048; at 8192 ahead at
+        # 1024 rows (208 against 251) and for W4A4 at 2048 (408 against 425), behind at 2048
+        # weight-only (421 against 411) and at 4096.
+        if spec.n * spec.k >= 2**28:
+            return 2048
+        if spec.n * spec.k >= 2**26:
+            return 1024 if spec.fmt_a is None else 2048
     # large weights amortize better (H100, docs/sm90_notes.md, sessions 1 and 10)
     if spec.n * spec.k >= 2**28:
         return 512
@@ -236,11 +247,9 @@ def register_weights_available(spec: GemmSpec) -> bool:
         KIND_CODES[_KIND[spec.fmt_b]] in _plugin.register_weight_kinds())
 
 
-def register_weights_take(spec: GemmSpec, m: int) -> bool:
-    """Whether a call with kernel row count m in the decode kernel's rows goes to a register-weight
-    variant instead (a quantized activation is dequantized to bf16 first)."""
-    if m < register_weight_min_rows(spec):
-        return False
+def _register_weights_reachable(spec: GemmSpec) -> bool:
+    """Whether the fused range runs this call on a register-weight variant (a quantized activation
+    dequantized to bf16 first)."""
     if spec.fmt_a is not None:
         if (os.environ.get(ENV_DEQUANT_A) == "0"
                 or ("bf16", _KIND[spec.fmt_b]) not in _KERNEL_PAIRS
@@ -248,6 +257,12 @@ def register_weights_take(spec: GemmSpec, m: int) -> bool:
             return False
         spec = with_dequantized_activation(spec)
     return register_weights_available(spec)
+
+
+def register_weights_take(spec: GemmSpec, m: int) -> bool:
+    """Whether a call with kernel row count m in the decode kernel's rows goes to a register-weight
+    variant instead (a quantized activation is dequantized to bf16 first)."""
+    return m >= register_weight_min_rows(spec) and _register_weights_reachable(spec)
 
 
 def uses_register_weights(spec: GemmSpec, m: int) -> bool:
