@@ -495,10 +495,12 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     assert sm90.uses_decode(mx8, 16) and sm90.uses_register_weights(mx8, 17)
     odd_k = dataclasses.replace(big, k=16384 + 32)  # not whole 64-element k-tiles: decode
     assert sm90.uses_decode(odd_k, 64) and not sm90.uses_decode(odd_k, 65)
-    small = dataclasses.replace(big, n=8192, k=8192)  # 64 weight tiles: from 33 rows
+    mid = dataclasses.replace(big, n=8192, k=8192)  # 64 weight tiles: half the SMs
+    assert sm90.uses_decode(mid, 16) and not sm90.uses_decode(mid, 17)
+    small = dataclasses.replace(big, n=4096, k=8192)  # 32 weight tiles: from 33 rows
     assert sm90.uses_decode(small, 32) and not sm90.uses_decode(small, 33)
     batched = dataclasses.replace(small, b_batch=(2,), batch_shape=(2,), a_batch=(2,))
-    assert not sm90.uses_decode(batched, 17)  # two batches of 64 tiles
+    assert not sm90.uses_decode(batched, 17)  # two batches of 32 tiles
     monkeypatch.setenv(sm90.ENV_REGISTER_WEIGHTS, "0")  # the decode kernel's wide rows again
     assert sm90.uses_decode(small, 64) and not sm90.uses_decode(small, 65)
     monkeypatch.delenv(sm90.ENV_REGISTER_WEIGHTS)

@@ -117,9 +117,11 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
     # more tiles than SMs: CTAs run several tiles, so a k-tile's MMAs still in flight at a
     # tile's end would corrupt the next tile (128 x 128 and 64 x 128 tiles)
     ((), (), 256, 17920, 256), ((), (), 64, 40000, 128),
-    # the 16- and 32-row activation tiles (the decode kernel turned off)
+    # the 16- and 32-row activation tiles (the decode kernel turned off), whose two k-groups
+    # take alternate k-tiles: an odd count, one k-tile (the second group has none), several
+    # tiles per CTA
     ((), (), 1, 300, 256), ((), (), 13, 40000, 192), ((), (), 32, 1000, 1024),
-    ((2,), (), 12, 264, 128)])
+    ((2,), (), 12, 264, 128), ((), (), 5, 264, 64), ((), (), 30, 20000, 320)])
 def test_register_weights(monkeypatch, fmt_b, batch_a, batch_b, m, n, k):
     """The register-weight variants (weights converted straight into wgmma's register operand,
     the activations K-permuted by the lowering): which call runs, and the numerics for odd M / N

@@ -30,13 +30,17 @@ def _sass(tmp_path, b_kind, tile):
 
 
 @pytest.mark.parametrize("b_kind", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("tile", [(16, 128), (64, 64), (128, 128)])
+@pytest.mark.parametrize("tile", [(16, 128), (32, 128), (64, 64), (128, 128)])
 def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile):
     sass = _sass(tmp_path, b_kind, tile)
     groups, hazards = register_a_hazards(sass)
     assert groups >= 2, "expected the k-tile pair's HGMMA groups"
     assert not hazards, "\n".join(hazards[:20])
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
+    if (b_kind, tile) != ("nvfp4", (32, 128)):
+        # ptxas serializes the 32-row NVFP4 k-split variant's wgmmas (104 registers leave no
+        # room for the pipeline); it still beat the unsplit one at 32 x 8192^2 (24.9 against
+        # 30.0 us) and lost 1 us at 32 x 16384^2 (H100, docs/sm90_notes.md)
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
 
 
 SYNTHETIC = """

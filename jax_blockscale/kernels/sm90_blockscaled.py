@@ -66,6 +66,11 @@ REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
 REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6}
+# activation rows of the register-weight tiles that split each tile's k-tiles between two groups
+# of consumer warp groups (even / odd k-tiles, summed at the tile's end): twice the warps to hide
+# the conversion's latency where the accumulators are few enough for the smaller register share
+REGISTER_WEIGHT_K_SPLIT_ROWS = (16, 32)
+PRODUCER_REGS = 40
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
@@ -215,6 +220,25 @@ def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
 
 
+class _Slot:
+    """A pipeline position as PipelineTmaAsync's calls read it (.index, .phase): the position of
+    `state` in a ring of stages that starts at stage `base` of the shared barrier arrays."""
+
+    def __init__(self, state, base):
+        self.index = state.index + base
+        self.phase = state.phase
+
+
+def _produce(pipe, slot, copies):
+    """One k-tile's TMA copies (atom, global tile, shared tensor indexed by stage) into stage
+    slot.index, counted by its full barrier."""
+    pipe.producer_acquire(slot)
+    bar = pipe.producer_get_barrier(slot)
+    for atom, src, dst in copies:
+        cute.copy(atom, src, dst[(None, slot.index)], tma_bar_ptr=bar)
+    pipe.producer_commit(slot)
+
+
 class Sm90BlockScaledGemm:
     """One compiled variant: operand kinds, output dtype and tile shape are compile time."""
 
@@ -240,9 +264,17 @@ class Sm90BlockScaledGemm:
         # raw (packed) bytes per row of one k-tile
         self.a_row_bytes = BK * KINDS[a_kind]["bits"] // 8
         self.b_row_bytes = BK * KINDS[b_kind]["bits"] // 8
-        self.num_consumer_wg = self.bn // 64 if self.reg_w else 2
+        # register-weight mode: warp groups per k-group (64 weight rows each) x k-groups
+        self.k_groups = 2 if self.reg_w and self.bm in REGISTER_WEIGHT_K_SPLIT_ROWS else 1
+        self.num_consumer_wg = (self.bn // 64) * self.k_groups if self.reg_w else 2
         self.threads = 128 * (1 + self.num_consumer_wg)
         self.num_consumer_threads = 128 * self.num_consumer_wg
+        # registers: what a CTA of this size is launched with (8-register steps), the producer
+        # warp group's share handed to the consumers with setmaxnreg (232 for three warp groups);
+        # asking for more than the CTA holds would block forever
+        launch_regs = 65536 // self.threads // 8 * 8
+        self.consumer_regs = min(232, (launch_regs * self.threads - PRODUCER_REGS * 128)
+                                 // self.num_consumer_threads // 8 * 8)
         self.bf16_buffers = 0 if self.reg_w else 3  # see the consumer loop for why three
         # chunks dequantized per load/convert/store group (registers vs latency hiding)
         self.group = 8 if self.bn <= 128 else 6
@@ -253,7 +285,10 @@ class Sm90BlockScaledGemm:
         bufs = self.bf16_buffers * ((self.bm * BK * 2 if self.a_quant else 0) + self.bn * BK * 2)
         smem_cap = 227 * 1024 - 4096  # leave room for barriers and alignment padding
         max_stages = REGISTER_WEIGHT_MAX_STAGES[self.bm] if self.reg_w else 8
+        if self.k_groups > 1:
+            bufs += 4 * self.bm * self.bn  # the second k-group's sums, added at a tile's end
         self.stages = max(2, min(max_stages, (smem_cap - bufs) // raw_stage))
+        self.stages -= self.stages % self.k_groups  # one ring of stages per k-group
         self.tx_bytes = raw_stage
 
     # ------------------------------------------------------------------------------------------
@@ -360,6 +395,9 @@ class Sm90BlockScaledGemm:
             sb: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, SCALE_CHUNK * self.stages * self.nsb], 128
             ]
+            red: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, bm * bn if self.k_groups > 1 else 4], 16
+            ]
 
         self.storage = Storage
 
@@ -436,8 +474,8 @@ class Sm90BlockScaledGemm:
             barrier_storage=st.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_consumer_wg * 4
+            consumer_group=pipeline.CooperativeGroup(  # the warps that release each stage
+                pipeline.Agent.Thread, self.num_consumer_wg // self.k_groups * 4
             ),
             tx_count=self.tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -486,36 +524,59 @@ class Sm90BlockScaledGemm:
 
         if wg_idx == 0:
             # ============================ producer ============================================
-            cute.arch.setmaxregister_decrease(40)
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 sch = utils.StaticPersistentTileScheduler.create(
                     sched, cute.arch.block_idx(), cute.arch.grid_dim()
                 )
                 work = sch.initial_work_tile_info()
-                ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                ring = self.stages // self.k_groups
+                ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ring)
+                # with two k-groups: the odd k-tiles' ring (stages ring .. 2 ring - 1)
+                ps1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ring)
                 while work.is_valid_tile:
                     tm, tn, tl = work.tile_idx
                     for kt in range(k_tiles):
-                        pipe.producer_acquire(ps)
-                        bar = pipe.producer_get_barrier(ps)
-                        cute.copy(tma_a, tAg[(None, tm, kt, tl)], tAs[(None, ps.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBg[(None, tn, kt, tl)], tBs[(None, ps.index)], tma_bar_ptr=bar)
-                        # the 128x4 scale tile holding this k-tile's blocks
-                        for j in cutlass.range_constexpr(self.nsb):
-                            row_b = (tl * scale_tiles_n + (tn * bn) // 128 + j) * sk4_b + (
+                        if cutlass.const_expr(self.k_groups == 1):
+                            pipe.producer_acquire(ps)
+                            bar = pipe.producer_get_barrier(ps)
+                            cute.copy(tma_a, tAg[(None, tm, kt, tl)], tAs[(None, ps.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_b, tBg[(None, tn, kt, tl)], tBs[(None, ps.index)], tma_bar_ptr=bar)
+                            # the 128x4 scale tile holding this k-tile's blocks
+                            for j in cutlass.range_constexpr(self.nsb):
+                                row_b = (tl * scale_tiles_n + (tn * bn) // 128 + j) * sk4_b + (
+                                    kt * BK // b_blk) // 4
+                                cute.copy(tma_sb, tSBg[(None, row_b)],
+                                          tSBs[(None, ps.index * self.nsb + j)], tma_bar_ptr=bar)
+                            if cutlass.const_expr(self.a_quant):
+                                row_a = (tl * tiles_m + tm) * sk4_a + (kt * BK // a_blk) // 4
+                                cute.copy(tma_sa, tSAg[(None, row_a)], tSAs[(None, ps.index)], tma_bar_ptr=bar)
+                            pipe.producer_commit(ps)
+                            ps.advance()
+                        else:  # register-weight mode, k-tile kt to k-group kt % 2's ring
+                            row_b = (tl * scale_tiles_n + (tn * bn) // 128) * sk4_b + (
                                 kt * BK // b_blk) // 4
-                            cute.copy(tma_sb, tSBg[(None, row_b)],
-                                      tSBs[(None, ps.index * self.nsb + j)], tma_bar_ptr=bar)
-                        if cutlass.const_expr(self.a_quant):
-                            row_a = (tl * tiles_m + tm) * sk4_a + (kt * BK // a_blk) // 4
-                            cute.copy(tma_sa, tSAg[(None, row_a)], tSAs[(None, ps.index)], tma_bar_ptr=bar)
-                        pipe.producer_commit(ps)
-                        ps.advance()
+                            copies = [(tma_a, tAg[(None, tm, kt, tl)], tAs),
+                                      (tma_b, tBg[(None, tn, kt, tl)], tBs),
+                                      (tma_sb, tSBg[(None, row_b)], tSBs)]
+                            if kt % 2 == 0:
+                                _produce(pipe, _Slot(ps, 0), copies)
+                                ps.advance()
+                            else:
+                                _produce(pipe, _Slot(ps1, ring), copies)
+                                ps1.advance()
                     sch.advance_to_next_work()
                     work = sch.get_current_work()
-                pipe.producer_tail(ps)
+                if cutlass.const_expr(self.k_groups == 1):
+                    pipe.producer_tail(ps)
+                else:  # every stage of both rings released before the CTA exits
+                    for _ in cutlass.range_constexpr(ring):
+                        pipe.sync_object_empty.wait(ps.index, ps.phase)
+                        ps.advance()
+                        pipe.sync_object_empty.wait(ps1.index + ring, ps1.phase)
+                        ps1.advance()
         elif cutlass.const_expr(self.reg_w):
-            cute.arch.setmaxregister_increase(232)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched)
         else:
             # ============================ consumers ===========================================
@@ -672,17 +733,27 @@ class Sm90BlockScaledGemm:
 
     @cute.jit
     def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched):
-        """Consumers of the register-weight mode. Thread (warp group wg, warp wq, lane = 4 g + t)
-        owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's bn and the accumulator
-        of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2), column 8 j + 2 t + x % 2]."""
+        """Consumers of the register-weight mode. Thread (k-group kg, warp group wg of it, warp
+        wq, lane = 4 g + t) owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's bn
+        and the accumulator of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2),
+        column 8 j + 2 t + x % 2], summed over k-tiles kg, kg + k_groups, ... With two k-groups
+        each has its own ring of stages; the second adds its sums into the first's through
+        shared memory at a tile's end, and the first stores the tile."""
         bm, bn = self.bm, self.bn
+        kgs = self.k_groups
+        group_threads = self.num_consumer_threads // kgs
         ctid = tidx - 128
-        wg = ctid // 128
-        wq = (ctid // 32) % 4
-        lane = ctid % 32
+        kg, gtid = 0, ctid  # k-group, thread index inside it
+        if cutlass.const_expr(kgs > 1):
+            kg, gtid = ctid // group_threads, ctid % group_threads
+        wg = gtid // 128
+        wq = (gtid // 32) % 4
+        lane = gtid % 32
         g = lane // 4
         t = lane % 4
         r0 = wg * 64 + wq * 16 + g
+        ring = self.stages // kgs
+        ring_base = kg * ring  # the k-group's ring of stages
         n_acc = bm // 2
         b_blk = KINDS[self.b_kind]["block"]
         k_tiles = (k + BK - 1) // BK
@@ -698,14 +769,18 @@ class Sm90BlockScaledGemm:
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
         kw = dict(t=t, a_raw_base=a_raw_base, b_raw_base=b_raw_base, sb_base=sb_base,
                   w_off=w_off, fp8=fp8_params)
+        sums_ready = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
+        sums_read = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         sch = utils.StaticPersistentTileScheduler.create(
             sched, cute.arch.block_idx(), cute.arch.grid_dim()
         )
         work = sch.initial_work_tile_info()
-        rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ring)
         # a k-tile's MMAs run while the next k-tile is converted, so its stage goes back to the
         # producer one k-tile later: rel trails rs
-        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ring)
+        # the k-group's own k-tiles of every tile
+        own_k_tiles = (k_tiles - kg + kgs - 1) // kgs
         while work.is_valid_tile:
             tm, tn, tl = work.tile_idx
             acc.fill(0.0)
@@ -717,49 +792,70 @@ class Sm90BlockScaledGemm:
             # registers, so the registers a k-tile's MMAs still read are never the ones the next
             # k-tile is converted into. (A loop over single k-tiles rewrites one set each pass;
             # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
-            for kp in range(k_tiles // 2):
-                self._register_weight_k_tile(pipe, rs, acc, kw, s_off, 2 * kp)
+            for kp in range(own_k_tiles // 2):
+                self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
+                                             kg + kgs * (2 * kp))
                 rs.advance()
                 if kp > 0:  # the previous pair's second k-tile's MMAs are done
-                    pipe.consumer_release(rel)
+                    pipe.consumer_release(self._slot(rel, ring_base))
                     rel.advance()
-                self._register_weight_k_tile(pipe, rs, acc, kw, s_off, 2 * kp + 1)
+                self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
+                                             kg + kgs * (2 * kp + 1))
                 rs.advance()
-                pipe.consumer_release(rel)  # this pair's first k-tile
+                pipe.consumer_release(self._slot(rel, ring_base))  # this pair's first k-tile
                 rel.advance()
-            if k_tiles % 2 == 1:
-                self._register_weight_k_tile(pipe, rs, acc, kw, s_off, k_tiles - 1)
+            if own_k_tiles % 2 == 1:
+                self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
+                                             kg + kgs * (own_k_tiles - 1))
                 rs.advance()
-                if k_tiles > 1:
-                    pipe.consumer_release(rel)
+                if own_k_tiles > 1:
+                    pipe.consumer_release(self._slot(rel, ring_base))
                     rel.advance()
             res = _rw_wait_all([acc[i] for i in range(n_acc)])
             for i in cutlass.range_constexpr(n_acc):
                 acc[i] = res[i]
-            if k_tiles > 0:  # the last k-tile
-                pipe.consumer_release(rel)
+            if own_k_tiles > 0:  # the last k-tile
+                pipe.consumer_release(self._slot(rel, ring_base))
                 rel.advance()
-            # epilogue: C[l, m, n] = alpha * C^T[n, m], predicated for the M / N tails
+            if cutlass.const_expr(kgs > 1):
+                # the second k-group's sums into the first's (slot i of thread x at i T + x: no
+                # bank conflicts); the second barrier keeps the buffer until they are read
+                red = st.red.get_tensor(cute.make_layout((n_acc, group_threads),
+                                                         stride=(group_threads, 1)))
+                if kg == 1:
+                    for i in cutlass.range_constexpr(n_acc):
+                        red[i, gtid] = acc[i]
+                sums_ready.arrive_and_wait()
+                if kg == 0:
+                    for i in cutlass.range_constexpr(n_acc):
+                        acc[i] = acc[i] + red[i, gtid]
+                sums_read.arrive_and_wait()
+            # epilogue (k-group 0): C[l, m, n] = alpha * C^T[n, m], predicated for the M / N tails
             m0 = tm * bm
             n0 = tn * bn
             alpha = self._epilogue_alpha(mAlpha)
             for i in cutlass.range_constexpr(n_acc):
                 row = n0 + r0 + 8 * ((i % 4) // 2)
                 col = m0 + 8 * (i // 4) + 2 * t + i % 2
-                if col < m and row < n:
+                if col < m and row < n and kg == 0:
                     mC[col, row, tl] = self.c_dtype(acc[i] * alpha)
             sch.advance_to_next_work()
             work = sch.get_current_work()
 
 
-    def _register_weight_k_tile(self, pipe, rs, acc, kw, s_off, kt):
+    def _slot(self, state, ring_base):
+        """The pipeline position of `state` in its k-group's ring (the state itself when there is
+        one ring)."""
+        return state if self.k_groups == 1 else _Slot(state, ring_base)
+
+    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt):
         """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
-        stage, convert the thread's 16 weight elements of each of its two rows into the four
+        stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the four
         k16 MMAs' A registers and issue them (acc += W A^T). Returns once the previous k-tile's
         MMAs are done; this one's may still run. The caller advances rs (the tracer only sees
         state rebound in the loop body itself) and releases the stages."""
-        pipe.consumer_wait(rs)
-        stage = rs.index
+        pipe.consumer_wait(slot)
+        stage = slot.index
         b_blk = KINDS[self.b_kind]["block"]
         t = kw["t"]
         # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX: block

@@ -223,17 +223,17 @@ KPERM_KIND_CODE = KIND_CODES["bf16_kperm"]
 
 # From this many rows the register-weight variants beat the decode kernel's wide variants, so
 # such calls skip the decode kernel there. H100, nvfp4 weights (docs/sm90_notes.md, session 12):
-# at N = K = 16384 (128 weight tiles of 128 rows: one per SM) 70.8 against 87.2 us at 32 rows and
-# 74.6 against 144 at 48, but 68.1 against 60.8 at 16; at N = K = 8192 (64 tiles) the decode
-# kernel's split-K keeps every SM busy and wins at 32 rows (26.6 against 30.0).
+# 71.8 against 87.2 us at 32 x 16384^2, 74.6 against 144 at 48; 24.9 against 26.8 at
+# 32 x 8192^2 (64 weight tiles of 128 rows); but 65.4 against 60.6 at 16 x 16384^2.
 REGISTER_WEIGHT_MIN_ROWS = 17
-# ... and with fewer 128-row weight tiles than ~90 % of the SMs
+# ... when the weights' 64-row tiles give ~every SM one; with fewer tiles the decode kernel's
+# split-K keeps more SMs busy (not measured between 17 and 32 rows there)
 REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = 33
 
 
 def register_weight_min_rows(spec: GemmSpec) -> int:
     _, l = kernel_rows_and_batch(spec)
-    weight_tiles = -(-spec.n // 128) * l
+    weight_tiles = -(-spec.n // 64) * l
     if weight_tiles >= 0.9 * _sm_count():
         return REGISTER_WEIGHT_MIN_ROWS
     return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
