@@ -14,15 +14,11 @@ each forced at every M (JAX_BLOCKSCALE_SM90_MAX_ROWS), against bf16 `jnp.dot`, i
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
-import jax
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from env_methods import compare_methods, gemm_sets, report, shape_data  # noqa: E402
+from env_methods import probe_main  # noqa: E402
 from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: E402
 from sweep import format_token, quantize  # noqa: E402
 
@@ -34,25 +30,15 @@ METHODS = {
 }
 
 
+def _activation(x, token):
+    """The activation quantized like the weight."""
+    fmt, kw = format_token(token)
+    return quantize(x, fmt, **kw), token
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="128x16384x16384,256x16384x16384,512x16384x16384,"
-                                        "128x8192x8192,256x8192x8192")
-    ap.add_argument("--formats", default="nvfp4,mxfp8_e4m3")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    rows = []
-    for shape in args.shapes.split(","):
-        m, n, k, x, w, dot_sets = shape_data(shape)
-        for token in args.formats.split(","):
-            fmt, kw_ = format_token(token)
-            sets = gemm_sets(quantize(x, fmt, **kw_), w, token, n, k)
-            med, agree = compare_methods(METHODS, sets, dot_sets, args.rounds)
-            rows.append(report(shape, token, med, agree))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)
+    probe_main(__doc__, METHODS, "128x16384x16384,256x16384x16384,512x16384x16384,"
+               "128x8192x8192,256x8192x8192", "nvfp4,mxfp8_e4m3", _activation)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ variables read at trace time (GPU only): compile the call under each method's en
 that the outputs agree, and time bf16 `jnp.dot` and every method in paired rounds."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -66,3 +68,29 @@ def report(shape, token, med, agree, ref="dequant_dot"):
           + f" us; rel diff vs {ref} " + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()),
           flush=True)
     return dict(shape=shape, format=token, us=med, **{f"rel_diff_vs_{ref}": agree})
+
+
+def probe_main(doc, methods, default_shapes, default_formats, activation):
+    """A probe's command line: for every --shapes x --formats token, time --methods (a subset of
+    `methods`) against bf16 `jnp.dot` and print / save the rows. `activation(x, token)` turns the
+    f32 activation into the call's A for that token and returns (A, the weight's format token)."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--shapes", default=default_shapes)
+    ap.add_argument("--formats", default=default_formats)
+    ap.add_argument("--methods", default=",".join(methods),
+                    help="comma-separated subset of " + ", ".join(methods))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    chosen = {name: methods[name] for name in args.methods.split(",")}
+    rows = []
+    for shape in args.shapes.split(","):
+        m, n, k, x, w, dot_sets = shape_data(shape)
+        for token in args.formats.split(","):
+            a, weight_token = activation(x, token)
+            sets = gemm_sets(a, w, weight_token, n, k)
+            med, agree = compare_methods(chosen, sets, dot_sets, args.rounds)
+            rows.append(report(shape, token, med, agree))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)

@@ -17,16 +17,13 @@ rows). Also checks that the paths agree.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from env_methods import compare_methods, gemm_sets, report, shape_data  # noqa: E402
+from env_methods import probe_main  # noqa: E402
 from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: E402
 from sweep import format_token, quantize  # noqa: E402
 
@@ -40,29 +37,18 @@ METHODS = {
 }
 
 
+def _activation(x, token):
+    """"w:<fmt>": a bf16 activation (weight-only); "<fmt>": the activation quantized like the
+    weight (dequantized first by the default path)."""
+    weight_token = token.removeprefix("w:")
+    fmt, kw = format_token(weight_token)
+    a = x.astype(jnp.bfloat16) if token.startswith("w:") else quantize(x, fmt, **kw)
+    return a, weight_token
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="128x16384x16384,256x16384x16384,128x8192x8192")
-    ap.add_argument("--formats", default="w:nvfp4,nvfp4,w:mxfp4")
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help="comma-separated subset of " + ", ".join(METHODS))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    methods = {name: METHODS[name] for name in args.methods.split(",")}
-    rows = []
-    for shape in args.shapes.split(","):
-        m, n, k, x, w, dot_sets = shape_data(shape)
-        for token in args.formats.split(","):
-            weight_token = token.removeprefix("w:")
-            fmt, kw_ = format_token(weight_token)
-            a = x.astype(jnp.bfloat16) if token.startswith("w:") else quantize(x, fmt, **kw_)
-            sets = gemm_sets(a, w, weight_token, n, k)
-            med, agree = compare_methods(methods, sets, dot_sets, args.rounds)
-            rows.append(report(shape, token, med, agree))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)
+    probe_main(__doc__, METHODS, "128x16384x16384,256x16384x16384,128x8192x8192",
+               "w:nvfp4,nvfp4,w:mxfp4", _activation)
 
 
 if __name__ == "__main__":
