@@ -59,6 +59,9 @@ struct Problem {
   // opted out of the decode kernel (always the fused GEMM).
   uint64_t ws_ptr;
   int64_t ws_bytes;
+  // 1: A's scales are in the plain layout [L, M, K / block] (the decode kernel reads them so;
+  // the fused GEMM needs the blocked layout), 0: blocked.
+  int a_scales_plain;
 };
 
 // The decode kernel's dispatch heuristic, a mirror of

@@ -54,7 +54,7 @@ ffi::Error Instantiate() {
 ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
                    ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
                    ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m,
-                   int64_t n, int64_t k, int64_t l) {
+                   int64_t n, int64_t k, int64_t l, int32_t a_scales_plain) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -79,6 +79,7 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   if (const char* t = getenv("JAX_BLOCKSCALE_SM90_TILE_N")) p.tile_n_pref = atoi(t);  // tuning aid
   p.ws_ptr = reinterpret_cast<uint64_t>(ws->untyped_data());
   p.ws_bytes = ws->size_bytes();
+  p.a_scales_plain = a_scales_plain;
   char msg[512];
   Dispatch dispatch{};
   if (const char* why = DispatchProblem(p, kJbsVariants, kJbsNumVariants, &dispatch, msg,
@@ -89,6 +90,9 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
 
   auto args = jbs_ffi::GemmLaunchArgs<LaunchArgs>(a, b, sa, sb, *c, alpha, m, n, k, l);
   args.a_e5m2 = a_e5m2; args.b_e5m2 = b_e5m2; args.max_ctas = d->sm_count;
+  // the decode kernel takes the scale layout as bit 1 of a_e5m2 (DispatchProblem only picks the
+  // fused GEMM with blocked A scales)
+  if (v->nt > 0) args.a_e5m2 |= a_scales_plain << 1;
   args.stream = stream; args.ws = ws->untyped_data(); args.splits = dispatch.splits;
   return g_state.Launch(*v, args);
 }
@@ -112,7 +116,8 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm90, jbs::Execute,
                            .Attr<int64_t>("m")
                            .Attr<int64_t>("n")
                            .Attr<int64_t>("k")
-                           .Attr<int64_t>("l"),
+                           .Attr<int64_t>("l")
+                           .Attr<int32_t>("a_scales_plain"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----
@@ -156,11 +161,12 @@ JBS_EXPORT int jbs_choose_decode(int a_kind, int b_kind, int out, long long m, l
 // jbs_check_problem plus the workspace. Returns 0 with the chosen variant's name in msg and its
 // split count (0 for the fused GEMM) in *splits, or 1 with the reason in msg.
 JBS_EXPORT int jbs_dispatch_problem(JBS_PROBLEM_PARAMS, unsigned long long ws_ptr,
-                                    long long ws_bytes, int* splits, char* msg, int msg_len) {
+                                    long long ws_bytes, int a_scales_plain, int* splits, char* msg,
+                                    int msg_len) {
   jbs::Problem p{a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l,
                  a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr,
                  a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor,
-                 sm_count, 0, ws_ptr, ws_bytes};
+                 sm_count, 0, ws_ptr, ws_bytes, a_scales_plain};
   char buf[512];
   jbs::Dispatch d{};
   const char* why = jbs::DispatchProblem(p, kJbsVariants, kJbsNumVariants, &d, buf, sizeof(buf));
@@ -176,7 +182,7 @@ JBS_EXPORT int jbs_check_problem(JBS_PROBLEM_PARAMS, char* msg, int msg_len) {
   return jbs_dispatch_problem(a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l, a_ptr, b_ptr,
                               sa_ptr, sb_ptr, c_ptr, alpha_ptr, a_bytes, b_bytes, sa_bytes,
                               sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor, sm_count, 0, 0,
-                              nullptr, msg, msg_len);
+                              0, nullptr, msg, msg_len);
 }
 
 }  // extern "C"

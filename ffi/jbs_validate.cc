@@ -130,11 +130,14 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     JBS_FAIL("A buffer has %lld bytes, expected %lld", (long long)p.a_bytes, (long long)a_bytes);
   if (p.b_bytes != b_bytes)
     JBS_FAIL("B buffer has %lld bytes, expected %lld", (long long)p.b_bytes, (long long)b_bytes);
+  if (p.a_scales_plain != 0 && p.a_scales_plain != 1) JBS_FAIL("a_scales_plain must be 0 or 1");
+  if (p.a_scales_plain && !ba) JBS_FAIL("plain A scales given for an unquantized activation");
   if (ba) {
-    const int64_t want = BlockedScaleBytes(p.l, p.m, p.k, ba);
+    const int64_t want = p.a_scales_plain ? p.l * p.m * (p.k / ba)
+                                          : BlockedScaleBytes(p.l, p.m, p.k, ba);
     if (p.sa_bytes != want)
-      JBS_FAIL("A scale buffer has %lld bytes, expected %lld (blocked layout)",
-               (long long)p.sa_bytes, (long long)want);
+      JBS_FAIL("A scale buffer has %lld bytes, expected %lld (%s layout)", (long long)p.sa_bytes,
+               (long long)want, p.a_scales_plain ? "plain" : "blocked");
   }
   const int64_t want_sb = BlockedScaleBytes(p.l, p.n, p.k, bb);
   if (p.sb_bytes != want_sb)
@@ -222,6 +225,9 @@ const char* DispatchProblem(const Problem& p, const Variant* variants, int num_v
     }
   }
   if (!dec) {  // the fused GEMM
+    if (p.a_scales_plain)
+      JBS_FAIL("plain A scales need the decode kernel, which does not run this call (M=%lld)",
+               (long long)p.m);
     if (out) *out = Dispatch{main, 0};
     return nullptr;
   }

@@ -190,7 +190,8 @@ def test_sm90_backend_declines_without_hopper():
 
 @pytest.mark.parametrize("case", ["plain", "fold_batch_into_m", "batched", "pad_k", "weight_only",
                                   "dequantize_a", "register_weights_in_decode_rows",
-                                  "decode_rows", "shared_memory_weights", "large_m"])
+                                  "decode_rows", "decode_rows_blocked_scales",
+                                  "shared_memory_weights", "large_m"])
 def test_lowering_emits_the_custom_call(monkeypatch, case):
     import jax_blockscale as jbs
 
@@ -205,8 +206,9 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
     elif case == "batched":
         a, b = q((3, 40, 64), "mxfp8_e5m2"), q((3, 24, 64), "mxfp8_e4m3")
         want = dict(m=40, n=24, k=64, l=3, a_e5m2=1, b_e5m2=0)
-    elif case == "pad_k":  # NVFP4 K % 32 == 16: padded to 64
-        a, b, want = q((5, 48), "nvfp4"), q((7, 48), "nvfp4"), dict(m=5, n=7, k=64, l=1)
+    elif case == "pad_k":  # NVFP4 K % 32 == 16: padded to 64 (A's plain scales by a zero block)
+        a, b = q((5, 48), "nvfp4"), q((7, 48), "nvfp4")
+        want = dict(m=5, n=7, k=64, l=1, a_scales_plain=1)
     elif case == "weight_only":
         a = jax.random.normal(key, (9, 64)).astype(jnp.bfloat16)
         b, want = q((24, 64), "nvfp4"), dict(m=9, n=24, k=64, l=1, a_kind=4)
@@ -217,9 +219,13 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
     elif case == "register_weights_in_decode_rows":  # fp4 weights from 33 rows: W4A4 too
         a, b = q((48, 128), "nvfp4"), q((24, 128), "nvfp4")
         want = dict(m=48, n=24, k=128, l=1, a_kind=5, b_kind=1)
-    elif case == "decode_rows":  # up to 32 rows: the two-operand decode kernel
+    elif case == "decode_rows":  # up to 32 rows: the two-operand decode kernel, which reads the
+        # activation's plain scales as they are
         a, b = q((32, 128), "nvfp4"), q((24, 128), "nvfp4")
-        want = dict(m=32, n=24, k=128, l=1, a_kind=1, b_kind=1)
+        want = dict(m=32, n=24, k=128, l=1, a_kind=1, b_kind=1, a_scales_plain=1)
+    elif case == "decode_rows_blocked_scales":
+        a, b = q((32, 128), "mxfp4", "blocked"), q((24, 128), "mxfp4")
+        want = dict(m=32, n=24, k=128, l=1, a_kind=2, b_kind=2, a_scales_plain=0)
     elif case == "shared_memory_weights":  # a K not a multiple of 64: no register weights
         a = jax.random.normal(key, (90, 96)).astype(jnp.bfloat16)
         b, want = q((24, 96), "nvfp4"), dict(m=90, n=24, k=96, l=1, a_kind=4)
@@ -229,7 +235,8 @@ def test_lowering_emits_the_custom_call(monkeypatch, case):
         from jax_blockscale.lowering import ffi as sm90
 
         monkeypatch.setenv(sm90.ENV_MAX_ROWS, "0")  # the kernel at every size
-        if case not in ("dequantize_a", "register_weights_in_decode_rows", "decode_rows"):
+        if case not in ("dequantize_a", "register_weights_in_decode_rows", "decode_rows",
+                        "decode_rows_blocked_scales"):
             monkeypatch.setenv(sm90.ENV_DEQUANT_A, "0")  # the two-operand kernel's own layout
     text = lower_for_cuda(monkeypatch, lambda a, b: jbs.gemm(a, b, backend="sm90"), a, b)
     calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
@@ -260,7 +267,8 @@ def _lib():
     lib.jbs_choose_decode.restype = c.c_int
     lib.jbs_dispatch_problem.argtypes = (
         [c.c_int] * 5 + [c.c_longlong] * 4 + [c.c_ulonglong] * 6 + [c.c_longlong] * 6
-        + [c.c_int] * 3 + [c.c_ulonglong, c.c_longlong, c.POINTER(c.c_int), c.c_char_p, c.c_int])
+        + [c.c_int] * 3 + [c.c_ulonglong, c.c_longlong, c.c_int, c.POINTER(c.c_int), c.c_char_p,
+                          c.c_int])
     lib.jbs_dispatch_problem.restype = c.c_int
     return lib
 
@@ -272,9 +280,12 @@ def cpp_choose(a, b, out, m, n, k, sm_count=132):
     return (nt.value, splits.value) if ok else None
 
 
-def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
-    """The execute stage's validation + dispatch: (ok, variant name or reason, splits)."""
+def dispatch(ws_bytes=None, ws_ptr=0x70000, a_scales_plain=0, **kw):
+    """The execute stage's validation + dispatch: (ok, variant name or reason, splits).
+    a_scales_plain: A's scales in the plain layout (sa_bytes sized for it unless given)."""
     p = problem(**kw)
+    if a_scales_plain and "sa_bytes" not in kw:
+        p["sa_bytes"] = p["l"] * p["m"] * (p["k"] // BLOCK[kw.get("a", "nvfp4")])
     if ws_bytes is None:  # room for every split the heuristic can pick
         ws_bytes = p["l"] * p["m"] * p["n"] * 4 * 1024
     names = ["a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "m", "n", "k", "l", "a_ptr",
@@ -282,7 +293,7 @@ def dispatch(ws_bytes=None, ws_ptr=0x70000, **kw):
              "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor", "sm_count"]
     buf = ctypes.create_string_buffer(512)
     splits = ctypes.c_int(-1)
-    rc = _lib().jbs_dispatch_problem(*(p[n] for n in names), ws_ptr, ws_bytes,
+    rc = _lib().jbs_dispatch_problem(*(p[n] for n in names), ws_ptr, ws_bytes, a_scales_plain,
                                      ctypes.byref(splits), buf, len(buf))
     return rc == 0, buf.value.decode(), splits.value
 
@@ -388,6 +399,31 @@ def test_decode_dispatch_falls_back_to_the_fused_kernel():
     # an e5m2 mxfp8 operand is a run-time flag of the same decode kernel
     ok, name, _ = dispatch(a="mxfp8", b="mxfp8", m=4, n=300, k=1024, l=1, a_e5m2=1, b_e5m2=0)
     assert ok and name == "jbs_sm90_decode_mxfp8_mxfp8_bf16_m8", name
+
+
+@pytest.mark.parametrize("a", ["nvfp4", "mxfp4", "mxfp8"])
+def test_decode_reads_plain_activation_scales(a):
+    """A quantized activation's scales may come in the plain layout [L, M, K / block] (no XLA
+    conversion kernel before the call): only for the decode kernel, and the buffer must be sized
+    for that layout."""
+    ok, name, splits = dispatch(a=a, b=a, m=16, n=300, k=1024, l=2, a_scales_plain=1)
+    assert ok and name == f"jbs_sm90_decode_{a}_{a}_bf16_m16" and splits >= 1, name
+    # the blocked size with the plain flag (and the other way round) is a size error
+    blocked = problem(a=a, b=a, m=16, n=300, k=1024, l=2)["sa_bytes"]
+    ok, msg, _ = dispatch(a=a, b=a, m=16, n=300, k=1024, l=2, a_scales_plain=1, sa_bytes=blocked)
+    assert not ok and "plain layout" in msg, msg
+    ok, msg, _ = dispatch(a=a, b=a, m=16, n=300, k=1024, l=2, sa_bytes=2 * 16 * 1024 // BLOCK[a])
+    assert not ok and "blocked layout" in msg, msg
+    # the fused GEMM reads blocked scales only: M past the decode kernel, or no workspace
+    ok, msg, _ = dispatch(a=a, b=a, m=65, n=300, k=1024, l=1, a_scales_plain=1)
+    assert not ok and "need the decode kernel" in msg, msg
+    ok, msg, _ = dispatch(a=a, b=a, m=4, n=300, k=1024, l=1, a_scales_plain=1, ws_bytes=0)
+    assert not ok and "need the decode kernel" in msg, msg
+    # nothing to read for a bf16 activation; the flag is 0 or 1
+    ok, msg, _ = dispatch(a="bf16", b=a, m=4, n=300, k=1024, l=1, a_scales_plain=1, sa_bytes=4)
+    assert not ok and "unquantized activation" in msg, msg
+    ok, msg, _ = dispatch(a=a, b=a, m=4, n=300, k=1024, l=1, a_scales_plain=2)
+    assert not ok and "a_scales_plain" in msg, msg
 
 
 def test_decode_splits_fit_the_workspace():

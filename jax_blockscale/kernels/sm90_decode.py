@@ -694,16 +694,18 @@ class Sm90DecodeGemm:
 
         # ---- run-time fp8 flavour: (shift, mask, power-of-two fix) of the bit trick ------------
         b_fp8 = self._fp8_params(b_e5m2)
-        a_fp8 = self._fp8_params(a_e5m2)
+        # a_e5m2: bit 0 = A's fp8 flavour, bit 1 = A's scales in the plain layout
+        a_fp8 = self._fp8_params(a_e5m2 & 1)
+        a_scales = (sa_addr, (a_e5m2 >> 1) & 1)
 
         acc = cute.make_rmem_tensor((self.RT * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
-                               a_addr, sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t,
+                               a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t,
                                a_fp8, b_fp8)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
-            self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0,
+            self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
         else:
             ring_w = smem.allocate(self.ring_w, byte_alignment=128).toint()
@@ -714,7 +716,7 @@ class Sm90DecodeGemm:
                                       b_fp8)
             else:
                 self._mainloop_cpasync(acc, act_base, ring_w, ring_s, row_addr, sent_addr,
-                                       a_addr, sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid,
+                                       a_addr, a_scales, li, m, m0, k, k_begin, k_end, n_sub, tid,
                                        lane, t, a_fp8, b_fp8)
 
         # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
@@ -752,7 +754,7 @@ class Sm90DecodeGemm:
                 for rt in range(self.RT) for i in range(nt) for x in range(4)]
 
     @cute.jit
-    def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, sa_addr, li, m, m0, k,
+    def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0, k,
                        k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8):
         """Tuning "regs": weights straight into registers, one sub-chunk ahead."""
         v = self.v
@@ -769,7 +771,7 @@ class Sm90DecodeGemm:
 
         # ---- prefetch sub-chunk 0 ------------------------------------------------------------
         self._load_weights(w_nxt, s_nxt, row_addr, sent_addr, k_begin, k_end, t, n_sub > 0)
-        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
+        self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
 
         for it in range(n_sub):
             for i in cutlass.range_constexpr(n_w):
@@ -782,7 +784,7 @@ class Sm90DecodeGemm:
                                it + 1 < n_sub)
             buf = act_base + (it % 2) * self.buf_bytes
             self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+            self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, kc + chunk, k_end, tid,
                            it + 1 < n_sub)
             cute.arch.sync_threads()
             # ---- compute: per step: dequantize + MMAs for both row tiles
@@ -793,7 +795,7 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _mainloop_cpasync(self, acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr,
-                          sa_addr, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t, a_fp8,
+                          a_scales, li, m, m0, k, k_begin, k_end, n_sub, tid, lane, t, a_fp8,
                           b_fp8):
         """Tuning "cpasync": weights and scale entries by cp.async into a per-thread shared-memory
         ring `stages` sub-chunks deep. Each thread reads back only what it copied itself, so
@@ -803,7 +805,7 @@ class Sm90DecodeGemm:
         S = self.tuning.stages
         chunk = self.sub * se
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
-        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
+        self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
         for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
             self._issue_copies(ring_w, ring_s, j, row_addr, sent_addr, k_begin + j * chunk,
                                k_end, t, tid, j < n_sub)
@@ -814,7 +816,7 @@ class Sm90DecodeGemm:
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
             self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+            self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, kc + chunk, k_end, tid,
                            it + 1 < n_sub)
             cp_async_wait(S - 1)  # this thread's copies of sub-chunk `it` have landed
             cute.arch.sync_threads()  # everyone's activations are staged
@@ -826,7 +828,7 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
-                      sa_addr, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
+                      a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
         """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
         box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
         stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
@@ -865,7 +867,7 @@ class Sm90DecodeGemm:
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
-        self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
+        self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
@@ -874,7 +876,7 @@ class Sm90DecodeGemm:
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
             self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, sa_addr, li, m, m0, k, kc + chunk, k_end, tid,
+            self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, kc + chunk, k_end, tid,
                            it + 1 < n_sub)
             stage = it % S
             if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
@@ -1162,10 +1164,12 @@ class Sm90DecodeGemm:
         return (self.items + THREADS - 1) // THREADS
 
     @cute.jit
-    def _load_act(self, raw, a_addr, sa_addr, li, m, m0, k, kc, k_end, tid, active):
+    def _load_act(self, raw, a_addr, a_scales, li, m, m0, k, kc, k_end, tid, active):
         """Issue the loads of one sub-chunk's activations into `raw` (registers).
         Item (c, nt, q, lane=4g+t) = 8 elements of row m0 + 8nt + g at K kc + c*se + t*e + 8q;
-        rows >= M, K >= k_end and items past the count load zeros."""
+        rows >= M, K >= k_end and items past the count load zeros. a_scales = (address of A's
+        scales, 1 if they are in the plain layout [L, M, K / block] else 0: blocked)."""
+        sa_addr, sa_plain = a_scales
         v = self.v
         nt, Q, W = v.nt, self.q, self._act_words
         for j in cutlass.range_constexpr(self._act_per_thread):
@@ -1193,6 +1197,8 @@ class Sm90DecodeGemm:
                 kb = kk // a_blk
                 soff = ((li * mb128 + rowc // 128) * sk4 + kb // 4) * 512 + (rowc % 32) * 16 + (
                     (rowc % 128) // 32) * 4 + kb % 4
+                if sa_plain != 0:  # uniform across the grid: no divergence
+                    soff = (li * m + rowc) * (k // a_blk) + kb
                 x = x + [ldg_bytes(sa_addr + cutlass.Int64(soff), ok, 1)]
             for w in cutlass.range_constexpr(W):
                 raw[j * W + w] = x[w]

@@ -7,7 +7,8 @@ the registry falls back (to `reference`), logging the reason.
 The backend only reshapes operands into what the kernel reads:
   * elements -> uint8 bytes (fp4 pairs packed low nibble first, fp8 bitcast); bf16 activations
     pass through;
-  * scales -> the blocked layout (converted here if given plain), as raw bytes;
+  * scales -> the blocked layout (converted here if given plain), as raw bytes; a quantized
+    activation's plain scales go to the decode kernel as they are (`a_scales_plain`);
   * batch dims -> one L axis; a batched A times an unbatched B is folded into M instead
     (one large GEMM, the weight read once);
   * NVFP4 with K % 32 == 16 gets 16 zero elements of K padding (TMA needs 16-byte rows).
@@ -53,12 +54,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _plugin
+from ..formats import get_format
 from ..aot import KIND_CODES
 from ..kernels.register_weight_order import K_DIGITS, K_TILE, SLOT_ORDER
 from ..kernels.sm90_decode_variants import choose_decode_variant
 from . import GemmSpec, register_backend
-from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_rows_and_batch,
-                              kernel_scale_bytes)
+from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_plain_scale_bytes,
+                              kernel_rows_and_batch, kernel_scale_bytes)
 from .reference import (DIRECT_OUTPUT_MIN_OUTPUTS, direct_output, gemm_outputs, operand_values,
                         reference_gemm)
 
@@ -384,10 +386,17 @@ class Sm90Backend:
             a8, a_code = permute_activation_k(a8), KPERM_KIND_CODE
         b8 = elements(b, spec.fmt_b, N, None)
         sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
+        # plain activation scales go to the decode kernel as they are (it reads either layout;
+        # converting them to the blocked one is a kernel launch of its own, ~1.5 us)
+        a_scales_plain = spec.fmt_a is not None and spec.layout_a == "plain" and uses_decode(
+            spec, M)
         if spec.fmt_a is None:
             # unused by the weight-only kernels; passing a buffer that exists already saves a
             # kernel launch per call (a fresh zeros array is one)
             sa8 = sb8
+        elif a_scales_plain:
+            sa8 = kernel_plain_scale_bytes(sa, M, (Kp - K) // get_format(spec.fmt_a).block,
+                                           spec=spec)
         else:
             sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
         # The decode kernel's split-K workspace (f32, one L*M*N slice per split; zero elements:
@@ -402,7 +411,8 @@ class Sm90Backend:
                  a_kind=np.int32(a_code), b_kind=np.int32(KIND_CODES[kb]),
                  a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
                  b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
-                 m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L))
+                 m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L),
+                 a_scales_plain=np.int32(a_scales_plain))
         return y.reshape(spec.batch_shape + (spec.m, N))
 
 

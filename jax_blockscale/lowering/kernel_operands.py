@@ -59,10 +59,27 @@ def kernel_scale_bytes(s: jax.Array, fmt: str, layout: str, rows: int, mn: int, 
         s = _layout.from_blocked_scales(s, mn, sk)
         layout = "plain"
     if layout == "plain":
-        s = s.reshape((1, rows, sk)) if fold else jnp.broadcast_to(
-            s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
-        s = _layout.to_blocked_scales(s)
+        s = _layout.to_blocked_scales(_plain_scales_as_lmk(s, rows, spec=spec))
     else:
         s = s.reshape((1,) + s.shape[-5:]) if fold else jnp.broadcast_to(
             s, spec.batch_shape + s.shape[-5:]).reshape((L,) + s.shape[-5:])
     return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
+
+
+def _plain_scales_as_lmk(s: jax.Array, rows: int, *, spec: GemmSpec) -> jax.Array:
+    """Plain (..., MN, SK) scales as (L, rows, SK), batch folded into the rows or flattened."""
+    if folds_batch(spec):
+        return s.reshape((1, rows, s.shape[-1]))
+    _, L = kernel_rows_and_batch(spec)
+    return jnp.broadcast_to(s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
+
+
+def kernel_plain_scale_bytes(s: jax.Array, rows: int, pad_blocks: int, *,
+                             spec: GemmSpec) -> jax.Array:
+    """Plain scales of the activation as flat uint8 [L, rows, SK + pad_blocks] (zero blocks for a
+    K the kernel pads): the layout the sm90 decode kernel can read directly, so a quantized
+    activation needs no conversion kernel before the call."""
+    bits = lax.bitcast_convert_type(_plain_scales_as_lmk(s, rows, spec=spec), jnp.uint8)
+    if pad_blocks:
+        bits = jnp.pad(bits, [(0, 0), (0, 0), (0, pad_blocks)])
+    return bits.reshape(-1)
