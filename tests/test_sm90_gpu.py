@@ -182,6 +182,9 @@ def test_nvfp4_odd_k(k):
     _check(a, b, "f32")
     a, b = _operands(None, "nvfp4", (), (), 37, 45, k)
     _check(a, b, "f32")
+    a, b = _operands("nvfp4", "nvfp4", (), (), 5, 45, k)  # decode: plain A scales, a zero block
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
 
 
 @needs_sm90
@@ -262,11 +265,13 @@ def test_cuda_graph():
 
 
 @needs_sm90
-@pytest.mark.parametrize("ws_len,sa_len,match", [
-    (0, 100, "scale buffer"),  # a wrongly sized A-scale buffer
-    (60, 512, "workspace"),  # a declared decode workspace smaller than L*M*N floats
+@pytest.mark.parametrize("ws_len,sa_len,plain,match", [
+    (0, 100, 0, "scale buffer"),  # a wrongly sized A-scale buffer
+    (60, 512, 0, "workspace"),  # a declared decode workspace smaller than L*M*N floats
+    (64, 512, 1, "plain layout"),  # plain A scales are 8 rows x 1 block: 8 bytes, not 512
+    (0, 8, 1, "need the decode kernel"),  # plain A scales, no workspace: the fused GEMM
 ])
-def test_handler_rejects_bad_input(ws_len, sa_len, match):
+def test_handler_rejects_bad_input(ws_len, sa_len, plain, match):
     """A call the kernel cannot take returns an error from the handler, never a crash."""
     call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
                                                   jax.ShapeDtypeStruct((ws_len,), jnp.float32)))
@@ -275,7 +280,8 @@ def test_handler_rejects_bad_input(ws_len, sa_len, match):
         jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(sa_len), u8(512),
                                    jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
                                    b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
-                                   m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1)))
+                                   m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1),
+                                   a_scales_plain=np.int32(plain)))
 
 
 # ---- the decode kernel (M <= decode_max_rows(): kernels/sm90_decode.py through the same FFI) -----
@@ -286,11 +292,14 @@ DECODE_PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "
 
 
 def _assert_decode_lowering(a, b, out_dtype=jnp.float32):
-    """The lowering declares the decode workspace (the handler then runs the decode kernel)."""
+    """The lowering declares the decode workspace (the handler then runs the decode kernel), and
+    a quantized activation's plain scales go to it as they are."""
     text = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="sm90")).lower(
         a, b).as_text()
     calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.SM90_TARGET in ln]
     assert len(calls) == 1 and "tensor<0xf32>" not in calls[0], calls
+    plain = int(isinstance(a, jbs.BlockScaled) and a.layout == "plain")
+    assert f"a_scales_plain = {plain} : i32" in calls[0], calls[0][-400:]
 
 
 @needs_sm90
