@@ -55,8 +55,10 @@ bf16 jnp.dot ~197 us); f32 output error <= 2e-6.
 Operands (device pointers; the contract shared with sm90_blockscaled.py and the FFI handler):
   a   : bf16 [L, M, K] (weight-only) | uint8 [L, M, K/2] (fp4) | uint8 [L, M, K] (fp8)
   b   : uint8 [L, N, K/2] (fp4, two per byte, low nibble first) | uint8 [L, N, K] (fp8)
-  sa, sb : uint8 blocked scales [L, ceil(MN/128), ceil(SK/4), 32, 4, 4] (sa unused for bf16 A)
+  sa, sb : uint8 blocked scales [L, ceil(MN/128), ceil(SK/4), 32, 4, 4] (sa unused for bf16 A;
+        plain [L, M, SK] instead when bit 1 of a_e5m2 is set)
   c   : out dtype [L, M, N];  alpha : f32 [1] in device memory;  ws : f32 [splits, L, M, N]
+  a_e5m2, b_e5m2 : bit 0 = e5m2 fp8 elements (else e4m3); a_e5m2 bit 1 = plain A scales
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
 """
