@@ -360,8 +360,8 @@ class Sm90Backend:
             if uses_dot_alpha(spec):
                 av = operand_values(a, sa, spec.fmt_a, spec.layout_a, jnp.bfloat16)
                 bv = operand_values(b, sb, spec.fmt_b, spec.layout_b, jnp.bfloat16)
-                y = dot_alpha(kernel_batch_layout(av, M, spec.a_batch, spec=spec),
-                              kernel_batch_layout(bv, spec.n, None, spec=spec),
+                y = dot_alpha(kernel_batch_layout(av, M, spec=spec),
+                              kernel_batch_layout(bv, spec.n, spec=spec),
                               alpha, spec.out_dtype)
                 return y.reshape(spec.batch_shape + (spec.m, spec.n))
             return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16,
@@ -374,22 +374,23 @@ class Sm90Backend:
         Kp = _padded_k(spec)
         ka, kb = _KIND[spec.fmt_a], _KIND[spec.fmt_b]
 
-        def elements(x, fmt, rows, batch_in):
-            x = kernel_batch_layout(x, rows, batch_in, spec=spec)
+        def elements(x, fmt, rows):
+            x = kernel_batch_layout(x, rows, spec=spec)
             if Kp != K:
                 x = jnp.pad(x, [(0, 0), (0, 0), (0, Kp - K)])
             return x if fmt is None else element_bytes(x)  # fmt None: the bf16 activation
 
-        a8 = elements(a, spec.fmt_a, M, spec.a_batch)
+        a8 = elements(a, spec.fmt_a, M)
         a_code = KIND_CODES[ka]
         if uses_register_weights(spec, M):
             a8, a_code = permute_activation_k(a8), KPERM_KIND_CODE
-        b8 = elements(b, spec.fmt_b, N, None)
+        b8 = elements(b, spec.fmt_b, N)
         sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
+        # The decode kernel's split-K count (0: the fused GEMM runs the call)
+        splits = decode_splits(spec, M)
         # plain activation scales go to the decode kernel as they are (it reads either layout;
         # converting them to the blocked one is a kernel launch of its own, ~1.5 us)
-        a_scales_plain = spec.fmt_a is not None and spec.layout_a == "plain" and uses_decode(
-            spec, M)
+        a_scales_plain = spec.fmt_a is not None and spec.layout_a == "plain" and splits > 0
         if spec.fmt_a is None:
             # unused by the weight-only kernels; passing a buffer that exists already saves a
             # kernel launch per call (a fresh zeros array is one)
@@ -401,7 +402,7 @@ class Sm90Backend:
             sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
         # The decode kernel's split-K workspace (f32, one L*M*N slice per split; zero elements:
         # fused GEMM only).
-        ws_len = decode_splits(spec, M) * L * M * N
+        ws_len = splits * L * M * N
         call = jax.ffi.ffi_call(
             _plugin.SM90_TARGET,
             (jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),

@@ -151,14 +151,14 @@ class Sm100Backend:
         M, L = kernel_rows_and_batch(spec)
         N, K = spec.n, spec.k
 
-        def elements(x, fmt, rows, batch_in):
-            x = kernel_batch_layout(x, rows, batch_in, spec=spec)
+        def elements(x, fmt, rows):
+            x = kernel_batch_layout(x, rows, spec=spec)
             if _BITS[fmt] == 6:  # one code per byte in storage -> packed 6-bit stream
                 return pack_fp6(x.astype(jnp.uint8))
             return element_bytes(x)
 
-        a8 = elements(a, spec.fmt_a, M, spec.a_batch)
-        b8 = elements(b, spec.fmt_b, N, None)
+        a8 = elements(a, spec.fmt_a, M)
+        b8 = elements(b, spec.fmt_b, N)
         sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
         sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
         tm, tn, cm, cn = _forced_tile()

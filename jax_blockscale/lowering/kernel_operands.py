@@ -26,13 +26,12 @@ def kernel_rows_and_batch(spec: GemmSpec) -> tuple[int, int]:
     return spec.m, math.prod(spec.batch_shape)
 
 
-def kernel_batch_layout(x: jax.Array, rows: int, batch_in, *, spec: GemmSpec) -> jax.Array:
-    """One operand's elements as (L, rows, K): A's batch folded into its rows when B is unbatched
-    (batch_in: the operand's batch dims, None for B), else broadcast to the batch and flattened."""
+def kernel_batch_layout(x: jax.Array, rows: int, *, spec: GemmSpec) -> jax.Array:
+    """One operand's (..., MN, last) elements or plain scales as (L, rows, last): A's batch folded
+    into its rows when B is unbatched (rows: the operand's rows in the kernel problem), else
+    broadcast to the batch and flattened."""
     if folds_batch(spec):
-        if batch_in is not None:
-            return x.reshape((1, rows, spec.k))
-        return x.reshape((1,) + x.shape[-2:])
+        return x.reshape((1, rows, x.shape[-1]))
     _, L = kernel_rows_and_batch(spec)
     return jnp.broadcast_to(x, spec.batch_shape + x.shape[-2:]).reshape((L,) + x.shape[-2:])
 
@@ -59,19 +58,11 @@ def kernel_scale_bytes(s: jax.Array, fmt: str, layout: str, rows: int, mn: int, 
         s = _layout.from_blocked_scales(s, mn, sk)
         layout = "plain"
     if layout == "plain":
-        s = _layout.to_blocked_scales(_plain_scales_as_lmk(s, rows, spec=spec))
+        s = _layout.to_blocked_scales(kernel_batch_layout(s, rows, spec=spec))
     else:
         s = s.reshape((1,) + s.shape[-5:]) if fold else jnp.broadcast_to(
             s, spec.batch_shape + s.shape[-5:]).reshape((L,) + s.shape[-5:])
     return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
-
-
-def _plain_scales_as_lmk(s: jax.Array, rows: int, *, spec: GemmSpec) -> jax.Array:
-    """Plain (..., MN, SK) scales as (L, rows, SK), batch folded into the rows or flattened."""
-    if folds_batch(spec):
-        return s.reshape((1, rows, s.shape[-1]))
-    _, L = kernel_rows_and_batch(spec)
-    return jnp.broadcast_to(s, spec.batch_shape + s.shape[-2:]).reshape((L,) + s.shape[-2:])
 
 
 def kernel_plain_scale_bytes(s: jax.Array, rows: int, pad_blocks: int, *,
@@ -79,7 +70,7 @@ def kernel_plain_scale_bytes(s: jax.Array, rows: int, pad_blocks: int, *,
     """Plain scales of the activation as flat uint8 [L, rows, SK + pad_blocks] (zero blocks for a
     K the kernel pads): the layout the sm90 decode kernel can read directly, so a quantized
     activation needs no conversion kernel before the call."""
-    bits = lax.bitcast_convert_type(_plain_scales_as_lmk(s, rows, spec=spec), jnp.uint8)
+    bits = lax.bitcast_convert_type(kernel_batch_layout(s, rows, spec=spec), jnp.uint8)
     if pad_blocks:
         bits = jnp.pad(bits, [(0, 0), (0, 0), (0, pad_blocks)])
     return bits.reshape(-1)
