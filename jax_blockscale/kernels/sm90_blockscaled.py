@@ -133,11 +133,11 @@ def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
 RW_DESC_HI = (1024 >> 4) | (1 << 30)
 
 
-def rw_wgmma_ptx(an: int, in_flight: int = 0) -> str:
+def rw_wgmma_ptx(an: int) -> str:
     """PTX of one k-tile's four m64n{an}k16 wgmmas: $0..$(an/2-1) accumulators (tied inputs
     follow), then 16 A registers (four per MMA), then the descriptor words (lo of the stage's
-    first 32-byte K column, hi). It returns once at most `in_flight` committed groups (this
-    k-tile's, when 1) are still running."""
+    first 32-byte K column, hi). It returns once at most one committed group (this k-tile's) is
+    still running."""
     n_acc = an // 2
     a0 = 2 * n_acc
     d_lo, d_hi = f"${a0 + 16}", f"${a0 + 17}"
@@ -151,21 +151,21 @@ def rw_wgmma_ptx(an: int, in_flight: int = 0) -> str:
         code.append(f"wgmma.mma_async.sync.aligned.m64n{an}k16.f32.bf16.bf16 {{{acc}}}, {{{a}}}, "
                     "d, p, 1, 1, 0;")
     code += ["wgmma.commit_group.sync.aligned;",
-             f"wgmma.wait_group.sync.aligned {in_flight};", "}"]
+             "wgmma.wait_group.sync.aligned 1;", "}"]
     return "\n".join(code)
 
 
 @dsl_user_op
-def _rw_wgmma(acc, a_regs, d_lo, an, in_flight=0, *, loc=None, ip=None):
+def _rw_wgmma(acc, a_regs, d_lo, an, *, loc=None, ip=None):
     """acc += W (64 x 64, the four k16 MMAs' A registers) @ A^T (the stage's activation tile).
-    With in_flight = 1 the MMAs may still run when this returns: the caller must not touch acc
-    (other than through the next _rw_wgmma) or the stage before _rw_wait_all / the next call."""
+    The MMAs may still run when this returns: the caller must not touch acc (other than through
+    the next _rw_wgmma) or the stage before _rw_wait_all / the next call."""
     n_acc = an // 2
     ins = [x.ir_value(loc=loc, ip=ip) for x in acc] + [_i32(x, loc, ip) for x in a_regs]
     ins += [_i32(d_lo, loc, ip), _i32(RW_DESC_HI, loc, ip)]
     cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + ["r"] * 18)
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an, in_flight), cons,
+        llvm.StructType.get_literal([T.f32()] * n_acc), ins, rw_wgmma_ptx(an), cons,
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [cutlass.Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
             for i in range(n_acc)]
@@ -885,7 +885,7 @@ class Sm90BlockScaledGemm:
                        pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
         d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
         n_acc = self.bm // 2
-        res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, self.bm, in_flight=1)
+        res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, self.bm)
         for i in range(n_acc):
             acc[i] = res[i]
 
