@@ -60,6 +60,13 @@ class Tuning:
     # "tma" pipeline: 64-byte steps per TMA box (1: one box of the CTA's rows x 64 bytes per
     # step; 2 / 4: rows of 128 / 256 bytes, fewer and longer row segments per request)
     box_steps: int = 1
+    # Split-K order: False = split s takes one contiguous K range; True = split s takes
+    # sub-chunks s, s + splits, s + 2 splits, ... so the splits of a row tile read neighbouring
+    # row segments at about the same time (longer DRAM runs per row).
+    interleave: bool = False
+    # "tma" pipeline: also prefetch into L2 (TMA prefetch, no shared memory) the weights of the
+    # sub-chunk this many beyond the one being copied into the ring (0: none).
+    l2_ahead: int = 0
     # Measurement only (decode harness, never shipped): "noload" skips the weight copies (the
     # ring holds garbage), "nocompute" skips the dequantize + MMA work (the ring is still read),
     # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
@@ -78,6 +85,10 @@ class Tuning:
             tag += f"_w{self.act_window // 1024}k"
         if self.box_steps != 1:
             tag += f"_x{self.box_steps}"
+        if self.interleave:
+            tag += "_il"
+        if self.l2_ahead:
+            tag += f"_l2a{self.l2_ahead}"
         if self.probe:
             tag += f"_p{self.probe}"
         return tag + ("_fold" if self.fold_scale else "")
