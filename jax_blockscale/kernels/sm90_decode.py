@@ -38,7 +38,10 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
 * Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) with BN = Tuning.bn rows of N, M
   chunks fastest (the chunks that share a weight tile run together: later chunks read it from
-  L2). Each CTA stores its partial sums (plain stores, no atomics) into its split's slice of an
+  L2). Split s covers whole sub-chunks of K: one contiguous range, or with
+  Tuning.interleave (the nt = 2 default) sub-chunks s, s + splits, s + 2 splits, ... so that
+  the splits of a row tile read neighbouring row segments at about the same time. Each CTA
+  stores its partial sums (plain stores, no atomics) into its split's slice of an
   f32 workspace [splits, L, M, N]; the exported launcher then runs a small kernel that adds the
   splits in a fixed order, multiplies by alpha and converts to the output dtype (launched by
   programmatic dependent launch, so its start overlaps the main kernel's end). Two kernels per
@@ -486,7 +489,7 @@ class Sm90DecodeGemm:
         # activation windows (bf16 activations only: quantized ones are converted while staged)
         self.win_bytes = tuning.act_window if not self.a_quant else 0
         assert not self.win_bytes or tuning.pipeline == "cpasync", tuning
-        assert tuning.pipeline == "tma" or not (tuning.interleave or tuning.l2_ahead), tuning
+        assert tuning.pipeline == "tma" or not tuning.interleave, tuning
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -882,7 +885,7 @@ class Sm90DecodeGemm:
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
-                    self._issue_tma(views, j, k_begin, k_step, n_sub, bx, li, nb128, lane)
+                    self._issue_tma(views, j, k_begin, k_step, bx, li, nb128, lane)
         for it in range(n_sub):
             kc = k_begin + it * k_step
             buf = act_base + (it % 2) * self.buf_bytes
@@ -897,8 +900,7 @@ class Sm90DecodeGemm:
             cute.arch.sync_threads()
             if warp == 0:
                 if it + S - 1 < n_sub:
-                    self._issue_tma(views, it + S - 1, k_begin, k_step, n_sub, bx, li, nb128,
-                                    lane)
+                    self._issue_tma(views, it + S - 1, k_begin, k_step, bx, li, nb128, lane)
             for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
                                         t)
@@ -909,23 +911,15 @@ class Sm90DecodeGemm:
                     acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
 
     @cute.jit
-    def _issue_tma(self, views, j, k_begin, k_step, n_sub, bx, li, nb128, lane):
+    def _issue_tma(self, views, j, k_begin, k_step, bx, li, nb128, lane):
         """Warp 0: TMA sub-chunk j (its weight steps and scale tiles) into ring slot j % S. Lane
-        0 announces the bytes first (its copies follow in program order). With
-        Tuning.l2_ahead, also prefetch the weights of sub-chunk j + l2_ahead into L2."""
+        0 announces the bytes first (its copies follow in program order)."""
         tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views
         S = self.tuning.stages
         T = self.scale_tiles
         slot = j % S
         kc = k_begin + j * k_step
         bs = self.tuning.box_steps
-        ahead = self.tuning.l2_ahead
-        if cutlass.const_expr(ahead > 0):
-            if j + ahead < n_sub:
-                kp = k_begin + (j + ahead) * k_step
-                for c in cutlass.range_constexpr(self.boxes):
-                    cute.prefetch(tma_w, tWg[(None, bx, (kp + c * bs * self.se) // (bs * self.se),
-                                              li)])
         bar = bars + slot
         probe = self.tuning.probe
         if cutlass.const_expr(probe != "notma"):
