@@ -230,12 +230,13 @@ class _Slot:
 
 
 def _produce(pipe, slot, copies):
-    """One k-tile's TMA copies (atom, global tile, shared tensor indexed by stage) into stage
-    slot.index, counted by its full barrier."""
+    """One k-tile's TMA copies into stage slot.index, counted by its full barrier. copies:
+    (atom, global tile, shared tensor, tiles per stage, which of them)."""
     pipe.producer_acquire(slot)
     bar = pipe.producer_get_barrier(slot)
-    for atom, src, dst in copies:
-        cute.copy(atom, src, dst[(None, slot.index)], tma_bar_ptr=bar)
+    for atom, src, dst, per_stage, j in copies:
+        at = slot.index if per_stage == 1 else slot.index * per_stage + j
+        cute.copy(atom, src, dst[(None, at)], tma_bar_ptr=bar)
     pipe.producer_commit(slot)
 
 
@@ -537,28 +538,22 @@ class Sm90BlockScaledGemm:
                 while work.is_valid_tile:
                     tm, tn, tl = work.tile_idx
                     for kt in range(k_tiles):
+                        # the 128x4 scale tile(s) of B holding this k-tile's blocks (one per
+                        # 128 rows of the tile) and, for a quantized A, A's
+                        row_b = (tl * scale_tiles_n + (tn * bn) // 128) * sk4_b + (
+                            kt * BK // b_blk) // 4
+                        copies = [(tma_a, tAg[(None, tm, kt, tl)], tAs, 1, 0),
+                                  (tma_b, tBg[(None, tn, kt, tl)], tBs, 1, 0)]
+                        for j in cutlass.range_constexpr(self.nsb):
+                            copies.append((tma_sb, tSBg[(None, row_b + j * sk4_b)], tSBs,
+                                           self.nsb, j))
+                        if cutlass.const_expr(self.a_quant):
+                            row_a = (tl * tiles_m + tm) * sk4_a + (kt * BK // a_blk) // 4
+                            copies.append((tma_sa, tSAg[(None, row_a)], tSAs, 1, 0))
                         if cutlass.const_expr(self.k_groups == 1):
-                            pipe.producer_acquire(ps)
-                            bar = pipe.producer_get_barrier(ps)
-                            cute.copy(tma_a, tAg[(None, tm, kt, tl)], tAs[(None, ps.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBg[(None, tn, kt, tl)], tBs[(None, ps.index)], tma_bar_ptr=bar)
-                            # the 128x4 scale tile holding this k-tile's blocks
-                            for j in cutlass.range_constexpr(self.nsb):
-                                row_b = (tl * scale_tiles_n + (tn * bn) // 128 + j) * sk4_b + (
-                                    kt * BK // b_blk) // 4
-                                cute.copy(tma_sb, tSBg[(None, row_b)],
-                                          tSBs[(None, ps.index * self.nsb + j)], tma_bar_ptr=bar)
-                            if cutlass.const_expr(self.a_quant):
-                                row_a = (tl * tiles_m + tm) * sk4_a + (kt * BK // a_blk) // 4
-                                cute.copy(tma_sa, tSAg[(None, row_a)], tSAs[(None, ps.index)], tma_bar_ptr=bar)
-                            pipe.producer_commit(ps)
+                            _produce(pipe, ps, copies)
                             ps.advance()
                         else:  # register-weight mode, k-tile kt to k-group kt % 2's ring
-                            row_b = (tl * scale_tiles_n + (tn * bn) // 128) * sk4_b + (
-                                kt * BK // b_blk) // 4
-                            copies = [(tma_a, tAg[(None, tm, kt, tl)], tAs),
-                                      (tma_b, tBg[(None, tn, kt, tl)], tBs),
-                                      (tma_sb, tSBg[(None, row_b)], tSBs)]
                             if kt % 2 == 0:
                                 _produce(pipe, _Slot(ps, 0), copies)
                                 ps.advance()
