@@ -346,8 +346,7 @@ def test_export_sm90a(variant, tmp_path):
 def test_export_act_window_tuning(variant, tmp_path):
     """The measured-but-not-shipped activation-window pipeline (Tuning.act_window,
     docs/sm90_decode_notes.md session 4) still builds: activations by cp.async too, no spills."""
-    tuning = dataclasses.replace(dv.DEFAULT_TUNING, pipeline="cpasync", act_window=16384,
-                                 interleave=False)
+    tuning = dataclasses.replace(dv.DEFAULT_TUNING, pipeline="cpasync", act_window=16384)
     h, o = dec.export_variant(variant, str(tmp_path), variant.name, tuning=tuning)
     main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main and "BAR.SYNC" in main

@@ -5,7 +5,7 @@
 
 For every variant of jax_blockscale.kernels.sm90_decode (default tuning; plus, per extra tuning
 pipeline:stages:sub_steps:min_blocks:ctas_per_sm[:fold 0/1[:act_window bytes[:rows_per_thread
-[:probe[:box_steps[:interleave 0/1]]]]]]],
+[:probe[:box_steps]]]]],
 its bf16/f32-output variants named <name>_T<tag>) it runs cute.compile for sm_90a and
 export_to_c, then links the objects, a small C shim (one `load_<name>` and `run_<name>` per
 variant: the header's launcher is `static inline`), the DSL's libcuda_dialect_runtime_static.a and
@@ -91,8 +91,7 @@ def main(argv=None):
     ap.add_argument("--only", default="*", help="fnmatch patterns (comma list) on variant names")
     ap.add_argument("--extra-tunings", default="",
                     help="comma list of pipeline:stages:sub_steps:min_blocks:ctas_per_sm"
-                         "[:fold_scale 0/1[:act_window bytes[:rows_per_thread[:probe[:box_steps"
-                         "[:interleave 0/1]]]]]]]; each "
+                         "[:fold_scale 0/1[:act_window bytes[:rows_per_thread[:probe[:box_steps]]]]]; each "
                          "adds the bf16/f32-output variants under the name suffix _T<tag>")
     args = ap.parse_args(argv)
     from jax_blockscale.kernels import sm90_decode as dec
@@ -106,8 +105,7 @@ def main(argv=None):
                          act_window=int(rest[1]) if len(rest) > 1 else 0,
                          rows_per_thread=int(rest[2]) if len(rest) > 2 else 4,
                          probe=rest[3] if len(rest) > 3 else "",
-                         box_steps=int(rest[4]) if len(rest) > 4 else 1,
-                         interleave=bool(int(rest[5])) if len(rest) > 5 else False)
+                         box_steps=int(rest[4]) if len(rest) > 4 else 1)
         jobs += [(v, tun, f"{v.name}_T{tun.tag}") for v in dec.VARIANTS if v.out in ("bf16", "f32")]
     exports, table = [], {}
     for v, tun, name in jobs:

@@ -38,10 +38,7 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
 * Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) with BN = Tuning.bn rows of N, M
   chunks fastest (the chunks that share a weight tile run together: later chunks read it from
-  L2). Split s covers whole sub-chunks of K: one contiguous range, or with
-  Tuning.interleave (the nt = 2 default) sub-chunks s, s + splits, s + 2 splits, ... so that
-  the splits of a row tile read neighbouring row segments at about the same time. Each CTA
-  stores its partial sums (plain stores, no atomics) into its split's slice of an
+  L2). Each CTA stores its partial sums (plain stores, no atomics) into its split's slice of an
   f32 workspace [splits, L, M, N]; the exported launcher then runs a small kernel that adds the
   splits in a fixed order, multiplies by alpha and converts to the output dtype (launched by
   programmatic dependent launch, so its start overlaps the main kernel's end). Two kernels per
@@ -489,7 +486,6 @@ class Sm90DecodeGemm:
         # activation windows (bf16 activations only: quantized ones are converted while staged)
         self.win_bytes = tuning.act_window if not self.a_quant else 0
         assert not self.win_bytes or tuning.pipeline == "cpasync", tuning
-        assert tuning.pipeline == "tma" or not tuning.interleave, tuning
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -674,17 +670,10 @@ class Sm90DecodeGemm:
         # ---- K range of this CTA (whole sub-chunks; only the last range may be short) -------
         chunk = self.sub * se
         k_chunks = (k + chunk - 1) // chunk
-        if cutlass.const_expr(self.tuning.interleave):  # sub-chunks by, by + splits, ...
-            k_begin = by * chunk
-            k_end = k
-            k_step = splits * chunk
-            n_sub = cutlass.max(0, (k_chunks - by + splits - 1) // splits)
-        else:  # one contiguous range of whole sub-chunks
-            per = (k_chunks + splits - 1) // splits
-            k_begin = by * per * chunk
-            k_end = cutlass.min(k, k_begin + per * chunk)
-            k_step = chunk
-            n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
+        per = (k_chunks + splits - 1) // splits
+        k_begin = by * per * chunk
+        k_end = cutlass.min(k, k_begin + per * chunk)
+        n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
 
         # ---- per-row constants (R rows per thread: R/2 row tiles x {g, g+8}) ------------------
         b_pitch = cutlass.Int64(k * self.b_bits // 8)
@@ -715,8 +704,8 @@ class Sm90DecodeGemm:
         acc.fill(0.0)
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
-                               a_addr, a_scales, k_begin, k_end, k_step, n_sub, tid, lane, warp,
-                               g, t, a_fp8, b_fp8)
+                               a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t,
+                               a_fp8, b_fp8)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
@@ -841,8 +830,7 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
-                      a_scales, k_begin, k_end, k_step, n_sub, tid, lane, warp, g, t, a_fp8,
-                      b_fp8):
+                      a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
         """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
         box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
         stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
@@ -885,12 +873,12 @@ class Sm90DecodeGemm:
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
-                    self._issue_tma(views, j, k_begin, k_step, bx, li, nb128, lane)
+                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
         for it in range(n_sub):
-            kc = k_begin + it * k_step
+            kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
             self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, kc + k_step, k_end, tid,
+            self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, kc + chunk, k_end, tid,
                            it + 1 < n_sub)
             stage = it % S
             if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
@@ -900,7 +888,7 @@ class Sm90DecodeGemm:
             cute.arch.sync_threads()
             if warp == 0:
                 if it + S - 1 < n_sub:
-                    self._issue_tma(views, it + S - 1, k_begin, k_step, bx, li, nb128, lane)
+                    self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane)
             for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
                                         t)
@@ -911,21 +899,21 @@ class Sm90DecodeGemm:
                     acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
 
     @cute.jit
-    def _issue_tma(self, views, j, k_begin, k_step, bx, li, nb128, lane):
+    def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane):
         """Warp 0: TMA sub-chunk j (its weight steps and scale tiles) into ring slot j % S. Lane
         0 announces the bytes first (its copies follow in program order)."""
         tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views
         S = self.tuning.stages
         T = self.scale_tiles
         slot = j % S
-        kc = k_begin + j * k_step
-        bs = self.tuning.box_steps
+        kc = k_begin + j * self.sub * self.se
         bar = bars + slot
         probe = self.tuning.probe
         if cutlass.const_expr(probe != "notma"):
             if lane == 0:
                 mbar_arrive_expect_tx(bars.toint() + 8 * slot, self.stage_tx)
             if cutlass.const_expr(probe != "tmas"):
+                bs = self.tuning.box_steps
                 for c in cutlass.range_constexpr(self.boxes):
                     box = (kc + c * bs * self.se) // (bs * self.se)  # K index in boxes
                     cute.copy(tma_w, tWg[(None, bx, box, li)],

@@ -60,10 +60,6 @@ class Tuning:
     # "tma" pipeline: 64-byte steps per TMA box (1: one box of the CTA's rows x 64 bytes per
     # step; 2 / 4: rows of 128 / 256 bytes, fewer and longer row segments per request)
     box_steps: int = 1
-    # Split-K order: False = split s takes one contiguous K range; True = split s takes
-    # sub-chunks s, s + splits, s + 2 splits, ... so the splits of a row tile read neighbouring
-    # row segments at about the same time (longer DRAM runs per row).
-    interleave: bool = False
     # Measurement only (decode harness, never shipped): "noload" skips the weight copies (the
     # ring holds garbage), "nocompute" skips the dequantize + MMA work (the ring is still read),
     # "nosync" drops the per-sub-chunk CTA barrier (racy activations): the kernel's time with one
@@ -82,8 +78,6 @@ class Tuning:
             tag += f"_w{self.act_window // 1024}k"
         if self.box_steps != 1:
             tag += f"_x{self.box_steps}"
-        if self.interleave:
-            tag += "_il"
         if self.probe:
             tag += f"_p{self.probe}"
         return tag + ("_fold" if self.fold_scale else "")
@@ -98,11 +92,8 @@ class Tuning:
 # steps, each sub-chunk one box of 256 rows x 256 bytes, 1 CTA per SM; the multiply-based fp4
 # conversion and the NVFP4 scale fold. Runs 25-28, M=16 N=K=16384 bf16 x nvfp4: cp.async ring
 # (2 x 2 steps, 2 CTAs/SM) 69.9 us -> TMA with 64-byte boxes 64.6 -> 256-byte boxes 61.9.
-# Interleaved splits (session 14, runs 48 / 49, three passes): M = 16, N = K = 16384, bf16 x
-# mxfp4 59.9 -> 59.3, nvfp4 61.0 -> 60.7, mxfp8 101.6 -> 100.6 us; 4096^2 / 8192^2 unchanged.
-# (For nt = 1 it was mixed: nvfp4 M = 1 55.7 -> 56.1, mxfp4 53.9 -> 53.6.)
 DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=1, ctas_per_sm=1,
-                        fold_scale=True, box_steps=4, interleave=True)
+                        fold_scale=True, box_steps=4)
 # nt = 1 (M <= 8): the same ring with 128 rows per CTA (2 rows per thread) and 2 CTAs/SM: run 32,
 # bf16 x nvfp4 M=1 N=K=16384 58.0 -> 56.3 us, 8192^2 19.4 -> 18.1, mxfp8 99.5 -> 96.8 (M=16 is
 # 1-4 us slower this way, run 31: nt = 2 keeps DEFAULT_TUNING).
