@@ -1,7 +1,13 @@
+"""Test layout: unit/ (pure Python and JAX, any machine), build/ (the kernel sources and the built
+library, no GPU), gpu/ (a CUDA GPU; skipped without one); shared helpers live in support/."""
 import functools
+import os
+import sys
 
 import jax
 import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 
 @functools.cache

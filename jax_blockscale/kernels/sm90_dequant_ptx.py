@@ -1,5 +1,5 @@
 """PTX that dequantizes 8 block-scaled elements to 8 exact bf16 values (the sm90 kernel's inner
-loop). Plain strings, no DSL import, so tests can run them on the CPU (tests/_ptx_emu.py).
+loop). Plain strings, no DSL import, so tests can run them on the CPU (tests/support/ptx_emu.py).
 
 Operands of the generated asm: outputs $0..$3 (four bf16x2 words), inputs $4, $5 (the chunk:
 one 32-bit word of eight e2m1 nibbles, low nibble first, or two words of four fp8 bytes), $6 (the

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from jax_blockscale import _cubins
+import cubins as _cubins
 
 sm100 = pytest.importorskip(
     "jax_blockscale.kernels.sm100_blockscaled",

@@ -7,7 +7,7 @@ import sys
 
 import jax_blockscale as jbs
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run(script, *args):

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_blockscale as jbs
-from jax_blockscale import _cubins, _plugin
+import cubins as _cubins
+from jax_blockscale import _plugin
 from jax_blockscale.aot_sm100 import FMT_CODES, OUT_CODES
 from jax_blockscale.lowering import GemmSpec, select_backend
 from jax_blockscale.lowering import ffi_sm100

@@ -22,7 +22,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 sm100 = pytest.importorskip(
     "jax_blockscale.kernels.sm100_blockscaled",
     reason="needs nvidia-cutlass-dsl (build-time dependency)")
-import _sm100_harness as H  # noqa: E402
+import sm100_harness as H  # noqa: E402
 
 V = sm100.Sm100Variant
 

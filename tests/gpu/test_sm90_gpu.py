@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
 from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: F401  (registers "sm90")
-from hopper import needs_sm90, poison as _poison  # tests/hopper.py
+from hopper import needs_sm90, poison as _poison  # tests/support/hopper.py
 
 pytestmark = pytest.mark.gpu
 
@@ -214,7 +214,7 @@ def test_vmap():
 @needs_sm90
 def test_float64_oracle():
     """One check straight against float64 NumPy, independent of the reference backend."""
-    from oracle import dequantize as np_dequantize  # tests/oracle.py
+    from oracle import dequantize as np_dequantize  # tests/support/oracle.py
 
     a, b = _operands("nvfp4", "nvfp4", (), (), 77, 91, 256)
     y = jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90")
@@ -237,7 +237,7 @@ def _run_with_command_buffers(code):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
                         " --xla_gpu_graph_min_graph_size=1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                          env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
@@ -409,7 +409,7 @@ def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
     """Above the kernel's row limit the backend dequantizes and calls a library GEMM: without
     global scales (and with >= 2^22 outputs) XLA's, writing the bf16 output itself; with them the
     dot_alpha target (cuBLASLt, alpha in the epilogue). Either way: one rounding of the f32 sum."""
-    from oracle import dequantize as np_dequantize  # tests/oracle.py
+    from oracle import dequantize as np_dequantize  # tests/support/oracle.py
 
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
     kx, kw = jax.random.split(_key())

@@ -15,7 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from hopper import lower_for_cuda  # tests/hopper.py
+from hopper import lower_for_cuda  # tests/support/hopper.py
 from jax_blockscale import _plugin
 from jax_blockscale.aot import KIND_CODES, OUT_CODES
 

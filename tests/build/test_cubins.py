@@ -1,11 +1,11 @@
-"""jax_blockscale._cubins: finding cubins inside exported objects, parsing SASS.
+"""tests/support/cubins.py: finding cubins inside exported objects, parsing SASS.
 
 Pure Python, no DSL or GPU: runs in CI with the base test dependencies.
 """
 
 import struct
 
-from jax_blockscale import _cubins
+import cubins as _cubins
 
 
 def _fake_cubin(sm: int, payload: bytes = b"\xab" * 40) -> bytes:

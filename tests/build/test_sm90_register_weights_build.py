@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from jax_blockscale import _cubins
+import cubins as _cubins
 from wgmma_hazards import register_a_hazards
 
 aot = pytest.importorskip("jax_blockscale.aot")

@@ -1,4 +1,4 @@
-"""The sm90 kernel's dequantization PTX, run on the CPU (tests/_ptx_emu.py): every element code
+"""The sm90 kernel's dequantization PTX, run on the CPU (tests/support/ptx_emu.py): every element code
 times a spread of scales gives the exact bf16 value, in the element order the kernel assumes.
 No GPU, no DSL needed."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import _ptx_emu as emu
+import ptx_emu as emu
 from jax_blockscale.kernels import sm90_dequant_ptx as ptx
 
 LANES = emu.LANES

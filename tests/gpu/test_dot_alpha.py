@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
 from jax_blockscale.lowering import ffi as sm90_ffi
-from hopper import lower_for_cuda, needs_sm90, poison as _poison  # tests/hopper.py
+from hopper import lower_for_cuda, needs_sm90, poison as _poison  # tests/support/hopper.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_lib = pytest.mark.skipif(_plugin.unavailable_reason() is not None or
@@ -92,7 +92,7 @@ def test_cublaslt_declarations_match_the_real_header(tmp_path):
         pytest.skip("needs the CUDA runtime headers (library_types.h)")
     src = tmp_path / "abi_check.cc"
     src.write_text(ABI_CHECK)
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", f"-I{os.path.join(HERE, '..', 'ffi')}",
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", f"-I{os.path.join(HERE, '..', '..', 'ffi')}",
            f"-I{headers[0]}"] + [f"-I{d}" for d in cuda_inc] + [str(src)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -192,7 +192,7 @@ def test_dot_alpha_against_float64(l, m, n, k, out):
 def test_gemm_with_global_scales_at_large_m(monkeypatch, fmt_a, batched_b):
     """End to end: jbs.gemm with NVFP4 global scales above the kernels' row limit runs the
     dot_alpha GEMM and equals the float64 oracle of the dequantized operands."""
-    from oracle import dequantize as np_dequantize  # tests/oracle.py
+    from oracle import dequantize as np_dequantize  # tests/support/oracle.py
 
     monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
     kx, kw = jax.random.split(jax.random.key(31 + batched_b))

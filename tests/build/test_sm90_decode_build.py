@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import _ptx_emu as emu
+import ptx_emu as emu
 
 from jax_blockscale.kernels import sm90_decode_variants as dv  # pure Python: always importable
 
@@ -295,7 +295,7 @@ def test_variant_list():
 
 
 def _sass_of(obj, tmp):
-    from jax_blockscale import _cubins
+    import cubins as _cubins
 
     if _cubins.sass_tools_missing():
         pytest.skip(_cubins.sass_tools_missing())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = os.environ.get("JBS_SHARDING_CHILD") == "1"
 N_CPU_DEVICES = 8
 

@@ -335,7 +335,7 @@ def test_exported_layer_on_hopper_holds_the_sm90_call():
     from jax_blockscale import _plugin
     from jax_blockscale.lowering import ffi  # noqa: F401  (registers the sm90 backend)
 
-    from hopper import hopper_with_library  # tests/hopper.py
+    from hopper import hopper_with_library  # tests/support/hopper.py
 
     if not hopper_with_library():
         pytest.skip("needs an sm90 GPU and libjax_blockscale.so")
