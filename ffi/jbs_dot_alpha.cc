@@ -135,14 +135,6 @@ struct Operands {
   cudaStream_t stream;
 };
 
-// How many of the heuristic's algorithms the first call of a shape times (XLA autotunes its own
-// GEMMs the same way): JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES, default 8; 1 takes the heuristic's
-// first choice untimed.
-int CandidateCount() {
-  const char* v = getenv("JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES");
-  const int n = v ? atoi(v) : 8;
-  return n < 1 ? 1 : n > 32 ? 32 : n;
-}
 // (device, L, M, N, K, output dtype, workspace bytes)
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int, int64_t>;
 
@@ -167,8 +159,11 @@ cudaDataType OutType(ffi::DataType t) {
 // cuBLASLt is column-major. Our row-major C[M, N] = A[M, K] B[N, K]^T is its column-major
 // C^T (N x M) = op(B) op(A) with op(B) = B^T read from b's K x N column-major storage and op(A)
 // = a's K x M storage as is ("TN", the layout Hopper's GEMMs prefer).
+// candidates: how many of the heuristic's algorithms the first call of a shape times (XLA
+// autotunes its own GEMMs the same way; the `candidates` attribute, from
+// JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES, default 8; 1 takes the heuristic's first choice untimed).
 ffi::Error MakePlan(const Api& api, lt::Handle h, int64_t l, int64_t m, int64_t n, int64_t k,
-                    ffi::DataType c_type, int64_t ws_bytes, Plan* p) {
+                    ffi::DataType c_type, int64_t ws_bytes, int candidates, Plan* p) {
   auto check = [&](const char* what, lt::Status s) {
     return s == lt::kStatusSuccess ? ffi::Error::Success() : LtError(api, what, s);
   };
@@ -210,7 +205,7 @@ ffi::Error MakePlan(const Api& api, lt::Handle h, int64_t l, int64_t m, int64_t 
   if (auto e = check("preference", api.pref_create(&pref)); e.failure()) return e;
   const uint64_t max_ws = static_cast<uint64_t>(ws_bytes);
   lt::Status s = api.pref_set(pref, lt::kPrefMaxWorkspace, &max_ws, sizeof(max_ws));
-  std::vector<lt::HeuristicResult> results(CandidateCount());
+  std::vector<lt::HeuristicResult> results(candidates < 1 ? 1 : candidates > 32 ? 32 : candidates);
   int found = 0;
   if (s == lt::kStatusSuccess)
     s = api.heuristic(h, p->desc, p->a, p->b, p->d, p->d, pref, static_cast<int>(results.size()),
@@ -269,14 +264,16 @@ ffi::Error Tune(const Api& api, lt::Handle h, Plan* p, const Operands& o) {
 
 // The plan of `key`, made and tuned on first use (under the lock: one tuning per shape).
 ffi::Error GetPlan(const Api& api, lt::Handle h, const PlanKey& key, const Operands& o,
-                   const Plan** out) {
+                   int candidates, const Plan** out) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan p{};
     auto [dev, l, m, n, k, c_code, ws_bytes] = key;
     const auto c_type = static_cast<ffi::DataType>(c_code);
-    if (auto e = MakePlan(api, h, l, m, n, k, c_type, ws_bytes, &p); e.failure()) return e;
+    if (auto e = MakePlan(api, h, l, m, n, k, c_type, ws_bytes, candidates, &p);
+        e.failure())
+      return e;
     it = g_plans.emplace(key, p).first;
   }
   if (!it->second.tuned)
@@ -330,7 +327,8 @@ ffi::Error Instantiate() {
 
 ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    ffi::AnyBuffer alpha_beta_buf,
-                   ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws) {
+                   ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws,
+                   int32_t candidates) {
   if (auto e = Validate(a, b, alpha_beta_buf, *c, *ws); e.failure()) return e;
   int dev = 0;
   if (auto e = CurrentDevice(&dev); e.failure()) return e;
@@ -346,7 +344,7 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    b.untyped_data(), c->untyped_data(), ws->untyped_data(),
                    static_cast<size_t>(ws_bytes), stream};
   const Plan* p = nullptr;
-  if (auto e = GetPlan(*api, h, key, o, &p); e.failure()) return e;
+  if (auto e = GetPlan(*api, h, key, o, candidates, &p); e.failure()) return e;
   if (lt::Status s = RunMatmul(*api, h, *p, p->algo, o); s != lt::kStatusSuccess)
     return LtError(*api, "cublasLtMatmul", s);
   return ffi::Error::Success();
@@ -365,4 +363,5 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_dot_alpha, jbs_dot_alpha::Execute,
                            .Arg<xla::ffi::AnyBuffer>()   // b
                            .Arg<xla::ffi::AnyBuffer>()   // alpha_beta
                            .Ret<xla::ffi::AnyBuffer>()   // c
-                           .Ret<xla::ffi::AnyBuffer>());  // ws
+                           .Ret<xla::ffi::AnyBuffer>()   // ws
+                           .Attr<int32_t>("candidates"));

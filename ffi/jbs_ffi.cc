@@ -1,24 +1,24 @@
 // XLA FFI handlers for the jax_blockscale sm90 block-scaled GEMM.
 //
 //   target "jax_blockscale_gemm_sm90"
-//   operands: a (u8 packed | bf16) [L,M,Ka], b (u8) [L,N,Kb], sa (u8, blocked; a 1-byte dummy in
-//             weight-only mode), sb (u8, blocked), alpha (f32 [1] or scalar)
+//   operands: a (u8 packed | bf16) [L,M,Ka], b (u8) [L,N,Kb], sa (u8, blocked or, for the decode
+//             kernel, plain; any buffer in weight-only mode), sb (u8, blocked), alpha (f32 [1])
 //   results:  c (bf16 | f16 | f32) [L, M, N]
-//             ws (f32): the decode kernel's split-K workspace, L*M*N floats; zero elements when
-//                       the lowering opts out of the decode kernel (then always the fused GEMM)
-//   attrs:    a_kind, b_kind, a_e5m2, b_e5m2 (int32), m, n, k, l (int64)
+//             ws (f32): the decode kernel's split-K workspace, splits*L*M*N floats (zero
+//                       elements for the fused kernels)
+//   attrs:    a_kind, b_kind, a_e5m2, b_e5m2, a_scales_plain (int32), m, n, k, l (int64), and
+//             the planned variant: nt (0: fused; 1/2/4/8: decode), tile_m, tile_n, splits (int32)
 //
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
 //              capability / SM count.
-// execute:     validates the call and dispatches (jbs_validate.cc: DispatchProblem): the decode
-//              kernel (M <= 64, split-K into ws, heuristic ChooseDecode) when the lowering declared
-//              a workspace and the heuristic takes the problem, else the fused GEMM; launches on
-//              XLA's stream. Only stream-ordered work (the decode launcher zeroes ws itself with a
-//              kernel), so it is CUDA-graph (command buffer) compatible.
+// execute:     validates the call against the planned variant (jbs_validate.cc:
+//              ValidateProblem) and launches it on XLA's stream. It chooses nothing: the plan
+//              (jax_blockscale/lowering/plan.py) did. Only stream-ordered work, so it is
+//              CUDA-graph (command buffer) compatible.
 #include <cuda_runtime_api.h>
 
-#include <stdlib.h>
+#include <stdio.h>
 
 #include <mutex>
 #include <string>
@@ -53,8 +53,10 @@ ffi::Error Instantiate() {
 
 ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
                    ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
-                   ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m,
-                   int64_t n, int64_t k, int64_t l, int32_t a_scales_plain) {
+                   ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
+                   int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l,
+                   int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
+                   int32_t splits) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -76,24 +78,22 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   p.b_e5m2 = b_e5m2;
   jbs_ffi::FillProblem(p, jbs_ffi::OutCode(c->element_type(), JBS_OUT_BF16, JBS_OUT_F16, JBS_OUT_F32),
                        m, n, k, l, a, b, sa, sb, *c, alpha, *d);
-  if (const char* t = getenv("JAX_BLOCKSCALE_SM90_TILE_N")) p.tile_n_pref = atoi(t);  // tuning aid
+  p.a_scales_plain = a_scales_plain;
+  p.nt = nt; p.tile_m = tile_m; p.tile_n = tile_n; p.splits = splits;
   p.ws_ptr = reinterpret_cast<uint64_t>(ws->untyped_data());
   p.ws_bytes = ws->size_bytes();
-  p.a_scales_plain = a_scales_plain;
   char msg[512];
-  Dispatch dispatch{};
-  if (const char* why = DispatchProblem(p, kJbsVariants, kJbsNumVariants, &dispatch, msg,
-                                        sizeof(msg)))
+  const Variant* v = nullptr;
+  if (const char* why = ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, msg, sizeof(msg)))
     return g_state.InvalidArgument(why);
-  const Variant* v = dispatch.variant;
   if (auto err = LoadModules(); err.failure()) return err;  // no-op after instantiate
 
   auto args = jbs_ffi::GemmLaunchArgs<LaunchArgs>(a, b, sa, sb, *c, alpha, m, n, k, l);
   args.a_e5m2 = a_e5m2; args.b_e5m2 = b_e5m2; args.max_ctas = d->sm_count;
-  // the decode kernel takes the scale layout as bit 1 of a_e5m2 (DispatchProblem only picks the
-  // fused GEMM with blocked A scales)
+  // the decode kernel takes the scale layout as bit 1 of a_e5m2 (ValidateProblem allows plain A
+  // scales only for it)
   if (v->nt > 0) args.a_e5m2 |= a_scales_plain << 1;
-  args.stream = stream; args.ws = ws->untyped_data(); args.splits = dispatch.splits;
+  args.stream = stream; args.ws = ws->untyped_data(); args.splits = splits;
   return g_state.Launch(*v, args);
 }
 
@@ -117,7 +117,11 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm90, jbs::Execute,
                            .Attr<int64_t>("n")
                            .Attr<int64_t>("k")
                            .Attr<int64_t>("l")
-                           .Attr<int32_t>("a_scales_plain"),
+                           .Attr<int32_t>("a_scales_plain")
+                           .Attr<int32_t>("nt")
+                           .Attr<int32_t>("tile_m")
+                           .Attr<int32_t>("tile_n")
+                           .Attr<int32_t>("splits"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----
@@ -125,64 +129,38 @@ extern "C" {
 
 JBS_EXPORT int jbs_num_variants() { return kJbsNumVariants; }
 
-JBS_EXPORT int jbs_variant_info(int i, const char** name, int* a_kind, int* b_kind, int* out,
-                                int* tile_m, int* tile_n, int* sm) {
+// vals: a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk
+JBS_EXPORT int jbs_variant_info(int i, const char** name, int* vals) {
   if (i < 0 || i >= kJbsNumVariants) return 1;
   const jbs::Variant& v = kJbsVariants[i];
-  *name = v.name; *a_kind = v.a_kind; *b_kind = v.b_kind; *out = v.out;
-  *tile_m = v.tile_m; *tile_n = v.tile_n; *sm = v.sm;
+  *name = v.name;
+  const int x[8] = {v.a_kind, v.b_kind, v.out, v.tile_m, v.tile_n, v.sm, v.nt, v.k_chunk};
+  for (int j = 0; j < 8; ++j) vals[j] = x[j];
   return 0;
 }
 
-// 0: fused GEMM, 1 | 2: decode kernel (n8 tiles of M per CTA); -1: no such variant.
-JBS_EXPORT int jbs_variant_nt(int i) {
-  if (i < 0 || i >= kJbsNumVariants) return -1;
-  return kJbsVariants[i].nt;
-}
-
-// The decode heuristic alone (ChooseDecode): 1 with (nt, splits) when the decode kernel takes
-// the problem, else 0.
-JBS_EXPORT int jbs_choose_decode(int a_kind, int b_kind, int out, long long m, long long n,
-                                 long long k, int sm_count, int* nt, int* splits) {
-  return jbs::ChooseDecode(a_kind, b_kind, out, m, n, k, sm_count, nt, splits) ? 1 : 0;
-}
-
-// The Problem fields as the C ABI's parameters, shared by jbs_dispatch_problem and
-// jbs_check_problem (the Python ctypes declarations list them in this order).
-#define JBS_PROBLEM_PARAMS                                                                      \
-  int a_kind, int b_kind, int out, int a_e5m2, int b_e5m2, long long m, long long n, long long k, \
-      long long l, unsigned long long a_ptr, unsigned long long b_ptr,                          \
-      unsigned long long sa_ptr, unsigned long long sb_ptr, unsigned long long c_ptr,           \
-      unsigned long long alpha_ptr, long long a_bytes, long long b_bytes, long long sa_bytes,   \
-      long long sb_bytes, long long c_bytes, long long alpha_bytes, int cc_major, int cc_minor, \
-      int sm_count
-
-// The execute stage's full validation + dispatch (DispatchProblem), without a GPU: arguments of
-// jbs_check_problem plus the workspace. Returns 0 with the chosen variant's name in msg and its
-// split count (0 for the fused GEMM) in *splits, or 1 with the reason in msg.
-JBS_EXPORT int jbs_dispatch_problem(JBS_PROBLEM_PARAMS, unsigned long long ws_ptr,
-                                    long long ws_bytes, int a_scales_plain, int* splits, char* msg,
-                                    int msg_len) {
-  jbs::Problem p{a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l,
-                 a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr,
-                 a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor,
-                 sm_count, 0, ws_ptr, ws_bytes, a_scales_plain};
+// The execute stage's validation (ValidateProblem), without a GPU. ints: a_kind, b_kind, out,
+// a_e5m2, b_e5m2, cc_major, cc_minor, sm_count, a_scales_plain, nt, tile_m, tile_n, splits;
+// longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, ws_bytes;
+// ptrs: a, b, sa, sb, c, alpha, ws. Returns 0 with the variant's name in msg, or 1 with the
+// reason.
+JBS_EXPORT int jbs_sm90_check_problem(const int* ints, const long long* longs,
+                                      const unsigned long long* ptrs, char* msg, int msg_len) {
+  jbs::Problem p{};
+  p.a_kind = ints[0]; p.b_kind = ints[1]; p.out = ints[2]; p.a_e5m2 = ints[3];
+  p.b_e5m2 = ints[4]; p.cc_major = ints[5]; p.cc_minor = ints[6]; p.sm_count = ints[7];
+  p.a_scales_plain = ints[8]; p.nt = ints[9]; p.tile_m = ints[10]; p.tile_n = ints[11];
+  p.splits = ints[12];
+  p.m = longs[0]; p.n = longs[1]; p.k = longs[2]; p.l = longs[3];
+  p.a_bytes = longs[4]; p.b_bytes = longs[5]; p.sa_bytes = longs[6]; p.sb_bytes = longs[7];
+  p.c_bytes = longs[8]; p.alpha_bytes = longs[9]; p.ws_bytes = longs[10];
+  p.a_ptr = ptrs[0]; p.b_ptr = ptrs[1]; p.sa_ptr = ptrs[2]; p.sb_ptr = ptrs[3];
+  p.c_ptr = ptrs[4]; p.alpha_ptr = ptrs[5]; p.ws_ptr = ptrs[6];
   char buf[512];
-  jbs::Dispatch d{};
-  const char* why = jbs::DispatchProblem(p, kJbsVariants, kJbsNumVariants, &d, buf, sizeof(buf));
-  if (splits) *splits = why ? 0 : d.splits;
-  if (msg && msg_len > 0) snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : d.variant->name);
+  const jbs::Variant* v = nullptr;
+  const char* why = jbs::ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, buf, sizeof(buf));
+  if (msg && msg_len > 0) snprintf(msg, static_cast<size_t>(msg_len), "%s", why ? why : v->name);
   return why ? 1 : 0;
-}
-
-// Returns 0 when the sm90 kernel accepts the call, 1 with a message in msg otherwise.
-JBS_EXPORT int jbs_check_problem(JBS_PROBLEM_PARAMS, char* msg, int msg_len) {
-  // DispatchProblem without a workspace is ValidateProblem (same message, same variant): the
-  // fused GEMM's check alone.
-  return jbs_dispatch_problem(a_kind, b_kind, out, a_e5m2, b_e5m2, m, n, k, l, a_ptr, b_ptr,
-                              sa_ptr, sb_ptr, c_ptr, alpha_ptr, a_bytes, b_bytes, sa_bytes,
-                              sb_bytes, c_bytes, alpha_bytes, cc_major, cc_minor, sm_count, 0, 0,
-                              0, nullptr, msg, msg_len);
 }
 
 }  // extern "C"

@@ -5,9 +5,9 @@
 //             first; fp6: four in three bytes; fp8: one per byte), sa, sb (u8, blocked scales,
 //             flat), alpha (f32 [1], device memory)
 //   result:   c (bf16 | f16 | f32) [L, M, N]
-//   attrs:    fmt_a, fmt_b (int32, aot_sm100.FMT_CODES), m, n, k, l (int64),
-//             tile_m, tile_n, cluster_m, cluster_n (int32; all 0: the C++ heuristic
-//             ChooseVariant picks the tile with the device's SM count, else that exact variant)
+//   attrs:    fmt_a, fmt_b (int32, catalog/sm100.py FMT_CODES), m, n, k, l (int64),
+//             tile_m, tile_n, cluster_m, cluster_n (int32): the variant the planner chose
+//             (lowering/plan.py); the handler runs that variant's cubin for the device's arch
 //
 // instantiate: on compute capability 10.0 / 10.3 only, loads the matching arch's modules once
 //              per device (sm_100a cubins on 10.0, sm_103a on 10.3); elsewhere it loads nothing
@@ -145,17 +145,6 @@ JBS_EXPORT int jbs_sm100_variant_info(int i, const char** name, int* vals) {
 }
 
 // The C++ heuristic's choice (index into the table) for arch `sm` (100 or 103), or -1.
-JBS_EXPORT int jbs_sm100_choose(long long m, long long n, long long k, int fmt_a, int fmt_b,
-                                int out, int sm_count, int sm) {
-  const jbs_sm100::Variant* v = jbs_sm100::ChooseVariant(
-      m, n, k, fmt_a, fmt_b, out, sm_count, sm, kJbsSm100Variants, kJbsSm100NumVariants);
-  return v ? static_cast<int>(v - kJbsSm100Variants) : -1;
-}
-
-// ints: fmt_a, fmt_b, out, cc_major, cc_minor, sm_count, tile_m, tile_n, cluster_m, cluster_n
-// longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes
-// ptrs: a, b, sa, sb, c, alpha
-// Returns 0 (accepted; msg = chosen variant name, or "empty"), 1 (rejected; msg = reason).
 JBS_EXPORT int jbs_sm100_check_problem(const int* ints, const long long* longs,
                                        const unsigned long long* ptrs, char* msg, int msg_len) {
   jbs_sm100::Problem p{};

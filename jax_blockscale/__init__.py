@@ -1,4 +1,5 @@
 """jax_blockscale: block-scaled low-precision GEMM (NVFP4, MXFP4, MXFP6, MXFP8) for JAX."""
+from . import config  # noqa: F401  (JAX_BLOCKSCALE_* variables, read once)
 from . import lowering as _lowering_registry  # noqa: F401  (the backend registry)
 from .lowering import reference as _reference_backend  # noqa: F401  (registers "reference")
 from .api import gemm, scaled_matmul
@@ -7,7 +8,7 @@ from .layout import from_blocked_scales, to_blocked_scales
 from .lowering import GemmSpec, backend_names, register_backend
 from .primitive import gemm_p
 from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
-from .lowering import ffi as _ffi_backends  # noqa: F401,E402  (GPU backends; library loads lazily)
+from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper; library loads lazily)
 from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
 from .quantize import (BlockScaled, dequantize, pack_fp4, quantize, to_blocked, to_plain,
                        unpack_fp4)

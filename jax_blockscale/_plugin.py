@@ -4,7 +4,8 @@ The library is a plain shared object (no Python extension): the AOT-compiled ker
 host launchers and the typed XLA FFI handlers. It is loaded with ctypes, so it works with any
 Python version and needs no CUDA DSL at run time.
 
-Search order: the file named by ``$JAX_BLOCKSCALE_LIBRARY``, then the package directory.
+Search order: the file named by ``JAX_BLOCKSCALE_LIBRARY`` (jax_blockscale.config), then the
+package directory.
 A missing or unloadable library is not an error: the GPU backends report themselves
 unavailable and gemm runs on the reference backend, after one warning that says why.
 """
@@ -17,8 +18,8 @@ import os
 import threading
 import warnings
 
-ENV_LIBRARY = "JAX_BLOCKSCALE_LIBRARY"
-ENV_NO_PLUGIN = "JAX_BLOCKSCALE_NO_PLUGIN"  # set by the AOT build: never load the library
+from . import config as _config
+
 LIB_NAME = "libjax_blockscale.so"
 SM90_TARGET = "jax_blockscale_gemm_sm90"
 SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), same library
@@ -34,18 +35,17 @@ _registered = False
 
 
 def library_path() -> str:
-    return os.environ.get(ENV_LIBRARY) or os.path.join(os.path.dirname(__file__), LIB_NAME)
+    return _config.get().library or os.path.join(os.path.dirname(__file__), LIB_NAME)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     c = ctypes
     lib.jbs_num_variants.restype = c.c_int
-    lib.jbs_variant_info.argtypes = [c.c_int, c.POINTER(c.c_char_p)] + [c.POINTER(c.c_int)] * 6
+    lib.jbs_variant_info.argtypes = [c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int)]
     lib.jbs_variant_info.restype = c.c_int
-    lib.jbs_check_problem.argtypes = (
-        [c.c_int] * 5 + [c.c_longlong] * 4 + [c.c_ulonglong] * 6 + [c.c_longlong] * 6
-        + [c.c_int] * 3 + [c.c_char_p, c.c_int])
-    lib.jbs_check_problem.restype = c.c_int
+    lib.jbs_sm90_check_problem.argtypes = [c.POINTER(c.c_int), c.POINTER(c.c_longlong),
+                                           c.POINTER(c.c_ulonglong), c.c_char_p, c.c_int]
+    lib.jbs_sm90_check_problem.restype = c.c_int
     _declare_sm100(lib)
 
 
@@ -58,8 +58,6 @@ def _declare_sm100(lib: ctypes.CDLL) -> None:
         return
     lib.jbs_sm100_variant_info.argtypes = [c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int)]
     lib.jbs_sm100_variant_info.restype = c.c_int
-    lib.jbs_sm100_choose.argtypes = [c.c_longlong] * 3 + [c.c_int] * 5
-    lib.jbs_sm100_choose.restype = c.c_int
     lib.jbs_sm100_check_problem.argtypes = [c.POINTER(c.c_int), c.POINTER(c.c_longlong),
                                             c.POINTER(c.c_ulonglong), c.c_char_p, c.c_int]
     lib.jbs_sm100_check_problem.restype = c.c_int
@@ -72,13 +70,13 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get(ENV_NO_PLUGIN):
-            _error = f"{ENV_NO_PLUGIN} is set"
+        if _config.get().no_plugin:
+            _error = "JAX_BLOCKSCALE_NO_PLUGIN is set"
             return None
         path = library_path()
         if not os.path.exists(path):
             _error = (f"native library not found at {path} (built without it? set "
-                      f"{ENV_LIBRARY} to its path)")
+                      "JAX_BLOCKSCALE_LIBRARY to its path)")
         else:
             try:
                 lib = ctypes.CDLL(path)
@@ -126,21 +124,29 @@ def register_targets() -> bool:
     return True
 
 
+_SM90_FIELDS = ("a_kind", "b_kind", "out", "tile_m", "tile_n", "sm", "nt", "k_chunk")
+
+
 def variants() -> list[dict]:
-    """The compiled variant table, read from the library itself."""
+    """The compiled sm90 variant table, read from the library itself."""
     lib = load()
     if lib is None:
         return []
     out = []
     for i in range(lib.jbs_num_variants()):
         name = ctypes.c_char_p()
-        vals = [ctypes.c_int() for _ in range(6)]
-        if lib.jbs_variant_info(i, ctypes.byref(name), *(ctypes.byref(v) for v in vals)):
+        vals = (ctypes.c_int * len(_SM90_FIELDS))()
+        if lib.jbs_variant_info(i, ctypes.byref(name), vals):
             continue
-        a, b, o, tm, tn, sm = (v.value for v in vals)
-        out.append(dict(name=name.value.decode(), a_kind=a, b_kind=b, out=o, tile_m=tm,
-                        tile_n=tn, sm=sm))
+        out.append(dict(name=name.value.decode(), **dict(zip(_SM90_FIELDS, vals))))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def variant_names() -> frozenset:
+    """Names of every compiled variant (sm90 and sm100 tables; sm100 without the arch prefix)."""
+    sm100 = {v["name"].split("_", 2)[2] for v in sm100_variants()}  # jbs_<arch>_<name>
+    return frozenset({v["name"] for v in variants()} | sm100)
 
 
 def _manifest_next_to_library(name: str) -> dict | None:
@@ -156,26 +162,29 @@ def manifest() -> dict | None:
     return _manifest_next_to_library("sm90_variants.json")
 
 
+_SM90_INTS = ("a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "cc_major", "cc_minor", "sm_count",
+               "a_scales_plain", "nt", "tile_m", "tile_n", "splits")
+_SM90_LONGS = ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes", "c_bytes",
+               "alpha_bytes", "ws_bytes")
+_SM90_PTRS = ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "ws_ptr")
+
+
 def check_problem(**kw) -> tuple[bool, str]:
-    """Run the FFI handler's pure validation (no GPU): (True, chosen variant name) if the call
-    is accepted, else (False, the reason)."""
+    """Run the sm90 FFI handler's pure validation (no GPU): (True, the variant's name) if the
+    call is accepted, else (False, the reason). Fields: _SM90_INTS / _LONGS / _PTRS (codes from
+    catalog/sm90.py); the device defaults to an H100 (9.0, 132 SMs), pointers to aligned ones."""
     lib = load()
     if lib is None:
         raise RuntimeError(unavailable_reason())
-    names = ["a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "m", "n", "k", "l", "a_ptr",
-             "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "a_bytes", "b_bytes",
-             "sa_bytes", "sb_bytes", "c_bytes", "alpha_bytes", "cc_major", "cc_minor", "sm_count"]
-    kw.setdefault("sm_count", 132)
+    kw = dict(dict(cc_major=9, cc_minor=0, sm_count=132, a_e5m2=0, b_e5m2=0, a_scales_plain=0,
+                   nt=0, splits=0, alpha_bytes=4, ws_bytes=0), **kw)
+    ptrs = [kw.get(n, 0x10000 * (i + 1)) for i, n in enumerate(_SM90_PTRS)]
     buf = ctypes.create_string_buffer(512)
-    rc = lib.jbs_check_problem(*(kw[n] for n in names), buf, len(buf))
+    rc = lib.jbs_sm90_check_problem((ctypes.c_int * len(_SM90_INTS))(*(kw[n] for n in _SM90_INTS)),
+                                    (ctypes.c_longlong * len(_SM90_LONGS))(
+                                        *(kw[n] for n in _SM90_LONGS)),
+                                    (ctypes.c_ulonglong * len(_SM90_PTRS))(*ptrs), buf, len(buf))
     return rc == 0, buf.value.decode()
-
-
-@functools.lru_cache(maxsize=None)
-def register_weight_kinds() -> frozenset:
-    """Weight kind codes the library's register-weight variants take (a K-permuted bf16
-    activation, kind code 5); empty for libraries built before them."""
-    return frozenset(v["b_kind"] for v in variants() if v["a_kind"] == 5)
 
 
 def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:
@@ -226,19 +235,13 @@ def sm100_manifest() -> dict | None:
     return _manifest_next_to_library("variants_sm100.json")
 
 
-def sm100_choose(m, n, k, fmt_a, fmt_b, out, sm_count, sm) -> int:
-    """Index (into sm100_variants()) of the FFI handler's C++ tile choice, or -1."""
-    return load().jbs_sm100_choose(m, n, k, fmt_a, fmt_b, out, sm_count, sm)
-
-
 def sm100_check_problem(**kw) -> tuple[bool, str]:
     """The sm100 FFI handler's pure validation (no GPU): (True, variant name or "empty") if the
-    call is accepted, else (False, the reason). Codes: aot_sm100.FMT_CODES / OUT_CODES."""
+    call is accepted, else (False, the reason). Codes: catalog/sm100.py FMT_CODES / OUT_CODES."""
     lib = load()
     if not has_sm100(lib):
         raise RuntimeError(sm100_unavailable_reason())
-    kw = dict(dict(cc_major=10, cc_minor=0, sm_count=148, tile_m=0, tile_n=0, cluster_m=0,
-                   cluster_n=0, alpha_bytes=4), **kw)
+    kw = dict(dict(cc_major=10, cc_minor=0, sm_count=148, alpha_bytes=4), **kw)
     ints = [kw[n] for n in ("fmt_a", "fmt_b", "out", "cc_major", "cc_minor", "sm_count",
                             "tile_m", "tile_n", "cluster_m", "cluster_n")]
     longs = [kw[n] for n in ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes",

@@ -1,4 +1,13 @@
-"""`gemm_p`: the block-scaled GEMM primitive (shape rules, batching, differentiation, lowering).
+"""`gemm_p`: the block-scaled GEMM primitive (shape rules, batching, differentiation), and
+`gemm_local_p`, the per-device computation it lowers to.
+
+Two primitives, each lowered in one place, as JAX does for its own partitioned custom calls:
+  * `gemm_p` is what `jbs.gemm` binds: shape rules, batching and differentiation live here; its
+    lowering (sharding.py) wraps the local computation in `custom_partitioning` where an SPMD
+    partitioner will split it, and is the local computation itself elsewhere;
+  * `gemm_local_p` (same operands, same result) is the computation on one device: its lowering
+    (below) asks the planner (lowering/plan.py) for a Plan once and lets the chosen backend carry
+    it out.
 
 Operands, in order: ``a, b, [sa], sb, alpha``.
   a      (*batch_a, M, K): quantized elements, or (weight-only mode, ``fmt_a=None``) a plain
@@ -28,10 +37,12 @@ from jax.interpreters import ad, batching, mlir
 
 from . import layout as _layout
 from .formats import OUT_DTYPES, PLAIN_DTYPES, can_multiply, get_format, supported_pairs
-from .lowering import ALL_PLATFORMS, GemmSpec, select_backend
+from .lowering import ALL_PLATFORMS, GemmSpec, get_backend
+from .lowering.plan import plan as make_plan
 from .lowering.reference import operand_values
 
 gemm_p = Primitive("blockscale_gemm")
+gemm_local_p = Primitive("blockscale_gemm_local")
 
 
 def split_operands(args, fmt_a):
@@ -124,32 +135,32 @@ def _abstract_eval(*avals, **params):
     return jax.core.ShapedArray(spec.batch_shape + (spec.m, spec.n), spec.out_dtype)
 
 
-gemm_p.def_abstract_eval(_abstract_eval)
+def _impl(prim, *args, **params):
+    return jax.jit(functools.partial(prim.bind, **params))(*args)
 
 
-def _impl(*args, **params):
-    return jax.jit(functools.partial(gemm_p.bind, **params))(*args)
-
-
-gemm_p.def_impl(_impl)
+for _prim in (gemm_p, gemm_local_p):
+    _prim.def_abstract_eval(_abstract_eval)
+    _prim.def_impl(functools.partial(_impl, _prim))
 
 
 # ---------------------------------------------------------------------------------------------
-# Lowering: the registry picks a backend per platform; the backend is written in JAX.
+# The per-device lowering: one Plan, carried out by its backend (written in JAX).
 
 
-def _lowering(ctx, *args, platform, **params):
+def local_lowering(ctx, *args, platform, **params):
     spec = gemm_spec(ctx.avals_in, **params)
-    backend = select_backend(spec, platform, params["backend"])
+    plan = make_plan(spec, platform, params["backend"])
+    backend = get_backend(plan.backend)
 
     def run(*xs):
-        return backend(*split_operands(xs, params["fmt_a"]), spec=spec, platform=platform)
+        return backend(*split_operands(xs, params["fmt_a"]), plan=plan)
 
     return mlir.lower_fun(run, multiple_results=False)(ctx, *args)
 
 
 for _platform in ALL_PLATFORMS:
-    mlir.register_lowering(gemm_p, functools.partial(_lowering, platform=_platform),
+    mlir.register_lowering(gemm_local_p, functools.partial(local_lowering, platform=_platform),
                            platform=_platform)
 
 

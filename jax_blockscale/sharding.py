@@ -1,16 +1,16 @@
 """Sharding rules for `gemm_p`: how a block-scaled GEMM is split across devices.
 
 Without a rule, XLA treats a GPU kernel's custom call as opaque and gathers every operand onto
-every device. Here `gemm_p`'s lowering wraps the local computation in
-`jax.experimental.custom_partitioning`, which gives the SPMD partitioner
+every device. Here `gemm_p`'s lowering (its only one) wraps the per-device primitive
+`gemm_local_p` in `jax.experimental.custom_partitioning`, which gives the SPMD partitioner
 
   * a Shardy sharding rule (`_sdy_rule`): factors for batch, M, N and K, shared by each operand's
     elements and scales in both scale layouts, K a reduction factor;
   * the GSPMD callbacks: `_infer_sharding_from_operands` (the output's sharding) and `_partition`
     (the placement the local kernel takes, and the per-device function).
 
-The per-device function is `gemm_p.bind` on the local shards, so every backend (reference, sm90,
-sm100) runs unchanged; when K is sharded it computes a partial product in f32, reduces it with
+The per-device function is `gemm_local_p.bind` on the local shards, so every backend (reference,
+sm90, sm100) runs unchanged; when K is sharded it computes a partial product in f32, reduces it with
 `psum` (or `psum_scatter` when the output is wanted sharded along M or N), then applies alpha
 and casts, once, after the reduction.
 
@@ -53,9 +53,7 @@ from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .lowering import ALL_PLATFORMS
-from .primitive import _lowering as _local_lowering
-from .primitive import gemm_p, join_operands, split_operands
+from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")
 _logged: set[str] = set()
@@ -254,11 +252,11 @@ def _partition(pt, mesh, arg_shapes, result_shape):
 
     def local_gemm(*operands):
         if not plan.k:  # every device owns whole dot products: no communication
-            return gemm_p.bind(*operands, **params)
+            return gemm_local_p.bind(*operands, **params)
         # K is split: each device holds a partial sum. Reduce it in f32, then apply alpha and
         # round to the output dtype once, so the result equals the unsharded one.
         a, b, sa, sb, alpha = split_operands(operands, params["fmt_a"])
-        partial = gemm_p.bind(*join_operands(a, b, sa, sb, jnp.float32(1.0)),
+        partial = gemm_local_p.bind(*join_operands(a, b, sa, sb, jnp.float32(1.0)),
                               **dict(params, out_dtype=np.dtype(np.float32)))
         if plan.scatter_dim is not None:
             total = lax.psum_scatter(partial, plan.k, scatter_dimension=plan.scatter_dim,
@@ -373,7 +371,7 @@ def _sdy_rule(pt, mesh, operand_types, result_types):
 
 @functools.partial(custom_partitioning, static_argnums=(0,))
 def _partitioned_gemm(pt, *operands):
-    return gemm_p.bind(*operands, **dict(pt))
+    return gemm_local_p.bind(*operands, **dict(pt))
 
 
 _partitioned_gemm.def_partition(
@@ -430,9 +428,10 @@ def _devices(axis_context) -> int:
     return 1  # pmap's replica context and anything else: per-device code
 
 
-def _lowering(ctx, *args, platform, **params):
+def _lowering(ctx, *args, **params):
     if not _needs_partitioning(ctx):
-        return _local_lowering(ctx, *args, platform=platform, **params)
+        return mlir.lower_fun(lambda *xs: gemm_local_p.bind(*xs, **params),
+                              multiple_results=False)(ctx, *args)
     pt = tuple(sorted(params.items()))
     return mlir.lower_fun(lambda *xs: _partitioned_gemm(pt, *xs),
                           multiple_results=False)(ctx, *args)
@@ -442,7 +441,5 @@ def _lowering(ctx, *args, platform, **params):
 # the devices and the mesh only for primitives in this set (jax.nn.scaled_matmul does the same).
 dispatch.prim_requires_devices_during_lowering.add(gemm_p)
 
-# Replace primitive.py's per-platform lowering: the local case delegates straight back to it.
-for _platform in ALL_PLATFORMS:
-    mlir.register_lowering(gemm_p, functools.partial(_lowering, platform=_platform),
-                           platform=_platform)
+# gemm_p's only lowering (every platform): partitioned, or the local computation itself.
+mlir.register_lowering(gemm_p, _lowering)

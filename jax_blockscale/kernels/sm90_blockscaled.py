@@ -45,24 +45,12 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_decode import SCALE_BYTE_SEL, compile_for_arch, scale_bf16x2
-from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, KINDS, cvt_asm, fp4_perm_pairs_ptx
+from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx
+from .export import compile_for_arch, placeholder_ptr
+from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
+from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
+    FUSED_PAIRS as PAIRS, KINDS, OUTS, REGISTER_WEIGHT_KINDS, REGISTER_WEIGHT_TILES)
 
-# (a_kind, b_kind) pairs the kernel implements.
-PAIRS = [
-    ("nvfp4", "nvfp4"),
-    ("mxfp4", "mxfp4"),
-    ("mxfp8", "mxfp8"),
-    ("mxfp8", "mxfp4"),
-    ("bf16", "nvfp4"),
-    ("bf16", "mxfp4"),
-    ("bf16", "mxfp8"),
-]
-# weight kinds of the register-weight mode (bf16 activations in activation_k_order)
-REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
-# (activation rows, weight rows) per tile of the register-weight mode
-REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128),
-                         (128, 64), (128, 128))
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
 REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6}
@@ -71,10 +59,10 @@ REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6}
 # the conversion's latency where the accumulators are few enough for the smaller register share
 REGISTER_WEIGHT_K_SPLIT_ROWS = (16, 32)
 PRODUCER_REGS = 40
-OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
 SCALE_CHUNK = 512  # bytes of one blocked scale tile: 128 rows x 4 scale columns
+
 
 def _i32(x, loc, ip):
     return cutlass.Int32(x).ir_value(loc=loc, ip=ip)
@@ -125,7 +113,7 @@ def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
 # TMA'd packed bytes straight into registers, and the bf16 activation tile (TMA, 128B swizzle) is
 # its B operand read from shared memory. No bf16 weight tile is written to shared memory and no
 # barrier sits between the conversion and the MMA. The activations arrive with K permuted inside
-# each 64-element k-tile (register_weight_order.py says which order and why).
+# each 64-element k-tile (catalog/sm90.py: activation_k_order says which order and why).
 
 # shared-memory descriptor of a K-major, 128B-swizzled bf16 tile (wgmma B operand): high word =
 # stride between 8-row groups (1024 bytes, >> 4) | swizzle mode 1 (128B) << 62; low word =
@@ -888,18 +876,15 @@ class Sm90BlockScaledGemm:
 def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
                     weights_in_registers: bool = False, arch: str = "sm_90a"):
     """cute.compile one variant for `arch` with placeholder pointers."""
-    from cutlass.cute.runtime import make_ptr
-
     gemm = Sm90BlockScaledGemm(a_kind, b_kind, out, tile_mn, weights_in_registers)
-    gmem = cute.AddressSpace.gmem
     a_t = cutlass.BFloat16 if a_kind == "bf16" else cutlass.Uint8
     args = (
-        make_ptr(a_t, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
-        make_ptr(OUT_DTYPES[out], 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),
+        placeholder_ptr(a_t),
+        placeholder_ptr(cutlass.Uint8),
+        placeholder_ptr(cutlass.Uint8),
+        placeholder_ptr(cutlass.Uint8),
+        placeholder_ptr(OUT_DTYPES[out]),
+        placeholder_ptr(cutlass.Float32, align=4),
         *(cutlass.Int32(1) for _ in range(4)),
         cutlass.Int32(0),
         cutlass.Int32(0),

@@ -16,7 +16,7 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   (i0 = 8 (warp % 4), j = 0..3), so a thread's four rows share one 16-byte entry of the blocked
   scale layout (one 16-byte scale load per step, whole 128-byte lines per warp).
 * Weights: lane = 4*g + t uses bytes [16t, 16t+16) of the step's 64-byte slice of its rows.
-  Default pipeline for M <= 16 (Tuning "tma", see sm90_decode_variants.DEFAULT_TUNING): warp 0
+  Default pipeline for M <= 16 (Tuning "tma", see catalog/sm90.py: DEFAULT_TUNING): warp 0
   brings each sub-chunk in with TMA (boxes of the CTA's 256 rows x box_steps * 64 bytes: one
   256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
@@ -64,377 +64,22 @@ with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale f
 """
 from __future__ import annotations
 
-import os
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_blockscale.kernels.sm90_dequant_ptx import fp4_perm_pairs_ptx
-
-# ----------------------------------------------------------------------------------------------
-# Formats, variants, heuristic: pure Python, shared with the runtime (sm90_decode_variants.py)
-# ----------------------------------------------------------------------------------------------
-from jax_blockscale.kernels.sm90_decode_variants import (  # noqa: E402,F401
-    B_KINDS, KINDS, OUTS, PAIRS, STEP_BYTES, THREADS, VARIANTS, WARPS,
-    WIDE_TUNING, tuning_for,
-    DEFAULT_TUNING, FOLD_ALPHA, DecodeVariant, Tuning, _K112, _K119, _K120, _K126,
-    choose_decode_variant, steps_elems)
-
-OUT_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32}
-
-
-# ----------------------------------------------------------------------------------------------
-# Inline PTX helpers. Each returns DSL scalars; has_side_effects keeps their order.
-# ----------------------------------------------------------------------------------------------
-def _asm(n_out, out_kind, ins, body, in_cons, loc=None, ip=None, side_effects=True):
-    """Run `body` with n_out results of out_kind ("r" i32 / "f" f32) and inputs `ins`."""
-    ty = T.i32() if out_kind == "r" else T.f32()
-    cons = ",".join([f"={out_kind}"] * n_out + in_cons)
-    vals = [x.ir_value(loc=loc, ip=ip) if hasattr(x, "ir_value") else x for x in ins]
-    if n_out == 1:
-        res = llvm.inline_asm(ty, vals, body, cons, has_side_effects=side_effects,
-                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        outs = [res]
-    elif n_out == 0:
-        llvm.inline_asm(None, vals, body, cons, has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        return []
-    else:
-        st = llvm.StructType.get_literal([ty] * n_out)
-        res = llvm.inline_asm(st, vals, body, cons, has_side_effects=side_effects,
-                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-        outs = [llvm.extractvalue(ty, res, [i]) for i in range(n_out)]
-    wrap = cutlass.Int32 if out_kind == "r" else cutlass.Float32
-    return [wrap(o) for o in outs]
-
-
-def _ldg_v4_ptx(qualifiers):
-    """16 bytes into 4 registers, zeros if !pred ($5), with the load's cache qualifiers."""
-    return ("{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-            "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-            f"@p ld.global.nc{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}")
-
-
-@dsl_user_op
-def ldg_stream_v4(addr, pred, *, loc=None, ip=None):
-    """16 bytes of streamed weights (not kept in L1; 256-byte L2 prefetch); zeros if !pred."""
-    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)],
-                _ldg_v4_ptx(".L1::no_allocate.L2::256B"), ["l", "r"], loc, ip)
-
-
-@dsl_user_op
-def ldg_v4(addr, pred, *, loc=None, ip=None):
-    """16 bytes through L1 (activations: read by every CTA of a K range); zeros if !pred."""
-    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], _ldg_v4_ptx(""), ["l", "r"],
-                loc, ip)
-
-
-@dsl_user_op
-def ldg_bytes(addr, pred, nbytes, *, loc=None, ip=None):
-    """1, 2, 4 or 8 bytes (zero-extended into 1 or 2 i32) through L1; zeros if !pred."""
-    if nbytes == 8:
-        body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
-                "@p ld.global.nc.v2.b32 {$0, $1}, [$2];\n}")
-        return _asm(2, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
-    ty = {1: "u8", 2: "u16", 4: "b32"}[nbytes]
-    body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n"
-            f"@p ld.global.nc.{ty} $0, [$1];\n}}")
-    return _asm(1, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)[0]
-
-
-@dsl_user_op
-def lds_v4(addr, *, loc=None, ip=None):
-    return _asm(4, "r", [cutlass.Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                ["r"], loc, ip)
-
-
-@dsl_user_op
-def sts_v4(addr, v, *, loc=None, ip=None):
-    _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in v],
-         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", ["r", "r", "r", "r", "r"], loc, ip)
-
-
-@dsl_user_op
-def stg_f32(addr, val, pred, *, loc=None, ip=None):
-    body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}"
-    _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,
-         ["l", "f", "r"], loc, ip)
-
-
-@dsl_user_op
-def ldg_f32(addr, *, loc=None, ip=None):
-    return _asm(1, "f", [cutlass.Int64(addr)], "ld.global.f32 $0, [$1];", ["l"], loc, ip)[0]
-
-
-def _predicated_ptx(pre, vector_op, scalar_ops):
-    """PTX that runs `vector_op` when $vec != 0, else scalar_ops[e] for e < $valid (the operand
-    numbers of $vec / $valid are in `pre`'s setp lines)."""
-    return ("{\n.reg .pred pv, p0, p1, p2, p3;\n" + pre + "@pv " + vector_op + "\n"
-            + "".join(f"@p{e} {op}\n" for e, op in enumerate(scalar_ops)) + "}")
-
-
-def _lane_preds(vec, valid):
-    return (f"setp.ne.b32 pv, {vec}, 0;\n"
-            + "".join(f"setp.gt.and.s32 p{e}, {valid}, {e}, !pv;\n" for e in range(4)))
-
-
-@dsl_user_op
-def ldg4_f32(addr, vec, valid, *, loc=None, ip=None):
-    """Four consecutive floats at addr: one 16-byte load when vec != 0 (addr 16-byte aligned),
-    else the first `valid` (0..4) one by one; the others are +0.0."""
-    body = _predicated_ptx(
-        "".join(f"mov.b32 ${e}, 0f00000000;\n" for e in range(4)) + _lane_preds("$5", "$6"),
-        "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];",
-        [f"ld.global.f32 ${e}, [$4+{4 * e}];" for e in range(4)])
-    return _asm(4, "f", [cutlass.Int64(addr), cutlass.Int32(vec), cutlass.Int32(valid)], body,
-                ["l", "r", "r"], loc, ip)
-
-
-FIN_FOUR_FROM = 1 << 17  # finalize: four outputs per thread from this many outputs on
-
-
-@dsl_user_op
-def stg4_out(out, addr, vals, vec, valid, *, loc=None, ip=None):
-    """Four consecutive outputs (f32 values, rounded to nearest-even into `out`) at addr: one
-    vector store when vec != 0 (addr 16-byte aligned), else the first `valid` one by one."""
-    ins = [cutlass.Int64(addr)] + [cutlass.Float32(v) for v in vals] + [
-        cutlass.Int32(vec), cutlass.Int32(valid)]
-    preds = _lane_preds("$5", "$6")
-    if out == "f32":
-        body = _predicated_ptx(preds, "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-                               [f"st.global.f32 [$0+{4 * e}], ${e + 1};" for e in range(4)])
-    else:  # two halves per 32-bit word, element e at the lower address first
-        cvt = f"cvt.rn.{out}x2.f32"
-        pack = (".reg .b32 h01, h23;\n.reg .b16 e0, e1, e2, e3;\n"
-                f"{cvt} h01, $2, $1;\n{cvt} h23, $4, $3;\n"
-                "mov.b32 {e0, e1}, h01;\nmov.b32 {e2, e3}, h23;\n")
-        body = _predicated_ptx(pack + preds, "st.global.v2.b32 [$0], {h01, h23};",
-                               [f"st.global.b16 [$0+{2 * e}], e{e};" for e in range(4)])
-    _asm(0, "r", ins, body, ["l", "f", "f", "f", "f", "r", "r"], loc, ip)
-
-
-@dsl_user_op
-def cp_async(dst, src, nbytes, pred, *, loc=None, ip=None):
-    """Asynchronous global -> shared copy of 16 bytes (L1 bypass, 256-byte L2 prefetch) or 4
-    bytes; zero-filled when !pred (no global read then)."""
-    qual = "cg.shared.global.L2::256B" if nbytes == 16 else "ca.shared.global"
-    body = ("{\n.reg .pred p;\n.reg .b32 sz;\nsetp.ne.b32 p, $2, 0;\n"
-            f"selp.b32 sz, {nbytes}, 0, p;\ncp.async.{qual} [$0], [$1], {nbytes}, sz;\n}}")
-    _asm(0, "r", [cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(pred)], body,
-         ["r", "l", "r"], loc, ip)
-
-
-@dsl_user_op
-def cp_async_commit(*, loc=None, ip=None):
-    _asm(0, "r", [], "cp.async.commit_group;", [], loc, ip)
-
-
-@dsl_user_op
-def cp_async_wait(n, *, loc=None, ip=None):
-    """Wait until at most n of this thread's committed copy groups are still in flight."""
-    _asm(0, "r", [], f"cp.async.wait_group {n};", [], loc, ip)
-
-
-# --- mbarriers (Tuning "tma") ------------------------------------------------------------------
-@dsl_user_op
-def mbar_init(bar, count, *, loc=None, ip=None):
-    _asm(0, "r", [cutlass.Int32(bar), cutlass.Int32(count)],
-         "mbarrier.init.shared::cta.b64 [$0], $1;", ["r", "r"], loc, ip)
-
-
-@dsl_user_op
-def mbar_init_fence(*, loc=None, ip=None):
-    """Make the mbarrier inits visible to the async proxy (the TMA copies) before first use."""
-    _asm(0, "r", [], "fence.mbarrier_init.release.cluster;", [], loc, ip)
-
-
-@dsl_user_op
-def mbar_arrive_expect_tx(bar, nbytes, *, loc=None, ip=None):
-    """One arrival on `bar` that also announces `nbytes` of TMA copies for this phase."""
-    body = ("{\n.reg .b64 st;\n"
-            "mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;\n}")
-    _asm(0, "r", [cutlass.Int32(bar), cutlass.Int32(nbytes)], body, ["r", "r"], loc, ip)
-
-
-@dsl_user_op
-def mbar_wait(bar, parity, *, loc=None, ip=None):
-    """Spin until phase `parity` of `bar` has completed (labels are local to the braces)."""
-    body = ("{\n.reg .pred p;\nWAIT:\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
-            "@!p bra WAIT;\n}")
-    _asm(0, "r", [cutlass.Int32(bar), cutlass.Int32(parity)], body, ["r", "r"], loc, ip)
-
-
-# --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
-# One byte of a 32-bit word, picked by a prmt selector `sel` = SCALE_BYTE_SEL + 0x101 * i (byte i
-# into both halves, zeros above): no shift/mask per scale, one shift for both halves.
-SCALE_BYTE_SEL = 0x4040
-_SCALE_E4M3 = f"""{{
-.reg .b32 t, k;
-prmt.b32 t, $1, 0, $2;
-shl.b32 t, t, 4;                 // e4m3 (non-negative) bits -> bf16 bits: value * 2^-120
-mov.b32 k, {_K120:#x};
-mul.rn.bf16x2 $0, t, k;
-}}"""
-# NVFP4 with the fold: the scale also carries 2^119 (the weights' 2^-126 is then undone by it)
-_SCALE_E4M3_FOLDED = _SCALE_E4M3.replace(
-    "mul.rn.bf16x2 $0, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
-    "mul.rn.bf16x2 $0, t, k;")
-_SCALE_E8M0 = """{
-.reg .b32 t;
-.reg .pred p;
-prmt.b32 t, $1, 0, $2;
-setp.eq.u32 p, t, 0;
-shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
-selp.b32 $0, 0x00400040, t, p;   // 2^-127 is a bf16 subnormal
-}"""
-
-
-def scale_ptx(kind: str, fold: bool = False) -> str:
-    """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale."""
-    if KINDS[kind]["scale"] == "e4m3":
-        return _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
-    assert not fold, "only e4m3 scales are folded"
-    return _SCALE_E8M0
-
-
-@dsl_user_op
-def scale_bf16x2(kind, word, sel=SCALE_BYTE_SEL, fold=False, *, loc=None, ip=None):
-    """Block-scale byte `sel` picks of a scale word (default: the low byte) -> bf16x2 with the
-    scale in both halves (times 2^119 when `fold`: NVFP4 weights converted with fold=True)."""
-    return _asm(1, "r", [cutlass.Int32(word), cutlass.Int32(sel)], scale_ptx(kind, fold),
-                ["r", "r"], loc, ip, side_effects=False)[0]
-
-
-# --- element conversion (PTX text generators) --------------------------------------------------
-def _fp4_pairs_ptx(w, s, outs, tmp="cv", fold=False):
-    """8 e2m1 nibbles of register `w` -> 4 bf16x2 in `outs`: outs[j] = (nibble j, nibble j+4),
-    times the bf16x2 scale `s` (the fused kernel's permuted-order conversion, shared). fold: `s`
-    already carries the 2^126 (times 2^-7, see Tuning.fold_scale)."""
-    return fp4_perm_pairs_ptx(w, s, outs, f"{tmp}0", f"{tmp}1", f"{tmp}k", fold)
-
-
-def _fp8_pairs_ptx(w, s, outs, shift, mask, fix, tmp="cv"):
-    """4 e4m3/e5m2 bytes of `w` -> 2 bf16x2: outs[0] = (byte0, byte1), outs[1] = (byte2, byte3).
-    Bytes go to the high byte of each half (sign in place), the magnitude shifts right by
-    `shift` (4: e4m3, 3: e5m2) into the bf16 exponent/mantissa; `fix` undoes the power of two."""
-    code = []
-    for j, sel in enumerate((0x1404, 0x3424)):
-        o = outs[j]
-        code.append(f"prmt.b32 {tmp}1, {w}, 0, {sel:#x};")
-        code.append(f"shr.b32 {tmp}0, {tmp}1, {shift};")
-        code.append(f"and.b32 {tmp}0, {tmp}0, {mask};")
-        code.append(f"lop3.b32 {o}, {tmp}0, {tmp}1, 0x80008000, 0xF8;")
-        code.append(f"mul.rn.bf16x2 {o}, {o}, {fix};")
-        code.append(f"mul.rn.bf16x2 {o}, {o}, {s};")
-    return "\n".join(code)
-
-
-_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, "
-        "{{{d0}, {d1}, {d2}, {d3}}};")
-
-
-def dequant_mma_ptx(b_kind: str, nt: int, fold: bool = False) -> str:
-    """PTX of dequant_mma. Operands: $0..$(4nt-1) accumulators (outputs), the same again as tied
-    inputs, then the weight words of row g and of row g+8 (1 each for fp4, 2 each for fp8), the
-    two bf16x2 scales, 4 activation words per n8 tile, and for fp8 (shift, mask, fix)."""
-    n_acc = 4 * nt
-    nw = 1 if KINDS[b_kind]["bits"] == 4 else 2
-    base = 2 * n_acc  # operands: outputs 0..n_acc-1, then the tied accumulator inputs
-    wreg = [f"${base + i}" for i in range(2 * nw)]
-    base += 2 * nw
-    s_g, s_h = f"${base}", f"${base + 1}"
-    base += 2
-    act_reg = [[f"${base + 4 * i + j}" for j in range(4)] for i in range(nt)]
-    base += 4 * nt
-    code = ["{", ".reg .b32 cv0, cv1, cvk, pg<4>, ph<4>;"]
-    if nw == 2:
-        shift, mask, fix = f"${base}", f"${base + 1}", f"${base + 2}"
-        code.append(_fp8_pairs_ptx(wreg[0], s_g, ["pg0", "pg1"], shift, mask, fix))
-        code.append(_fp8_pairs_ptx(wreg[1], s_g, ["pg2", "pg3"], shift, mask, fix))
-        code.append(_fp8_pairs_ptx(wreg[2], s_h, ["ph0", "ph1"], shift, mask, fix))
-        code.append(_fp8_pairs_ptx(wreg[3], s_h, ["ph2", "ph3"], shift, mask, fix))
-    else:
-        code.append(_fp4_pairs_ptx(wreg[0], s_g, ["pg0", "pg1", "pg2", "pg3"], fold=fold))
-        code.append(_fp4_pairs_ptx(wreg[1], s_h, ["ph0", "ph1", "ph2", "ph3"], fold=fold))
-    # MMA h of the group takes pairs (2h, 2h+1) of each row: A = [pg, ph, pg', ph'] is rows
-    # g / g+8 at K slots (2t, 2t+1) and (2t+8, 2t+9); B = activation words 2h, 2h+1.
-    for h in range(2):
-        for i in range(nt):
-            d = [f"${4 * i + c}" for c in range(4)]
-            code.append(_MMA.format(
-                d0=d[0], d1=d[1], d2=d[2], d3=d[3],
-                a0=f"pg{2 * h}", a1=f"ph{2 * h}", a2=f"pg{2 * h + 1}", a3=f"ph{2 * h + 1}",
-                b0=act_reg[i][2 * h], b1=act_reg[i][2 * h + 1]))
-    code.append("}")
-    return "\n".join(code)
-
-
-@dsl_user_op
-def dequant_mma(b_kind, nt, wg, wh, sg, sh, act, acc, fp8_params, fold=False, *, loc=None,
-                ip=None):
-    """Two k16 MMAs per n8 tile for one 8-element (fp4) / 2x4-element (fp8) group of rows g and
-    g+8 of a row tile: convert the weights, then acc[nt] += W (16 x 16) @ act[nt] (16 x 8).
-
-    wg, wh: the group's weight words of rows g / g+8 (1 word fp4, 2 words fp8); sg, sh: their
-    bf16x2 scales; act[nt]: 4 words (B registers of the two MMAs); acc[nt]: 4 f32 each."""
-    n_acc = 4 * nt
-    ins = list(acc)  # tied to the outputs 0..n_acc-1
-    cons = [str(i) for i in range(n_acc)]
-    ins += [cutlass.Int32(x) for x in wg] + [cutlass.Int32(x) for x in wh]
-    cons += ["r"] * (len(wg) + len(wh))
-    ins += [cutlass.Int32(sg), cutlass.Int32(sh)]
-    cons += ["r", "r"]
-    for x in act:
-        ins += [cutlass.Int32(v) for v in x]
-        cons += ["r"] * 4
-    if b_kind == "mxfp8":
-        ins += [cutlass.Int32(x) for x in fp8_params]
-        cons += ["r"] * 3
-    return _asm(n_acc, "f", ins, dequant_mma_ptx(b_kind, nt, fold), cons, loc, ip,
-                side_effects=False)
-
-
-# outputs $0..$3, inputs $4..$7 = (x0x1, x2x3, x4x5, x6x7)
-PERMUTE_FP4_PTX = ("prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
-                   "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;")
-
-
-@dsl_user_op
-def permute_fp4_order(v, *, loc=None, ip=None):
-    """8 bf16 (x0x1, x2x3, x4x5, x6x7) -> (x0x4, x1x5, x2x6, x3x7): the fp4 weight pair order."""
-    return _asm(4, "r", [cutlass.Int32(x) for x in v], PERMUTE_FP4_PTX, ["r"] * 4, loc, ip,
-                side_effects=False)
-
-
-def dequant_group_ptx(kind: str) -> str:
-    """PTX of dequant_group: outputs $0..$3; inputs: the word(s), the bf16x2 scale, for fp8
-    (shift, mask, fix)."""
-    code = ["{", ".reg .b32 cv0, cv1, cvk;"]
-    if KINDS[kind]["bits"] == 8:
-        code.append(_fp8_pairs_ptx("$4", "$6", ["$0", "$1"], "$7", "$8", "$9"))
-        code.append(_fp8_pairs_ptx("$5", "$6", ["$2", "$3"], "$7", "$8", "$9"))
-    else:
-        code.append(_fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"]))
-    code.append("}")
-    return "\n".join(code)
-
-
-@dsl_user_op
-def dequant_group(kind, words, s, fp8_params, *, loc=None, ip=None):
-    """Quantized activations: 8 elements (1 word fp4, 2 words fp8) -> 4 bf16x2 in the weight pair
-    order of `kind` (fp4: nibbles (j, j+4); fp8: natural), times the bf16x2 scale s."""
-    ins = [cutlass.Int32(x) for x in words] + [cutlass.Int32(s)]
-    cons = ["r"] * (len(words) + 1)
-    if KINDS[kind]["bits"] == 8:
-        ins += [cutlass.Int32(x) for x in fp8_params]
-        cons += ["r"] * 3
-    return _asm(4, "r", ins, dequant_group_ptx(kind), cons, loc, ip, side_effects=False)
+# variants and tunings: the pure-Python catalogue
+from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
+    DECODE_B_KINDS as B_KINDS, DECODE_PAIRS as PAIRS, DECODE_STEP_BYTES as STEP_BYTES,
+    DECODE_THREADS as THREADS, DECODE_VARIANTS as VARIANTS, DECODE_WARPS as WARPS,
+    DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
+    steps_elems, tuning_for)
+from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
+from jax_blockscale.kernels.sm90_ptx import (
+    FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, SCALE_BYTE_SEL, cp_async, cp_async_commit,
+    cp_async_wait, dequant_group, dequant_mma, ldg4_f32, ldg_bytes, ldg_f32, ldg_stream_v4, ldg_v4,
+    lds_v4, mbar_arrive_expect_tx, mbar_init, mbar_init_fence, mbar_wait, permute_fp4_order,
+    scale_bf16x2, stg4_out, stg_f32, sts_v4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1228,19 +873,16 @@ class Sm90DecodeGemm:
 # ----------------------------------------------------------------------------------------------
 def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning | None = None):
     """cute.compile one variant for `arch` (no GPU needed) with placeholder pointers."""
-    from cutlass.cute.runtime import make_ptr
-
     gemm = Sm90DecodeGemm(variant, tuning)
-    gmem = cute.AddressSpace.gmem
     a_t = cutlass.BFloat16 if variant.a_kind == "bf16" else cutlass.Uint8
     args = (
-        make_ptr(a_t, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Uint8, 16, gmem, assumed_align=16),
-        make_ptr(OUT_DTYPES[variant.out], 16, gmem, assumed_align=16),
-        make_ptr(cutlass.Float32, 16, gmem, assumed_align=4),
-        make_ptr(cutlass.Float32, 16, gmem, assumed_align=16),
+        placeholder_ptr(a_t),
+        placeholder_ptr(cutlass.Uint8),
+        placeholder_ptr(cutlass.Uint8),
+        placeholder_ptr(cutlass.Uint8),
+        placeholder_ptr(OUT_DTYPES[variant.out]),
+        placeholder_ptr(cutlass.Float32, align=4),
+        placeholder_ptr(cutlass.Float32),
         *(cutlass.Int32(1) for _ in range(4)),
         cutlass.Int32(0),
         cutlass.Int32(0),
@@ -1250,29 +892,11 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning
     return compile_for_arch(gemm, args, arch)
 
 
-def compile_for_arch(fn, args, arch: str):
-    """cute.compile(fn, *args) for `arch`. The DSL takes the target from CUTE_DSL_ARCH (read
-    once); setting it on the DSL itself means no GPU is probed and the caller's environment
-    (another arch's build in the same process, say) does not matter."""
-    from cutlass.cutlass_dsl import CuTeDSL
-
-    env = CuTeDSL._get_dsl().envar
-    prev = env._arch
-    env.arch = arch
-    try:
-        return cute.compile(fn, *args)
-    finally:
-        env._arch = prev
-
-
 def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | None = None,
                    arch: str = "sm_90a", tuning: Tuning | None = None):
     """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
 
     The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,
     l, a_e5m2, b_e5m2, splits, stream)`; returns (header path, object path)."""
-    prefix = function_prefix or variant.name
-    compiled = compile_variant(variant, arch, tuning)
-    os.makedirs(out_dir, exist_ok=True)
-    compiled.export_to_c(file_path=out_dir, file_name=prefix, function_prefix=prefix)
-    return os.path.join(out_dir, prefix + ".h"), os.path.join(out_dir, prefix + ".o")
+    return export_compiled(compile_variant(variant, arch, tuning), out_dir,
+                           function_prefix or variant.name)

@@ -31,12 +31,7 @@ shift serves both halves of a word); the kernel uses it when both operands are d
 """
 from __future__ import annotations
 
-KINDS = {
-    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
-    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
-    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 chosen at run time
-    "bf16": dict(block=None, bits=16, scale=None),  # weight-only activation, no scales
-}
+from jax_blockscale.catalog.sm90 import KINDS  # noqa: E402  (the kinds' bits and blocks)
 
 # bf16x2 constants (both halves equal)
 BF16X2_2P120 = 0x7B807B80  # 2^120: undoes the e4m3 bit trick

@@ -40,7 +40,7 @@ def reference_gemm(a, b, sa, sb, alpha, *, spec: GemmSpec, compute_dtype=jnp.flo
     if allow_direct_output and direct_output(spec, compute_dtype):
         # The GEMM accumulates in f32 and rounds once to bf16 itself: the same value as the
         # f32 result rounded below, without writing M*N f32 and reading them back (8 % of
-        # an 8192^3 call on an H100, docs/sm90_notes.md).
+        # an 8192^3 call on an H100, docs/design/large_m.md).
         return lax.dot_general(av, bv, dims, precision=lax.Precision.HIGHEST,
                                preferred_element_type=spec.out_dtype)
     y = lax.dot_general(av, bv, dims, precision=lax.Precision.HIGHEST,
@@ -51,7 +51,7 @@ def reference_gemm(a, b, sa, sb, alpha, *, spec: GemmSpec, compute_dtype=jnp.flo
 # Outputs from which a bf16-output dot rounds only once. Below, XLA may pick a GEMM that adds
 # bf16 partials (split K): on the H100, at 1 x 16384 x 16384 the bf16-output dot was 2.3e-3 off
 # the decode kernel where the f32 dot had been 8.7e-6 off; from 512 x 16384 (2^23 outputs) up it
-# matched the f32 dot rounded once bitwise (docs/sm90_notes.md, session 9).
+# matched the f32 dot rounded once bitwise (docs/design/large_m.md).
 DIRECT_OUTPUT_MIN_OUTPUTS = 1 << 22
 
 
@@ -75,10 +75,13 @@ class ReferenceBackend:
     platforms = ALL_PLATFORMS
     priority = 0
 
-    def unsupported_reason(self, spec: GemmSpec) -> str | None:
-        return None
+    def plan(self, spec: GemmSpec, device):
+        from .plan import Plan  # noqa: PLC0415  (plan.py imports this module)
 
-    def __call__(self, a, b, sa, sb, alpha, *, spec: GemmSpec, platform: str):
+        return Plan("reference", "reference", spec)
+
+    def __call__(self, a, b, sa, sb, alpha, *, plan):
+        spec, platform = plan.spec, plan.platform
         # On GPUs use bf16 operands (tensor cores): exact for every quantized operand, since
         # bf16 has f32's exponent range. A plain f16/f32 activation keeps f32.
         exact_in_bf16 = spec.fmt_a is not None or jnp.dtype(spec.a_dtype) == jnp.bfloat16

@@ -1,0 +1,325 @@
+"""The Hopper (sm_90a) kernel catalogue: what each kernel takes, the codes shared with the C++
+handler, the compiled variants, and the measured thresholds and heuristics that choose among
+them. Pure Python: the runtime, the AOT build and the tests all read it; the design notes
+(docs/design/sm90_fused.md, docs/design/sm90_decode.md) say where each number comes from.
+
+Three kernels share one FFI target (`jax_blockscale_gemm_sm90`):
+
+  * **fused**: kernels/sm90_blockscaled.py, TMA + in-register dequantize + wgmma, a persistent
+    grid of 128-row tiles; any pair in FUSED_PAIRS.
+  * **register_weights**: the same kernel with the weight tile converted straight into wgmma's
+    register operand (`weights_in_registers`); a bf16 activation stored in the K order of
+    `activation_k_order` (operand kind "bf16_kperm"), weight kinds REGISTER_WEIGHT_KINDS.
+  * **decode**: kernels/sm90_decode.py, split-K weight streaming for M <= DECODE_MAX_ROWS, an f32
+    workspace of one L*M*N slice per split; pairs DECODE_PAIRS.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# ----------------------------------------------------------------------------------------------
+# Operand kinds and codes (the C++ enums in the generated jbs_codes_sm90.h come from here)
+
+# The kernels' operand kinds: bits per element, elements per scale, scale type.
+KINDS = {
+    "nvfp4": dict(block=16, bits=4, scale="e4m3"),
+    "mxfp4": dict(block=32, bits=4, scale="e8m0"),
+    "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 chosen at run time
+    "bf16": dict(block=None, bits=16, scale=None),  # weight-only activation, no scales
+}
+# "bf16_kperm": a bf16 activation stored in the register-weight variants' K order, which only
+# those variants read.
+KIND_CODES = {"nvfp4": 1, "mxfp4": 2, "mxfp8": 3, "bf16": 4, "bf16_kperm": 5}
+OUT_CODES = {"bf16": 1, "f16": 2, "f32": 3}
+OUTS = ("bf16", "f16", "f32")
+# numpy dtype names of the outputs -> the kernels' names
+OUT_OF_DTYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+# the package's format names (None: a plain activation, weight-only) -> operand kind
+KIND_OF_FORMAT = {None: "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8",
+                  "mxfp8_e5m2": "mxfp8"}
+
+# Multiprocessors the planner assumes when no GPU is visible (lowering on a CPU host, e.g. for
+# jax.export): an H100 SXM / H200.
+DEFAULT_SM_COUNT = 132
+
+# ----------------------------------------------------------------------------------------------
+# The fused GEMM and its register-weight variants
+
+# (a_kind, b_kind) pairs the fused kernel implements
+FUSED_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("mxfp8", "mxfp4"),
+               ("bf16", "nvfp4"), ("bf16", "mxfp4"), ("bf16", "mxfp8"))
+# (tile_m, tile_n): 128x64 keeps small-M problems spread over all SMs; 128x256 halves B re-reads
+# at large M
+FUSED_TILES = ((128, 64), (128, 128), (128, 256))
+
+REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+# (activation rows, weight rows) per tile
+REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128),
+                         (128, 64), (128, 128))
+
+# The K order of the activations the register-weight variants read. In those variants a thread
+# converts the 16 contiguous weight elements 16t .. 16t + 15 (t = lane % 4) of each 64-element
+# k-tile straight into the A registers of four k16 wgmmas. The fp4 bit trick yields pairs of
+# elements (j, j + 4) of each 8-element chunk s, and an A register pair must hold K slots
+# (2t, 2t + 1) or (2t + 8, 2t + 9) of its MMA, so MMA b = 2s + h takes pairs 2h (slots 2t, 2t+1)
+# and 2h + 1 (slots 2t + 8, 2t + 9). Written as digits, element k = 16t + 8s + 4q + 2h + hi of a
+# k-tile lands in slot 16 (2s + h) + 8 hi + 2t + q. The activations (wgmma's shared-memory
+# operand, read in slot order) are stored in that order: slot p holds activation_k_order()[p].
+K_TILE = 64
+K_DIGITS = (4, 2, 2, 2, 2)  # element k of a k-tile = digits (t, s, q, h, hi), most significant first
+SLOT_ORDER = (1, 3, 4, 0, 2)  # slot = digits (s, h, hi, t, q): a transpose of K_DIGITS' axes
+
+
+def activation_k_order() -> list[int]:
+    """Slot p of a 64-element k-tile holds activation element order[p]."""
+    import numpy as np
+
+    return np.arange(K_TILE).reshape(K_DIGITS).transpose(SLOT_ORDER).reshape(K_TILE).tolist()
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fused_tile_n(m: int, n: int, l: int, sm_count: int) -> int:
+    """Tile N of the fused kernel: 128x64 while 128x128 tiles would leave SMs idle; 128x256 once
+    it still gives every SM a tile (A is re-read and dequantized half as often); 128 between."""
+    if _ceil_div(m, 128) * _ceil_div(n, 128) * l < sm_count:
+        return 64
+    if _ceil_div(m, 128) * _ceil_div(n, 256) * l >= sm_count:
+        return 256
+    return 128
+
+
+def register_weight_tile(m: int, n: int, l: int, sm_count: int) -> tuple[int, int]:
+    """(activation rows, weight rows) of the register-weight variants: the smallest of 16, 32, 64
+    activation rows that covers M, else 128; 128 weight rows (two consumer warp groups) while that
+    gives at least half the SMs a tile, else 64 (one warp group per SM, twice the SMs)."""
+    tile_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    tile_n = 128 if 2 * _ceil_div(m, tile_m) * _ceil_div(n, 128) * l >= sm_count else 64
+    return tile_m, tile_n
+
+
+# From this many rows the register-weight variants beat the decode kernel's wide variants, when
+# the weights' 64-row tiles give ~every SM one (WEIGHT_TILE_SM_FRACTION); with fewer tiles the
+# decode kernel's split-K keeps more SMs busy, and they take over from the larger count.
+REGISTER_WEIGHT_MIN_ROWS = 17
+REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = 33
+WEIGHT_TILE_SM_FRACTION = 0.9
+
+
+def register_weight_min_rows(n: int, l: int, sm_count: int) -> int:
+    weight_tiles = _ceil_div(n, 64) * l
+    if weight_tiles >= WEIGHT_TILE_SM_FRACTION * sm_count:
+        return REGISTER_WEIGHT_MIN_ROWS
+    return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
+
+
+def fused_max_rows(n: int, k: int, *, weight_only: bool, register_weights: bool,
+                   two_operand: bool) -> int:
+    """Rows up to which the fused kernel beats dequantize + a bf16 GEMM (measured crossovers).
+
+    weight_only: the activation is plain (else quantized, dequantized first unless two_operand);
+    register_weights: the call runs a register-weight variant; two_operand: a quantized
+    activation stays quantized (the two-operand fused kernel)."""
+    if register_weights:
+        if n * k >= 2**28:
+            return 2048
+        if n * k >= 2**26:
+            return 1024 if weight_only else 2048
+    if n * k >= 2**28:  # large weights amortize better
+        return 512
+    if weight_only:
+        return 512 if n * k >= 2**26 else 256
+    return 128 if two_operand else 256
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode kernel
+
+DECODE_B_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+# (a_kind, b_kind): weight-only first (the common decode case), then quantized activations
+DECODE_PAIRS = tuple([("bf16", b) for b in DECODE_B_KINDS] + [(b, b) for b in DECODE_B_KINDS])
+DECODE_WARPS = 8  # warps per CTA
+DECODE_THREADS = 32 * DECODE_WARPS
+DECODE_STEP_BYTES = 64  # bytes of one weight row per step
+# Past this the fused tensor-core GEMM wins (two 64-row chunks lose to it).
+DECODE_MAX_ROWS = 64
+DECODE_NTS = (1, 2, 4, 8)  # n8 tiles of M per CTA: M <= 8, 16, 32, 64 rows per pass
+# In the decode kernel's rows only an mxfp8 activation past this many rows (the wide variants)
+# gains from being dequantized to bf16 first; fp4 activations convert cheaply in the kernel.
+DECODE_DEQUANT_MXFP8_FROM = 17
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the decode kernel's weights reach the registers.
+
+    pipeline "tma": warp 0 brings each sub-chunk in with TMA into a shared-memory ring `stages`
+        sub-chunks deep (what the library ships); "regs": 16-byte loads straight into registers,
+        one sub-chunk ahead; "cpasync": per-thread cp.async copies into a shared-memory ring.
+    sub_steps: 64-byte row steps per sub-chunk (one activation staging + one barrier each).
+    min_blocks: CTAs per SM the register allocation must allow (__launch_bounds__).
+    ctas_per_sm: what the split heuristic sizes the grid for.
+    fold_scale: NVFP4 weights fold the bit trick's 2^126 into the block scale (s * 2^119, an exact
+        bf16) and 2^7 into alpha: one bf16x2 multiply per pair instead of two.
+    rows_per_thread: 4 (two m16 row tiles per warp, 256 rows of N per CTA) or 2 (128 rows).
+    act_window: "cpasync" only: bytes of each of the two activation windows (0: staged by all
+        threads behind one barrier per sub-chunk).
+    box_steps: "tma" only: 64-byte steps per TMA box.
+    probe: measurement only, never shipped ("noload", "nocompute", "nosync", "tmaw", "tmas",
+        "nowait", "notma"): the kernel with one part of its work taken away; wrong by design."""
+
+    pipeline: str = "regs"
+    stages: int = 2
+    sub_steps: int = 2
+    min_blocks: int = 1
+    ctas_per_sm: int = 1
+    fold_scale: bool = False
+    rows_per_thread: int = 4
+    act_window: int = 0
+    box_steps: int = 1
+    probe: str = ""
+
+    @property
+    def tag(self) -> str:
+        tag = f"{self.pipeline}_s{self.stages}_k{self.sub_steps}_b{self.min_blocks}"
+        if self.rows_per_thread != 4:
+            tag += f"_r{self.rows_per_thread}"
+        if self.act_window:
+            tag += f"_w{self.act_window // 1024}k"
+        if self.box_steps != 1:
+            tag += f"_x{self.box_steps}"
+        if self.probe:
+            tag += f"_p{self.probe}"
+        return tag + ("_fold" if self.fold_scale else "")
+
+    @property
+    def bn(self) -> int:
+        """Rows of N per CTA."""
+        return DECODE_WARPS * 8 * self.rows_per_thread
+
+
+# nt = 2 (M <= 16): a TMA ring of 2 sub-chunks of 4 steps, each sub-chunk one box of 256 rows x
+# 256 bytes, 1 CTA per SM, the NVFP4 scale fold.
+DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=1, ctas_per_sm=1,
+                        fold_scale=True, box_steps=4)
+# nt = 1 (M <= 8): the same ring with 128 rows per CTA (2 rows per thread) and 2 CTAs per SM.
+NARROW_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=2, ctas_per_sm=2,
+                       fold_scale=True, rows_per_thread=2, box_steps=4)
+# nt = 4 / 8 (M <= 32 / 64): one row tile per warp (128 rows of N per CTA), so that 4-8 n8 tiles
+# of accumulators fit beside the pipeline; 2 CTAs per SM, 2-step sub-chunks, 64-byte boxes.
+WIDE_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
+                     fold_scale=True, rows_per_thread=2)
+
+
+def tuning_for(nt: int) -> Tuning:
+    """The tuning the library builds a decode variant with n8-tile count `nt` with."""
+    return NARROW_TUNING if nt == 1 else DEFAULT_TUNING if nt == 2 else WIDE_TUNING
+
+
+def nt_for(m: int) -> int:
+    """n8 tiles of M per CTA for a call with m rows (larger m runs chunks of 64 rows)."""
+    return next((nt for nt in DECODE_NTS if m <= 8 * nt), DECODE_NTS[-1])
+
+
+def steps_elems(b_kind: str) -> int:
+    """K elements one step covers (64 bytes of a weight row)."""
+    return DECODE_STEP_BYTES * 8 // KINDS[b_kind]["bits"]
+
+
+def decode_chunk_elems(b_kind: str, nt: int, tuning: Tuning | None = None) -> int:
+    """K elements of one sub-chunk (the unit a split covers a whole number of)."""
+    return (tuning or tuning_for(nt)).sub_steps * steps_elems(b_kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant:
+    """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16, 4: M <= 32,
+    8: M <= 64; larger M runs ceil(M / (8*nt)) chunks side by side, sharing the weights in L2)."""
+
+    a_kind: str  # "bf16" (weight-only) or the quantized kind of A
+    b_kind: str  # "nvfp4" | "mxfp4" | "mxfp8"
+    out: str  # "bf16" | "f16" | "f32"
+    nt: int
+
+    @property
+    def name(self) -> str:
+        return f"jbs_sm90_decode_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
+
+
+DECODE_VARIANTS = tuple(DecodeVariant(a, b, out, nt) for (a, b) in DECODE_PAIRS for out in OUTS
+                        for nt in DECODE_NTS)
+
+
+def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=None):
+    """(variant, splits) for a decode-shaped call, or None if the decode kernel does not run it.
+
+    fmt_a is None/"bf16" for weight-only. splits: K ranges per output tile, so that the grid has
+    about `tuning.ctas_per_sm` CTAs per SM (one wave, no tail), each range a whole number of
+    sub-chunks, every range the same length but the last. `tuning` defaults to tuning_for(nt)
+    (what the library ships)."""
+    a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
+    b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
+    if a_kind is None or b_kind not in DECODE_B_KINDS:
+        return None
+    if (a_kind, b_kind) not in DECODE_PAIRS or out not in OUTS:
+        return None
+    if m < 1 or n < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
+        return None
+    if m > DECODE_MAX_ROWS:
+        return None
+    nt = nt_for(m)
+    tuning = tuning or tuning_for(nt)
+    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
+    ctas = _ceil_div(n, tuning.bn) * _ceil_div(m, 8 * nt)
+    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
+    per = _ceil_div(k_chunks, splits)  # equalize: every split the same number of sub-chunks
+    return DecodeVariant(a_kind, b_kind, out, nt), _ceil_div(k_chunks, per)
+
+
+# ----------------------------------------------------------------------------------------------
+# The library's variant table (what the AOT build compiles and the C++ table lists)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled sm90 kernel as the FFI handler's table knows it.
+
+    kernel: "fused" | "register_weights" | "decode"; nt: 0 for the fused kernels, else the decode
+    kernel's n8 tiles of M per CTA (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its
+    tuning's bn); k_chunk: decode only, K elements per sub-chunk (a split's unit)."""
+
+    kernel: str
+    a_kind: str
+    b_kind: str
+    out: str
+    tile_m: int
+    tile_n: int
+    nt: int = 0
+    k_chunk: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.kernel == "decode":
+            return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt).name
+        return f"jbs_sm90_{self.a_kind}_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
+
+
+def fused_variant(a_kind: str, b_kind: str, out: str, tile_m: int, tile_n: int) -> Variant:
+    kernel = "register_weights" if a_kind == "bf16_kperm" else "fused"
+    return Variant(kernel, a_kind, b_kind, out, tile_m, tile_n)
+
+
+def decode_variant(v: DecodeVariant) -> Variant:
+    t = tuning_for(v.nt)
+    return Variant("decode", v.a_kind, v.b_kind, v.out, 8 * v.nt, t.bn, v.nt,
+                   decode_chunk_elems(v.b_kind, v.nt, t))
+
+
+VARIANTS = tuple(
+    [fused_variant(a, b, out, tm, tn) for (a, b) in FUSED_PAIRS for out in OUTS
+     for (tm, tn) in FUSED_TILES]
+    + [fused_variant("bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS for out in OUTS
+       for (tm, tn) in REGISTER_WEIGHT_TILES]
+    + [decode_variant(v) for v in DECODE_VARIANTS])

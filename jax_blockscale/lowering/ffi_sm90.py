@@ -1,0 +1,129 @@
+"""The `sm90` backend: carries out an sm90 Plan (lowering/plan.py decides; this module only
+prepares the operands the chosen kernel reads and emits the call).
+
+  * "xla_dot" / "dot_alpha": dequantize both operands to bf16 (exact) and run XLA's GEMM, or the
+    cuBLASLt GEMM with alpha in its epilogue (target `jax_blockscale_dot_alpha`).
+  * "fused" / "register_weights" / "decode": the FFI custom call `jax_blockscale_gemm_sm90`:
+      - elements -> uint8 bytes (fp4 pairs packed low nibble first, fp8 bitcast); bf16
+        activations pass through (K-permuted for the register-weight variants);
+      - scales -> the blocked layout as raw bytes (a quantized activation's plain scales go to
+        the decode kernel as they are);
+      - batch dims -> one L axis; a batched A times an unbatched B folds into M;
+      - K padded to the plan's K (NVFP4 with K % 32 == 16 gets 16 zero elements: TMA needs
+        16-byte rows);
+      - the decode kernel's f32 split-K workspace is a second result of the call (nothing is
+        allocated at run time: CUDA-graph safe); zero elements for the fused kernels;
+      - the plan's variant travels as attributes (kernel nt, tile, splits); the handler validates
+        every assumption and returns an error rather than launching what it cannot run.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _plugin
+from .. import config as _config
+from ..catalog import sm90 as cat
+from ..formats import get_format
+from . import register_backend
+from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_plain_scale_bytes,
+                              kernel_scale_bytes)
+from .plan import Plan, plan_sm90, with_dequantized_activation
+from .reference import operand_values, reference_gemm
+
+# cuBLASLt's workspace, declared as a second result of the call (nothing is allocated at run
+# time): 32 MiB, what cuBLAS asks for on Hopper.
+DOT_ALPHA_WORKSPACE_BYTES = 32 << 20
+
+
+def dot_alpha(a, b, alpha, out_dtype):
+    """round(alpha * sum_k a[l, m, k] * b[l, n, k]) to out_dtype, summed in f32, for bf16 a
+    [L, M, K] and b [L, N, K] and a scalar alpha: one cuBLASLt GEMM (the dot_alpha target)."""
+    if not _plugin.register_targets():
+        raise RuntimeError(f"jax_blockscale dot_alpha: {_plugin.unavailable_reason()}")
+    n = b.shape[1]
+    call = jax.ffi.ffi_call(
+        _plugin.DOT_ALPHA_TARGET,
+        (jax.ShapeDtypeStruct(a.shape[:2] + (n,), out_dtype),
+         jax.ShapeDtypeStruct((DOT_ALPHA_WORKSPACE_BYTES,), jnp.uint8)))
+    # cuBLASLt reads alpha and beta from the device (alpha is traced); beta = 0: no C term
+    alpha_beta = jnp.stack([jnp.asarray(alpha, jnp.float32).reshape(()), jnp.float32(0)])
+    y, _ = call(a, b, alpha_beta, candidates=np.int32(_config.get().dot_alpha_candidates))
+    return y
+
+
+def permute_activation_k(a):
+    """[..., K] -> the same values with K in the register-weight variants' order (K % 64 == 0)."""
+    lead, k = a.shape[:-1], a.shape[-1]
+    x = a.reshape(lead + (k // cat.K_TILE,) + cat.K_DIGITS)
+    n = len(lead) + 1  # axes before the k-tile's digits
+    x = jnp.transpose(x, tuple(range(n)) + tuple(n + d for d in cat.SLOT_ORDER))
+    return x.reshape(lead + (k,))
+
+
+class Sm90Backend:
+    name = "sm90"
+    platforms = ("cuda",)
+    priority = 10
+
+    def plan(self, spec, device):
+        return plan_sm90(spec, device)
+
+    def __call__(self, a, b, sa, sb, alpha, *, plan: Plan):
+        spec = plan.spec
+        if plan.kernel == "xla_dot":
+            return reference_gemm(a, b, sa, sb, alpha, spec=spec, compute_dtype=jnp.bfloat16,
+                                  allow_direct_output=True)
+        if plan.kernel == "dot_alpha":
+            av = operand_values(a, sa, spec.fmt_a, spec.layout_a, jnp.bfloat16)
+            bv = operand_values(b, sb, spec.fmt_b, spec.layout_b, jnp.bfloat16)
+            y = dot_alpha(kernel_batch_layout(av, plan.m, spec=spec),
+                          kernel_batch_layout(bv, spec.n, spec=spec), alpha, spec.out_dtype)
+            return y.reshape(spec.batch_shape + (spec.m, spec.n))
+        if not _plugin.register_targets():
+            raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
+        if plan.dequantize_a:  # exact in bf16; alpha stays in the epilogue
+            a = operand_values(a, sa, spec.fmt_a, spec.layout_a, jnp.bfloat16)
+            sa, spec = None, with_dequantized_activation(spec)
+        M, L, N, K, Kp = plan.m, plan.l, spec.n, spec.k, plan.k
+
+        def elements(x, fmt, rows):
+            x = kernel_batch_layout(x, rows, spec=spec)
+            if Kp != K:
+                x = jnp.pad(x, [(0, 0), (0, 0), (0, Kp - K)])
+            return x if fmt is None else element_bytes(x)  # fmt None: the bf16 activation
+
+        a8 = elements(a, spec.fmt_a, M)
+        if plan.permute_k:
+            a8 = permute_activation_k(a8)
+        b8 = elements(b, spec.fmt_b, N)
+        sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
+        if spec.fmt_a is None:
+            # unused by the weight-only kernels; passing a buffer that exists already saves a
+            # kernel launch per call (a fresh zeros array is one)
+            sa8 = sb8
+        elif plan.a_scales_plain:
+            sa8 = kernel_plain_scale_bytes(sa, M, (Kp - K) // get_format(spec.fmt_a).block,
+                                           spec=spec)
+        else:
+            sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
+        call = jax.ffi.ffi_call(
+            _plugin.SM90_TARGET,
+            (jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
+             jax.ShapeDtypeStruct((plan.workspace,), jnp.float32)),
+        )
+        y, _ = call(a8, b8, sa8, sb8, jnp.reshape(alpha.astype(jnp.float32), (1,)),
+                    a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
+                    b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
+                    a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
+                    b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
+                    m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L),
+                    a_scales_plain=np.int32(plan.a_scales_plain),
+                    nt=np.int32(plan.nt), tile_m=np.int32(plan.tile[0]),
+                    tile_n=np.int32(plan.tile[1]), splits=np.int32(plan.splits))
+        return y.reshape(spec.batch_shape + (spec.m, N))
+
+
+SM90 = Sm90Backend()
+register_backend(SM90)

@@ -1,0 +1,405 @@
+"""The planner: which backend, kernel, variant, tile and split count run one gemm problem.
+
+`plan(spec, platform, requested)` is called once per lowering of `gemm_p` and returns a `Plan`;
+the chosen backend then carries the plan out (lowering/ffi_sm90.py, lowering/ffi_sm100.py,
+lowering/reference.py) without deciding anything again. Every decision reads the architecture's
+catalogue (jax_blockscale/catalog/) and the configuration (jax_blockscale/config.py); the C++
+handler receives the chosen variant as FFI attributes and only validates and launches it.
+
+  * Backend: a forced one (`backend=` or JAX_BLOCKSCALE_BACKEND), else the highest-priority
+    registered backend serving the platform whose `plan` accepts the problem (sm100 > sm90 >
+    reference); each one skipped is logged once with its reason.
+  * sm90 (`plan_sm90`): past the fused kernel's measured row limit, dequantize + a bf16 GEMM
+    (XLA's dot, or the cuBLASLt dot_alpha target when alpha must scale the f32 sum first);
+    otherwise whether a quantized activation is dequantized to bf16 first, whether the weights
+    go to wgmma's registers (register-weight variants, activation K-permuted), the decode
+    kernel's split-K count (0: a fused variant), and the tile.
+  * sm100 (`plan_sm100`): the variant (tile, cluster) by the catalogue's cost model.
+
+The plan depends on the device's SM count (the decode kernel's splits fill one wave; tiles fill
+the SMs). Lowered without a GPU (jax.export on a CPU host, tests) it uses the catalogue's default
+SM count; a plan made for one SM count runs correctly on any device of the architecture (the
+persistent grids and cluster counts take the device's SM count at launch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import re
+
+import jax
+import numpy as np
+
+from .. import config as _config
+from ..catalog import sm90 as cat90
+from ..catalog import sm100 as cat100
+from . import GemmSpec, backends_for, forced_backend, get_backend, log_once
+from .kernel_operands import kernel_rows_and_batch
+from .reference import DIRECT_OUTPUT_MIN_OUTPUTS, direct_output, gemm_outputs
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the planner needs of the device a lowering targets."""
+    platform: str
+    arch: str | None  # "sm90", "sm100" or None (no kernel architecture; `reason` says why)
+    sm_count: int
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one gemm problem runs. `kernel` names the path:
+
+      "reference"         the pure-JAX reference (dequantize exactly, one f32-accumulating dot)
+      "xla_dot"           dequantize to bf16 + XLA's GEMM (sm90 past the kernels' rows)
+      "dot_alpha"         dequantize to bf16 + the cuBLASLt GEMM with alpha in its epilogue
+      "fused"             the sm90 fused kernel (shared-memory weights)
+      "register_weights"  the sm90 fused kernel with the weights in wgmma's registers
+      "decode"            the sm90 split-K decode kernel
+      "sm100"             the Blackwell kernel
+    Operand transforms: `dequantize_a` (a quantized activation becomes bf16 first), `permute_k`
+    (the activation's K in the register-weight order), `a_scales_plain` (the decode kernel reads
+    the activation's plain scales as they are), `k` (K after padding to the kernel's multiple).
+    """
+    backend: str
+    kernel: str
+    spec: GemmSpec
+    platform: str = ""
+    variant: str | None = None
+    a_kind: str | None = None  # the kernel's operand kinds (catalogue names)
+    b_kind: str | None = None
+    tile: tuple[int, int] = (0, 0)
+    cluster: tuple[int, int] = (0, 0)
+    nt: int = 0  # decode: n8 tiles of M per CTA
+    splits: int = 0  # decode: K ranges per output tile
+    workspace: int = 0  # decode: f32 elements of the split-K workspace
+    dequantize_a: bool = False
+    permute_k: bool = False
+    a_scales_plain: bool = False
+    m: int = 0  # the kernel's rows (batch folded in) and batch
+    l: int = 0
+    k: int = 0
+    sm_count: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The device
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_device() -> Device:
+    """The visible CUDA GPUs as one Device (all must share an architecture)."""
+    try:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError as e:  # no GPU backend at all
+        return Device("cuda", None, 0, f"no CUDA devices ({e})")
+    if not gpus:
+        return Device("cuda", None, 0, "no CUDA devices")
+    ccs = sorted({str(getattr(d, "compute_capability", "?")) for d in gpus})
+    sms = max((getattr(d, "core_count", 0) or 0) for d in gpus)
+    if ccs == ["9.0"]:
+        return Device("cuda", "sm90", sms or cat90.DEFAULT_SM_COUNT)
+    if set(ccs) <= set(cat100.BLACKWELL_CCS):
+        return Device("cuda", "sm100", sms or cat100.DEFAULT_SM_COUNT)
+    return Device("cuda", None, sms, f"no kernels for compute capability {', '.join(ccs)} (sm90 "
+                  "needs 9.0; sm100 needs 10.0 or 10.3)")
+
+
+def device_for(platform: str) -> Device:
+    if platform == "cuda":
+        return _gpu_device()
+    return Device(platform, None, 0, f"platform {platform!r} has no kernels")
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the backend
+
+
+def plan(spec: GemmSpec, platform: str, requested: str | None = None) -> Plan:
+    """The Plan for `spec` on `platform` (see the module docstring)."""
+    device = device_for(platform)
+    name = forced_backend(requested)
+    if name is not None:
+        backend = get_backend(name)
+        if platform not in backend.platforms:
+            raise ValueError(f"gemm backend {name!r} does not run on platform {platform!r} "
+                             f"(it serves {backend.platforms})")
+        p = backend.plan(spec, device)
+        if isinstance(p, str):
+            raise ValueError(f"gemm backend {name!r} cannot run this problem: {p}")
+        return dataclasses.replace(p, platform=platform)
+    for backend in backends_for(platform):
+        p = backend.plan(spec, device)
+        if not isinstance(p, str):
+            log_once(logging.DEBUG, "gemm on %s uses backend %s (%s)", platform, backend.name,
+                     p.kernel)
+            return dataclasses.replace(p, platform=platform)
+        log_once(logging.INFO, "gemm backend %s skipped on %s: %s", backend.name, platform, p)
+    raise ValueError(f"no gemm backend can run this problem on {platform!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# What the loaded library holds (a fake stands in for it in the planner's tests)
+
+
+class Library:
+    """The variant names and targets of libjax_blockscale.so, read through `_plugin`."""
+
+    def unavailable_reason(self) -> str | None:
+        from .. import _plugin
+        return _plugin.unavailable_reason()
+
+    def sm100_unavailable_reason(self) -> str | None:
+        from .. import _plugin
+        return _plugin.sm100_unavailable_reason()
+
+    def has_dot_alpha(self) -> bool:
+        from .. import _plugin
+        return _plugin.has_dot_alpha()
+
+    def has(self, variant_name: str) -> bool:
+        from .. import _plugin
+        return variant_name in _plugin.variant_names()
+
+
+LIBRARY = Library()
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90
+
+
+def _padded_k(spec: GemmSpec) -> int:
+    return spec.k + (spec.k % 32)  # NVFP4 (block 16) can leave 16 over; TMA needs 16-byte rows
+
+
+def fits_32bit_indexing(spec: GemmSpec) -> bool:
+    """Whether the sm90 kernels' buffers (A and B bytes, C elements) have 32-bit offsets."""
+    m, l = kernel_rows_and_batch(spec)
+    k = _padded_k(spec)
+    ka, kb = cat90.KIND_OF_FORMAT[spec.fmt_a], cat90.KIND_OF_FORMAT[spec.fmt_b]
+    a_row = k * cat90.KINDS[ka]["bits"] // 8
+    b_row = k * cat90.KINDS[kb]["bits"] // 8
+    return max(m * spec.n * l, m * a_row * l, spec.n * b_row * l) <= _INT32_MAX
+
+
+def with_dequantized_activation(spec: GemmSpec) -> GemmSpec:
+    """The weight-only problem that spec becomes once A is dequantized to bf16."""
+    return dataclasses.replace(spec, fmt_a=None, layout_a=None, a_dtype=np.dtype("bfloat16"))
+
+
+class _Sm90:
+    """The sm90 decisions for one problem on one device (each a method, each made once)."""
+
+    def __init__(self, spec: GemmSpec, device: Device, cfg, library):
+        self.spec, self.device, self.cfg, self.lib = spec, device, cfg, library
+        self.m, self.l = kernel_rows_and_batch(spec)
+        self.out = cat90.OUT_OF_DTYPE.get(np.dtype(spec.out_dtype).name)
+
+    def unsupported_reason(self) -> str | None:
+        spec = self.spec
+        ka, kb = cat90.KIND_OF_FORMAT.get(spec.fmt_a), cat90.KIND_OF_FORMAT.get(spec.fmt_b)
+        if (ka, kb) not in cat90.FUSED_PAIRS:
+            return f"the sm90 kernel has no {spec.fmt_a or 'plain'} x {spec.fmt_b} variant"
+        if spec.fmt_a is None and np.dtype(spec.a_dtype) != np.dtype("bfloat16"):
+            return (f"weight-only sm90 needs bf16 activations ({np.dtype(spec.a_dtype).name} is "
+                    "not exact in bf16)")
+        if self.out is None:
+            return f"out dtype {np.dtype(spec.out_dtype).name} not supported"
+        if min(spec.m, spec.n, spec.k) < 1 or 0 in spec.batch_shape:
+            return "empty problem"
+        if not fits_32bit_indexing(spec):
+            return "problem too large for the kernel's 32-bit indexing"
+        if self.device.arch != "sm90":
+            return self.device.reason or ("the sm90 kernels need compute capability 9.0, this "
+                                          f"device is {self.device.arch}")
+        return self.lib.unavailable_reason()
+
+    # -- the register-weight variants --------------------------------------------------------
+    def register_weights_available(self, spec: GemmSpec) -> bool:
+        """Whether a register-weight variant can run this weight-only problem."""
+        kb = cat90.KIND_OF_FORMAT[spec.fmt_b]
+        return (self.cfg.sm90_register_weights and spec.fmt_a is None
+                and spec.k % cat90.K_TILE == 0 and kb in cat90.REGISTER_WEIGHT_KINDS
+                and self.lib.has(cat90.fused_variant("bf16_kperm", kb, self.out,
+                                                     *cat90.REGISTER_WEIGHT_TILES[0]).name))
+
+    def dequantized_spec_fits(self) -> bool:
+        """A quantized activation can be dequantized to bf16 for the weight-only kernels."""
+        spec = self.spec
+        return (spec.fmt_a is not None and self.cfg.sm90_dequant_a != "0"
+                and ("bf16", cat90.KIND_OF_FORMAT[spec.fmt_b]) in cat90.FUSED_PAIRS
+                and fits_32bit_indexing(with_dequantized_activation(spec)))
+
+    def register_weights_reachable(self) -> bool:
+        """Whether the fused range runs this problem on a register-weight variant (a quantized
+        activation dequantized first)."""
+        spec = self.spec
+        if spec.fmt_a is not None:
+            if not self.dequantized_spec_fits():
+                return False
+            spec = with_dequantized_activation(spec)
+        return self.register_weights_available(spec)
+
+    def register_weights_take_decode_rows(self) -> bool:
+        """Whether a call in the decode kernel's rows goes to a register-weight variant."""
+        min_rows = cat90.register_weight_min_rows(self.spec.n, self.l, self.device.sm_count)
+        return self.m >= min_rows and self.register_weights_reachable()
+
+    # -- limits ------------------------------------------------------------------------------
+    def max_rows(self) -> int | None:
+        """Rows past which dequantize + a bf16 GEMM runs instead of the kernels."""
+        if self.cfg.sm90_max_rows is not None:
+            return self.cfg.sm90_max_rows or None
+        return cat90.fused_max_rows(self.spec.n, self.spec.k, weight_only=self.spec.fmt_a is None,
+                                    register_weights=self.register_weights_reachable(),
+                                    two_operand=self.cfg.sm90_dequant_a == "0")
+
+    def decode_choice(self, spec: GemmSpec):
+        """(DecodeVariant, splits) when the decode kernel runs `spec` (A as given), else None."""
+        limit = self.cfg.sm90_decode_max_rows
+        if self.m > (cat90.DECODE_MAX_ROWS if limit is None else limit):
+            return None
+        if self.register_weights_take_decode_rows():
+            return None
+        choice = cat90.choose_decode_variant(self.m, spec.n, _padded_k(spec), spec.fmt_a,
+                                             spec.fmt_b, self.device.sm_count, out=self.out)
+        if choice is None or not self.lib.has(choice[0].name):
+            return None
+        return choice
+
+    def dequantizes_activation_first(self) -> bool:
+        if not self.dequantized_spec_fits():
+            return False
+        if self.cfg.sm90_dequant_a == "all" or self.decode_choice(self.spec) is None:
+            return True
+        # in the decode kernel's rows only a wide mxfp8 activation gains
+        return (cat90.KIND_OF_FORMAT[self.spec.fmt_a] == "mxfp8"
+                and self.m >= cat90.DECODE_DEQUANT_MXFP8_FROM)
+
+    def uses_dot_alpha(self) -> bool:
+        """Past the kernels' rows: the cuBLASLt GEMM with alpha in its epilogue, where XLA's dot
+        cannot produce the output itself (an alpha to apply first, or an f32 output), the output
+        is bf16 or f32, there are enough outputs (below, cuBLASLt splits K and loses to the f32
+        pass), N and K rows are whole 16-byte multiples and the library has the target."""
+        spec = self.spec
+        if not self.cfg.sm90_dot_alpha or direct_output(spec, np.dtype("bfloat16")):
+            return False
+        return (gemm_outputs(spec) >= DIRECT_OUTPUT_MIN_OUTPUTS and spec.n % 8 == 0
+                and spec.k % 8 == 0 and self.out in ("bf16", "f32") and self.lib.has_dot_alpha())
+
+    def plan(self) -> Plan | str:
+        why = self.unsupported_reason()
+        if why is not None:
+            return why
+        spec, m, l, sm = self.spec, self.m, self.l, self.device.sm_count
+        common = dict(spec=spec, m=m, l=l, sm_count=sm)
+        limit = self.max_rows()
+        if limit is not None and m > limit:
+            return Plan("sm90", "dot_alpha" if self.uses_dot_alpha() else "xla_dot", **common)
+        dequantize_a = self.dequantizes_activation_first()
+        kspec = with_dequantized_activation(spec) if dequantize_a else spec
+        ka, kb = cat90.KIND_OF_FORMAT[kspec.fmt_a], cat90.KIND_OF_FORMAT[kspec.fmt_b]
+        k = _padded_k(kspec)
+        decode = self.decode_choice(kspec)
+        if decode is not None:
+            v, splits = decode
+            return Plan("sm90", "decode", variant=v.name, a_kind=ka, b_kind=kb,
+                        tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), nt=v.nt, splits=splits,
+                        workspace=splits * l * m * spec.n, dequantize_a=dequantize_a,
+                        a_scales_plain=kspec.fmt_a is not None and kspec.layout_a == "plain",
+                        k=k, **common)
+        if self.register_weights_available(kspec):
+            tile_m, tile_n = cat90.register_weight_tile(m, spec.n, l, sm)
+            kernel, ka = "register_weights", "bf16_kperm"
+        else:
+            tile_m, tile_n = 128, cat90.fused_tile_n(m, spec.n, l, sm)
+            kernel = "fused"
+        tile_n = self.cfg.sm90_tile_n or tile_n
+        variant = cat90.fused_variant(ka, kb, self.out, tile_m, tile_n).name
+        if not self.lib.has(variant):
+            return f"the library has no variant {variant}"
+        return Plan("sm90", kernel, variant=variant, a_kind=ka, b_kind=kb, tile=(tile_m, tile_n),
+                    dequantize_a=dequantize_a, permute_k=kernel == "register_weights", k=k,
+                    **common)
+
+
+def plan_sm90(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> Plan | str:
+    """The sm90 Plan for `spec`, or why the sm90 backend cannot run it."""
+    return _Sm90(spec, device, cfg or _config.get(), library).plan()
+
+
+# ---------------------------------------------------------------------------------------------
+# sm100
+
+
+def forced_sm100_tile(value: str) -> tuple[int, int, int, int]:
+    """'128x64' or '256x128c2x1' -> (tile_m, tile_n, cluster_m, cluster_n)."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:c(\d)x(\d))?", value)
+    if not m:
+        raise ValueError(f"JAX_BLOCKSCALE_SM100_TILE={value!r}: expected e.g. 128x64 or "
+                         "256x256c2x1")
+    tm, tn = int(m.group(1)), int(m.group(2))
+    return tm, tn, int(m.group(3) or (2 if tm == 256 else 1)), int(m.group(4) or 1)
+
+
+def sm100_unsupported_reason(spec: GemmSpec, device: Device, library=LIBRARY) -> str | None:
+    if spec.fmt_a is None:
+        return ("weight-only (plain activation x quantized weight) has no block-scaled MMA "
+                "on Blackwell (tcgen05 has no bf16 x fp4/fp8 kind); it runs on `reference`")
+    if (spec.fmt_a, spec.fmt_b) not in cat100.PAIRS:
+        return f"the sm100 kernels have no {spec.fmt_a} x {spec.fmt_b} variant"
+    if np.dtype(spec.out_dtype).name not in cat100.OUT_DTYPES:
+        return f"out dtype {np.dtype(spec.out_dtype).name} not supported"
+    if min(spec.m, spec.n, spec.k) < 1 or 0 in spec.batch_shape:
+        return "empty problem"
+    ka = cat100.k_alignment(spec.fmt_a, spec.fmt_b)
+    if spec.k % ka:
+        return f"K={spec.k} must be a multiple of {ka} for {spec.fmt_a} x {spec.fmt_b}"
+    na = 4 if np.dtype(spec.out_dtype) == np.dtype(np.float32) else 8
+    if spec.n % na:
+        return f"N={spec.n} must be a multiple of {na} for {np.dtype(spec.out_dtype).name} output"
+    m, _ = kernel_rows_and_batch(spec)
+    if max(m * spec.k, spec.n * spec.k, m * spec.n) > _INT32_MAX:
+        return "problem too large for the kernel's 32-bit indexing (M*K, N*K, M*N < 2^31)"
+    if device.arch != "sm100":
+        return device.reason or ("the sm100 kernels need compute capability 10.0 or 10.3 "
+                                 f"(B200/GB200, B300/GB300), this device is {device.arch}")
+    return library.sm100_unavailable_reason()
+
+
+def plan_sm100(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> Plan | str:
+    """The sm100 Plan for `spec`, or why the sm100 backend cannot run it."""
+    why = sm100_unsupported_reason(spec, device, library)
+    if why is not None:
+        return why
+    cfg = cfg or _config.get()
+    m, l = kernel_rows_and_batch(spec)
+    out = np.dtype(spec.out_dtype).name
+    if cfg.sm100_tile:
+        tm, tn, cm, cn = forced_sm100_tile(cfg.sm100_tile)
+        v = next((v for v in cat100.variants_for(spec.fmt_a, spec.fmt_b, out)
+                  if (v.tile_m, v.tile_n, v.cluster_m, v.cluster_n) == (tm, tn, cm, cn)), None)
+        if v is None:
+            raise ValueError(f"JAX_BLOCKSCALE_SM100_TILE={cfg.sm100_tile}: no compiled variant "
+                             f"for {spec.fmt_a} x {spec.fmt_b} -> {out} has that tile")
+    else:
+        v = cat100.choose_sm100_variant(m, spec.n, spec.k, spec.fmt_a, spec.fmt_b,
+                                        device.sm_count, out)
+    if v is None:
+        return f"no compiled sm100 variant takes K={spec.k}, N={spec.n}"
+    return Plan("sm100", "sm100", spec, variant=v.name, tile=(v.tile_m, v.tile_n),
+                cluster=(v.cluster_m, v.cluster_n), m=m, l=l, k=spec.k,
+                sm_count=device.sm_count)
+
+
+def plan_summary(p: Plan) -> dict:
+    """The plan's decisions as plain values (logs, tests, benchmarks)."""
+    keys = ("backend", "kernel", "variant", "tile", "cluster", "nt", "splits", "workspace",
+            "dequantize_a", "permute_k", "a_scales_plain", "m", "l", "k")
+    return {key: getattr(p, key) for key in keys}
+
