@@ -144,11 +144,29 @@ def blockscaled_shardings(sharding, q) -> BlockScaled | Any:
         raise ValueError(f"sharding spec {sharding.spec} has more axes than the {nd}-d weight")
     named = lambda s: NamedSharding(sharding.mesh, PartitionSpec(*s))  # noqa: E731
     lead, rows, cols = spec[:-2], spec[-2], spec[-1]
-    scales = named(spec) if q.layout == "plain" else named((*lead, rows, cols, None, None, None))
+    if q.layout == "plain":
+        scales = named(spec)
+    else:
+        # blocked scales are (..., N/128, SK/4, 32, 4, 4): the row and K-block tiles take the
+        # weight's N and K mesh axes where the tile counts divide evenly (a small weight has
+        # fewer tiles than devices: that axis is replicated instead)
+        *_, n, k = q.shape
+        tiles = _layout.blocked_shape(n, k // q.format.block)[:2]
+        fit = [ax if tiles[i] % _mesh_size(sharding.mesh, ax) == 0 else None
+               for i, ax in enumerate((rows, cols))]
+        scales = named((*lead, *fit, None, None, None))
     gs = None
     if q.global_scale is not None:
         gs = named(lead[:np.ndim(q.global_scale)] if np.ndim(q.global_scale) else ())
     return BlockScaled(named(spec), scales, gs, q.fmt, q.layout)
+
+
+def _mesh_size(mesh, axes) -> int:
+    """Devices along a spec entry (None, a mesh axis name, or a tuple of them)."""
+    if axes is None:
+        return 1
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([mesh.shape[a] for a in names]))
 
 
 @functools.cache
