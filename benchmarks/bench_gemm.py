@@ -22,6 +22,7 @@ import numpy as np
 
 import jax_blockscale as jbs
 from jax_blockscale.lowering import get_backend
+from jax_blockscale.lowering.plan import device_for
 from jax_blockscale.primitive import gemm_spec, join_operands
 
 from timing import time_us  # the shared method (benchmarks/timing.py)
@@ -85,11 +86,12 @@ def spec_of(a, b):
 
 def runnable_backends(a, b, platform):
     """Registered backends that serve this platform and can run gemm(a, b)."""
-    spec = spec_of(a, b)
+    spec, device = spec_of(a, b), device_for(platform)
     names = []
     for name in jbs.backend_names():
         backend = get_backend(name)
-        if platform in backend.platforms and backend.unsupported_reason(spec) is None:
+        # a backend's plan is a Plan when it can run the problem, else the reason it cannot
+        if platform in backend.platforms and not isinstance(backend.plan(spec, device), str):
             names.append(name)
     return names
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_blockscale as jbs
-from jax_blockscale.lowering import select_backend
+from jax_blockscale.lowering.plan import plan
 
 # the anchors and helpers of the side-by-side bench (one definition of each)
 from bench_gemm import (dequant_dot, dot_bf16, lowering_platform, nn_scaled, short_error,
@@ -150,9 +150,10 @@ def bench_row(token, m, n, k, platform, key, timing, bf16_cache, read_cache):
     n_copies = rotation_count(quantized_bytes(fmt, n, k))
     b_plains, b_qs = copies(b_plain, n_copies), copies(b_q, n_copies)
 
+    plan_q, plan_w = plan(spec_of(a_q, b_q), platform), plan(spec_of(x, b_q), platform)
     row = dict(fmt=token, M=m, N=n, K=k, platform=platform,
-               backend=select_backend(spec_of(a_q, b_q), platform).name,
-               backend_weight_only=select_backend(spec_of(x, b_q), platform).name,
+               backend=plan_q.backend, backend_weight_only=plan_w.backend,
+               kernel=plan_q.kernel, kernel_weight_only=plan_w.kernel,  # what the planner chose
                weight_copies=n_copies)
     if (m, n, k) not in bf16_cache:
         bf16_cache[(m, n, k)] = bf16_dot_row(m, n, k, key, timing)
