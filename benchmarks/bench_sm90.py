@@ -1,126 +1,207 @@
-"""Time the sm90 backend against the anchors (bf16 jnp.dot, jitted dequantize+dot,
-jax.nn.scaled_matmul) side by side in one process, on the GPU.
+"""Hopper (sm90) paths side by side: each way the sm90 backend can run one `jbs.gemm` call, forced
+at the same shape, against bf16 `jnp.dot` (GPU; on a CPU it runs as a smoke test, the forced sm90
+paths then record why they cannot run).
 
-    python benchmarks/bench_sm90.py [--quick] [--json OUT.json]
+    python benchmarks/bench_sm90.py --shapes 16x16384x16384,128x16384x16384 \\
+        --formats w:nvfp4,nvfp4 --paths default,decode,registers,smem --rounds 3 \\
+        [--kernels] [--json OUT.json] [--png OUT.png]
 
-Timing: benchmarks/timing.py (jitted function, 2 warm-up calls, then the mean over 30
-back-to-back calls bracketed by block_until_ready, one trial: the method of
-/work/shared/anchors/bench_anchors.py, so the numbers are comparable with the anchor file). Fresh
-random data per shape; the sm90 result is checked against the reference backend (relative
-Frobenius error) before it is timed.
+Paths (each compiled with the planner's environment variables set, docs/backends.md):
+
+  default      what `jbs.gemm` runs (the planner's choice for this shape)
+  kernels      the sm90 kernels at every M (JAX_BLOCKSCALE_SM90_MAX_ROWS=0): no dequantize + GEMM
+  decode       the split-K decode kernel (register weights off; it takes M <= 64)
+  registers    the fused kernel with the weights in wgmma's registers (decode kernel off)
+  smem         the fused kernel with the weights dequantized into shared memory (decode kernel
+               and register weights off)
+  two_operand  a quantized activation kept quantized: the two-operand decode / fused kernels
+               (JAX_BLOCKSCALE_SM90_DEQUANT_A=0); else the activation is dequantized first
+  dequant_dot  dequantize, then a library GEMM (cuBLASLt with alpha in its epilogue where an
+               alpha must scale the f32 sum, else XLA's), for M > 1
+  xla_dot      dequantize, then XLA's GEMM and an f32 scaling pass (JAX_BLOCKSCALE_SM90_DOT_ALPHA=0)
+
+Formats: "w:<fmt>" is weight-only (bf16 activation), "<fmt>" quantizes the activation like the
+weight; "nvfp4/none" quantizes NVFP4 without the global scale (alpha = 1), as in sweep.py.
+
+Timing (benchmarks/timing.py): device time from a profiler trace (the GPU's kernel time per call,
+no host cost), in paired rounds: each round times bf16 `jnp.dot` and every path once, and the
+result is the median per path over the rounds, so a clock drift during the run affects all paths
+alike (an H100 running a large GEMM moves its clock by several %). Weights rotate through copies
+(about 3x L2) as in sweep.py. Without a GPU in the trace the Python-loop time is used instead.
+Every path's output is compared with the reference backend (relative Frobenius error, bf16 output).
+`--kernels` lists each path's GPU kernels with their mean duration per call.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
-
-import numpy as np
+import statistics
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_blockscale as jbs
-from jax_blockscale.lowering import ffi as _sm90  # noqa: F401  (registers "sm90")
+from jax_blockscale import config
+from jax_blockscale.lowering.plan import plan
 
-from timing import time_us  # the shared method (benchmarks/timing.py)
+from bench_gemm import dot_bf16, lowering_platform, short_error, spec_of
+from sweep import format_token
+from timing import copies, device_time_us, gpu_kernel_events, rotation_count, time_us
+
+_KERNELS = {"JAX_BLOCKSCALE_SM90_MAX_ROWS": "0"}
+_NO_DECODE = {**_KERNELS, "JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS": "0"}
+PATHS = {  # path -> (backend forced, environment while it is planned and compiled)
+    "default": (None, {}),
+    "kernels": ("sm90", _KERNELS),
+    "decode": ("sm90", {**_KERNELS, "JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS": "0"}),
+    "registers": ("sm90", {**_NO_DECODE, "JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS": "1"}),
+    "smem": ("sm90", {**_NO_DECODE, "JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS": "0"}),
+    "two_operand": ("sm90", {**_KERNELS, "JAX_BLOCKSCALE_SM90_DEQUANT_A": "0"}),
+    "dequant_dot": ("sm90", {"JAX_BLOCKSCALE_SM90_MAX_ROWS": "1"}),
+    "xla_dot": ("sm90", {"JAX_BLOCKSCALE_SM90_MAX_ROWS": "1", "JAX_BLOCKSCALE_SM90_DOT_ALPHA": "0"}),
+}
 
 
-def timeit(f, *args):
-    """Microseconds per call: one trial of 30 calls, as in the anchor file."""
-    return time_us(f, *args, iters=30, trials=1)
+def compile_path(name, a, b, platform):
+    """(jitted call, "backend/kernel" the planner chose) for one path, or (None, error)."""
+    backend, env = PATHS[name]
+    with mock.patch.dict(os.environ, env):
+        config.reload()  # the planner reads the environment once; already-compiled calls keep theirs
+        try:
+            p = plan(spec_of(a, b), platform, requested=backend)
+            # compiled here, inside the environment (the plan is made while lowering/compiling)
+            f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend=backend)
+                        ).lower(a, b).compile()
+            chosen = f"{p.backend}/{p.kernel}" + (f" {p.variant}" if p.variant else "")
+        except Exception as e:  # noqa: BLE001  (the row says why)
+            f, chosen = None, short_error(e)
+        finally:
+            config.reload()
+    return f, chosen
+
+
+def timer(on_gpu):
+    if on_gpu:
+        return lambda f, sets: device_time_us(f, arg_sets=sets)
+    return lambda f, sets: time_us(f, arg_sets=sets, iters=5, trials=1)
+
+
+def bench(token, shape, paths, rounds, platform, on_gpu, list_kernels):
+    m, n, k = (int(v) for v in shape.split("x"))
+    weight_only = token.startswith("w:")
+    fmt, kw = format_token(token.removeprefix("w:"))
+    kx, kw_ = jax.random.split(jax.random.PRNGKey(m * 7 + n))
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw_, (n, k), jnp.float32)
+    a = x.astype(jnp.bfloat16) if weight_only else jbs.quantize(x, fmt, **kw)
+    b = jbs.quantize(w, fmt, layout="blocked", **kw)
+    sets = [(a, b_) for b_ in copies(b, rotation_count(n * k // 2) if on_gpu else 1)]
+    dot_sets = [(x.astype(jnp.bfloat16), w_) for w_ in
+                copies(w.astype(jnp.bfloat16), rotation_count(2 * n * k) if on_gpu else 1)]
+    row = dict(format=token, M=m, N=n, K=k, clock="device" if on_gpu else "python loop",
+               plans={}, errors={}, rel_err_vs_reference={}, us={})
+    ref = np.asarray(jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend="reference"), np.float32)
+    fns = {}
+    for name in paths:
+        f, chosen = compile_path(name, a, b, platform)
+        if f is None:
+            row["errors"][name] = chosen
+            continue
+        row["plans"][name] = chosen
+        y = np.asarray(f(a, b), np.float32)
+        row["rel_err_vs_reference"][name] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+        fns[name] = f
+    time = timer(on_gpu)
+    samples = collections.defaultdict(list)
+    for _ in range(rounds):
+        samples["bf16_dot"].append(time(dot_bf16, dot_sets))
+        for name, f in fns.items():
+            samples[name].append(time(f, sets))
+    row["us"] = {name: statistics.median(v) for name, v in samples.items()}
+    if list_kernels and on_gpu:
+        row["kernels"] = {name: kernel_list(f, sets) for name, f in fns.items()}
+    return row
+
+
+def kernel_list(f, sets, calls=10):
+    """{kernel name: mean us per call} of one path (profiler trace)."""
+    per_name = collections.defaultdict(float)
+    for name, start, end in gpu_kernel_events(f, arg_sets=sets, calls=calls):
+        per_name[name] += (end - start) / 1e3 / calls
+    return dict(sorted(per_name.items(), key=lambda kv: -kv[1]))
+
+
+def print_row(r):
+    dot = r["us"].get("bf16_dot")
+    print(f"\n{r['format']} {r['M']}x{r['N']}x{r['K']} ({r['clock']} us, bf16 jnp.dot {dot:.1f})")
+    for name, us in r["us"].items():
+        if name == "bf16_dot":
+            continue
+        print(f"  {name:12s} {us:9.1f}  {dot / us:5.2f}x dot  err {r['rel_err_vs_reference'][name]:.1e}"
+              f"  {r['plans'][name]}")
+        for kname, kus in r.get("kernels", {}).get(name, {}).items():
+            print(f"      {kus:8.2f} us  {kname[:90]}")
+    for name, e in r["errors"].items():
+        print(f"  {name:12s} not run: {e}")
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(n for r in rows for n in r["us"]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(rows))], [r["us"].get(name, 0) for r in rows],
+               width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))],
+                  [f"{r['format']}\n{r['M']}x{r['N']}x{r['K']}" for r in rows], fontsize=7)
+    ax.set_ylabel(f"{rows[0]['clock']} time per call (us)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"sm90 paths, {jax.devices()[0].device_kind}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--shapes", default="16x16384x16384,128x16384x16384,8192x8192x8192",
+                    help="MxNxK,...")
+    ap.add_argument("--formats", default="w:nvfp4,nvfp4")
+    ap.add_argument("--paths", default="default,kernels,dequant_dot",
+                    help="comma-separated subset of " + ", ".join(PATHS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernels", action="store_true", help="list each path's GPU kernels")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--fmts", default="nvfp4,mxfp4,mxfp8_e4m3,w:nvfp4")
-    ap.add_argument("--tiles", default="", help="also time these tile N values (64,128,256)")
-    ap.add_argument("--shapes", default="", help="M,N,K;M,N,K;...")
+    ap.add_argument("--png", default=None)
     args = ap.parse_args()
-    print(jax.__version__, jax.devices(), flush=True)
-    if args.shapes:
-        shapes = [tuple(int(v) for v in t.split(",")) for t in args.shapes.split(";")]
-    elif args.quick:
-        shapes = [(16, 8192, 8192), (1024, 8192, 8192), (8192, 8192, 8192)]
-    else:
-        shapes = [(m, nk, nk) for nk in (8192, 16384) for m in (16, 128, 1024, 8192)]
+    paths = args.paths.split(",")
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        ap.error(f"unknown paths {unknown}; choose from {list(PATHS)}")
+    device = jax.devices()[0]
+    platform, on_gpu = lowering_platform(device), device.platform == "gpu"
+    print(jax.__version__, device.device_kind, flush=True)
     rows = []
-    key = jax.random.PRNGKey(0)
-    for fmt in args.fmts.split(","):
-        weight_only = fmt.startswith("w:")
-        fmt_b = fmt[2:] if weight_only else fmt
-        fmt_a = None if weight_only else fmt_b
-        for (M, N, K) in shapes:
-            key, k1, k2 = jax.random.split(key, 3)
-            x = jax.random.normal(k1, (M, K), jnp.float32)
-            w = jax.random.normal(k2, (N, K), jnp.float32)
-            b = jbs.quantize(w, fmt_b, layout="blocked")
-            a = x.astype(jnp.bfloat16) if weight_only else jbs.quantize(x, fmt_a, layout="blocked")
-            xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-            del x, w
-            r = dict(fmt=fmt, M=M, N=N, K=K)
-            # "sm90": the fused kernel at every size; "auto": the default dispatch (large M
-            # lowers to dequantize + XLA GEMM, see lowering/ffi.py)
-            os.environ[_sm90.ENV_MAX_ROWS] = "0"
-            sm90 = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend="sm90"))
-            try:
-                y = np.asarray(sm90(a, b), np.float32)  # compiles now, with the variable set
-            except Exception as e:  # noqa: BLE001
-                y = e
-            del os.environ[_sm90.ENV_MAX_ROWS]
-            auto = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16))
-            ref = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend="reference"))
-            dot = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32
-                                               ).astype(jnp.bfloat16))
-            try:
-                if isinstance(y, Exception):
-                    raise y
-                yr = np.asarray(ref(a, b), np.float32)
-                r["rel_err_vs_reference"] = float(np.linalg.norm(y - yr) / np.linalg.norm(yr))
-                r["sm90_us"] = timeit(sm90, a, b)
-                for t in filter(None, args.tiles.split(",")):  # the FFI reads it per call
-                    os.environ["JAX_BLOCKSCALE_SM90_TILE_N"] = t
-                    r[f"sm90_n{t}_us"] = timeit(sm90, a, b)
-                    del os.environ["JAX_BLOCKSCALE_SM90_TILE_N"]
-            except Exception as e:  # noqa: BLE001
-                r["sm90_err"] = repr(e)[:300]
-            r["auto_us"] = timeit(auto, a, b)
-            r["deq_dot_us"] = timeit(ref, a, b)
-            r["bf16_dot_us"] = timeit(dot, xb, wb)
-            if not weight_only:  # JAX's own API, as in the anchor file (plain scales, batch 1)
-                try:
-                    pa, pb = jbs.to_plain(a), jbs.to_plain(b)
-                    nn = jax.jit(lambda x, y, sx, sy: jax.nn.scaled_matmul(
-                        x[None], y[None], sx[None], sy[None],
-                        preferred_element_type=jnp.bfloat16)[0])
-                    r["nn_scaled_us"] = timeit(nn, pa.data, pb.data, pa.scales, pb.scales)
-                except Exception as e:  # noqa: BLE001
-                    r["nn_scaled_err"] = repr(e)[:200]
-            fl = 2.0 * M * N * K
-            for k in ("sm90_us", "auto_us", "deq_dot_us", "bf16_dot_us", "nn_scaled_us"):
-                if k in r:
-                    r[k.replace("_us", "_tflops")] = fl / (r[k] * 1e-6) / 1e12
-            for t in filter(None, args.tiles.split(",")):
-                if f"sm90_n{t}_us" in r:
-                    r[f"sm90_n{t}_tflops"] = fl / (r[f"sm90_n{t}_us"] * 1e-6) / 1e12
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            if args.json:  # keep what was measured even if the run is cut short
+    for shape in args.shapes.split(","):
+        for token in args.formats.split(","):
+            rows.append(bench(token, shape, paths, args.rounds, platform, on_gpu, args.kernels))
+            print_row(rows[-1])
+            if args.json:  # keep what was measured if the run is cut short
                 with open(args.json, "w") as f:
-                    json.dump(rows, f, indent=1)
-            del a, b, xb, wb
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print("\nfmt          M     N     K | sm90 us (TF)     | auto us (TF)     | deq+dot us (TF)  | bf16 dot us (TF) | nn.scaled_mm (TF) | err")
-    for r in rows:
-        f = lambda k: ("%9.1f (%5.0f)" % (r[k + "_us"], r[k + "_tflops"])) if k + "_us" in r else "      err       "  # noqa: E731
-        print("%-10s %5d %5d %5d | %s | %s | %s | %s | %s | %s" % (
-            r["fmt"], r["M"], r["N"], r["K"], f("sm90"), f("auto"), f("deq_dot"), f("bf16_dot"),
-            f("nn_scaled"),
-            "%.1e" % r["rel_err_vs_reference"] if "rel_err_vs_reference" in r else "-"))
+                    json.dump(dict(jax=jax.__version__, device=device.device_kind, rows=rows), f,
+                              indent=1)
+    if args.png and rows:
+        plot(rows, args.png)
 
 
 if __name__ == "__main__":
