@@ -7,6 +7,8 @@ from .formats import FORMATS, Format, can_multiply, get_format, supported_pairs
 from .layout import from_blocked_scales, to_blocked_scales
 from .lowering import GemmSpec, backend_names, register_backend
 from .primitive import gemm_p
+from .ragged import ragged_gemm, ragged_gemm_p  # grouped GEMM (MoE); registers its lowerings
+from .ragged_backends import RaggedSpec, ragged_backend_names, register_ragged_backend
 from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
 from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper; library loads lazily)
 from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
@@ -18,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockScaled", "FORMATS", "Format", "GemmSpec", "backend_names", "can_multiply", "dequantize",
     "from_blocked_scales", "gemm", "gemm_p", "get_format", "pack_fp4", "quantize",
+    "RaggedSpec", "ragged_backend_names", "ragged_gemm", "ragged_gemm_p", "register_ragged_backend",
     "register_backend", "scaled_matmul", "supported_pairs", "to_blocked", "to_blocked_scales",
     "to_plain", "unpack_fp4",
 ]

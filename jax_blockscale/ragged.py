@@ -1,0 +1,359 @@
+"""Grouped (ragged) block-scaled GEMM for mixtures of experts: `ragged_gemm`, the block-scaled
+counterpart of `jax.lax.ragged_dot`, and its primitives.
+
+    y = jbs.ragged_gemm(lhs, rhs, group_sizes)     # lhs (M, K), rhs (G, N, K) -> y (M, N)
+
+Rows of `lhs` are sorted by group: group g owns the next ``group_sizes[g]`` rows, and
+``y[m] = lhs[m] @ rhs[g].T`` (times the global scales) for those rows; rows past
+``sum(group_sizes)`` are zero. At run time (values are not known when tracing) a negative size
+counts as 0 and a group running past row M is cut at M (`ragged_backends.clamp_group_sizes`).
+
+Two primitives, as for `gemm` (primitive.py):
+  * `ragged_gemm_p` is what `ragged_gemm` binds: shape rules, batching and differentiation;
+    its lowering (ragged_sharding.py) wraps the local computation in `custom_partitioning`
+    where an SPMD partitioner will split it, and is the local computation itself elsewhere.
+  * `ragged_gemm_local_p` is the computation on one device. Its lowering (below) makes the
+    group sizes safe, picks a backend from the ragged registry (ragged_backends.py) once, and
+    lets it run. It takes one more operand, `row_start` (group 0's first row), which the
+    expert-parallel rule sets per device.
+
+Operands of `ragged_gemm_p`, in order: ``lhs, rhs, [lhs_scales], rhs_scales, group_sizes, alpha``
+(``ragged_gemm_local_p``: the same, then ``row_start``).
+  lhs          (M, K) quantized elements, or (weight-only, ``fmt_lhs=None``) a plain
+               bf16/f16/f32 activation; then lhs_scales is absent.
+  rhs          (G, N, K) quantized elements: expert g's weight, K-major like `gemm`'s b.
+  *_scales     in `layout_lhs` / `layout_rhs` ("plain" or "blocked", layout.py); the blocked
+               rhs scales keep G as a leading axis: (G, ceil(N/128), ceil(SK/4), 32, 4, 4).
+  group_sizes  int32 (G,).
+  alpha        f32 (G,): per group, the product of the global (decode) scales of lhs and rhs[g].
+Params: fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, backend, alpha_is_one (the caller
+promises alpha is all ones); the local primitive adds `shifted` (row_start may be nonzero).
+
+Differentiation: as `gemm` (primitive.py): quantized operands are not differentiable (a nonzero
+tangent reaching one raises); in weight-only mode the product is linear in lhs and in alpha,
+and both differentiate. group_sizes is integer (no tangent).
+
+Batching (vmap): when only lhs (plain or with plain scales) and group_sizes carry the mapped
+axis, which is how a model vmaps over sequences that share experts, the rows of all examples
+are merged, sorted by group and multiplied in ONE grouped call (every expert's weight is read
+once, not once per example), then put back. Otherwise (mapped weights, mapped global scales,
+blocked lhs scales) the examples run one after another (`lax.map`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .formats import OUT_DTYPES, can_multiply, supported_pairs
+from .lowering import ALL_PLATFORMS
+from .primitive import _check_elements, _check_scales
+from .quantize import BlockScaled
+from .ragged_backends import (RaggedSpec, check_backend_name, clamp_group_sizes,
+                              dequantized_rhs, get_ragged_backend, method_for, ragged_matmul,
+                              row_groups, select_ragged_backend)
+
+ragged_gemm_p = Primitive("blockscale_ragged_gemm")
+ragged_gemm_local_p = Primitive("blockscale_ragged_gemm_local")
+
+
+# ---------------------------------------------------------------------------------------------
+# The public function
+
+
+def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
+                backend: str | None = None) -> jax.Array:
+    """Grouped GEMM: ``y[m] = lhs[m] @ rhs[g].T`` for the rows m of group g (like lax.ragged_dot).
+
+    lhs: a `BlockScaled` (M, K) (its NVFP4 global scale, if any, a scalar), or a plain
+      bf16/f16/f32 (M, K) array (weight-only mode). Rows sorted by group.
+    rhs: a `BlockScaled` (G, N, K): one K-major weight per group (expert), as `gemm`'s b;
+      typically ``jbs.quantize(w, fmt, layout="blocked")`` of a (G, N, K) stack. An NVFP4
+      global scale may be a scalar or one per expert (shape (G,), ``global_scale="per_matrix"``).
+    group_sizes: int32 (G,): rows per group, in order. Rows past their sum are zero in the
+      output. At run time a negative size counts as 0, and a group running past row M is cut
+      at M (later groups then get no rows).
+    out_dtype: bf16 (default), f16 or f32; accumulation is always f32.
+    backend: force a ragged backend ("reference"; GPU kernels register more); default: the
+      fastest that accepts the problem.
+    Returns (M, N) in out_dtype. Any format pair `gemm` takes (`jbs.can_multiply`) works.
+    """
+    if not isinstance(rhs, BlockScaled):
+        raise TypeError(f"rhs must be a jbs.BlockScaled (G, N, K), got {type(rhs).__name__}; "
+                        "quantize the expert weights with jbs.quantize(w, fmt, layout='blocked')")
+    check_backend_name(backend)
+    if rhs.ndim != 3:
+        raise ValueError(f"rhs must have shape (G, N, K) (one weight per group), got {rhs.shape}")
+    groups = rhs.shape[0]
+    if isinstance(lhs, BlockScaled):
+        l_elems, sl, fmt_lhs, layout_lhs = lhs.data, lhs.scales, lhs.fmt, lhs.layout
+    else:
+        l_elems, sl, fmt_lhs, layout_lhs = jnp.asarray(lhs), None, None, None
+    group_sizes = jnp.asarray(group_sizes)
+    alpha = jnp.ones((groups,), jnp.float32)
+    no_global_scale = True
+    if isinstance(lhs, BlockScaled) and lhs.global_scale is not None:
+        gs = jnp.asarray(lhs.global_scale, jnp.float32)
+        if gs.shape != ():
+            raise ValueError(f"lhs.global_scale must be a scalar, got shape {gs.shape}; "
+                             "ragged_gemm takes one global scale for the whole activation")
+        alpha, no_global_scale = alpha * gs, False
+    if rhs.global_scale is not None:
+        gs = jnp.asarray(rhs.global_scale, jnp.float32)
+        if gs.shape not in ((), (groups,)):
+            raise ValueError(f"rhs.global_scale must be a scalar or one per group, shape "
+                             f"({groups},); got shape {gs.shape}")
+        alpha, no_global_scale = alpha * gs, False
+    operands = join_operands(l_elems, rhs.data, sl, rhs.scales, group_sizes, alpha)
+    return ragged_gemm_p.bind(*operands, fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt,
+                              layout_lhs=layout_lhs, layout_rhs=rhs.layout,
+                              out_dtype=np.dtype(out_dtype), backend=backend,
+                              alpha_is_one=no_global_scale)
+
+
+def split_operands(args, fmt_lhs):
+    """(lhs, rhs, [sl], sr, gs, alpha, *rest) -> (lhs, rhs, sl_or_None, sr, gs, alpha, *rest)."""
+    if fmt_lhs is None:
+        lhs, rhs, sr, *rest = args
+        return (lhs, rhs, None, sr, *rest)
+    return tuple(args)
+
+
+def join_operands(lhs, rhs, sl, sr, *rest):
+    return (lhs, rhs, sr, *rest) if sl is None else (lhs, rhs, sl, sr, *rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape rules: every check raises at trace time with the argument named and the fix.
+
+
+def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, backend=None,
+                alpha_is_one=False, shifted=False, local=False) -> RaggedSpec:
+    """Validate the operands' shapes and dtypes and describe the problem."""
+    del backend
+    lhs, rhs, sl, sr, gs, alpha, *rest = split_operands(avals, fmt_lhs)
+    if fmt_rhs is None:
+        raise TypeError("rhs must be quantized (a jbs.BlockScaled (G, N, K))")
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must have shape (M, K) (tokens sorted by group), got "
+                         f"{tuple(lhs.shape)}; fold leading axes into M, or vmap")
+    if rhs.ndim != 3:
+        raise ValueError(f"rhs must have shape (G, N, K) (one weight per group), got "
+                         f"{tuple(rhs.shape)}")
+    _check_elements("lhs", lhs, fmt_lhs)
+    _check_elements("rhs", rhs, fmt_rhs)
+    if lhs.shape[-1] != rhs.shape[-1]:
+        raise ValueError(f"lhs and rhs must agree on K (their last axis): lhs is "
+                         f"{tuple(lhs.shape)}, rhs is {tuple(rhs.shape)}")
+    if not can_multiply(fmt_lhs, fmt_rhs):
+        raise ValueError(f"formats {fmt_lhs} x {fmt_rhs} cannot be multiplied; supported pairs: "
+                         f"{supported_pairs()} and weight-only (plain lhs x any format)")
+    if fmt_lhs is not None:
+        _check_scales("lhs scales", sl, lhs, fmt_lhs, layout_lhs)
+    _check_scales("rhs scales", sr, rhs, fmt_rhs, layout_rhs)
+    groups = rhs.shape[0]
+    if np.dtype(gs.dtype) != np.int32:
+        raise TypeError(f"group_sizes must be int32, got {gs.dtype}; pass "
+                        "group_sizes.astype(jnp.int32)")
+    if gs.shape != (groups,):
+        raise ValueError(f"group_sizes must have shape (G,) = ({groups},), one size per group "
+                         f"of rhs {tuple(rhs.shape)}; got shape {tuple(gs.shape)}")
+    if alpha.shape != (groups,) or np.dtype(alpha.dtype) != np.float32:
+        raise TypeError(f"alpha must be f32 of shape ({groups},), got "
+                        f"{alpha.dtype}{list(alpha.shape)}")
+    if local:
+        (row_start,) = rest
+        if row_start.shape != () or np.dtype(row_start.dtype) != np.int32:
+            raise TypeError(f"row_start must be an int32 scalar, got "
+                            f"{row_start.dtype}{list(row_start.shape)}")
+    elif rest:
+        raise TypeError(f"ragged_gemm_p takes no operands after alpha, got {len(rest)} more")
+    if np.dtype(out_dtype) not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
+                        f"got {np.dtype(out_dtype).name}")
+    return RaggedSpec(fmt_lhs, fmt_rhs, layout_lhs if fmt_lhs else None, layout_rhs,
+                      np.dtype(lhs.dtype), np.dtype(out_dtype), lhs.shape[0], rhs.shape[1],
+                      lhs.shape[1], groups, bool(alpha_is_one), bool(shifted))
+
+
+def _abstract_eval(*avals, local, **params):
+    spec = ragged_spec(avals, local=local, **params)
+    return jax.core.ShapedArray((spec.m, spec.n), spec.out_dtype)
+
+
+def _impl(prim, *args, **params):
+    return jax.jit(functools.partial(prim.bind, **params))(*args)
+
+
+ragged_gemm_p.def_abstract_eval(functools.partial(_abstract_eval, local=False))
+ragged_gemm_local_p.def_abstract_eval(functools.partial(_abstract_eval, local=True))
+for _prim in (ragged_gemm_p, ragged_gemm_local_p):
+    _prim.def_impl(functools.partial(_impl, _prim))
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-device lowering: safe group sizes, one backend chosen, its computation.
+
+
+def local_lowering(ctx, *args, platform, **params):
+    spec = ragged_spec(ctx.avals_in, local=True, **params)
+    plan = select_ragged_backend(spec, platform, params["backend"])
+    backend = get_ragged_backend(plan.backend)
+
+    def run(*xs):
+        lhs, rhs, sl, sr, gs, alpha, row_start = split_operands(xs, params["fmt_lhs"])
+        if spec.shifted:
+            row_start = jnp.clip(row_start, 0, spec.m)
+        else:
+            row_start = jnp.int32(0)
+        gs = clamp_group_sizes(gs, spec.m, row_start)
+        return backend(lhs, rhs, sl, sr, gs, alpha, row_start, plan=plan)
+
+    return mlir.lower_fun(run, multiple_results=False)(ctx, *args)
+
+
+for _platform in ALL_PLATFORMS:
+    mlir.register_lowering(ragged_gemm_local_p,
+                           functools.partial(local_lowering, platform=_platform),
+                           platform=_platform)
+
+
+def bind_local(operands, params, row_start=None):
+    """`ragged_gemm_local_p` on ragged_gemm_p's operands (row_start None: group 0 at row 0)."""
+    shifted = row_start is not None
+    row_start = jnp.int32(0) if row_start is None else row_start
+    return ragged_gemm_local_p.bind(*operands, row_start, **params, shifted=shifted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching (see the module docstring).
+
+
+def _merged_rows(args, dims, size, params):
+    """One grouped call for a batch of (lhs, group_sizes) sharing rhs and alpha."""
+    fmt_lhs = params["fmt_lhs"]
+    lhs, rhs, sl, sr, gs, alpha = split_operands(args, fmt_lhs)
+    dl, _, dsl, _, dgs, _ = split_operands(dims, fmt_lhs)
+    groups = rhs.shape[0]
+    lhs = batching.bdim_at_front(lhs, dl, size)  # (B, M, K)
+    sl = None if sl is None else batching.bdim_at_front(sl, dsl, size)
+    gs = batching.bdim_at_front(gs, dgs, size)  # (B, G)
+    m = lhs.shape[1]
+    safe = jax.vmap(lambda g: clamp_group_sizes(g, m))(gs)  # each example's own semantics
+    gid = jax.vmap(lambda g: row_groups(g, m))(safe)  # (B, M); G past the example's sum
+    # Stable sort of all B*M rows by group: group g's rows of example 0, then of example 1, ...
+    order = jnp.argsort(gid.reshape(-1), stable=True)
+    flat = lambda x: x.reshape((size * m,) + x.shape[2:])
+    lhs_sorted = flat(lhs)[order]
+    sl_sorted = None if sl is None else flat(sl)[order]
+    total_gs = jnp.sum(safe, axis=0).astype(jnp.int32)  # (G,): rows past it are past the sum
+    y_sorted = ragged_gemm_p.bind(*join_operands(lhs_sorted, rhs, sl_sorted, sr, total_gs,
+                                                 alpha), **params)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    del groups
+    return y.reshape(size, m, y.shape[-1])
+
+
+def _batch_rule(args, dims, **params):
+    fmt_lhs = params["fmt_lhs"]
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    _, drhs, dsl, dsr, _, dalpha = split_operands(dims, fmt_lhs)
+    shared_weights = drhs is None and dsr is None and dalpha is None
+    if shared_weights and params["layout_lhs"] != "blocked":
+        return _merged_rows(args, dims, size, params), 0
+    # General case: one example at a time.
+    mapped = [i for i, d in enumerate(dims) if d is not None]
+    xs = [batching.bdim_at_front(args[i], dims[i], size) for i in mapped]
+
+    def one(example):
+        full = list(args)
+        for i, x in zip(mapped, example):
+            full[i] = x
+        return ragged_gemm_p.bind(*full, **params)
+
+    return lax.map(one, xs), 0
+
+
+batching.primitive_batchers[ragged_gemm_p] = _batch_rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiation (see the module docstring for the policy).
+
+_NOT_DIFFERENTIABLE = (
+    "jax_blockscale.ragged_gemm is not differentiable with respect to quantized operands "
+    "(elements or scales of a BlockScaled). Differentiate in weight-only mode (a plain lhs times "
+    "quantized experts), or wrap the quantized operand in jax.lax.stop_gradient.")
+
+
+def _is_zero(t):
+    return type(t) is ad.Zero
+
+
+def _jvp(primals, tangents, **params):
+    fmt_lhs = params["fmt_lhs"]
+    lhs, rhs, sl, sr, gs, alpha = split_operands(primals, fmt_lhs)
+    tl, trhs, tsl, tsr, _, talpha = split_operands(tangents, fmt_lhs)
+    quantized = [trhs, tsr] + ([tl, tsl] if fmt_lhs is not None else [])
+    if not all(_is_zero(t) for t in quantized):
+        raise TypeError(_NOT_DIFFERENTIABLE)
+    y = ragged_gemm_p.bind(*primals, **params)
+    terms = []
+    if fmt_lhs is None and not _is_zero(tl):
+        terms.append(ragged_gemm_p.bind(*join_operands(tl, rhs, sl, sr, gs, alpha), **params))
+    if not _is_zero(talpha):
+        terms.append(ragged_gemm_p.bind(*join_operands(lhs, rhs, sl, sr, gs, talpha),
+                                        **dict(params, alpha_is_one=False)))
+    if not terms:
+        return y, ad.Zero.from_primal_value(y)
+    return y, functools.reduce(jnp.add, terms)
+
+
+def _transpose(ct, *args, **params):
+    fmt_lhs = params["fmt_lhs"]
+    lhs, rhs, sl, sr, gs, alpha = split_operands(args, fmt_lhs)
+    out = [None] * len(args)
+    if _is_zero(ct):
+        return out
+    if ad.is_undefined_primal(gs):
+        raise TypeError("ragged_gemm: group_sizes must be a known value when transposing")
+    ct = ct.astype(jnp.float32)
+    m = ct.shape[0]
+    safe = clamp_group_sizes(gs, m)
+    gid = row_groups(safe, m)
+    if ad.is_undefined_primal(lhs):  # weight-only: dL/dlhs[m] = alpha[g] * ct[m] @ W_g
+        if ad.is_undefined_primal(alpha):
+            raise NotImplementedError("ragged_gemm is bilinear in (lhs, alpha); transpose one "
+                                      "at a time")
+        wv = dequantized_rhs(rhs, sr, params["fmt_rhs"], params["layout_rhs"])  # (G, N, K)
+        row_alpha = jnp.take(alpha, gid, mode="fill", fill_value=0.0)
+        scaled = ct * row_alpha[:, None]
+        # The grouped product picks its method per platform when lowered (see ragged_matmul).
+        ct_lhs = lax.platform_dependent(
+            scaled, wv, safe,
+            cpu=functools.partial(ragged_matmul, contract=1, method=method_for("cpu")),
+            default=functools.partial(ragged_matmul, contract=1, method="ragged_dot"))
+        out[0] = ct_lhs.astype(lhs.aval.dtype)
+    if ad.is_undefined_primal(alpha):
+        y1 = ragged_gemm_p.bind(*join_operands(lhs, rhs, sl, sr, gs,
+                                               jnp.ones(alpha.aval.shape, jnp.float32)),
+                                **dict(params, out_dtype=np.dtype(np.float32),
+                                       alpha_is_one=True))
+        per_row = jnp.sum(ct * y1, axis=1)
+        groups = alpha.aval.shape[0]
+        # rows past the sum have group G: they fall into the extra segment that is dropped
+        out[-1] = jax.ops.segment_sum(per_row, gid, num_segments=groups + 1)[:groups]
+    return out
+
+
+ad.primitive_jvps[ragged_gemm_p] = _jvp
+ad.primitive_transposes[ragged_gemm_p] = _transpose
+
+
+# The outer primitive's lowering (custom partitioning where an SPMD partitioner splits it).
+from . import ragged_sharding as _ragged_sharding  # noqa: E402,F401

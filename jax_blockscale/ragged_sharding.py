@@ -1,0 +1,382 @@
+"""Sharding rules for `ragged_gemm_p`: expert, tensor, data and K parallel grouped GEMM.
+
+`ragged_gemm_p`'s lowering (its only one) wraps the per-device primitive `ragged_gemm_local_p`
+in `jax.experimental.custom_partitioning` where an SPMD partitioner will split it, exactly as
+sharding.py does for `gemm_p` (read its docstring for the why and the skipped cases: one device,
+fully manual code, pmap, jax.export). Operands: lhs (M, K), rhs (G, N, K), scales, group_sizes
+(G,), alpha (G,); output (M, N).
+
+| sharded                       | per device                                  | communication        |
+|-------------------------------|---------------------------------------------|----------------------|
+| N of rhs (tensor parallel)    | its N columns of every expert               | none                 |
+| M of lhs (data parallel)      | its rows; group sizes cut to those rows     | none                 |
+| G of rhs (expert parallel)    | its experts' rows (group offsets shifted)   | psum over G's axes   |
+| K of lhs / rhs                | partial products in f32                     | psum over K's axes   |
+
+Expert parallel: each device holds G/d experts, the full lhs (replicated, or its M shard) and
+the full group_sizes (G ints, always replicated: a device needs the sizes of the experts before
+its own to know where its rows start). It computes the rows of its experts, which form one
+contiguous range (group offsets shifted by `row_start`), and writes zeros elsewhere; since the
+devices' row ranges are disjoint, the combine is a psum over the expert axes that adds one
+nonzero value to zeros, exact even in bf16 (so it is done in out_dtype: half the bytes of f32).
+With K also sharded, the partial sums are reduced in f32 over both and rounded once.
+(A token-sharded expert-parallel layer that dispatches tokens with all-to-all is a different
+program: write it with shard_map around `ragged_gemm`, which inside is the local primitive.)
+
+Placements the local computation cannot take are changed (XLA reshards), logged once on the
+"jax_blockscale" logger, as for `gemm`: a dim must split evenly; blocked scales split only in
+whole 128-row (M, N) and 4-column (K) tiles; K only in whole blocks; one mesh axis shards one
+of M, G, N, K (on a conflict the later is dropped); group_sizes is replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
+                                                  custom_partitioning)
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+# No public names: see sharding.py.
+from jax._src import dispatch
+from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
+
+from .formats import get_format
+from .layout import COLS_PER_TILE, ROWS_PER_TILE
+from .ragged import bind_local, join_operands, ragged_gemm_p, split_operands
+from .ragged_backends import clamp_group_sizes
+
+log = logging.getLogger("jax_blockscale")
+_logged: set[str] = set()
+
+
+def _log_once(level, msg):
+    if msg not in _logged:
+        _logged.add(msg)
+        log.log(level, msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    fmt_lhs: str | None
+    lhs_blocked: bool
+    rhs_blocked: bool
+    m: int
+    n: int
+    k: int
+    groups: int
+    block: int
+
+    @property
+    def sk(self) -> int:
+        return self.k // self.block
+
+
+def _geometry(params, shapes) -> _Geometry:
+    fmt_lhs = params["fmt_lhs"]
+    lhs, rhs = shapes[0], shapes[1]
+    return _Geometry(fmt_lhs=fmt_lhs,
+                     lhs_blocked=fmt_lhs is not None and params["layout_lhs"] == "blocked",
+                     rhs_blocked=params["layout_rhs"] == "blocked",
+                     m=lhs[0], n=rhs[1], k=lhs[1], groups=rhs[0],
+                     block=get_format(params["fmt_rhs"]).block)
+
+
+Axes = tuple[str, ...]
+
+
+def _axes(entry) -> Axes:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _spec_of(sharding, ndim: int) -> list[Axes]:
+    if not isinstance(sharding, NamedSharding):
+        return [()] * ndim
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    return [_axes(e) for e in spec[:ndim]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    m: Axes
+    g: Axes
+    n: Axes
+    k: Axes
+    scatter_dim: int | None  # output dim the reduction scatters along, if any
+
+    @property
+    def reduce(self) -> Axes:
+        return self.k + self.g
+
+
+def _plan(geo: _Geometry, mesh, lhs_spec, rhs_spec, out_spec=None) -> _Plan:
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)
+    used: set[str] = set()
+
+    def take(what, axes, extent, multiple=1, why=""):
+        if not axes:
+            return ()
+        if used & set(axes):
+            _log_once(logging.INFO, f"jax_blockscale ragged_gemm: {what} not sharded over "
+                      f"{axes}: the axes already shard another dim; resharding")
+            return ()
+        if extent % (size(axes) * multiple):
+            _log_once(logging.WARNING, f"jax_blockscale ragged_gemm: {what}={extent} cannot be "
+                      f"split over mesh axes {axes} ({size(axes)} shards){why}; resharding it "
+                      "to replicated")
+            return ()
+        used.update(axes)
+        return axes
+
+    tile_why = " into whole 128-row scale tiles (blocked layout)"
+    m = take("M", lhs_spec[0], geo.m, ROWS_PER_TILE if geo.lhs_blocked else 1,
+             tile_why if geo.lhs_blocked else "")
+    g = take("G", rhs_spec[0], geo.groups)
+    n = take("N", rhs_spec[1], geo.n, ROWS_PER_TILE if geo.rhs_blocked else 1,
+             tile_why if geo.rhs_blocked else "")
+    blocked = geo.lhs_blocked or geo.rhs_blocked
+    k_multiple = geo.block * (COLS_PER_TILE if blocked else 1)
+    k = take("K", lhs_spec[1] or rhs_spec[2], geo.k, k_multiple,
+             f" into whole {COLS_PER_TILE}-column scale tiles of {geo.block}-element blocks"
+             if blocked else f" into whole {geo.block}-element blocks")
+    scatter_dim = None
+    red = k + g
+    if red and out_spec is not None:
+        # The output is wanted sharded over the reduction's axes: reduce-scatter along it.
+        if out_spec[0] == red and not m and geo.m % size(red) == 0:
+            scatter_dim = 0
+        elif out_spec[1] == red and not n and geo.n % size(red) == 0:
+            scatter_dim = 1
+    return _Plan(m, g, n, k, scatter_dim)
+
+
+def _entry(axes):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _placement(geo: _Geometry, plan: _Plan, mesh, n_operands: int):
+    e = _entry
+    rest = [None, None, None]
+    lhs = P(e(plan.m), e(plan.k))
+    rhs = P(e(plan.g), e(plan.n), e(plan.k))
+    sl = None
+    if geo.fmt_lhs is not None:
+        sl = P(e(plan.m), e(plan.k), *(rest if geo.lhs_blocked else []))
+    sr = P(e(plan.g), e(plan.n), e(plan.k), *(rest if geo.rhs_blocked else []))
+    specs = join_operands(lhs, rhs, sl, sr, P(), P(e(plan.g)))
+    assert len(specs) == n_operands
+    out = [e(plan.m), e(plan.n)]
+    if plan.scatter_dim is not None:
+        out[plan.scatter_dim] = e(plan.reduce)
+    named = lambda s: NamedSharding(mesh, s)
+    return tuple(map(named, specs)), named(P(*out))
+
+
+def _infer_sharding_from_operands(pt, mesh, arg_shapes, result_shape):
+    params = dict(pt)
+    geo = _geometry(params, [x.shape for x in arg_shapes])
+    specs = [_spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
+    plan = _plan(geo, mesh, specs[0], specs[1])
+    return _placement(geo, plan, mesh, len(arg_shapes))[1]
+
+
+def _local_rows(safe, geo: _Geometry, plan: _Plan, m_local: int, g_local: int):
+    """(row_start, local group sizes) of this device: its experts' rows within its M shard."""
+    ends = jnp.cumsum(safe)
+    starts = ends - safe
+    if plan.g:
+        first = lax.axis_index(plan.g) * g_local
+        starts = lax.dynamic_slice(starts, (first,), (g_local,))
+        ends = lax.dynamic_slice(ends, (first,), (g_local,))
+    lo = lax.axis_index(plan.m) * m_local if plan.m else jnp.int32(0)
+    s = jnp.clip(starts, lo, lo + m_local) - lo
+    e = jnp.clip(ends, lo, lo + m_local) - lo
+    return s[0].astype(jnp.int32), (e - s).astype(jnp.int32)
+
+
+def _partition(pt, mesh, arg_shapes, result_shape):
+    params = dict(pt)
+    geo = _geometry(params, [x.shape for x in arg_shapes])
+    specs = [_spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
+    out_spec = _spec_of(result_shape.sharding, len(result_shape.shape))
+    plan = _plan(geo, mesh, specs[0], specs[1], out_spec)
+    arg_shardings, out_sharding = _placement(geo, plan, mesh, len(arg_shapes))
+    log.debug("jax_blockscale ragged_gemm partitioned: M=%s G=%s N=%s K=%s scatter=%s",
+              plan.m, plan.g, plan.n, plan.k, plan.scatter_dim)
+    out_dtype = params["out_dtype"]
+
+    def local_ragged(*operands):
+        lhs, rhs, sl, sr, gs, alpha = split_operands(operands, params["fmt_lhs"])
+        if plan.m or plan.g:
+            safe = clamp_group_sizes(gs, geo.m)  # the global semantics, on the full sizes
+            row_start, gs = _local_rows(safe, geo, plan, lhs.shape[0], rhs.shape[0])
+        else:
+            row_start = None
+        local_params = params
+        if plan.k:  # partial sums: reduce in f32, round once
+            local_params = dict(params, out_dtype=np.dtype(np.float32))
+        y = bind_local(join_operands(lhs, rhs, sl, sr, gs, alpha), local_params, row_start)
+        if plan.reduce:
+            if plan.scatter_dim is not None:
+                y = lax.psum_scatter(y, plan.reduce, scatter_dimension=plan.scatter_dim,
+                                     tiled=True)
+            else:
+                y = lax.psum(y, plan.reduce)
+        return y.astype(out_dtype)
+
+    return mesh, local_ragged, out_sharding, arg_shardings
+
+
+def _sdy_rule(pt, mesh, operand_types, result_types):
+    """The Shardy rule: factors M, G, N, K shared by elements and scales (as sharding.py's
+    rule for gemm_p, with G in place of batch); K and G are reduction factors; group_sizes has
+    its own factor that needs replication."""
+    del mesh, result_types
+    params = dict(pt)
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    shapes = [tuple(ir.RankedTensorType(t).shape) for t in operand_types]
+    geo = _geometry(params, shapes)
+    sizes: dict[str, int] = {}
+    need_rep: list[str] = []
+
+    def factor(name, n, replicate=False):
+        sizes[name] = n
+        if replicate:
+            need_rep.append(name)
+        return name
+
+    def compound(*names):
+        names = [f for f in names if sizes[f] > 1] or [names[-1]]
+        return names[0] if len(names) == 1 else CompoundFactor(*names)
+
+    blocked_any = geo.lhs_blocked or geo.rhs_blocked
+    k_tiled = blocked_any and geo.sk % COLS_PER_TILE == 0
+    if k_tiled:
+        kt = factor("kt", geo.sk // COLS_PER_TILE)
+        k4 = factor("k4", COLS_PER_TILE, True)
+        kb = factor("kb", geo.block, True)
+        k_dim, plain_sk, k_red = compound(kt, k4, kb), compound(kt, k4), kt
+    elif not blocked_any:
+        ks, kb = factor("ks", geo.sk), factor("kb", geo.block, True)
+        k_dim, plain_sk, k_red = compound(ks, kb), ks, ks
+    else:  # blocked scales with padded K columns: K cannot be split
+        k_dim = factor("k", geo.k, True)
+        plain_sk, k_red = factor("sk", geo.sk, True), None
+
+    def scale_k_dims(tag):
+        if k_tiled:
+            return kt, k4
+        return (factor(tag + "kt", -(-geo.sk // COLS_PER_TILE), True),
+                factor(tag + "k4", COLS_PER_TILE, True))
+
+    def mn_factors(p, mn, blocked):
+        if not blocked:
+            return factor(p, mn), None
+        if mn % ROWS_PER_TILE == 0:
+            t, r4, r32 = (factor(p + "t", mn // ROWS_PER_TILE), factor(p + "4", 4, True),
+                          factor(p + "32", 32, True))
+            return compound(t, r4, r32), (t, r32, r4)
+        return factor(p, mn, True), (factor(p + "t", -(-mn // ROWS_PER_TILE), True),
+                                     factor(p + "32", 32, True), factor(p + "4", 4, True))
+
+    def scales(tag, lead, mn_dim, tiles, blocked):
+        if not blocked:
+            return ArrayMapping(*lead, mn_dim, plain_sk)
+        t, r32, r4 = tiles
+        skt, sk4 = scale_k_dims(tag)
+        return ArrayMapping(*lead, t, skt, r32, r4, sk4)
+
+    m_dim, m_tiles = mn_factors("m", geo.m, geo.lhs_blocked)
+    g = factor("g", geo.groups)
+    n_dim, n_tiles = mn_factors("n", geo.n, geo.rhs_blocked)
+    gsz = factor("gs", geo.groups, True)
+    lhs = ArrayMapping(m_dim, k_dim)
+    rhs = ArrayMapping(g, n_dim, k_dim)
+    sl = (scales("l", (), m_dim, m_tiles, geo.lhs_blocked) if geo.fmt_lhs is not None else None)
+    sr = scales("r", (g,), n_dim, n_tiles, geo.rhs_blocked)
+    operands = join_operands(lhs, rhs, sl, sr, ArrayMapping(gsz), ArrayMapping(g))
+    out = ArrayMapping(m_dim, n_dim)
+
+    whole = {d for mapping in operands + (out,) for d in mapping if isinstance(d, str)}
+    order = list(dict.fromkeys(f for mapping in operands + (out,) for d in mapping
+                               for f in ((d,) if isinstance(d, str) else d)))
+    compound_only = {f: sizes[f] for f in order if f not in whole}
+    reductions = tuple(f for f in order if f in (k_red, g))
+    need_rep = tuple(sorted(set(need_rep) & set(order) - set(reductions), key=order.index))
+    return SdyShardingRule(operands, (out,), reduction_factors=reductions,
+                           need_replication_factors=need_rep, **compound_only)
+
+
+@functools.partial(custom_partitioning, static_argnums=(0,))
+def _partitioned_ragged(pt, *operands):
+    return bind_local(operands, dict(pt))
+
+
+_partitioned_ragged.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer_sharding_from_operands,
+    sharding_rule=_sdy_rule,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# ragged_gemm_p's lowering: partitioned where an SPMD partitioner will split it, local otherwise.
+# (The same decision as sharding.py's for gemm_p.)
+
+
+def _thread_mesh():
+    from jax._src import mesh as mesh_lib  # noqa: PLC0415
+    return mesh_lib.thread_resources.env.physical_mesh
+
+
+def _devices(axis_context) -> int:
+    """Devices the SPMD partitioner will split this op over (1: nothing to partition)."""
+    if isinstance(axis_context, ShardingContext):
+        n = len(axis_context.device_assignment or ())
+        if n > 1 and axis_context.abstract_mesh is None and _thread_mesh().empty:
+            _log_once(logging.INFO, "jax_blockscale ragged_gemm: no mesh in scope (no "
+                      "NamedSharding inputs/outputs); not custom-partitioned")
+            return 1
+        return n
+    if isinstance(axis_context, SPMDAxisContext):
+        auto = set(axis_context.mesh.axis_names) - set(axis_context.manual_axes)
+        if not auto:
+            return 1
+        if not getattr(jax.config, "jax_use_shardy_partitioner", False):
+            _log_once(logging.INFO, "jax_blockscale ragged_gemm: inside a partially manual "
+                      "shard_map under GSPMD it is not custom-partitioned; XLA places it")
+            return 1
+        return math.prod(axis_context.mesh.shape[x] for x in auto)
+    return 1
+
+
+def _needs_partitioning(ctx) -> bool:
+    mc = ctx.module_context
+    if getattr(mc.lowering_parameters, "for_export", False):
+        if _devices(mc.axis_context) > 1:
+            _log_once(logging.INFO, "jax_blockscale ragged_gemm: jax.export lowers it without "
+                      "its custom partitioning rule; XLA partitions the backend's ops itself")
+        return False
+    return _devices(mc.axis_context) > 1
+
+
+def _lowering(ctx, *args, **params):
+    if not _needs_partitioning(ctx):
+        return mlir.lower_fun(lambda *xs: bind_local(xs, params),
+                              multiple_results=False)(ctx, *args)
+    pt = tuple(sorted(params.items()))
+    return mlir.lower_fun(lambda *xs: _partitioned_ragged(pt, *xs),
+                          multiple_results=False)(ctx, *args)
+
+
+dispatch.prim_requires_devices_during_lowering.add(ragged_gemm_p)
+mlir.register_lowering(ragged_gemm_p, _lowering)
