@@ -39,7 +39,7 @@ def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile):
     if (b_kind, tile) != ("nvfp4", (32, 128)):
         # ptxas serializes the 32-row NVFP4 k-split variant's wgmmas (104 registers leave no
         # room for the pipeline); it still beat the unsplit one at 32 x 8192^2 (24.9 against
-        # 30.0 us) and lost 1 us at 32 x 16384^2 (H100, docs/sm90_notes.md)
+        # 30.0 us) and lost 1 us at 32 x 16384^2 (H100, docs/design/sm90_fused.md)
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
 
 
