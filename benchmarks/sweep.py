@@ -79,7 +79,7 @@ def read_time_us(nbytes, cache):
     array of that size (XLA's reduction streams it at the read bandwidth a kernel of this length
     can reach; rotated through copies when it would fit in L2). The floor for a decode GEMM
     that must read as many bytes: at ~150 MB the H100 reads ~3.0 TB/s (50 us; plain CUDA read
-    kernels reach the same, benchmarks/probes/read_probe.py). Cached per size; None on CPU."""
+    kernels reach the same, docs/design/sm90_decode.md). Cached per size; None on CPU."""
     if nbytes not in cache:
         n = max(nbytes // 4, 1)
         xs = copies(jnp.arange(n, dtype=jnp.uint32), rotation_count(nbytes))
