@@ -118,3 +118,20 @@ def test_wrong_quant_algo(ckpt, tmp_path):
         {"quantization": {"quant_algo": "FP8"}}))
     with pytest.raises(interop.CheckpointError, match="quant_algo='FP8'"):
         llama.load_llama(tmp_path, progress=False)
+
+
+def test_e2e_benchmark_tiny(tmp_path):
+    """benchmarks/e2e_model.py --tiny runs on the CPU and writes its table's JSON and PNG."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(EXAMPLE.parents[1] / "benchmarks"))
+    import e2e_model
+    e2e_model.main(["--tiny", "--layers", "1", "--batches", "1", "--compare-unrolled",
+                    "--iters", "2", "--trials", "1", "--calls", "1", "--out", str(tmp_path),
+                    "--tag", "smoke"])
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    got = {(r["fmt"], r["mode"], r["batch"]) for r in result["rows"]}
+    assert got == {(f, m, 1) for f in ("bf16", "nvfp4") for m in ("scan", "unrolled")}
+    nvfp4_scan = next(r for r in result["rows"] if (r["fmt"], r["mode"]) == ("nvfp4", "scan"))
+    assert nvfp4_scan["loop_us"] > 0 and "speedup_vs_bf16" in nvfp4_scan
+    assert "scan_over_unrolled" in nvfp4_scan
+    assert (tmp_path / "smoke.png").stat().st_size > 0

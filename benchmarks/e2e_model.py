@@ -1,0 +1,235 @@
+"""Time one decode step of a Llama-3-8B-shaped model: block-scaled weights (weight-only
+`jbs.gemm`, bf16 activations) against the same model in bf16, scanned (and optionally unrolled)
+layers, batch 1 / 16 / 64.
+
+    python benchmarks/e2e_model.py --out /tmp/e2e                      # GPU: 16 layers, nvfp4
+    python benchmarks/e2e_model.py --formats nvfp4,mxfp4,mxfp8_e4m3 --compare-unrolled
+    python benchmarks/e2e_model.py --tiny --out /tmp/e2e_smoke         # CPU smoke run
+
+The model is examples/llama/model.py: hidden 4096, 32 query / 8 key-value heads of 128, MLP
+14336 (SwiGLU), --layers layers (default 16), a --vocab-sized embedding and bf16 LM head (small
+by default: the vocabulary projection is the same in every variant and not what is compared).
+Weights are random; the quantized model is the bf16 model's weights quantized per layer (NVFP4:
+one global scale per layer, blocked scales), the embedding, norms and LM head stay as they are.
+
+A decode step: B new tokens (one per sequence) at position --pos of a KV cache of --max-len
+positions (bf16), all layers, the LM head and the greedy next token, under one `jax.jit`, the
+cache donated and updated in place (the step is called on its own output cache, as in serving).
+
+Timing: benchmarks/timing.py. "device": GPU kernel time per step from a profiler trace (the
+number to compare: no host cost); "loop": median over --trials of the mean of --iters
+back-to-back steps from Python (host and dispatch cost included). Prints a table; writes
+<tag>.json and <tag>.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                                "llama"))
+from model import (PROJECTIONS, Llama, LlamaConfig, init_cache, quantize_params,  # noqa: E402
+                   random_params)
+from timing import device_time_us, time_us  # noqa: E402
+
+import jax_blockscale as jbs  # noqa: E402
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def decode_step(graphdef, state, tokens, cache, pos):
+    """One decode step: logits for tokens (B, 1) at `pos`, the greedy next token, the cache."""
+    logits, cache = nnx.merge(graphdef, state)(tokens, cache, pos)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
+class Stepper:
+    """Calls decode_step on its own previous cache (donated, so updated in place), like a
+    serving loop; a no-argument callable for timing.time_us / device_time_us."""
+
+    def __init__(self, model, batch, max_len, pos):
+        self.graphdef, self.state = nnx.split(model)
+        self.cache = init_cache(model.cfg, batch, max_len, model.dtype)
+        self.tokens = jnp.zeros((batch, 1), jnp.int32)
+        self.pos = jnp.int32(pos)
+
+    def __call__(self):
+        tok, self.cache = decode_step(self.graphdef, self.state, self.tokens, self.cache,
+                                      self.pos)
+        return tok
+
+
+def weight_bytes(cfg: LlamaConfig, fmt: str) -> int:
+    """Bytes of the projection weights one step reads (elements + unpadded scales), all layers."""
+    total = 0
+    for name in PROJECTIONS:
+        n, k = cfg.projection_shape(name)
+        if fmt == "bf16":
+            total += 2 * n * k
+        else:
+            f = jbs.get_format(fmt)
+            bits = 4 if f.element_bits == 4 else 8 * f.storage_dtype.itemsize
+            total += n * k * bits // 8 + n * (k // f.block) * f.scale_dtype.itemsize
+    return total * cfg.num_hidden_layers
+
+
+def bench(model, fmt, mode, batch, args, cfg):
+    step = Stepper(model, batch, args.max_len, args.pos)
+    start = time.perf_counter()
+    jax.block_until_ready(step())  # compile
+    compile_s = time.perf_counter() - start
+    row = dict(fmt=fmt, mode=mode, batch=batch, compile_s=round(compile_s, 2),
+               weight_bytes=weight_bytes(cfg, fmt))
+    row["loop_us"] = time_us(step, iters=args.iters, trials=args.trials)
+    dev = device_time_us(step, calls=args.calls)
+    if dev is not None:
+        row["device_us"] = dev
+        row["weight_TBps"] = row["weight_bytes"] / (dev * 1e-6) / 1e12
+    clock = row.get("device_us", row["loop_us"])
+    row["tokens_per_s"] = batch / (clock * 1e-6)
+    return row
+
+
+def add_ratios(rows):
+    """speedup_vs_bf16: the bf16 step time / this one (same mode and batch); scan_over_unrolled:
+    scanned time / unrolled time (same format and batch). Device time when there is one."""
+    def clock(r):
+        return r.get("device_us", r["loop_us"])
+    by = {(r["fmt"], r["mode"], r["batch"]): r for r in rows}
+    for r in rows:
+        base = by.get(("bf16", r["mode"], r["batch"]))
+        if base is not None:
+            r["speedup_vs_bf16"] = clock(base) / clock(r)
+        unrolled = by.get((r["fmt"], "unrolled", r["batch"]))
+        if r["mode"] == "scan" and unrolled is not None:
+            r["scan_over_unrolled"] = clock(r) / clock(unrolled)
+
+
+def print_table(rows):
+    dev = any("device_us" in r for r in rows)
+    head = ["format", "layers", "batch", "device us" if dev else "", "loop us",
+            "vs bf16", "scan/unrolled", "weights TB/s" if dev else "", "tokens/s"]
+    print("\n| " + " | ".join(h for h in head if h) + " |")
+    print("|" + "---|" * sum(1 for h in head if h))
+    for r in rows:
+        cells = [r["fmt"], r["mode"], str(r["batch"])]
+        if dev:
+            cells.append(f"{r['device_us']:.0f}" if "device_us" in r else "-")
+        cells += [f"{r['loop_us']:.0f}", f"{r['speedup_vs_bf16']:.2f}x"
+                  if "speedup_vs_bf16" in r else "-",
+                  f"{r['scan_over_unrolled']:.3f}" if "scan_over_unrolled" in r else "-"]
+        if dev:
+            cells.append(f"{r['weight_TBps']:.2f}" if "weight_TBps" in r else "-")
+        cells.append(f"{r['tokens_per_s']:.0f}")
+        print("| " + " | ".join(cells) + " |")
+
+
+def plot(rows, title, path):
+    """Step time per batch size, one bar per (format, layers mode)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    key = "device_us" if any("device_us" in r for r in rows) else "loop_us"
+    series = list(dict.fromkeys((r["fmt"], r["mode"]) for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(batches)), 4.2))
+    for i, (fmt, mode) in enumerate(series):
+        vals = [next((r[key] for r in rows if (r["fmt"], r["mode"], r["batch"]) ==
+                      (fmt, mode, b) and key in r), 0.0) for b in batches]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(batches))]
+        bars = ax.bar(xs, vals, width, label=f"{fmt}, {mode}")
+        ax.bar_label(bars, fmt="%.0f", fontsize=6)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel(("device" if key == "device_us" else "Python-loop") + " time per step (us)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", lw=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16; tiny 2)")
+    p.add_argument("--batches", default=None, help="comma list (default 1,16,64; tiny 1,2)")
+    p.add_argument("--formats", default="nvfp4",
+                   help="comma list of block-scaled formats timed against bf16 (e.g. "
+                   "nvfp4,mxfp4,mxfp8_e4m3)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8192; tiny 97)")
+    p.add_argument("--max-len", type=int, default=None, help="KV cache length (default 512)")
+    p.add_argument("--pos", type=int, default=None, help="decode position (default max-len/2)")
+    p.add_argument("--compare-unrolled", action="store_true",
+                   help="also time every model with its layers unrolled (no lax.scan)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, few calls (CPU smoke run)")
+    p.add_argument("--iters", type=int, default=None, help="steps per trial (default 20)")
+    p.add_argument("--trials", type=int, default=None, help="trials, median (default 5)")
+    p.add_argument("--calls", type=int, default=None, help="profiled steps (default 10)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--tag", default=None, help="file name stem (default e2e_model_<platform>)")
+    args = p.parse_args(argv)
+
+    tiny = args.tiny
+    layers = args.layers or (2 if tiny else 16)
+    if tiny:
+        cfg = LlamaConfig.tiny(num_layers=layers)
+        if args.vocab:
+            cfg = LlamaConfig(**{**cfg.__dict__, "vocab_size": args.vocab})
+    else:
+        cfg = LlamaConfig.llama3_8b(num_layers=layers, vocab_size=args.vocab or 8192)
+    batches = [int(b) for b in (args.batches or ("1,2" if tiny else "1,16,64")).split(",")]
+    args.max_len = args.max_len or (32 if tiny else 512)
+    args.pos = args.max_len // 2 if args.pos is None else args.pos
+    args.iters = args.iters or (3 if tiny else 20)
+    args.trials = args.trials or (2 if tiny else 5)
+    args.calls = args.calls or (3 if tiny else 10)
+    formats = ["bf16"] + [f for f in args.formats.split(",") if f and f != "bf16"]
+    for f in formats[1:]:
+        jbs.get_format(f)  # an unknown name fails before anything is built
+    modes = ["scan", "unrolled"] if args.compare_unrolled else ["scan"]
+
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__}, {device.device_kind}; {cfg}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.tag or f"e2e_model_{device.platform}")
+    meta = dict(jax=jax.__version__, device=device.device_kind, platform=device.platform,
+                config=cfg.__dict__, max_len=args.max_len, pos=args.pos,
+                timing=dict(iters=args.iters, trials=args.trials, calls=args.calls,
+                            method="benchmarks/timing.py: loop_us = median over trials of the "
+                            "mean of back-to-back jitted decode steps (host cost included); "
+                            "device_us = GPU kernel time per step from a profiler trace"))
+
+    float_params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    rows = []
+    for fmt in formats:
+        params = float_params if fmt == "bf16" else quantize_params(float_params, fmt)
+        for mode in modes:
+            model = Llama(cfg, params, scan_layers=mode == "scan", dtype=jnp.bfloat16)
+            for batch in batches:
+                rows.append(bench(model, fmt, mode, batch, args, cfg))
+                print(json.dumps(rows[-1]), flush=True)
+                add_ratios(rows)
+                with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut
+                    json.dump(dict(meta, rows=rows), f, indent=1)
+            del model
+        del params
+    print_table(rows)
+    plot(rows, f"{device.device_kind}, jax {jax.__version__}: Llama-3-8B-shaped decode step, "
+         f"{cfg.num_hidden_layers} layers" if not tiny else "tiny smoke run", stem + ".png")
+    print(f"wrote {stem}.json")
+
+
+if __name__ == "__main__":
+    main()
