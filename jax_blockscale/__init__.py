@@ -14,6 +14,7 @@ from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper;
 from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
 from .quantize import (BlockScaled, dequantize, pack_fp4, quantize, to_blocked, to_plain,
                        unpack_fp4)
+from . import interop  # noqa: E402  (published checkpoint layouts; safetensors loads lazily)
 
 __version__ = "0.1.0"
 
