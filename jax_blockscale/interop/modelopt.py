@@ -4,7 +4,7 @@ The convention (ModelOpt's ``NVFP4QTensor`` and its Hugging Face export, which T
 vLLM and SGLang read), per quantized ``Linear`` named ``<module>``:
 
   ``<module>.weight``          uint8 (N, K/2): two e2m1 codes per byte, element 2i in the low
-                               nibble, element 2i+1 in the high nibble (``(q[1::2] << 4) | q[0::2]``)
+                               nibble, element 2i+1 in the high one (``q[1::2] << 4 | q[0::2]``)
   ``<module>.weight_scale``    float8_e4m3fn (N, K/16): one scale per 16 elements along K
   ``<module>.weight_scale_2``  float32, shape () or (1,): the per-tensor *decode* factor
                                ``amax(W) / (6 * 448)``; value = e2m1 * weight_scale * weight_scale_2
