@@ -76,3 +76,15 @@ def test_device_time_is_none_without_a_gpu_in_the_trace():
         return  # covered by the GPU sweep runs
     timing = _timing_module()
     assert timing.device_time_us(jax.jit(lambda x: x * 2), jnp.ones(8), calls=2) is None
+
+
+def test_bench_sm90_runs_and_says_why_a_forced_path_cannot(tmp_path):
+    out = run("benchmarks/bench_sm90.py", "--shapes", "16x128x256", "--formats", "w:nvfp4",
+              "--paths", "default,registers", "--rounds", "1", "--json", str(tmp_path / "p.json"))
+    row = json.loads((tmp_path / "p.json").read_text())["rows"][0]
+    assert row["us"]["default"] > 0 and row["us"]["bf16_dot"] > 0
+    assert row["rel_err_vs_reference"]["default"] < 1e-2
+    import jax
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        assert "registers" in row["errors"]  # sm90 does not run on the CPU: the row says why
+    assert "default" in out
