@@ -18,6 +18,17 @@ def has_gpu() -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def _fresh_config():
+    """Every test starts and ends with the configuration read from the environment as it is
+    (tests change JAX_BLOCKSCALE_* variables with set_env below)."""
+    from jax_blockscale import config as jbs_config
+
+    jbs_config.reload()
+    yield
+    jbs_config.reload()
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return

@@ -75,6 +75,7 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
     steps_elems, tuning_for)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
+from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
 from jax_blockscale.kernels.sm90_ptx import (
     FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, SCALE_BYTE_SEL, cp_async, cp_async_commit,
     cp_async_wait, dequant_group, dequant_mma, ldg4_f32, ldg_bytes, ldg_f32, ldg_stream_v4, ldg_v4,

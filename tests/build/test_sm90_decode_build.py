@@ -15,20 +15,22 @@ import pytest
 
 import ptx_emu as emu
 
-from jax_blockscale.kernels import sm90_decode_variants as dv  # pure Python: always importable
+from jax_blockscale.catalog import sm90 as cat  # pure Python: always importable
+from jax_blockscale.kernels import sm90_dequant_ptx as dq  # plain strings: always importable
 
 # the kernel module (PTX text generators, export) needs nvidia-cutlass-dsl
 try:
     from jax_blockscale.kernels import sm90_decode as dec
+    from jax_blockscale.kernels import sm90_ptx  # the device helpers (PTX text generators)
 except ImportError:  # no DSL here: only the pure-Python tests run
-    dec = None
+    dec = sm90_ptx = None
 needs_dsl = pytest.mark.skipif(dec is None, reason="needs nvidia-cutlass-dsl")
 
 FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 E5M2 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float64)
 FP8_PARAMS = {  # (shift, mask, fix) the kernel passes for each fp8 flavour
-    "e4m3": (4, 0x07F007F0, dv._K120), "e5m2": (3, 0x0FE00FE0, dv._K112)}
+    "e4m3": (4, 0x07F007F0, dq.BF16X2_2P120), "e5m2": (3, 0x0FE00FE0, dq.BF16X2_2P112)}
 
 
 def lanes(x):
@@ -53,8 +55,8 @@ def scale_value(kind, byte):
 
 def scale_word_reg(kind, words, col, fold=False):
     """The kernel's path: byte `col` of each scale word -> bf16x2 (times 2^119 when folded)."""
-    return emu.run(dec.scale_ptx(kind, fold), {
-        "$1": lanes(words), "$2": lanes(dec.SCALE_BYTE_SEL + 0x101 * col)})["$0"]
+    return emu.run(sm90_ptx.scale_ptx(kind, fold), {
+        "$1": lanes(words), "$2": lanes(sm90_ptx.SCALE_BYTE_SEL + 0x101 * col)})["$0"]
 
 
 FOLD = 2.0 ** 119  # what a folded NVFP4 scale register carries beside the scale
@@ -94,7 +96,7 @@ def test_fp4_pairs_every_nibble_every_position(fold):
     rng = np.random.default_rng(0)
     s = scale_word_reg("nvfp4", 0x3A, 0, fold)  # 1.25 (times 2^119 when folded)
     ptx = ("{\n.reg .b32 cv0, cv1, cvk;\n"
-           + dec._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"], fold=fold) + "\n}")
+           + sm90_ptx._fp4_pairs_ptx("$4", "$5", ["$0", "$1", "$2", "$3"], fold=fold) + "\n}")
     unit = 1.25 * (2.0 ** -7 if fold else 1.0)  # folded: w * s * 2^-7 (alpha takes 2^7 back)
     for rep in range(8):
         words = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
@@ -115,7 +117,7 @@ def test_fp8_pairs_every_byte(elem):
     finite = np.flatnonzero(np.isfinite(table))
     shift, mask, fix = FP8_PARAMS[elem]
     s = scale_reg("mxfp8", 127 + 3)  # 8
-    ptx = "{\n.reg .b32 cv0, cv1, cvk;\n" + dec._fp8_pairs_ptx("$2", "$3", ["$0", "$1"], "$4", "$5", "$6") + "\n}"
+    ptx = "{\n.reg .b32 cv0, cv1, cvk;\n" + sm90_ptx._fp8_pairs_ptx("$2", "$3", ["$0", "$1"], "$4", "$5", "$6") + "\n}"
     for start in range(0, len(finite), 32):
         b = finite[np.arange(start, start + 32) % len(finite)].astype(np.uint32)
         words = b | (np.roll(b, 1) << 8) | (np.roll(b, 2) << 16) | (np.roll(b, 3) << 24)
@@ -132,7 +134,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     lays them out (thread 4g+t: bytes [16t, 16t+16) of rows g and g+8; activations staged in
     fragment order). Returns (kernel result (16, 8nt) with alpha's fold factor applied, float64
     reference)."""
-    tuning = tuning or dv.DEFAULT_TUNING
+    tuning = tuning or cat.DEFAULT_TUNING
     fold = tuning.fold_scale and b_kind == "nvfp4"
     rng = np.random.default_rng(seed)
     bits, block = dec.KINDS[b_kind]["bits"], dec.KINDS[b_kind]["block"]
@@ -165,7 +167,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
                 k = (lane % 4) * e + q * 8 + 2 * w
                 words.append(Xbits[row, k] | (Xbits[row, k + 1] << 16))
             if bits == 4:
-                res = emu.run(dec.PERMUTE_FP4_PTX, {f"${4 + w}": words[w] for w in range(4)})
+                res = emu.run(sm90_ptx.PERMUTE_FP4_PTX, {f"${4 + w}": words[w] for w in range(4)})
                 words = [res[f"${w}"] for w in range(4)]
             smem[(i, q)] = words
     # per-thread registers: 4 words of row g and of row g+8
@@ -173,7 +175,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     g, t = lane // 4, lane % 4
     wr = wbytes.view(np.uint32)  # (16, 16): 16 words per row, thread t owns words 4t..4t+3
     acc = {f"${x}": np.zeros(32) for x in range(4 * nt)}
-    ptx = dec.dequant_mma_ptx(b_kind, nt, fold)
+    ptx = sm90_ptx.dequant_mma_ptx(b_kind, nt, fold)
     wpg = 1 if bits == 4 else 2
     for q in range(Q):
         ops = dict(acc)
@@ -204,14 +206,14 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     for i in range(nt):
         for x, (roff, coff) in enumerate([(0, 0), (0, 1), (8, 0), (8, 1)]):
             D[g + roff, i * 8 + 2 * t + coff] = acc[f"${4 * i + x}"]
-    return D * (dv.FOLD_ALPHA if fold else 1.0), W @ X.T
+    return D * ((1.0 / dq.FOLD_FACTOR) if fold else 1.0), W @ X.T
 
 
 @needs_dsl
 @pytest.mark.parametrize("b_kind,elem", [("nvfp4", "e2m1"), ("mxfp4", "e2m1"),
                                          ("mxfp8", "e4m3"), ("mxfp8", "e5m2")])
 @pytest.mark.parametrize("nt", [1, 2, 4, 8])
-@pytest.mark.parametrize("tuning", [dv.DEFAULT_TUNING, dv.Tuning("cpasync", 2, 2, 2, 2)],
+@pytest.mark.parametrize("tuning", [cat.DEFAULT_TUNING, cat.Tuning("cpasync", 2, 2, 2, 2)],
                          ids=["default", "nofold"])
 def test_warp_step_matches_reference(b_kind, elem, nt, tuning):
     D, ref = _emulate_step(b_kind, elem, nt, tuning=tuning)
@@ -244,51 +246,51 @@ def test_activation_dequant_group(kind, elem):
             ops[f"${7 + x}"] = lanes(val)
     else:
         ops["$5"] = scale_reg(kind, sbyte)
-    out = emu.run(dec.dequant_group_ptx(kind), ops)
+    out = emu.run(sm90_ptx.dequant_group_ptx(kind), ops)
     got = np.stack([h for j in range(4) for h in halves(out[f"${j}"])], -1)
     np.testing.assert_array_equal(got, vals[:, order] * scale_value(kind, sbyte))
 
 
 # ---- heuristic ---------------------------------------------------------------------------------
 def test_choose_decode_variant():
-    v, s = dv.choose_decode_variant(1, 16384, 16384, None, "nvfp4", 132)
+    v, s = cat.choose_decode_variant(1, 16384, 16384, None, "nvfp4", 132)
     assert (v.a_kind, v.b_kind, v.nt, v.out) == ("bf16", "nvfp4", 1, "bf16")
-    tun = dv.tuning_for(1)
+    tun = cat.tuning_for(1)
     assert 1 <= s and -(-16384 // tun.bn) * s <= 132 * tun.ctas_per_sm
-    v, s = dv.choose_decode_variant(16, 8192, 8192, "bf16", "mxfp8_e5m2", 132, "f32")
+    v, s = cat.choose_decode_variant(16, 8192, 8192, "bf16", "mxfp8_e5m2", 132, "f32")
     assert (v.b_kind, v.nt, v.out) == ("mxfp8", 2, "f32")
-    tun = dv.tuning_for(2)
+    tun = cat.tuning_for(2)
     tiles = 8192 // tun.bn  # CTAs over N: split K to fill the GPU
     assert tiles * s <= 132 * tun.ctas_per_sm and s >= 132 * tun.ctas_per_sm // tiles // 2
-    v, s = dv.choose_decode_variant(12, 1000, 4192, "nvfp4", "nvfp4", 132)
+    v, s = cat.choose_decode_variant(12, 1000, 4192, "nvfp4", "nvfp4", 132)
     assert v.a_kind == "nvfp4" and v.nt == 2
     # every split gets whole sub-chunks, none is empty
     for (m, n, k) in [(1, 256, 512), (3, 1000, 4192), (16, 300, 32 * 7), (8, 100000, 8192)]:
         for fmt in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
-            v, s = dv.choose_decode_variant(m, n, k, None, fmt, 132)
-            chunk = dv.tuning_for(v.nt).sub_steps * dv.steps_elems(v.b_kind)
+            v, s = cat.choose_decode_variant(m, n, k, None, fmt, 132)
+            chunk = cat.tuning_for(v.nt).sub_steps * cat.steps_elems(v.b_kind)
             k_chunks = -(-k // chunk)
             per = -(-k_chunks // s)
             assert (s - 1) * per < k_chunks, (m, n, k, fmt, s)
     # M = 17..64: the wide variants (one row tile per warp, 128 rows of N per CTA)
     for m, nt in [(17, 4), (32, 4), (33, 8), (64, 8)]:
-        v, s = dv.choose_decode_variant(m, 16384, 16384, None, "nvfp4", 132)
-        assert v.nt == nt and dv.tuning_for(nt) == dv.WIDE_TUNING and dv.WIDE_TUNING.bn == 128
-        assert 1 <= s and -(-16384 // 128) * s <= 132 * dv.WIDE_TUNING.ctas_per_sm
+        v, s = cat.choose_decode_variant(m, 16384, 16384, None, "nvfp4", 132)
+        assert v.nt == nt and cat.tuning_for(nt) == cat.WIDE_TUNING and cat.WIDE_TUNING.bn == 128
+        assert 1 <= s and -(-16384 // 128) * s <= 132 * cat.WIDE_TUNING.ctas_per_sm
     # not this kernel's job
-    assert dv.choose_decode_variant(65, 4096, 4096, None, "nvfp4", 132) is None
-    assert dv.choose_decode_variant(128, 4096, 4096, None, "nvfp4", 132) is None
-    assert dv.choose_decode_variant(4, 4096, 4100, None, "nvfp4", 132) is None  # K % 32
-    assert dv.choose_decode_variant(4, 4096, 4096, "mxfp4", "nvfp4", 132) is None  # pair
-    assert dv.choose_decode_variant(4, 4096, 4096, None, "mxfp6_e2m3", 132) is None
-    assert dv.choose_decode_variant(4, 4096, 4096, "f16", "nvfp4", 132) is None  # bf16 MMAs only
+    assert cat.choose_decode_variant(65, 4096, 4096, None, "nvfp4", 132) is None
+    assert cat.choose_decode_variant(128, 4096, 4096, None, "nvfp4", 132) is None
+    assert cat.choose_decode_variant(4, 4096, 4100, None, "nvfp4", 132) is None  # K % 32
+    assert cat.choose_decode_variant(4, 4096, 4096, "mxfp4", "nvfp4", 132) is None  # pair
+    assert cat.choose_decode_variant(4, 4096, 4096, None, "mxfp6_e2m3", 132) is None
+    assert cat.choose_decode_variant(4, 4096, 4096, "f16", "nvfp4", 132) is None  # bf16 MMAs only
 
 
 def test_variant_list():
-    names = [v.name for v in dv.VARIANTS]
-    assert len(names) == len(set(names)) == len(dv.PAIRS) * 3 * len(dv.NTS)
-    for (a, b) in dv.PAIRS:
-        assert b in dv.B_KINDS and a in ("bf16", b)
+    names = [v.name for v in cat.DECODE_VARIANTS]
+    assert len(names) == len(set(names)) == len(cat.DECODE_PAIRS) * 3 * len(cat.DECODE_NTS)
+    for (a, b) in cat.DECODE_PAIRS:
+        assert b in cat.DECODE_B_KINDS and a in ("bf16", b)
 
 
 # ---- compile + export for sm_90a ---------------------------------------------------------------
@@ -311,8 +313,8 @@ def _main_kernel_sass(obj, tmp):
     return main[:main.index("Function", 10)] if "Function" in main[10:] else main
 
 
-FAST = [dv.DecodeVariant("bf16", "nvfp4", "bf16", 1), dv.DecodeVariant("bf16", "mxfp8", "f32", 2),
-        dv.DecodeVariant("mxfp4", "mxfp4", "f16", 2), dv.DecodeVariant("bf16", "nvfp4", "bf16", 4)]
+FAST = [cat.DecodeVariant("bf16", "nvfp4", "bf16", 1), cat.DecodeVariant("bf16", "mxfp8", "f32", 2),
+        cat.DecodeVariant("mxfp4", "mxfp4", "f16", 2), cat.DecodeVariant("bf16", "nvfp4", "bf16", 4)]
 
 
 @needs_dsl
@@ -327,7 +329,7 @@ def test_export_sm90a(variant, tmp_path):
                       "ws_ptr", "m", "n", "k", "l", "a_e5m2", "b_e5m2", "splits", "stream"]
     main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main  # tensor cores, bf16 in / f32 accumulate
-    pipeline = dv.tuning_for(variant.nt).pipeline
+    pipeline = cat.tuning_for(variant.nt).pipeline
     if pipeline == "tma":  # weights and scales by TMA boxes, completing on mbarriers
         assert "UTMALDG.3D" in main and "UTMALDG.3D" in main.replace("UTMALDG.3D", "", 1)
         assert "SYNCS.PHASECHK.TRANS64" in main and "SYNCS.ARRIVE.TRANS64" in main
@@ -346,7 +348,7 @@ def test_export_sm90a(variant, tmp_path):
 def test_export_act_window_tuning(variant, tmp_path):
     """The measured-but-not-shipped activation-window pipeline (Tuning.act_window,
     docs/design/sm90_decode.md) still builds: activations by cp.async too, no spills."""
-    tuning = dataclasses.replace(dv.DEFAULT_TUNING, pipeline="cpasync", act_window=16384)
+    tuning = dataclasses.replace(cat.DEFAULT_TUNING, pipeline="cpasync", act_window=16384)
     h, o = dec.export_variant(variant, str(tmp_path), variant.name, tuning=tuning)
     main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main and "BAR.SYNC" in main
@@ -357,6 +359,6 @@ def test_export_act_window_tuning(variant, tmp_path):
 @needs_dsl
 @pytest.mark.slow
 def test_export_every_variant(tmp_path):
-    for v in dv.VARIANTS:
+    for v in cat.DECODE_VARIANTS:
         h, o = dec.export_variant(v, str(tmp_path), v.name)
         assert os.path.getsize(o) > 0 and os.path.exists(h)

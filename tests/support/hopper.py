@@ -31,9 +31,14 @@ def poison():
     del x
 
 
+def as_if_hopper(monkeypatch, sm_count: int = 132) -> None:
+    """Make the planner see an H100 (compute capability 9.0, `sm_count` SMs) on this machine."""
+    from jax_blockscale.lowering import plan
+
+    monkeypatch.setattr(plan, "_gpu_device", lambda: plan.Device("cuda", "sm90", sm_count))
+
+
 def lower_for_cuda(monkeypatch, f, *args) -> str:
     """Cross-lower `f` for CUDA on this (GPU-less) machine, as if it had a Hopper GPU."""
-    from jax_blockscale.lowering import ffi as sm90
-
-    monkeypatch.setattr(sm90, "_device_reason", lambda: None)
+    as_if_hopper(monkeypatch)
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

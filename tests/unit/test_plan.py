@@ -1,0 +1,206 @@
+"""The planner (lowering/plan.py) on its own: pure Python, no GPU, no library.
+
+The redesign that made the planner the one home of every kernel decision had to keep every
+decision as it was. `support/sm{90,100}_dispatch_before_planner.json.gz` record the decisions of
+the code before it (commit f60322e: the Python lowering's choices plus the C++ handler's
+variant, tile and split choice, read through the built library) for a grid of problems on an
+H100's 132 SMs (sm100: 132, 148 and 160 SMs); the planner must make the same ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+import jax_blockscale  # noqa: F401  (registers the backends)
+from jax_blockscale.catalog import sm90 as cat90
+from jax_blockscale.catalog import sm100 as cat100
+from jax_blockscale.config import Config
+from jax_blockscale.formats import get_format
+from jax_blockscale.lowering import GemmSpec
+from jax_blockscale.lowering import plan as P
+
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+H100 = P.Device("cuda", "sm90", 132)
+
+
+class FullLibrary:
+    """A library holding every catalogued variant and the dot_alpha target."""
+
+    names = frozenset(v.name for v in cat90.VARIANTS) | frozenset(
+        v.name for v in cat100.VARIANTS)
+
+    def unavailable_reason(self):
+        return None
+
+    def sm100_unavailable_reason(self):
+        return None
+
+    def has_dot_alpha(self):
+        return True
+
+    def has(self, name):
+        return name in self.names
+
+
+def _rows(name):
+    with gzip.open(os.path.join(SUPPORT, name)) as f:
+        d = json.load(f)
+    return [dict(zip(d["fields"], r)) for r in d["rows"]]
+
+
+def _spec(r) -> GemmSpec:
+    fa = r["fmt_a"]
+    a_dtype = np.dtype("bfloat16") if fa is None else np.dtype(get_format(fa).storage_dtype)
+    ab, bb = tuple(r["a_batch"]), tuple(r["b_batch"])
+    return GemmSpec(fa, r["fmt_b"], r["layout_a"], "blocked", a_dtype, np.dtype(r["out"]),
+                    tuple(np.broadcast_shapes(ab, bb)), ab, bb, r["m"], r["n"], r["k"],
+                    r["alpha_is_one"])
+
+
+def _decision(p) -> tuple:
+    if isinstance(p, str):
+        return ("declined", None, 0, False, False)
+    if p.kernel in ("xla_dot", "dot_alpha"):
+        return (p.kernel, None, 0, False, False)
+    return ("kernel", p.variant, p.splits, p.dequantize_a, p.a_scales_plain)
+
+
+def test_sm90_plans_match_the_recorded_dispatch():
+    rows = _rows("sm90_dispatch_before_planner.json.gz")
+    assert len(rows) > 50_000
+    lib, cfg = FullLibrary(), Config()
+    wrong = []
+    for r in rows:
+        got = _decision(P.plan_sm90(_spec(r), H100, cfg=cfg, library=lib))
+        want = (r["path"], r["variant"], r["splits"], r["dequantize_a"], r["a_scales_plain"])
+        if got != want:
+            wrong.append((r, got))
+    assert not wrong, f"{len(wrong)} of {len(rows)} differ, e.g. {wrong[:3]}"
+
+
+def test_sm100_plans_match_the_recorded_dispatch():
+    rows = _rows("sm100_dispatch_before_planner.json.gz")
+    lib, cfg = FullLibrary(), Config()
+    wrong = []
+    for r in rows:
+        fa, fb = r["fmt_a"], r["fmt_b"]
+        spec = GemmSpec(fa, fb, "blocked", "blocked", np.dtype(get_format(fa).storage_dtype),
+                        np.dtype(r["out"]), (), (), (), r["m"], r["n"], r["k"], True)
+        p = P.plan_sm100(spec, P.Device("cuda", "sm100", r["sm_count"]), cfg=cfg, library=lib)
+        got = None if isinstance(p, str) else [*p.tile, *p.cluster]
+        if got != r["tile"]:
+            wrong.append((r, got, p if isinstance(p, str) else None))
+    assert not wrong, f"{len(wrong)} of {len(rows)} differ, e.g. {wrong[:3]}"
+
+
+def _w(m=16, n=4096, k=4096, fmt_a=None, fmt_b="nvfp4", out="bfloat16", **kw):
+    a_dtype = np.dtype("bfloat16") if fmt_a is None else np.dtype(get_format(fmt_a).storage_dtype)
+    return GemmSpec(fmt_a, fmt_b, None if fmt_a is None else kw.pop("layout_a", "plain"),
+                    "blocked", a_dtype, np.dtype(out), (), (), (), m, n, k,
+                    kw.pop("alpha_is_one", True))
+
+
+def _plan(spec, **cfg):
+    return P.plan_sm90(spec, H100, cfg=Config(**cfg), library=FullLibrary())
+
+
+def test_plan_fields_describe_the_call():
+    p = _plan(_w(m=8, n=16384, k=16384))
+    assert (p.kernel, p.nt, p.tile) == ("decode", 1, (8, 128))
+    assert p.splits > 1 and p.workspace == p.splits * 8 * 16384 and p.k == 16384
+    assert p.variant == "jbs_sm90_decode_bf16_nvfp4_bf16_m8"
+    p = _plan(_w(m=128, n=16384, k=16384))
+    assert (p.kernel, p.permute_k, p.tile, p.splits, p.workspace) == (
+        "register_weights", True, (128, 128), 0, 0)
+    p = _plan(_w(m=128, n=4096, k=4096 + 32))  # K not whole 64-element k-tiles
+    assert (p.kernel, p.tile[0], p.a_kind) == ("fused", 128, "bf16")
+    p = _plan(_w(m=4096, n=4096, k=4096))
+    assert p.kernel == "xla_dot" and p.variant is None
+
+
+def test_nvfp4_odd_k_is_padded_for_the_kernel():
+    p = _plan(_w(m=5, n=7, k=48, fmt_a="nvfp4"))
+    assert p.k == 64 and p.kernel == "decode" and p.a_scales_plain
+
+
+@pytest.mark.parametrize("cfg,kernel", [
+    (dict(sm90_max_rows=0), "register_weights"),      # 0: the kernels at every size
+    (dict(sm90_decode_max_rows=0), "register_weights"),
+    (dict(sm90_register_weights=False, sm90_decode_max_rows=0), "fused"),
+])
+def test_configuration_steers_the_plan(cfg, kernel):
+    m = 4096 if cfg.get("sm90_max_rows") == 0 else 8
+    assert _plan(_w(m=m, n=16384, k=16384), **cfg).kernel == kernel
+
+
+def test_forced_tile_n_and_dequantize_modes():
+    p = _plan(_w(m=256, n=4096, k=4096 + 32), sm90_tile_n=256)
+    assert p.tile == (128, 256) and p.variant.endswith("128x256")
+    w4a4 = _w(m=200, n=4096, k=4096, fmt_a="nvfp4")
+    assert _plan(w4a4).dequantize_a and _plan(w4a4).kernel == "register_weights"
+    p = _plan(w4a4, sm90_dequant_a="0")  # two-operand fused kernel, limit 128 rows: past it
+    assert p.kernel == "xla_dot"
+    p = _plan(_w(m=100, n=4096, k=4096, fmt_a="nvfp4"), sm90_dequant_a="0")
+    assert (p.kernel, p.a_kind, p.dequantize_a) == ("fused", "nvfp4", False)
+    small = _w(m=8, n=4096, k=4096, fmt_a="mxfp8_e4m3", fmt_b="mxfp8_e4m3")
+    assert not _plan(small).dequantize_a and _plan(small, sm90_dequant_a="all").dequantize_a
+
+
+def test_a_partial_library_declines_rather_than_runs_another_kernel():
+    class NoRegisterWeights(FullLibrary):
+        names = frozenset(n for n in FullLibrary.names if "kperm" not in n)
+
+    p = P.plan_sm90(_w(m=128, n=16384, k=16384), H100, cfg=Config(),
+                    library=NoRegisterWeights())
+    assert p.kernel == "fused"  # the register-weight variants are simply not available
+
+    class Empty(FullLibrary):
+        names = frozenset()
+
+    why = P.plan_sm90(_w(m=128, n=4096, k=4096 + 32), H100, cfg=Config(), library=Empty())
+    assert isinstance(why, str) and "no variant" in why
+
+
+def test_declines_name_the_reason():
+    cpu = P.Device("cpu", None, 0, "platform 'cpu' has no kernels")
+    assert "cpu" in P.plan_sm90(_w(), cpu, cfg=Config(), library=FullLibrary())
+    assert "mxfp6" in _plan(_w(fmt_b="mxfp6_e2m3"))
+    assert "bf16 activations" in P.plan_sm90(
+        dataclasses.replace(_w(), a_dtype=np.dtype(np.float32)), H100, cfg=Config(),
+        library=FullLibrary())
+    b200 = P.Device("cuda", "sm100", 148)
+    assert "weight-only" in P.plan_sm100(_w(), b200, cfg=Config(), library=FullLibrary())
+    with pytest.raises(ValueError, match="no compiled variant"):
+        P.plan_sm100(_w(fmt_a="nvfp4"), b200, cfg=Config(sm100_tile="256x64"),
+                     library=FullLibrary())
+    p = P.plan_sm100(_w(fmt_a="nvfp4"), b200, cfg=Config(sm100_tile="128x64"),
+                     library=FullLibrary())
+    assert (p.tile, p.cluster) == ((128, 64), (1, 1))
+
+
+def test_the_planner_is_the_lowering_s_only_decision(monkeypatch):
+    """gemm_local_p's lowering asks the planner once per lowering and hands the Plan over."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_blockscale as jbs
+    from jax_blockscale import primitive
+
+    calls = []
+    real = primitive.make_plan
+
+    def counting(spec, platform, requested=None):
+        p = real(spec, platform, requested)
+        calls.append(p)
+        return p
+
+    monkeypatch.setattr(primitive, "make_plan", counting)
+    x = jnp.ones((4, 64), jnp.float32)
+    w = jbs.quantize(jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64) / 100, "mxfp4")
+    jax.jit(lambda x, w: jbs.gemm(x, w)).lower(x, w)
+    assert len(calls) == 1 and calls[0].backend == "reference"
