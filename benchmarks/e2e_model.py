@@ -80,6 +80,11 @@ def weight_bytes(cfg: LlamaConfig, fmt: str) -> int:
     return total * cfg.num_hidden_layers
 
 
+def model_on_gpu(model) -> bool:
+    return any(d.platform == "gpu" for leaf in jax.tree.leaves(nnx.state(model))
+               for d in getattr(leaf, "devices", lambda: ())())
+
+
 def bench(model, fmt, mode, batch, args, cfg):
     step = Stepper(model, batch, args.max_len, args.pos)
     start = time.perf_counter()
@@ -88,7 +93,8 @@ def bench(model, fmt, mode, batch, args, cfg):
     row = dict(fmt=fmt, mode=mode, batch=batch, compile_s=round(compile_s, 2),
                weight_bytes=weight_bytes(cfg, fmt))
     row["loop_us"] = time_us(step, iters=args.iters, trials=args.trials)
-    dev = device_time_us(step, calls=args.calls)
+    # the profiler trace holds GPU kernel times only: skip it elsewhere (it costs seconds)
+    dev = device_time_us(step, calls=args.calls) if model_on_gpu(model) else None
     if dev is not None:
         row["device_us"] = dev
         row["weight_TBps"] = row["weight_bytes"] / (dev * 1e-6) / 1e12
