@@ -14,13 +14,13 @@
 // Why it exists: at large M the sm90 backend dequantizes both operands to bf16 and runs a GEMM
 // (lowering/ffi.py). With a global scale (NVFP4) alpha must scale the f32 sum before it is
 // rounded, so XLA's dot has to write M*N f32 values and a second pass reads them back: ~8 % of an
-// 8192^3 call on an H100 (docs/sm90_notes.md). Here alpha rides in the GEMM's epilogue instead.
+// 8192^3 call on an H100 (docs/design/large_m.md). Here alpha rides in the GEMM's epilogue instead.
 //
 // alpha stays on the device (it is a traced value): CUBLASLT_POINTER_MODE_DEVICE, which takes
 // beta from the device too, hence the (alpha, 0) pair. On the H100 that mode is the only one of
 // the device modes cuBLASLt 13 has bf16 algorithms for (the alpha-vector modes: "not supported"),
 // and with beta = 0 it leaves C alone: an output buffer filled with NaN before the call came back
-// bitwise equal to XLA's f32 dot scaled and rounded (docs/sm90_notes.md, session 10).
+// bitwise equal to XLA's f32 dot scaled and rounded (docs/design/large_m.md).
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 

@@ -1,5 +1,5 @@
 // Pure (CUDA-free) checks of the Blackwell block-scaled GEMM: every assumption
-// docs/blackwell.md lists under "What the caller (the FFI handler) must check". The variant is
+// docs/design/sm100.md lists under "What the caller (the FFI handler) must check". The variant is
 // the plan's (lowering/plan.py); this only checks that it exists for the device and fits.
 #include "jbs_check_common.h"
 #include "jbs_sm100.h"

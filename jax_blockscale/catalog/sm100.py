@@ -237,7 +237,7 @@ def choose_sm100_variant(m: int, n: int, k: int, fmt_a: str, fmt_b: str,
       padding.
 
     This is a model, not a measurement: the constants must be re-tuned on a
-    B200 (see docs/blackwell.md).
+    B200 (see docs/design/sm100.md).
     """
     check_format_pair(fmt_a, fmt_b)
     if min(m, n, k) <= 0:

@@ -3,7 +3,7 @@
 Build-time only: `aot.py` imports this module to compile and export every
 variant; the runtime never imports CuTeDSL.
 
-What one launch computes (the FFI contract, see docs/blackwell.md):
+What one launch computes (the FFI contract, see docs/design/sm100.md):
 
     out[l, m, n] = alpha * sum_k A[l, m, k] * sfa(l, m, k) * B[l, n, k] * sfb(l, n, k)
 
@@ -72,7 +72,7 @@ def blocked_scale_layout(operand_shape, sf_vec: int):
     the tensor core's 512-byte scale atom ((32, 4) rows x (sf_vec, 4) K) over
     it, K-tiles fastest, then MN-tiles, then L; the stride-0 `sf_vec` mode makes
     all K elements of one block read the same scale.  Flattened, that is the
-    C-order (L, ceil(MN/128), ceil(SK/4), 32, 4, 4) array of docs/blackwell.md,
+    C-order (L, ceil(MN/128), ceil(SK/4), 32, 4, 4) array of docs/design/sm100.md,
     which tests/test_sm100_layout.py checks against `layout.to_blocked_scales`.
     """
     return bsl.tile_atom_to_shape_SF(operand_shape, sf_vec)
@@ -785,7 +785,7 @@ def export_variant(variant: Sm100Variant, out_dir: str, function_prefix: str,
                    arch: str = "sm_100a") -> Tuple[str, str]:
     """Compile `variant` for `arch` and write `<prefix>.h` + `<prefix>.o`.
 
-    The generated launcher (see docs/blackwell.md for the exact prototype) is
+    The generated launcher (see docs/design/sm100.md for the exact prototype) is
 
         <prefix>_wrapper(<prefix>_Kernel_Module_t *module, void *a, void *b,
                          void *sfa, void *sfb, void *out, void *alpha,

@@ -22,7 +22,7 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
   reads its 16-byte pieces from there. M <= 8 (NARROW_TUNING): the same with 128 rows per CTA
   and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes.
-  Measured alternatives kept as harness tunings: "cpasync" (each thread cp.async-copies its own
+  Measured alternatives, still buildable as tunings (docs/design/sm90_decode.md): "cpasync" (each thread cp.async-copies its own
   pieces into a per-thread ring) and "regs" (loads into registers one sub-chunk ahead).
   Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
   shared tile; one CTA barrier per sub-chunk.
@@ -44,13 +44,11 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   programmatic dependent launch, so its start overlaps the main kernel's end). Two kernels per
   call (one when there is one split: the main kernel then converts and writes the output), no
   zeroing, and the result is bitwise reproducible. (Adding the splits in the main kernel's last
-  CTA per tile instead was no faster: docs/sm90_decode_notes.md, session 7.) The workspace
+  CTA per tile instead was no faster: docs/design/sm90_decode.md.) The workspace
   (splits*L*M*N f32) is the caller's (FFI scratch); `splits` is a run-time argument chosen by
   `choose_decode_variant` (one wave of CTAs).
 
-Measured on an H100 (docs/sm90_decode_notes.md, session 5 run 28, harness CUDA-graph time with
-the finalize): M=16, N=K=16384, bf16 x nvfp4 in 61.9 us (2.46 TB/s on the bytes that must move;
-bf16 jnp.dot ~197 us); f32 output error <= 2e-6.
+What it reaches on an H100, and what was tried: docs/design/sm90_decode.md.
 
 Operands (device pointers; the contract shared with sm90_blockscaled.py and the FFI handler):
   a   : bf16 [L, M, K] (weight-only) | uint8 [L, M, K/2] (fp4) | uint8 [L, M, K] (fp8)

@@ -8,7 +8,7 @@ implements; otherwise its plan says why and the planner falls back. In particula
 has no block-scaled bf16 x fp4/fp8 MMA kind and the Hopper kernel's wgmma does not exist on
 sm_100, so on Blackwell they run on `reference` (the sm90 backend also declines: it needs 9.0).
 
-The backend only converts operands into what the kernel reads (docs/blackwell.md):
+The backend only converts operands into what the kernel reads (docs/design/sm100.md):
   * fp4 elements: two per byte, element 2i in the low nibble; fp8: one per byte;
     fp6 (stored one 6-bit code per byte): packed four elements in three bytes, a little-endian
     bit stream (element i in bits 6i..6i+5), see `pack_fp6`;
