@@ -91,12 +91,17 @@ class Weight(nnx.Variable):
 
 def linear(x: jax.Array, w) -> jax.Array:
     """y[..., n] = sum_k x[..., k] w[n, k]: `jbs.gemm` for a BlockScaled weight (weight-only: the
-    activation stays in its float dtype), an f32-accumulating dot otherwise."""
+    activation stays in its float dtype), an f32-accumulating dot otherwise. The leading dims
+    are folded into M first (batch x tokens rows against one weight: one GEMM, not a batch of
+    M = 1 GEMMs)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
     if isinstance(w, jbs.BlockScaled):
-        return jbs.gemm(x, w, out_dtype=x.dtype)
-    y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+        y = jbs.gemm(x2, w, out_dtype=x.dtype)
+    else:
+        y = lax.dot_general(x2, w.astype(x.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32).astype(x.dtype)
+    return y.reshape(*lead, y.shape[-1])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
