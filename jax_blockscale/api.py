@@ -5,14 +5,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import format_for
+from .formats import OUT_DTYPES, format_for
 from .lowering import forced_backend
 from .primitive import gemm_p, join_operands
-from .quantize import BlockScaled
+from .quantize import BlockScaled, check_blockscaled
 
 
 def _alpha(*operands) -> jax.Array:
-    """The product of the operands' global (decode) scales, as the f32 scalar gemm_p takes."""
+    """The product of the operands' global (decode) scales, f32.
+
+    A scalar (1.0 without global scales), or, when an operand keeps one global scale per matrix
+    (``global_scale="per_matrix"``, shape = its batch dims), an array that broadcasts, aligned
+    on the right, against the output's batch dims.
+    """
     alpha = jnp.float32(1.0)
     for q in operands:
         if isinstance(q, BlockScaled) and q.global_scale is not None:
@@ -28,22 +33,37 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     out_dtype: bf16 (default), f16 or f32; accumulation is always f32.
     backend: force one ("reference", "sm90", ...); default: the fastest that can run it
       (also settable with the JAX_BLOCKSCALE_BACKEND environment variable).
-    Leading batch dims of a and b broadcast against each other.
+    Leading batch dims of a and b broadcast against each other. An NVFP4 operand may carry one
+    global scale per matrix (shape = its batch dims, ``global_scale="per_matrix"``); the
+    product of the global scales is then applied per output matrix.
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
                         "weight with jbs.quantize(w, fmt, layout='blocked')")
     forced_backend(backend)  # an unknown name fails here, at trace time
+    if np.dtype(out_dtype) not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
+                        f"got {np.dtype(out_dtype).name}")
+    check_blockscaled(b, "b")
     if isinstance(a, BlockScaled):
+        check_blockscaled(a, "a")
         a_elems, sa, fmt_a, layout_a = a.data, a.scales, a.fmt, a.layout
     else:
         a_elems, sa, fmt_a, layout_a = jnp.asarray(a), None, None, None
-    operands = join_operands(a_elems, b.data, sa, b.scales, _alpha(a, b))
+    alpha = _alpha(a, b)
     no_global_scale = all(not isinstance(q, BlockScaled) or q.global_scale is None
                           for q in (a, b))
-    return gemm_p.bind(*operands, fmt_a=fmt_a, fmt_b=b.fmt, layout_a=layout_a,
-                       layout_b=b.layout, out_dtype=np.dtype(out_dtype), backend=backend,
-                       alpha_is_one=no_global_scale)
+    params = dict(fmt_a=fmt_a, fmt_b=b.fmt, layout_a=layout_a, layout_b=b.layout,
+                  out_dtype=np.dtype(out_dtype), backend=backend)
+    if alpha.shape == ():
+        operands = join_operands(a_elems, b.data, sa, b.scales, alpha)
+        return gemm_p.bind(*operands, **params, alpha_is_one=no_global_scale)
+    # One global scale per matrix: gemm_p's alpha is a scalar, so multiply the f32 result by the
+    # per-matrix product instead (as the batching rule does for a vmapped alpha), then round.
+    operands = join_operands(a_elems, b.data, sa, b.scales, jnp.float32(1.0))
+    y = gemm_p.bind(*operands, **dict(params, out_dtype=np.dtype(np.float32)), alpha_is_one=True)
+    y = y * jnp.reshape(alpha, alpha.shape + (1, 1))
+    return y.astype(out_dtype)
 
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):

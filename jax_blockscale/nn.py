@@ -41,6 +41,8 @@ except ImportError as e:  # pragma: no cover - exercised only without flax insta
     raise ImportError("jax_blockscale.nn needs Flax: pip install 'jax_blockscale[flax]' "
                       "(or pip install flax)") from e
 
+from .nn_moe import MoE, QuantizedMoE, quantize_experts, quantize_moe_params  # noqa: E402,F401
+
 __all__ = ["QuantizedDense", "QuantizedLinear", "QuantizedWeight", "default_filter", "dense",
            "from_quantized_params", "quantize_kernel", "quantize_model", "quantize_params"]
 
@@ -289,10 +291,13 @@ def quantize_params(params, fmt: str, *, filter: Callable | str | None = None,
       dict either way).
     filter: which leaves to convert. None: `default_filter` (2-D "kernel" leaves whose in-dim is
       a multiple of the block; others are left alone). A string: a regular expression searched in
-      the path ("layers/0/kernel") of each 2-D leaf; every 2-D match must be convertible (else a
-      ValueError names it). A callable ``filter(path: str, leaf) -> bool``.
+      the path ("layers/0/kernel") of each leaf of 2 or more axes; every match must be
+      convertible (else a ValueError names it). A callable ``filter(path: str, leaf) -> bool``.
     Each selected kernel (in, out) becomes ``quantize(kernel.T, fmt, layout="blocked")``, an
-    (out, in) BlockScaled; every other leaf is returned as is. progress: a tqdm bar (if tqdm is
+    (out, in) BlockScaled; every other leaf is returned as is. A selected kernel with leading
+    axes, (..., in, out) (stacked layers under nnx.scan, experts), becomes (..., out, in) with
+    one NVFP4 global scale per matrix (``global_scale="per_matrix"`` where `global_scale` is
+    "auto"), so scan and vmap slice it layer by layer. progress: a tqdm bar (if tqdm is
     installed); None shows one from PROGRESS_MIN_KERNELS kernels up.
     """
     get_format(fmt)
@@ -303,7 +308,7 @@ def quantize_params(params, fmt: str, *, filter: Callable | str | None = None,
     elif strict:
         pattern = re.compile(filter)
         def select(path, leaf):
-            return pattern.search(path) is not None and jnp.ndim(leaf) == 2
+            return pattern.search(path) is not None and jnp.ndim(leaf) >= 2
     elif callable(filter):
         select = filter
     else:
@@ -318,10 +323,31 @@ def quantize_params(params, fmt: str, *, filter: Callable | str | None = None,
     for i in _progress(chosen, len(chosen), show):
         path, leaf = leaves[i]
         try:
-            out[i] = quantize_kernel(leaf, fmt, global_scale=global_scale)
+            if jnp.ndim(leaf) > 2:  # stacked (..., in, out) kernels: one global scale each
+                out[i] = _quantize_stacked_kernel(leaf, fmt, global_scale)
+            else:
+                out[i] = quantize_kernel(leaf, fmt, global_scale=global_scale)
         except ValueError as e:
             raise ValueError(f"cannot quantize {path_name(path)!r}: {e}") from None
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _quantize_stacked_kernel(kernel, fmt: str, global_scale: Any) -> BlockScaled:
+    """(..., in, out) float kernels -> a BlockScaled (..., out, in), blocked scales, with one
+    NVFP4 global scale per matrix when `global_scale` is "auto"."""
+    kernel = jnp.asarray(kernel)
+    block = get_format(fmt).block
+    if kernel.shape[-2] % block:
+        raise ValueError(f"the kernel's in-dim {kernel.shape[-2]} is not a multiple of the {fmt} "
+                         f"block size {block}; it cannot be quantized along K")
+    if isinstance(global_scale, str) and global_scale == "auto":
+        global_scale = "per_matrix"
+    elif (global_scale is not None and not isinstance(global_scale, str)
+          and get_format(fmt).has_global_scale):
+        # a given decode factor, one copy per matrix, so that scan / vmap can slice it
+        global_scale = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), kernel.shape[:-2])
+    return quantize(jnp.swapaxes(kernel, -1, -2), fmt, global_scale=global_scale,
+                    layout="blocked")
 
 
 def _get(tree, path):

@@ -1,18 +1,35 @@
 """Quantize / dequantize along the last axis (pure JAX, jit-able), and the `BlockScaled` pytree.
 
-MX formats follow the OCP Microscaling spec v1.0: per block, the shared exponent is
-``floor(log2(amax)) - emax_elem`` (clamped to e8m0's range; an all-zero block gets the smallest
-scale, which is finite), and elements are ``x / 2**shared_exp`` rounded to nearest-even and
-saturated to the element's largest finite value.
+MX formats (OCP Microscaling v1.0 layout: e8m0 power-of-two scales, blocks of 32). The shared
+exponent of a block comes from its largest finite magnitude `amax` by one of two rules
+(``scale_rounding=``):
+
+  "round_up" (default)  ``ceil(log2(amax / elem_max))``: the smallest power of two that keeps the
+                        block's largest value at or below the largest element, so nothing
+                        saturates (JAX's own MX quantizer, qwix, NVIDIA's MXFP8 recipe);
+  "ocp"                 ``floor(log2(amax)) - emax_elem``, the rule written in OCP MX v1.0: a block
+                        whose amax mantissa lies above the element's (1.5 for e2m1, 1.75 for e4m3)
+                        saturates its largest values.
+
+Both are clamped to e8m0's range [-127, 127]; an all-zero block gets the smallest scale (2^-127).
+Elements are ``x / 2**shared`` rounded to nearest-even and saturated at the largest element.
 
 NVFP4 uses the two-level recipe: an fp32 global *encode* scale ``enc = 6 * 448 / amax(x)``,
 block scales ``e4m3(amax_block / 6 * enc)`` and elements ``e2m1(x * (enc / scale))``. The stored
-`global_scale` is the *decode* factor ``1 / enc``; ``global_scale=None`` drops the tier (enc = 1).
+`global_scale` is the *decode* factor ``1 / enc``: one scalar (``global_scale="auto"``), one per
+trailing (MN, K) matrix (``"per_matrix"``, shape = the leading dims), none (``None``, enc = 1),
+or a caller's decode factor.
+
+Non-finite input stays in its block (docs/formats.md, "NaN and Inf"): the tensor-level amax
+ignores NaN and Inf; an element type with a NaN (e4m3) or Inf (e5m2) keeps the value itself,
+otherwise (e2m1, e2m3, e3m2, and NVFP4) the block's scale becomes NaN so the whole block
+decodes to NaN.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import jax
@@ -26,6 +43,13 @@ from .formats import Format, get_format
 
 _E4M3_MAX = 448.0
 _E8M0_BIAS = 127
+# The largest NVFP4 encode factor "auto" / "per_matrix" use: its decode factor 2^-126 is the
+# smallest normal f32, so it survives CPUs and GPUs that flush subnormals to zero. Only tensors
+# with amax below 6 * 448 * 2^-126 (3.2e-35) reach it.
+_MAX_ENCODE = 2.0 ** 126
+
+GLOBAL_SCALE_MODES = ("auto", "per_matrix")
+SCALE_ROUNDINGS = ("round_up", "ocp")
 
 
 @jax.tree_util.register_dataclass
@@ -36,8 +60,13 @@ class BlockScaled:
     data:          (..., MN, K) elements in the format's storage dtype (FP6: uint8 codes).
     scales:        (..., MN, K // block) in `plain` layout, or
                    (..., ceil(MN/128), ceil(SK/4), 32, 4, 4) in `blocked` layout.
-    global_scale:  fp32 scalar decode factor (NVFP4 only) or None.
+    global_scale:  NVFP4 only: an fp32 decode factor, a scalar or one per trailing (MN, K)
+                   matrix (shape = data.shape[:-2]); or None.
     fmt, layout:   static metadata; a blocked tensor is never swizzled again.
+
+    Leading (batch) axes behave like an array's: ``q[i]`` (or vmap / scan over them) gives the
+    i-th matrix, with its own global scale when there is one per matrix. `check_blockscaled`
+    validates a hand-built one; `gemm` and `dequantize` call it.
     """
     data: jax.Array
     scales: jax.Array
@@ -71,6 +100,18 @@ class BlockScaled:
             raise ValueError(f"packed_data() is for fp4 formats; {self.fmt} is not one")
         return pack_fp4(self.data)
 
+    def __getitem__(self, index) -> "BlockScaled":
+        """Index the leading (batch) axes only: ``w[3]`` is the 4th matrix of a stack."""
+        nbatch = self.ndim - 2
+        idx = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis or i is None for i in idx) or len(idx) > nbatch:
+            raise IndexError(f"a BlockScaled of shape {self.shape} indexes its {nbatch} leading "
+                             f"(batch) axes only, with ints and slices; got {index!r}")
+        gs = self.global_scale
+        if gs is not None and jnp.ndim(gs) > 0:
+            gs = gs[idx]
+        return BlockScaled(self.data[idx], self.scales[idx], gs, self.fmt, self.layout)
+
 
 # Let jax.export serialize functions that take or return BlockScaled (aux data: fmt, layout).
 jax.export.register_pytree_node_serialization(
@@ -83,6 +124,9 @@ def to_blocked(q: BlockScaled) -> BlockScaled:
     """Swizzle the scales once into the tensor cores' 128x4 layout (a no-op if already so)."""
     if q.layout == "blocked":
         return q
+    if q.ndim < 2:
+        raise ValueError(f"the blocked scale layout needs (..., MN, K) elements (at least 2 "
+                         f"axes); this {q.fmt} tensor has shape {q.shape}")
     return dataclasses.replace(q, scales=_layout.to_blocked_scales(q.scales), layout="blocked")
 
 
@@ -147,7 +191,11 @@ def decode_elements(data: jax.Array, fmt: str | Format) -> jax.Array:
     """The f32 value of each stored element."""
     fmt = get_format(fmt)
     if fmt.is_code_stored:
-        return jnp.asarray(_f6_value_table(fmt))[data & jnp.uint8(63)]
+        # Codes 64..255 are not FP6 codes (a hand-built or corrupted tensor): they decode to NaN
+        # rather than to whatever their low 6 bits would say.
+        table = np.full(256, np.nan, np.float32)
+        table[:64] = _f6_value_table(fmt)
+        return jnp.asarray(table)[data]
     if data.dtype == jnp.float4_e2m1fn:
         return _e2m1_values(data)
     return data.astype(jnp.float32)
@@ -156,6 +204,82 @@ def decode_elements(data: jax.Array, fmt: str | Format) -> jax.Array:
 def _pow2(exponent: jax.Array) -> jax.Array:
     """2**exponent in f32 for exponent in [-126, 127], built from bits (exact, no FTZ issues)."""
     return lax.bitcast_convert_type((exponent + 127).astype(jnp.int32) << 23, jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of hand-built tensors and of arguments
+
+
+def _is_concrete(x) -> bool:
+    """An array whose values can be read now (not a tracer inside jit / vmap / grad)."""
+    return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def check_global_scale(gs, batch_shape: tuple, name: str = "global_scale") -> None:
+    """A decode factor must be f32-castable, a scalar or one per matrix (shape `batch_shape`),
+    and, where its values are known now, finite and positive."""
+    shape = tuple(jnp.shape(gs))
+    if shape not in ((), tuple(batch_shape)):
+        raise ValueError(f"{name} has shape {shape}; it must be a scalar or hold one decode "
+                         f"factor per (MN, K) matrix, shape {tuple(batch_shape)}")
+    dtype = getattr(gs, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point decode factor, got {dtype}")
+    if _is_concrete(gs):
+        v = np.asarray(jax.device_get(gs), np.float32).ravel()
+        bad = v[~(np.isfinite(v) & (v > 0))]
+        if bad.size:
+            raise ValueError(f"{name} must be finite and positive (a decode factor); it holds "
+                             f"{', '.join(map(str, bad[:4]))}")
+
+
+def check_blockscaled(q: BlockScaled, name: str = "q", *, values: bool = True) -> None:
+    """Raise a ValueError/TypeError naming `name` unless `q` is a consistent BlockScaled.
+
+    Checks the format, layout, element and scale dtypes and shapes and the global scale's
+    presence and shape (all static, so also inside jit). With ``values=True`` and concrete
+    arrays (outside jit) it also reads FP6 codes (< 64) and the global scale (finite, > 0).
+    """
+    if not isinstance(q, BlockScaled):
+        raise TypeError(f"{name} must be a jbs.BlockScaled, got {type(q).__name__}")
+    try:
+        f = get_format(q.fmt)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if q.layout not in _layout.LAYOUTS:
+        raise ValueError(f"{name} layout must be one of {_layout.LAYOUTS}, got {q.layout!r}")
+    data, scales = q.data, q.scales
+    if np.dtype(data.dtype) != f.storage_dtype:
+        raise TypeError(f"{name} holds {np.dtype(data.dtype).name} elements but format {f.name} "
+                        f"stores {f.storage_dtype.name}; quantize with jbs.quantize(x, {f.name!r})")
+    if np.dtype(scales.dtype) != f.scale_dtype:
+        raise TypeError(f"{name} scales has dtype {np.dtype(scales.dtype).name} but format "
+                        f"{f.name} uses {f.scale_dtype.name} scales")
+    if data.ndim < (2 if q.layout == "blocked" else 1):
+        raise ValueError(f"{name} has elements of shape {tuple(data.shape)}; {q.layout} scales "
+                         "need (..., MN, K) elements")
+    *batch, k = data.shape
+    if k % f.block:
+        raise ValueError(f"{name} has K={k}, not a multiple of the {f.name} block size "
+                         f"{f.block}; pad K with zeros to a multiple of {f.block}")
+    sk = k // f.block
+    want = (tuple(batch) + (sk,) if q.layout == "plain"
+            else tuple(batch[:-1]) + _layout.blocked_shape(batch[-1], sk))
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{name} scales has shape {tuple(scales.shape)}; {q.layout} scales for "
+                         f"elements of shape {tuple(data.shape)} ({f.name}, block {f.block}) "
+                         f"must have shape {want}")
+    gs = q.global_scale
+    if gs is not None:
+        if not f.has_global_scale:
+            raise ValueError(f"{name} is {f.name}, which has no global scale (only nvfp4 does), "
+                             "but its global_scale is set; use global_scale=None")
+        check_global_scale(gs, tuple(data.shape[:-2]), f"{name}.global_scale")
+    if values and f.is_code_stored and _is_concrete(data) and data.size:
+        top = int(jnp.max(data))
+        if top >= 64:
+            raise ValueError(f"{name} holds FP6 codes up to {top}; {f.name} codes are 6 bits "
+                             "(0..63)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,52 +294,112 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], k // block, block)
 
 
-def _quantize_mx(x: jax.Array, fmt: Format):
+def _finite_abs(xb: jax.Array) -> jax.Array:
+    """|x| with NaN and Inf replaced by 0, so they do not set any scale."""
+    return jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0)
+
+
+def _mx_shared_exponent(amax: jax.Array, fmt: Format, rounding: str) -> jax.Array:
+    """The e8m0 exponent per block (int32, clamped to [-127, 127]), computed exactly."""
+    frac, exp = jnp.frexp(amax)  # amax = frac * 2**exp, frac in [0.5, 1): floor(log2) = exp - 1
+    shared = exp - 1 - fmt.emax
+    if rounding == "round_up":
+        # ceil(log2(amax / elem_max)): one more than the OCP exponent exactly when amax's
+        # mantissa (2 * frac) exceeds that of elem_max (elem_max / 2**emax).
+        elem_mant = fmt.elem_max / 2.0 ** fmt.emax
+        shared = shared + (2.0 * frac > elem_mant).astype(shared.dtype)
+    shared = jnp.where(amax > 0, shared, -_E8M0_BIAS)
+    return jnp.clip(shared, -_E8M0_BIAS, _E8M0_BIAS)
+
+
+def _special_elements(xb: jax.Array, fmt: Format) -> jax.Array:
+    """NaN / Inf in an element type that has them: e5m2 keeps both, e4m3fn turns Inf into NaN."""
+    if fmt.storage_dtype == np.dtype(jnp.float8_e5m2):
+        return xb.astype(fmt.storage_dtype)
+    return jnp.full(xb.shape, jnp.nan, fmt.storage_dtype)
+
+
+def _has_nan(dtype) -> bool:
+    return np.dtype(dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+def _quantize_mx(x: jax.Array, fmt: Format, rounding: str):
     xb = _blocks(x, fmt.block)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    _, exp = jnp.frexp(amax)
-    shared = jnp.where(amax > 0, exp - 1 - fmt.emax, -_E8M0_BIAS)
-    shared = jnp.clip(shared, -_E8M0_BIAS, _E8M0_BIAS)
-    scales = lax.bitcast_convert_type((shared + _E8M0_BIAS).astype(jnp.uint8), fmt.scale_dtype)
+    finite = jnp.isfinite(xb)
+    amax = jnp.max(_finite_abs(xb), axis=-1)
+    shared = _mx_shared_exponent(amax, fmt, rounding)
+    codes = (shared + _E8M0_BIAS).astype(jnp.uint8)
     # Dividing by 2**shared is multiplying by 2**-shared: exact, and -shared <= 127 stays normal
     # while the clamp at -127 only applies to blocks with amax < 2**-125 (treated as tiny).
     inv = _pow2(jnp.minimum(-shared, 127))[..., None]
-    data = encode_elements(xb * inv, fmt)
+    data = encode_elements(jnp.where(finite, xb, 0.0) * inv, fmt)
+    if _has_nan(fmt.storage_dtype):  # the element carries NaN / Inf itself
+        data = jnp.where(finite, data, _special_elements(xb, fmt))
+    else:  # e2m1 / e2m3 / e3m2 have neither: the block's scale becomes e8m0's NaN (0xFF)
+        codes = jnp.where(jnp.all(finite, axis=-1), codes, jnp.uint8(0xFF))
+    scales = lax.bitcast_convert_type(codes, fmt.scale_dtype)
     return data.reshape(x.shape), scales, None
 
 
+def _encode_factor(amax: jax.Array) -> jax.Array:
+    """NVFP4's global encode factor 6 * 448 / amax, for an all-zero (or all non-finite) tensor 1,
+    and at most _MAX_ENCODE so that tiny tensors keep a finite, normal decode factor."""
+    enc = jnp.minimum(jnp.float32(6.0 * _E4M3_MAX) / jnp.where(amax > 0, amax, 1.0),
+                      _MAX_ENCODE)
+    return jnp.where(amax > 0, enc, 1.0).astype(jnp.float32)
+
+
 def _quantize_nvfp4(x: jax.Array, fmt: Format, global_scale):
-    xb = _blocks(x, fmt.block)
+    xb = _blocks(x, fmt.block)  # (..., MN, SK, 16)
+    finite = jnp.isfinite(xb)
+    fabs = _finite_abs(xb)
     if global_scale is None:
         enc = jnp.float32(1.0)
         decode = None
-    elif isinstance(global_scale, str):  # "auto": calibrate on this tensor
-        amax = jnp.max(jnp.abs(xb))
-        enc = jnp.where(amax > 0, fmt.elem_max * _E4M3_MAX / amax, 1.0).astype(jnp.float32)
+    elif isinstance(global_scale, str) and global_scale == "auto":  # one for the whole tensor
+        enc = _encode_factor(jnp.max(fabs, initial=0.0))
         decode = (1.0 / enc).astype(jnp.float32)
-    else:  # a caller-chosen decode factor
+    elif isinstance(global_scale, str):  # "per_matrix": one per trailing (MN, K) matrix
+        enc = _encode_factor(jnp.max(fabs, axis=(-3, -2, -1), initial=0.0))
+        decode = (1.0 / enc).astype(jnp.float32)
+    else:  # a caller-chosen decode factor (checked by quantize)
         decode = jnp.asarray(global_scale, jnp.float32)
-        if decode.shape != ():
-            raise ValueError(f"global_scale must be a scalar, got shape {decode.shape}")
         enc = 1.0 / decode
-    block_amax = jnp.max(jnp.abs(xb), axis=-1)
-    scales = jnp.minimum(block_amax / fmt.elem_max * enc, _E4M3_MAX).astype(fmt.scale_dtype)
+    enc_b = jnp.reshape(enc, jnp.shape(enc) + (1, 1))  # against (..., MN, SK)
+    block_amax = jnp.max(fabs, axis=-1)
+    scales = jnp.minimum(block_amax / fmt.elem_max * enc_b, _E4M3_MAX).astype(fmt.scale_dtype)
     # the stored (rounded) scales divide the elements; the barrier keeps XLA from removing the
     # f32 -> e4m3 -> f32 round trip, as it does in dequantize on GPUs (not seen here: defensive)
     scales_f32 = lax.optimization_barrier(scales).astype(jnp.float32)[..., None]
     safe = jnp.where(scales_f32 > 0, scales_f32, 1.0)
-    elems = jnp.where(scales_f32 > 0, xb * (enc / safe), 0.0)
+    ratio = enc_b[..., None] / safe
+    # enc / scale overflows only for a huge encode factor and a block of f32 subnormals; then
+    # divide in the other order.
+    scaled = jnp.where(jnp.isfinite(ratio), xb * ratio, (xb * enc_b[..., None]) / safe)
+    elems = jnp.where((scales_f32 > 0) & finite, scaled, 0.0)
     data = encode_elements(elems, fmt)
+    # e2m1 has no NaN or Inf: a block holding one gets e4m3's NaN scale and decodes to NaN.
+    nan_scale = jnp.full(scales.shape, jnp.nan, fmt.scale_dtype)
+    scales = jnp.where(jnp.all(finite, axis=-1), scales, nan_scale)
     return data.reshape(x.shape), scales, decode
 
 
-def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto",
-             layout: str = "plain") -> BlockScaled:
+def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto", layout: str = "plain",
+             scale_rounding: str = "round_up") -> BlockScaled:
     """Quantize `x` (..., MN, K) along its last axis into `fmt`.
 
-    global_scale (NVFP4 only): "auto" calibrates ``1 / (6 * 448 / amax(x))`` on `x`; None drops
-    the fp32 tier; a scalar uses that decode factor. MX formats take no global scale.
+    global_scale (NVFP4's fp32 tier; MX formats have none and take "auto", "per_matrix" or
+      None):
+        "auto"        one decode factor ``amax(x) / (6 * 448)`` for the whole tensor (activations);
+        "per_matrix"  one per trailing (MN, K) matrix, shape ``x.shape[:-2]`` (stacked layers and
+                      experts: each matrix keeps its own, as published checkpoints store them);
+        None          no global tier (block scales must fit e4m3 on their own);
+        a number or array of shape () or ``x.shape[:-2]``: that decode factor (finite, > 0).
+      "auto" and "per_matrix" ignore NaN and Inf (they stay in their own block).
     layout: "plain" or "blocked" (swizzled for the tensor cores; what weights should use).
+    scale_rounding (MX formats): "round_up" (default, ``2^ceil(log2(amax / elem_max))``, no
+      saturation, less error) or "ocp" (``2^(floor(log2 amax) - emax)``, OCP MX v1.0 as
+      written). NVFP4's e4m3 block scales are always rounded to nearest. See docs/formats.md.
     """
     f = get_format(fmt)
     x = jnp.asarray(x)
@@ -225,19 +409,52 @@ def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto",
         raise ValueError("quantize needs at least one axis (the K axis)")
     if layout not in _layout.LAYOUTS:
         raise ValueError(f"layout must be one of {_layout.LAYOUTS}, got {layout!r}")
+    if layout == "blocked" and x.ndim < 2:
+        raise ValueError(f"layout='blocked' needs (..., MN, K) input (at least 2 axes), got "
+                         f"shape {x.shape}; use layout='plain' for a 1-D tensor")
+    if not (isinstance(scale_rounding, str) and scale_rounding in SCALE_ROUNDINGS):
+        raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got "
+                         f"{scale_rounding!r}")
+    if isinstance(global_scale, str):
+        if global_scale not in GLOBAL_SCALE_MODES:
+            raise ValueError(f"global_scale must be one of {GLOBAL_SCALE_MODES}, None or a "
+                             f"decode factor; got {global_scale!r}")
+        if global_scale == "per_matrix" and x.ndim < 2:
+            raise ValueError(f"global_scale='per_matrix' needs (..., MN, K) input (at least 2 "
+                             f"axes), got shape {x.shape}")
+    elif global_scale is not None:
+        if not f.has_global_scale:
+            raise ValueError(f"{f.name} has no global scale (only nvfp4 does); pass "
+                             "global_scale=None or leave it at 'auto'")
+        check_global_scale(global_scale, tuple(x.shape[:-2]))
     if f.has_global_scale:
         data, scales, g = _quantize_nvfp4(x, f, global_scale)
     else:
-        if not (global_scale is None or (isinstance(global_scale, str) and global_scale == "auto")):
-            raise ValueError(f"{f.name} has no global scale (only nvfp4 does); pass "
-                             "global_scale=None or leave it at 'auto'")
-        data, scales, g = _quantize_mx(x, f)
+        data, scales, g = _quantize_mx(x, f, scale_rounding)
     q = BlockScaled(data, scales, g, f.name, "plain")
     return to_blocked(q) if layout == "blocked" else q
 
 
+def _scale_factors(scales: jax.Array, f: Format):
+    """f32 factors whose product is each scale, none of them subnormal.
+
+    e8m0's smallest code (2^-127) is an f32 subnormal, which XLA's CPU code (and a GPU's
+    flush-to-zero mode) reads as 0; it is applied as 2^-126 * 0.5 instead, so an element times
+    it comes out right whenever the product is a normal number.
+    """
+    s = scales.astype(jnp.float32)
+    if f.scale_dtype != np.dtype(jnp.float8_e8m0fnu):
+        return s, None
+    smallest = lax.bitcast_convert_type(scales, jnp.uint8) == 0
+    return jnp.where(smallest, jnp.float32(2.0 ** -126), s), jnp.where(smallest, 0.5, 1.0)
+
+
 def dequantize(q: BlockScaled, dtype=jnp.float32) -> jax.Array:
     """The values `q` stands for, in `dtype` (f32 is exact for every format)."""
+    if not jnp.issubdtype(np.dtype(dtype), jnp.floating):
+        raise TypeError(f"dequantize returns floating-point values; dtype {np.dtype(dtype).name} "
+                        "would truncate them (use float32, bfloat16 or float16)")
+    check_blockscaled(q, "q")
     f = q.format
     # The barrier keeps the stored elements and scales opaque. Without it, in a jit that also
     # quantizes, XLA's GPU pipeline (allow_excess_precision) removes an f32 -> fp8 -> f32 pair of
@@ -246,10 +463,14 @@ def dequantize(q: BlockScaled, dtype=jnp.float32) -> jax.Array:
     data, scales = lax.optimization_barrier((q.data, q.plain_scales()))
     vals = decode_elements(data, f)
     *lead, k = vals.shape
-    scales = scales.astype(jnp.float32)
-    vals = (vals.reshape(*lead, k // f.block, f.block) * scales[..., None]).reshape(vals.shape)
+    hi, lo = _scale_factors(scales, f)
+    vals = vals.reshape(*lead, k // f.block, f.block) * hi[..., None]
+    if lo is not None:
+        vals = vals * lo[..., None]
+    vals = vals.reshape(data.shape)
     if q.global_scale is not None:
-        vals = vals * q.global_scale
+        g = jnp.asarray(q.global_scale, jnp.float32)
+        vals = vals * jnp.reshape(g, g.shape + (1, 1))
     return vals.astype(dtype)
 
 

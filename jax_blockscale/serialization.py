@@ -185,9 +185,9 @@ def _check_blockscaled(where: str, entry: dict, data, scales, gs) -> None:
                               f"expected {want} for {fmt.name} elements of shape {data.shape}")
     if gs is not None and not fmt.has_global_scale:
         raise ParamsFileError(f"{where}: {fmt.name} has no global scale, the file holds one")
-    if gs is not None and (gs.shape != () or gs.dtype != np.float32):
-        raise ParamsFileError(f"{where}: the global scale must be an f32 scalar, got "
-                              f"{gs.dtype}{list(gs.shape)}")
+    if gs is not None and (gs.shape not in ((), tuple(batch)) or gs.dtype != np.float32):
+        raise ParamsFileError(f"{where}: the global scale must be f32, a scalar or one per "
+                              f"matrix {list(batch)}; got {gs.dtype}{list(gs.shape)}")
 
 
 def _unflatten(items):

@@ -51,6 +51,8 @@ def sample_params():
                   "plain": jbs.quantize(heavy(100 + i, (3, 7, shape[1])), fmt),
                   "bias": jnp.asarray(normal(200 + i, (40,)), jnp.bfloat16)}
     p["nvfp4"]["no_global"] = jbs.quantize(heavy(300, (16, 32)), "nvfp4", global_scale=None)
+    p["nvfp4"]["stacked"] = jbs.quantize(heavy(302, (3, 16, 32)), "nvfp4",
+                                         global_scale="per_matrix", layout="blocked")
     p["layers"] = {0: {"scale": jnp.asarray(normal(301, (5,))),
                        "steps": jnp.arange(3, dtype=jnp.int32)}}
     return p
@@ -68,6 +70,8 @@ def test_round_trip_is_bit_exact(tmp_path):
         assert_same_bits(params[fmt]["bias"], loaded[fmt]["bias"])
     assert loaded["nvfp4"]["no_global"].global_scale is None
     assert_same_blockscaled(params["nvfp4"]["no_global"], loaded["nvfp4"]["no_global"])
+    assert loaded["nvfp4"]["stacked"].global_scale.shape == (3,)  # one per matrix
+    assert_same_blockscaled(params["nvfp4"]["stacked"], loaded["nvfp4"]["stacked"])
     assert_same_bits(params["layers"][0]["steps"], loaded["layers"][0]["steps"])
     # and the loaded weights compute the same thing
     x = jnp.asarray(normal(5, (4, 96)), jnp.bfloat16)
