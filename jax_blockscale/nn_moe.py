@@ -1,0 +1,297 @@
+"""A mixture-of-experts feed-forward layer (Flax NNX) whose experts are block-scaled, on
+`jax_blockscale.ragged_gemm`.
+
+    MoE                      the float layer (router, SwiGLU experts) with lax.ragged_dot: train
+                             or load it, and the reference the quantized layer is checked against
+    QuantizedMoE             the same layer with block-scaled experts (NVFP4 with one global
+                             scale per expert, MXFP4, MXFP6, MXFP8); ``QuantizedMoE.from_float``
+    quantize_experts(w, fmt) float experts (E, in, out) -> BlockScaled (E, out, in), once
+    quantize_moe_params      a parameter pytree's "gate_up" / "down" leaves -> BlockScaled
+    route(x, router, top_k)  top-k routing: expert ids, combine weights, the token sort
+
+The forward pass (both layers): router logits in f32, the top-k experts per token with softmax
+weights over the chosen k (renormalized, as Qwen3-MoE and gpt-oss do); the T*k (token, expert)
+pairs sorted by expert (stable), the group sizes counted; ``ragged_gemm`` gate+up (one fused
+weight, N = 2 * intermediate: gate rows first, then up), SwiGLU ``silu(gate) * up``,
+``ragged_gemm`` down; then the pairs are put back in token order and each token's k outputs
+summed with their weights.
+
+Weights are stored the way ragged_gemm reads them: expert e's weight K-major, (out, in), with
+blocked scales, so no call transposes or swizzles a weight. This module needs Flax.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
+from .quantize import BlockScaled, quantize, to_blocked
+from .ragged import ragged_gemm
+
+try:
+    from flax import nnx
+except ImportError as e:  # pragma: no cover - exercised only without flax installed
+    raise ImportError("jax_blockscale.nn_moe needs Flax: pip install 'jax_blockscale[flax]'") \
+        from e
+
+__all__ = ["MoE", "QuantizedMoE", "quantize_experts", "quantize_moe_params", "route"]
+
+EXPERT_PARAMS = ("gate_up", "down")  # the leaves quantize_moe_params converts
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing (shared by both layers)
+
+
+def route(x, router, top_k: int):
+    """Top-k routing of tokens x (T, H) with router weights (H, E).
+
+    Returns (order, group_sizes, weights): `order` (T*k,) sorts the flattened (token, slot)
+    pairs by expert (pair p is token p // k), `group_sizes` (E,) int32 counts the pairs per
+    expert, `weights` (T, k) f32 are the softmax of the chosen logits (they sum to 1 per token).
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+    top_logits, experts = lax.top_k(logits, top_k)  # (T, k)
+    weights = jax.nn.softmax(top_logits, axis=-1)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
+    return order, group_sizes, weights
+
+
+def _moe_forward(x, router, top_k, expert_mlp):
+    """Route, sort, run `expert_mlp(rows (T*k, H) sorted by expert, group_sizes)`, unsort and
+    combine. x: (..., H)."""
+    lead, h = x.shape[:-1], x.shape[-1]
+    xt = x.reshape(-1, h)
+    order, group_sizes, weights = route(xt, router, top_k)
+    rows = xt[order // top_k]  # (T*k, H): the token of each sorted pair
+    out = expert_mlp(rows, group_sizes)  # (T*k, H), sorted
+    unsorted = jnp.zeros_like(out).at[order].set(out)  # back to (token, slot) order
+    per_token = unsorted.reshape(xt.shape[0], top_k, -1).astype(jnp.float32)
+    y = jnp.einsum("tkh,tk->th", per_token, weights)
+    return y.astype(x.dtype).reshape(*lead, -1)
+
+
+def _swiglu(h):
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The float layer
+
+
+class MoE(nnx.Module):
+    """A float mixture-of-experts SwiGLU feed-forward layer (lax.ragged_dot experts).
+
+    Params: ``router`` (hidden, experts), ``gate_up`` (experts, hidden, 2 * intermediate) (gate
+    columns first, then up), ``down`` (experts, intermediate, hidden): (in, out) per expert, as
+    nnx.Linear kernels. Computes in `dtype` (activations and weights cast), accumulates in f32.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
+                 dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                 kernel_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and experts={experts}")
+        key = rngs.params
+        init = lambda shape: kernel_init(key(), shape, param_dtype)
+        self.router = nnx.Param(init((hidden, experts)))
+        # lecun_normal on a 3-D shape treats the expert axis as a receptive field: init each
+        # expert as its own (in, out) matrix instead
+        self.gate_up = nnx.Param(jnp.stack([init((hidden, 2 * intermediate))
+                                            for _ in range(experts)]))
+        self.down = nnx.Param(jnp.stack([init((intermediate, hidden)) for _ in range(experts)]))
+        self.top_k = top_k
+        self.dtype = dtype
+
+    def __call__(self, x):
+        dt = self.dtype
+
+        def experts(rows, gs):
+            h = lax.ragged_dot(rows.astype(dt), self.gate_up[...].astype(dt), gs,
+                               preferred_element_type=jnp.float32)
+            a = _swiglu(h).astype(dt)
+            return lax.ragged_dot(a, self.down[...].astype(dt), gs,
+                                  preferred_element_type=jnp.float32)
+
+        return _moe_forward(x.astype(dt), self.router[...], self.top_k, experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing experts
+
+
+def quantize_experts(w, fmt: str, *, global_scale: Any = "auto") -> BlockScaled:
+    """Float experts (E, in, out) -> a BlockScaled (E, out, in) with blocked scales, ready for
+    `ragged_gemm`. NVFP4 gets one global scale per expert (``global_scale="per_matrix"``) when
+    `global_scale` is "auto"; None drops the tier; MX formats have none."""
+    w = jnp.asarray(w)
+    if w.ndim != 3:
+        raise ValueError(f"experts must be a 3-D (experts, in, out) array, got shape {w.shape}")
+    f = get_format(fmt)
+    if w.shape[1] % f.block:
+        raise ValueError(f"the experts' in-dim {w.shape[1]} is not a multiple of the {fmt} block "
+                         f"size {f.block}; it cannot be quantized along K")
+    if f.has_global_scale and isinstance(global_scale, str) and global_scale == "auto":
+        global_scale = "per_matrix"
+    if not f.has_global_scale and global_scale == "auto":
+        global_scale = None
+    if global_scale is None or isinstance(global_scale, str):  # hashable: jit once per shape
+        return _quantize_experts_jit(w, fmt, global_scale)
+    return quantize(jnp.swapaxes(w, 1, 2), fmt, global_scale=global_scale, layout="blocked")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "global_scale"))
+def _quantize_experts_jit(w, fmt, global_scale):
+    return quantize(jnp.swapaxes(w, 1, 2), fmt, global_scale=global_scale, layout="blocked")
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def quantize_moe_params(params, fmt: str, *, names=EXPERT_PARAMS):
+    """Convert the float expert weights of a parameter pytree (an ``nnx.State`` or nested dicts)
+    into BlockScaled weights, once: every 3-D floating leaf whose last path component is in
+    `names` ("gate_up", "down") becomes ``quantize_experts(leaf, fmt)`` (E, out, in). Other
+    leaves (the router) are returned as they are. Returns a pure dict."""
+    get_format(fmt)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+
+    def convert(path, leaf):
+        if (path and _key_name(path[-1]) in names and not isinstance(leaf, BlockScaled)
+                and jnp.ndim(leaf) == 3):
+            return quantize_experts(leaf, fmt)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params,
+                                            is_leaf=lambda x: isinstance(x, BlockScaled))
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantized layer
+
+
+class QuantizedMoE(nnx.Module):
+    """A mixture-of-experts SwiGLU layer with block-scaled experts (``ragged_gemm``).
+
+    QuantizedMoE(hidden, intermediate, experts, top_k, fmt="nvfp4", rngs=nnx.Rngs(0)) initializes
+    float weights like `MoE` and quantizes the experts; ``QuantizedMoE.from_float(moe, fmt)``
+    quantizes a trained `MoE`; ``QuantizedMoE.from_params(qparams, top_k)`` takes the output of
+    `quantize_moe_params`. Attributes: ``router`` (nnx.Param, float (hidden, experts)),
+    ``gate_up`` (a QuantizedWeight: BlockScaled (experts, 2 * intermediate, hidden)), ``down``
+    (BlockScaled (experts, hidden, intermediate)).
+
+    act_fmt: quantize the sorted activations into this format on every call (NVFP4 activations
+      calibrate one global scale per call), or None for weight-only (activations in `dtype`).
+    dtype: activation and output dtype (bf16 default).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
+                 fmt: str | None = "nvfp4", act_fmt: str | None = None, dtype=jnp.bfloat16,
+                 router=None, gate_up=None, down=None, backend: str | None = None,
+                 rngs: nnx.Rngs | None = None):
+        if gate_up is None or down is None or router is None:
+            if rngs is None:
+                raise ValueError("QuantizedMoE needs rngs= to initialize weights, or router=, "
+                                 "gate_up= and down=")
+            if fmt is None:
+                raise ValueError("QuantizedMoE needs fmt= to quantize initialized weights")
+            float_moe = MoE(hidden, intermediate, experts, top_k, rngs=rngs)
+            router = float_moe.router[...] if router is None else router
+            gate_up = float_moe.gate_up[...] if gate_up is None else gate_up
+            down = float_moe.down[...] if down is None else down
+        gate_up = self._expert_weight("gate_up", gate_up, fmt, (experts, 2 * intermediate, hidden))
+        down = self._expert_weight("down", down, fmt, (experts, hidden, intermediate))
+        if gate_up.fmt != down.fmt:
+            raise ValueError(f"gate_up is {gate_up.fmt} but down is {down.fmt}")
+        if tuple(jnp.shape(router)) != (hidden, experts):
+            raise ValueError(f"router has shape {jnp.shape(router)}, expected (hidden, experts) "
+                             f"= {(hidden, experts)}")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and experts={experts}")
+        if not can_multiply(act_fmt, gate_up.fmt):
+            raise ValueError(f"activations in {act_fmt} cannot multiply {gate_up.fmt} experts; "
+                             f"supported pairs: {supported_pairs()}, or act_fmt=None")
+        if np.dtype(dtype) not in OUT_DTYPES:
+            raise TypeError(f"dtype must be one of {[d.name for d in OUT_DTYPES]}")
+        from .nn import QuantizedWeight  # noqa: PLC0415  (nn.py imports this module)
+
+        self.hidden, self.intermediate, self.experts, self.top_k = (hidden, intermediate,
+                                                                    experts, top_k)
+        self.fmt = gate_up.fmt
+        self.act_fmt = act_fmt
+        self.dtype = dtype
+        self.backend = backend
+        self.router = nnx.Param(jnp.asarray(router))
+        self.gate_up = QuantizedWeight(gate_up)
+        self.down = QuantizedWeight(down)
+
+    @staticmethod
+    def _expert_weight(name, w, fmt, want_shape):
+        """A float (E, in, out) weight quantized, or a given BlockScaled (E, out, in) checked."""
+        if isinstance(w, BlockScaled):
+            if fmt is not None and w.fmt != fmt:
+                raise ValueError(f"the given {name} is {w.fmt}, but fmt={fmt!r}")
+            q = to_blocked(w)
+        else:
+            if fmt is None:
+                raise ValueError(f"QuantizedMoE needs fmt= to quantize a float {name}")
+            q = quantize_experts(w, fmt)
+        if q.shape != want_shape:
+            raise ValueError(f"{name} has shape {q.shape} (experts, out, in); this layer needs "
+                             f"{want_shape}")
+        return q
+
+    @classmethod
+    def from_float(cls, moe: MoE, fmt: str, *, act_fmt: str | None = None, dtype=None,
+                   backend: str | None = None) -> "QuantizedMoE":
+        """Quantize a float `MoE`'s experts (its dtype carries over unless `dtype` is given)."""
+        experts, hidden, two_i = moe.gate_up.shape
+        return cls(hidden, two_i // 2, experts, moe.top_k, fmt=fmt, act_fmt=act_fmt,
+                   dtype=dtype if dtype is not None else moe.dtype, router=moe.router[...],
+                   gate_up=moe.gate_up[...], down=moe.down[...], backend=backend)
+
+    @classmethod
+    def from_params(cls, qparams, top_k: int, *, act_fmt: str | None = None,
+                    dtype=jnp.bfloat16, backend: str | None = None) -> "QuantizedMoE":
+        """Build from ``{"router": (H, E), "gate_up": BlockScaled, "down": BlockScaled}`` (what
+        `quantize_moe_params` returns for a `MoE`'s parameters)."""
+        gate_up, down, router = qparams["gate_up"], qparams["down"], qparams["router"]
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(w, BlockScaled):
+                raise TypeError(f"qparams[{name!r}] is a {type(w).__name__}, not a BlockScaled; "
+                                "convert the float params with quantize_moe_params first")
+        experts, two_i, hidden = gate_up.shape
+        return cls(hidden, two_i // 2, experts, top_k, fmt=None, act_fmt=act_fmt, dtype=dtype,
+                   router=router, gate_up=gate_up, down=down, backend=backend)
+
+    def __call__(self, x):
+        x = jnp.asarray(x)
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"the input's last axis must be hidden={self.hidden}, got shape "
+                             f"{x.shape}")
+        dt = np.dtype(self.dtype)
+        gate_up, down = self.gate_up.get_value(), self.down.get_value()
+
+        def activation(a):
+            return quantize(a, self.act_fmt) if self.act_fmt is not None else a.astype(dt)
+
+        def experts(rows, gs):
+            h = ragged_gemm(activation(rows), gate_up, gs, out_dtype=dt, backend=self.backend)
+            a = _swiglu(h)
+            return ragged_gemm(activation(a), down, gs, out_dtype=dt, backend=self.backend)
+
+        return _moe_forward(x.astype(dt), self.router[...], self.top_k, experts)
