@@ -53,7 +53,7 @@ from jax.interpreters import ad, batching, mlir
 from .formats import OUT_DTYPES, can_multiply, supported_pairs
 from .lowering import ALL_PLATFORMS
 from .primitive import _check_elements, _check_scales
-from .quantize import BlockScaled
+from .quantize import BlockScaled, check_blockscaled
 from .ragged_backends import (RaggedSpec, check_backend_name, clamp_group_sizes,
                               dequantized_rhs, get_ragged_backend, method_for, ragged_matmul,
                               row_groups, select_ragged_backend)
@@ -89,26 +89,24 @@ def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
     check_backend_name(backend)
     if rhs.ndim != 3:
         raise ValueError(f"rhs must have shape (G, N, K) (one weight per group), got {rhs.shape}")
+    check_blockscaled(rhs, "rhs")
     groups = rhs.shape[0]
     if isinstance(lhs, BlockScaled):
+        if lhs.ndim != 2:
+            raise ValueError(f"lhs must have shape (M, K) (tokens sorted by group), got "
+                             f"{lhs.shape}; fold leading axes into M, or vmap")
+        check_blockscaled(lhs, "lhs")
         l_elems, sl, fmt_lhs, layout_lhs = lhs.data, lhs.scales, lhs.fmt, lhs.layout
     else:
         l_elems, sl, fmt_lhs, layout_lhs = jnp.asarray(lhs), None, None, None
     group_sizes = jnp.asarray(group_sizes)
     alpha = jnp.ones((groups,), jnp.float32)
     no_global_scale = True
-    if isinstance(lhs, BlockScaled) and lhs.global_scale is not None:
-        gs = jnp.asarray(lhs.global_scale, jnp.float32)
-        if gs.shape != ():
-            raise ValueError(f"lhs.global_scale must be a scalar, got shape {gs.shape}; "
-                             "ragged_gemm takes one global scale for the whole activation")
-        alpha, no_global_scale = alpha * gs, False
-    if rhs.global_scale is not None:
-        gs = jnp.asarray(rhs.global_scale, jnp.float32)
-        if gs.shape not in ((), (groups,)):
-            raise ValueError(f"rhs.global_scale must be a scalar or one per group, shape "
-                             f"({groups},); got shape {gs.shape}")
-        alpha, no_global_scale = alpha * gs, False
+    # check_blockscaled allowed a scalar lhs global scale, and a scalar or (G,) one for rhs
+    for q in (lhs, rhs):
+        if isinstance(q, BlockScaled) and q.global_scale is not None:
+            alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
+            no_global_scale = False
     operands = join_operands(l_elems, rhs.data, sl, rhs.scales, group_sizes, alpha)
     return ragged_gemm_p.bind(*operands, fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt,
                               layout_lhs=layout_lhs, layout_rhs=rhs.layout,
