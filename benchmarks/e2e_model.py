@@ -133,7 +133,7 @@ def print_table(rows):
                   f"{r['scan_over_unrolled']:.3f}" if "scan_over_unrolled" in r else "-"]
         if dev:
             cells.append(f"{r['weight_TBps']:.2f}" if "weight_TBps" in r else "-")
-        cells.append(f"{r['tokens_per_s']:.0f}")
+        cells.append(f"{r['tokens_per_s']:.4g}")
         print("| " + " | ".join(cells) + " |")
 
 
