@@ -1,0 +1,140 @@
+"""The Flax NNX mixture-of-experts layers (jax_blockscale.nn_moe) against a float64 per-token
+NumPy oracle, their parameter conversion, and examples/moe.py in smoke mode."""
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+import oracle  # noqa: E402
+from jax_blockscale import BlockScaled  # noqa: E402
+from jax_blockscale import nn as jnn  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+H, I, E, TOP_K = 64, 32, 6, 2
+call = nnx.jit(lambda m, x: m(x))
+
+
+def values(q):
+    v = oracle.dequantize(q.data, q.scales, q.fmt, None, q.layout)
+    if q.global_scale is not None:
+        gs = np.asarray(q.global_scale, np.float64)
+        v = v * gs.reshape(gs.shape + (1, 1))
+    return v
+
+
+def moe_oracle(x, router, gate_up, down, top_k):
+    """float64, token by token: top-k of the router logits, softmax over them, each chosen
+    expert's SwiGLU MLP. gate_up (E, H, 2I), down (E, I, H), as (in, out) per expert."""
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(router, np.float64)
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-logits[t], kind="stable")[:top_k]
+        w = np.exp(logits[t, chosen] - logits[t, chosen].max())
+        w /= w.sum()
+        for e, we in zip(chosen, w):
+            h = x[t] @ gate_up[e]
+            gate, up = np.split(h, 2)
+            a = gate / (1 + np.exp(-gate)) * up
+            y[t] += we * (a @ down[e])
+    return y
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return jnn.MoE(H, I, E, TOP_K, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    # (2, 9) leading axes: 18 tokens, some experts get none
+    return jax.random.normal(jax.random.PRNGKey(3), (2, 9, H), jnp.float32)
+
+
+def test_float_moe_matches_oracle(moe, tokens):
+    y = call(moe, tokens)
+    assert y.shape == tokens.shape
+    want = moe_oracle(tokens.reshape(-1, H), moe.router[...], np.asarray(moe.gate_up[...]),
+                      np.asarray(moe.down[...]), TOP_K)
+    assert rel_err(y.reshape(-1, H), want) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp6_e3m2", "mxfp8_e4m3"])
+def test_quantized_moe_matches_oracle_on_its_dequantized_experts(moe, tokens, fmt):
+    """Weight-only in f32: exactly the float layer run on the dequantized experts."""
+    q = jnn.QuantizedMoE.from_float(moe, fmt, dtype=jnp.float32)
+    gate_up, down = q.gate_up.get_value(), q.down.get_value()
+    assert isinstance(gate_up, BlockScaled) and gate_up.shape == (E, 2 * I, H)
+    assert down.shape == (E, H, I) and gate_up.layout == "blocked"
+    if fmt == "nvfp4":  # one global scale per expert
+        assert gate_up.global_scale.shape == (E,) and down.global_scale.shape == (E,)
+    y = call(q, tokens).reshape(-1, H)
+    want = moe_oracle(tokens.reshape(-1, H), q.router[...],
+                      values(gate_up).transpose(0, 2, 1), values(down).transpose(0, 2, 1), TOP_K)
+    assert rel_err(y, want) < 1e-5
+    # and close to the float layer (quantization error only)
+    assert rel_err(y, call(moe, tokens).reshape(-1, H)) < (0.1 if fmt == "mxfp8_e4m3" else 0.3)
+
+
+@pytest.mark.parametrize("fmt,act_fmt", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp8_e4m3")])
+def test_quantized_activations(moe, tokens, fmt, act_fmt):
+    q = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt, dtype=jnp.bfloat16)
+    y = call(q, tokens)
+    assert y.dtype == jnp.bfloat16 and y.shape == tokens.shape
+    assert 0 < rel_err(y, call(moe, tokens)) < 0.35
+
+
+def test_quantize_moe_params_and_from_params(moe, tokens):
+    qparams = jnn.quantize_moe_params(nnx.state(moe, nnx.Param), "nvfp4")
+    assert isinstance(qparams["gate_up"], BlockScaled) and isinstance(qparams["down"], BlockScaled)
+    assert not isinstance(qparams["router"], BlockScaled)  # the router stays float
+    assert qparams["gate_up"].global_scale.shape == (E,)
+    q1 = jnn.QuantizedMoE.from_params(qparams, TOP_K, dtype=jnp.float32)
+    q2 = jnn.QuantizedMoE.from_float(moe, "nvfp4", dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(call(q1, tokens)), np.asarray(call(q2, tokens)))
+
+
+def test_random_init_and_errors():
+    q = jnn.QuantizedMoE(H, I, E, TOP_K, fmt="mxfp4", rngs=nnx.Rngs(1))
+    assert call(q, jnp.ones((3, H), jnp.bfloat16)).shape == (3, H)
+    with pytest.raises(ValueError, match="hidden=64"):
+        q(jnp.ones((3, H + 32)))
+    with pytest.raises(ValueError, match="top_k=7 must be between 1 and experts=6"):
+        jnn.QuantizedMoE(H, I, E, 7, fmt="mxfp4", rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="cannot multiply nvfp4 experts"):
+        jnn.QuantizedMoE(H, I, E, TOP_K, fmt="nvfp4", act_fmt="mxfp8_e4m3", rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="not a multiple of the mxfp4 block size"):
+        jnn.quantize_experts(jnp.ones((2, 48, 64)), "mxfp4")
+    with pytest.raises(TypeError, match="not a BlockScaled"):
+        jnn.QuantizedMoE.from_params({"router": 0, "gate_up": jnp.ones((E, H, 2 * I)),
+                                      "down": 0}, TOP_K)
+
+
+def test_example_smoke():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)  # the example asks for 8 CPU devices itself
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "moe.py"), "--smoke"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    errors = dict(re.findall(r"^(bf16|nvfp4 W4A16|nvfp4 W4A4|mxfp4 W4A16|mxfp8 W8A8)\s+"
+                             r"([0-9.]+)", out, re.M))
+    assert len(errors) == 5, out
+    assert float(errors["bf16"]) < 0.02 and float(errors["mxfp8 W8A8"]) < 0.1, out
+    assert all(0 < float(v) < 0.35 for v in errors.values()), out
+    m = re.search(r"expert parallel over 8 devices.*rel. error vs one device ([0-9.e+-]+); "
+                  r"collectives: (.*)$", out, re.M)
+    assert m and float(m.group(1)) < 1e-6 and m.group(2) == "all-reduce", out
