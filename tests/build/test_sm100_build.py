@@ -4,7 +4,7 @@ contract, and cubins whose SASS holds the block-scaled MMA, the scale copies
 into tensor memory and the tensor-memory loads.
 
 Fast subset (CI): one variant per (MMA kind x 1/2-CTA) plus the special N
-paths, for both archs.  Whole matrix: `pytest -m slow tests/test_sm100_build.py`.
+paths, for both archs.  Whole matrix: `pytest -m slow tests/build/test_sm100_build.py`.
 
 Needs nvidia-cutlass-dsl; the SASS checks also need the pip packages
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (skipped, with the reason, if absent).
@@ -15,7 +15,8 @@ import re
 
 import pytest
 
-import cubins as _cubins
+import cubins as _cubins  # tests/support/cubins.py
+from jax_blockscale.catalog.sm100 import ARCH_SM
 
 sm100 = pytest.importorskip(
     "jax_blockscale.kernels.sm100_blockscaled",
@@ -35,8 +36,6 @@ FAST = [
     V("mxfp6_e3m2", "mxfp6_e3m2", "bfloat16", 128, 128),
     V("nvfp4", "nvfp4", "bfloat16", 128, 256),
 ]
-
-ARCH_SM = {"sm_100a": 100, "sm_103a": 103}
 
 # SASS mnemonic of the block-scaled MMA per kind.  nvfp4's scale_vec::4X
 # disassembles as ".4X" for sm_100a and as its alias ".BLOCK16" for sm_103a.

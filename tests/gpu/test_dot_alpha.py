@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
-from jax_blockscale.lowering import ffi as sm90_ffi
+from jax_blockscale.lowering import ffi_sm90
+from configure import set_env  # tests/support/configure.py
 from hopper import lower_for_cuda, needs_sm90, poison as _poison  # tests/support/hopper.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +37,7 @@ needs_lib = pytest.mark.skipif(_plugin.unavailable_reason() is not None or
 
 def _large_m_lowering(a, b, out_dtype, monkeypatch):
     """The CUDA lowering (as text) of jbs.gemm(a, b) on the sm90 backend's large-M path."""
-    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_MAX_ROWS="16")
     return lower_for_cuda(
         monkeypatch, lambda a, b: jbs.gemm(a, b, out_dtype=out_dtype, backend="sm90"), a, b)
 
@@ -67,7 +68,7 @@ def test_large_m_lowering_chooses_dot_alpha_where_xla_needs_an_f32_pass(monkeypa
     assert uses(act[:2048], scaled, jnp.bfloat16) == (False, True)
     # N not a multiple of 8: the handler's rows would not be whole 16-byte units
     assert uses(act, jbs.quantize(w[:1020], "nvfp4"), jnp.bfloat16) == (False, True)
-    monkeypatch.setenv(sm90_ffi.ENV_DOT_ALPHA, "0")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DOT_ALPHA="0")
     assert uses(act, scaled, jnp.bfloat16) == (False, True)
 
 
@@ -166,7 +167,7 @@ def test_dot_alpha_against_float64(l, m, n, k, out):
     b = jax.random.normal(kb, (l, n, k), jnp.float32).astype(jnp.bfloat16)
     alpha = jnp.float32(0.03125 * 1.37)  # not a power of two: rounding after scaling matters
     _poison()
-    y = np.asarray(jax.jit(sm90_ffi.dot_alpha, static_argnums=3)(a, b, alpha, out), np.float64)
+    y = np.asarray(jax.jit(ffi_sm90.dot_alpha, static_argnums=3)(a, b, alpha, out), np.float64)
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     want = float(alpha) * np.einsum("lmk,lnk->lmn", a64, b64)
     bound = float(alpha) * np.einsum("lmk,lnk->lmn", np.abs(a64), np.abs(b64))
@@ -194,7 +195,7 @@ def test_gemm_with_global_scales_at_large_m(monkeypatch, fmt_a, batched_b):
     dot_alpha GEMM and equals the float64 oracle of the dequantized operands."""
     from oracle import dequantize as np_dequantize  # tests/support/oracle.py
 
-    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_MAX_ROWS="16")
     kx, kw = jax.random.split(jax.random.key(31 + batched_b))
     bshape = (2,) if batched_b else ()
     # 2 x 1032 x 2048 outputs: just over 2^22, the smallest the dot_alpha path takes
@@ -243,4 +244,5 @@ def test_dot_alpha_rejects_malformed_calls(case):
                             (jax.ShapeDtypeStruct(c_shape, c_dtype),
                              jax.ShapeDtypeStruct((1 << 20,), jnp.uint8)))
     with pytest.raises(Exception, match="jax_blockscale dot_alpha"):
-        jax.block_until_ready(jax.jit(call)(a, b, alpha))
+        jax.block_until_ready(jax.jit(lambda a, b, alpha: call(
+            a, b, alpha, candidates=np.int32(1)))(a, b, alpha))

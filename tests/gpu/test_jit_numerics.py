@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_blockscale as jbs
-from jax_blockscale.lowering import ffi as sm90_ffi
+from configure import set_env  # tests/support/configure.py
 
 FORMATS = ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3"]
 
@@ -39,7 +39,7 @@ def test_quantize_in_jit_matches_eager(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_in_jit_matches_eager_on_gpu(monkeypatch, fmt, backend):
     # default backend with a small row limit: the sm90 lowering's dequantize + dot path
-    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_MAX_ROWS="16")
     with jax.default_device(jax.devices("gpu")[0]):
         _check_jit_matches_eager(fmt, backend)
 

@@ -4,19 +4,18 @@
   sm_100a and sm_103a, whose SASS has the block-scaled MMA, scale copies and TMEM loads;
 * the `jax_blockscale_gemm_sm100` FFI target registers;
 * the handler's pure validation (C entry point `jbs_sm100_check_problem`) accepts / rejects the
-  right problems, and its C++ tile heuristic agrees with `choose_sm100_variant`;
+  right problems, and accepts every variant the planner plans (naming it back);
 * the JAX fp6 packer matches a NumPy bit-level packer;
 * backend choice: never sm100 on CPU or on a (mocked) 9.0 device, a clear ValueError when forced;
-  the CUDA lowering emits the sm100 custom call when the device is mocked as 10.0 / 10.3.
+  the CUDA lowering emits the sm100 custom call, with the planned tile, when the device is mocked
+  as 10.0 / 10.3.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import re
-import tempfile
-from typing import Iterable, Optional, Sequence, Tuple
+import types
 
 import numpy as np
 import pytest
@@ -25,48 +24,21 @@ import jax
 import jax.numpy as jnp
 
 import jax_blockscale as jbs
-import cubins as _cubins
+import cubins as _cubins  # tests/support/cubins.py
+from configure import set_env  # tests/support/configure.py
 from jax_blockscale import _plugin
-from jax_blockscale.aot_sm100 import FMT_CODES, OUT_CODES
-from jax_blockscale.lowering import GemmSpec, select_backend
+from jax_blockscale.catalog import sm100 as cat100
+from jax_blockscale.catalog.sm100 import ARCH_SM, FMT_CODES, OUT_CODES
+from jax_blockscale.formats import get_format
+from jax_blockscale.lowering import GemmSpec
 from jax_blockscale.lowering import ffi_sm100
+from jax_blockscale.lowering import plan as P
 
 _lib_missing = _plugin.sm100_unavailable_reason()
 needs_lib = pytest.mark.skipif(_lib_missing is not None,
                                reason=f"native library with sm100 unavailable: {_lib_missing}")
 
 
-# ---------------------------------------------------------------------------------------------
-# The kernel module's pure-Python part (formats, VARIANTS, choose_sm100_variant), loaded without
-# CuTeDSL: the installed package has no DSL, but the table and the heuristic must still be checked.
-# ---------------------------------------------------------------------------------------------
-
-def _kernel_module():
-    try:
-        from jax_blockscale.kernels import sm100_blockscaled as k  # build environments
-        return k
-    except Exception:  # noqa: BLE001  (no nvidia-cutlass-dsl: exec the pure part of the source)
-        pass
-    src_path = os.path.join(os.path.dirname(jbs.__file__), "kernels", "sm100_blockscaled.py")
-    if not os.path.exists(src_path):
-        pytest.skip("kernels/sm100_blockscaled.py not installed")
-    src = open(src_path).read()
-    start = src.index("@dataclasses.dataclass(frozen=True)\nclass _Fmt")
-    end = src.index("# The kernel\n")
-    import sys
-    import types
-
-    mod = sys.modules.get("_jbs_sm100_pure")
-    if mod is None:
-        mod = types.ModuleType("_jbs_sm100_pure")  # dataclasses need a module in sys.modules
-        mod.__dict__.update(dataclasses=dataclasses, Optional=Optional, Sequence=Sequence,
-                            Tuple=Tuple, Iterable=Iterable)
-        sys.modules[mod.__name__] = mod
-        exec(compile(src[start:end], src_path, "exec"), mod.__dict__)  # noqa: S102
-    return mod
-
-
-ARCH_SM = {"sm_100a": 100, "sm_103a": 103}
 OUT_NAME = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
@@ -119,7 +91,7 @@ def test_sm100_target_registers():
 
 @needs_lib
 def test_variant_table_is_the_kernel_matrix_for_both_archs():
-    k = _kernel_module()
+    k = cat100  # the catalogue the build compiled
     table = _plugin.sm100_variants()
     names = [v["name"] for v in table]
     assert len(names) == len(set(names))
@@ -130,8 +102,10 @@ def test_variant_table_is_the_kernel_matrix_for_both_archs():
             for arch in k.SM100_ARCHS for v in k.VARIANTS}
     assert got == want
     assert len(table) == len(k.SM100_ARCHS) * len(k.VARIANTS)
-    # every served pair has the 128x128 tile for every output on both archs
-    assert set(k.PAIRS) == set(ffi_sm100.PAIRS)
+    # every served pair has the 128x128 tile for every output on both archs, and the library
+    # serves exactly the catalogue's pairs
+    assert {(v["fmt_a"], v["fmt_b"]) for v in table} == {(FMT_CODES[a], FMT_CODES[b])
+                                                          for a, b in k.PAIRS}
     for sm, (a, b), out in itertools.product((100, 103), k.PAIRS, OUT_CODES.values()):
         assert (sm, FMT_CODES[a], FMT_CODES[b], out, 128, 128) in {g[:6] for g in got}
     man = _plugin.sm100_manifest()
@@ -146,7 +120,7 @@ def test_library_holds_sm100a_and_sm103a_cubins_with_blackwell_sass(tmp_path):
     by_sm = {}
     for c in cubins:
         by_sm.setdefault(c.sm, []).append(c)
-    n = len(_kernel_module().VARIANTS)
+    n = len(cat100.VARIANTS)
     assert len(by_sm.get(100, [])) == n, {k: len(v) for k, v in by_sm.items()}
     assert len(by_sm.get(103, [])) == n, {k: len(v) for k, v in by_sm.items()}
     missing = _cubins.sass_tools_missing()
@@ -168,7 +142,19 @@ def test_library_holds_sm100a_and_sm103a_cubins_with_blackwell_sass(tmp_path):
 # Validation (the handler's pure function)
 # ---------------------------------------------------------------------------------------------
 
+def _planned_tile(fmt_a, fmt_b, out, m, n, k, sm_count):
+    """(tile_m, tile_n, cluster_m, cluster_n) the planner gives the problem (the catalogue's cost
+    model); 128x128 1x1 (every pair has it) where it has none, so that the handler's own checks
+    answer."""
+    try:
+        v = cat100.choose_sm100_variant(m, n, k, fmt_a, fmt_b, sm_count, out)
+    except ValueError:  # a pair tcgen05 has no kind for, or an empty / negative extent
+        v = None
+    return (128, 128, 1, 1) if v is None else (v.tile_m, v.tile_n, v.cluster_m, v.cluster_n)
+
+
 def _problem(fmt_a="nvfp4", fmt_b="nvfp4", out="bfloat16", m=256, n=512, k=1024, l=1, **kw):
+    """The handler's view of one call; the tile attributes are the plan's unless given."""
     bits = {"nvfp4": 4, "mxfp4": 4, "mxfp6_e2m3": 6, "mxfp6_e3m2": 6, "mxfp8_e4m3": 8,
             "mxfp8_e5m2": 8}
     block = 16 if fmt_a == "nvfp4" else 32
@@ -177,6 +163,8 @@ def _problem(fmt_a="nvfp4", fmt_b="nvfp4", out="bfloat16", m=256, n=512, k=1024,
              l=l, a_bytes=l * m * k * bits[fmt_a] // 8, b_bytes=l * n * k * bits[fmt_b] // 8,
              sa_bytes=l * -(-m // 128) * sk4 * 512, sb_bytes=l * -(-n // 128) * sk4 * 512,
              c_bytes=l * m * n * (4 if out == "float32" else 2), alpha_bytes=4)
+    tile = _planned_tile(fmt_a, fmt_b, out, m, n, k, kw.get("sm_count", 148))
+    p.update(zip(("tile_m", "tile_n", "cluster_m", "cluster_n"), tile))
     p.update(kw)
     return p
 
@@ -244,13 +232,11 @@ def test_validation_empty_problems_launch_nothing(dims):
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch: C++ mirror == choose_sm100_variant
+# Dispatch: the handler accepts the planned variant and names it back
 # ---------------------------------------------------------------------------------------------
 
 @needs_lib
-def test_cpp_and_python_heuristics_agree():
-    k = _kernel_module()
-    table = _plugin.sm100_variants()
+def test_handler_accepts_and_names_the_planned_variant():
     ms = [1, 8, 100, 128, 129, 512, 1000, 2048, 8192]
     ns = [8, 64, 192, 256, 1000, 4096, 7168]
     ks = [128, 1024, 7168]
@@ -259,15 +245,21 @@ def test_cpp_and_python_heuristics_agree():
     checked = 0
     for (fa, fb), out, sms, arch in itertools.product(
             pairs, ("bfloat16", "float32"), (148, 160, 20), ("sm_100a", "sm_103a")):
+        device = P.Device("cuda", "sm100", sms)
+        cc_minor = ARCH_SM[arch] - 100
         for m, n, kk in itertools.product(ms, ns, ks):
-            py = k.choose_sm100_variant(m, n, kk, fa, fb, sms, out)
-            idx = _plugin.sm100_choose(m, n, kk, FMT_CODES[fa], FMT_CODES[fb], OUT_CODES[out],
-                                       sms, ARCH_SM[arch])
-            if py is None:
-                assert idx == -1, (m, n, kk, fa, fb, out)
+            plan = P.plan_sm100(_spec(fa, fb, m, n, kk, out), device)
+            if isinstance(plan, str):  # no variant: the handler refuses the 128x128 tile too
+                ok, msg = _check(fmt_a=fa, fmt_b=fb, out=out, m=m, n=n, k=kk, sm_count=sms,
+                                 cc_minor=cc_minor, tile_m=128, tile_n=128, cluster_m=1,
+                                 cluster_n=1)
+                assert not ok, (m, n, kk, fa, fb, out, plan, msg)
                 continue
-            assert idx >= 0 and table[idx]["name"] == f"jbs_{arch}_{py.name}", (
-                m, n, kk, fa, fb, out, sms, arch, py.name, table[idx]["name"] if idx >= 0 else None)
+            (tm, tn), (cm, cn) = plan.tile, plan.cluster
+            ok, msg = _check(fmt_a=fa, fmt_b=fb, out=out, m=m, n=n, k=kk, sm_count=sms,
+                             cc_minor=cc_minor, tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn)
+            assert ok and msg == f"jbs_{arch}_{plan.variant}", (
+                m, n, kk, fa, fb, out, sms, arch, plan.variant, msg)
             checked += 1
     assert checked > 1000
 
@@ -277,8 +269,9 @@ def test_cpp_and_python_heuristics_agree():
 # ---------------------------------------------------------------------------------------------
 
 def _spec(fmt_a="nvfp4", fmt_b="nvfp4", m=64, n=64, k=256, out=jnp.bfloat16):
+    a_dtype = np.dtype(jnp.bfloat16) if fmt_a is None else np.dtype(get_format(fmt_a).storage_dtype)
     return GemmSpec(fmt_a=fmt_a, fmt_b=fmt_b, layout_a="plain", layout_b="plain",
-                    a_dtype=np.dtype(jnp.float4_e2m1fn), out_dtype=np.dtype(out),
+                    a_dtype=a_dtype, out_dtype=np.dtype(out),
                     batch_shape=(), a_batch=(), b_batch=(), m=m, n=n, k=k)
 
 
@@ -286,21 +279,38 @@ def _q(shape, fmt, layout="plain", seed=3):
     return jbs.quantize(jax.random.normal(jax.random.PRNGKey(seed), shape), fmt, layout=layout)
 
 
-def _mock_cc(monkeypatch, ccs):
-    monkeypatch.setattr(ffi_sm100, "_device_ccs", lambda: tuple(ccs))
+_query_gpus = P._gpu_device.__wrapped__  # the planner's device query, uncached
+
+
+def _mock_cc(monkeypatch, ccs, sm_count=148):
+    """Make the planner see GPUs of compute capabilities `ccs`: the planner's own device query
+    (plan._gpu_device) classifies stand-in devices, and the lowering then sees its answer."""
+    fake = [types.SimpleNamespace(platform="gpu", compute_capability=cc, core_count=sm_count)
+            for cc in ccs]
+    with monkeypatch.context() as m:
+        m.setattr(jax, "devices", lambda *args, **kw: fake)
+        device = _query_gpus()
+    monkeypatch.setattr(P, "_gpu_device", lambda: device)
+    return device
+
+
+def _why_not(spec):
+    """Why the sm100 backend declines `spec` on the (mocked) CUDA device; None if it plans it."""
+    p = ffi_sm100.SM100.plan(spec, P.device_for("cuda"))
+    return p if isinstance(p, str) else None
 
 
 def test_registered_with_priority_above_sm90():
     assert "sm100" in jbs.backend_names()
-    from jax_blockscale.lowering import ffi as sm90
+    from jax_blockscale.lowering import ffi_sm90 as sm90
     assert ffi_sm100.SM100.priority > sm90.SM90.priority
     assert ffi_sm100.SM100.platforms == ("cuda",)
 
 
 def test_never_selected_on_cpu():
-    assert select_backend(_spec(), "cpu").name == "reference"
+    assert P.plan(_spec(), "cpu").backend == "reference"
     with pytest.raises(ValueError, match="does not run on platform 'cpu'"):
-        select_backend(_spec(), "cpu", requested="sm100")
+        P.plan(_spec(), "cpu", requested="sm100")
     a, b = _q((16, 256), "nvfp4"), _q((32, 256), "nvfp4")
     with pytest.raises(ValueError, match="sm100"):
         jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm100")).lower(a, b)
@@ -309,11 +319,11 @@ def test_never_selected_on_cpu():
 
 def test_not_selected_on_hopper_and_forcing_fails_clearly(monkeypatch):
     _mock_cc(monkeypatch, ["9.0"])
-    why = ffi_sm100.SM100.unsupported_reason(_spec())
-    assert why is not None and "10.0 or 10.3" in why and "9.0" in why
-    assert select_backend(_spec(), "cuda").name != "sm100"
-    with pytest.raises(ValueError, match="gemm backend 'sm100' cannot run this problem: .*9.0"):
-        select_backend(_spec(), "cuda", requested="sm100")
+    why = _why_not(_spec())
+    assert why is not None and "10.0 or 10.3" in why and "sm90" in why
+    assert P.plan(_spec(), "cuda").backend != "sm100"
+    with pytest.raises(ValueError, match="gemm backend 'sm100' cannot run this problem: .*sm90"):
+        P.plan(_spec(), "cuda", requested="sm100")
     a, b = _q((16, 256), "nvfp4"), _q((32, 256), "nvfp4")
     with pytest.raises(ValueError, match="compute capability 10.0 or 10.3"):
         jax.jit(lambda a, b: jbs.gemm(a, b, backend="sm100")).trace(a, b).lower(
@@ -323,10 +333,10 @@ def test_not_selected_on_hopper_and_forcing_fails_clearly(monkeypatch):
 @pytest.mark.parametrize("ccs", [["12.0"], ["10.0", "9.0"], ["11.0"]])
 def test_not_selected_on_other_devices(monkeypatch, ccs):
     _mock_cc(monkeypatch, ccs)
-    assert "compute capability" in ffi_sm100.SM100.unsupported_reason(_spec())
+    assert "compute capability" in _why_not(_spec())
+    assert P.plan(_spec(), "cuda").backend == "reference"
 
 
-@needs_lib
 @pytest.mark.parametrize("spec_kw,why", [
     (dict(fmt_a=None), "reference"),
     (dict(fmt_a="nvfp4", fmt_b="mxfp4"), "no nvfp4 x mxfp4"),
@@ -336,21 +346,21 @@ def test_not_selected_on_other_devices(monkeypatch, ccs):
     (dict(m=0), "empty"),
 ])
 def test_unsupported_on_blackwell(monkeypatch, spec_kw, why):
-    _mock_cc(monkeypatch, ["10.0"])
-    assert why in ffi_sm100.SM100.unsupported_reason(_spec(**spec_kw))
+    _mock_cc(monkeypatch, ["10.0"])  # the problem is refused before the library is consulted
+    assert why in _why_not(_spec(**spec_kw))
 
 
 @needs_lib
 @pytest.mark.parametrize("ccs", [["10.0"], ["10.3"], ["10.0", "10.3"]])
 def test_selected_on_blackwell(monkeypatch, ccs):
     _mock_cc(monkeypatch, ccs)
-    assert ffi_sm100.SM100.unsupported_reason(_spec()) is None
-    assert select_backend(_spec(), "cuda").name == "sm100"
+    assert _why_not(_spec()) is None
+    p = P.plan(_spec(), "cuda")
+    assert (p.backend, p.kernel, p.platform) == ("sm100", "sm100", "cuda")
+    assert p.variant in {v.name for v in cat100.VARIANTS}
     # weight-only on Blackwell: reference (sm90 needs 9.0)
     wo = dataclasses.replace(_spec(), fmt_a=None, a_dtype=np.dtype(jnp.bfloat16))
-    from jax_blockscale.lowering import ffi as sm90
-    monkeypatch.setattr(sm90, "_device_reason", lambda: "the sm90 kernels need 9.0, found 10.0")
-    assert select_backend(wo, "cuda").name == "reference"
+    assert P.plan(wo, "cuda").backend == "reference"
 
 
 def _lower_for_blackwell(monkeypatch, f, *args):
@@ -365,7 +375,10 @@ def test_lowering_emits_the_sm100_custom_call(monkeypatch, case):
     backend = "sm100"
     if case == "nvfp4":
         a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
-        want = dict(m=40, n=24, k=256, l=1, fmt_a=1, fmt_b=1, tile_m=0)
+        # the planned variant travels as attributes (the handler chooses nothing)
+        v = cat100.choose_sm100_variant(40, 24, 256, "nvfp4", "nvfp4", 148, "bfloat16")
+        want = dict(m=40, n=24, k=256, l=1, fmt_a=1, fmt_b=1, tile_m=v.tile_m, tile_n=v.tile_n,
+                    cluster_m=v.cluster_m, cluster_n=v.cluster_n)
         shapes = ["tensor<1x40x128xui8>", "tensor<1x24x128xui8>"]
     elif case == "fold_batch_into_m":
         a, b = _q((2, 3, 40, 128), "mxfp8_e4m3", "blocked"), _q((24, 128), "mxfp8_e4m3", "blocked")
@@ -384,7 +397,7 @@ def test_lowering_emits_the_sm100_custom_call(monkeypatch, case):
         want = dict(m=40, n=24, k=256, l=1, fmt_a=5, fmt_b=2)
         shapes = ["tensor<1x40x256xui8>", "tensor<1x24x128xui8>"]
     elif case == "forced_tile":
-        monkeypatch.setenv(ffi_sm100.ENV_TILE, "256x256c2x1")
+        set_env(monkeypatch, JAX_BLOCKSCALE_SM100_TILE="256x256c2x1")
         a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
         want = dict(tile_m=256, tile_n=256, cluster_m=2, cluster_n=1)
         shapes = []
@@ -399,6 +412,8 @@ def test_lowering_emits_the_sm100_custom_call(monkeypatch, case):
         assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, v, calls[0][:600])
     for s in shapes:
         assert s in calls[0], (s, calls[0][:600])
+    for attr in ("tile_m", "tile_n", "cluster_m", "cluster_n"):  # never 0 ("handler chooses")
+        assert not re.search(rf"\b{attr} = 0 : i32", calls[0]), (attr, calls[0][:600])
     assert "jax_blockscale_gemm_sm90" not in text
 
 
@@ -406,8 +421,7 @@ def test_lowering_emits_the_sm100_custom_call(monkeypatch, case):
 def test_weight_only_on_blackwell_lowers_to_reference(monkeypatch):
     x = jax.random.normal(jax.random.PRNGKey(1), (9, 256)).astype(jnp.bfloat16)
     b = _q((24, 256), "nvfp4")
-    from jax_blockscale.lowering import ffi as sm90
-    monkeypatch.setattr(sm90, "_device_reason", lambda: "the sm90 kernels need 9.0")
+    # on a 10.0 device the sm90 backend declines by itself (it needs 9.0)
     text = _lower_for_blackwell(monkeypatch, lambda a, b: jbs.gemm(a, b), x, b)
     assert "custom_call @jax_blockscale_gemm" not in text
     with pytest.raises(ValueError, match="weight-only .*`reference`"):
@@ -424,8 +438,8 @@ def test_gpu_sm100_never_chosen_and_forcing_fails_clearly():
     ccs = {str(getattr(d, "compute_capability", "?")) for d in gpus}
     if ccs <= {"10.0", "10.3"}:
         pytest.skip("this machine has a Blackwell GPU")
-    ffi_sm100._device_ccs.cache_clear()
-    assert "compute capability" in ffi_sm100.SM100.unsupported_reason(_spec())
+    P._gpu_device.cache_clear()
+    assert "compute capability" in _why_not(_spec())
     a, b = _q((40, 256), "nvfp4"), _q((24, 256), "nvfp4")
     f = jax.jit(lambda a, b: jbs.gemm(a, b))
     assert _plugin.SM100_TARGET not in f.lower(a, b).as_text()
@@ -457,7 +471,7 @@ def test_gpu_blackwell_matches_reference(fa, fb, sa, sb, out):
     ccs = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("gpu")}
     if not ccs <= {"10.0", "10.3"}:
         pytest.skip(f"needs a Blackwell GPU (10.0 / 10.3), found {sorted(ccs)}")
-    ffi_sm100._device_ccs.cache_clear()
+    P._gpu_device.cache_clear()
     a, b = _q(sa, fa, seed=1), _q(sb, fb, seed=2)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=out, backend="sm100"))
     assert _plugin.SM100_TARGET in f.lower(a, b).as_text()

@@ -20,7 +20,10 @@ import jax.numpy as jnp
 
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
-from jax_blockscale.lowering import ffi as sm90_ffi  # noqa: F401  (registers "sm90")
+from jax_blockscale.catalog import sm90 as cat
+from jax_blockscale.lowering import ffi_sm90  # noqa: F401  (registers "sm90")
+from jax_blockscale.lowering import plan as planner
+from configure import set_env  # tests/support/configure.py
 from hopper import needs_sm90, poison as _poison  # tests/support/hopper.py
 
 pytestmark = pytest.mark.gpu
@@ -31,8 +34,7 @@ def _always_the_kernel(monkeypatch):
     # exercise the custom call at every size (large M would otherwise use dequantize + dot), and
     # the two-operand fused kernel itself (by default a quantized A is dequantized first past the
     # decode kernel's rows: test_dequantized_activation covers that path)
-    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "0")
-    monkeypatch.setenv(sm90_ffi.ENV_DEQUANT_A, "0")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_MAX_ROWS="0", JAX_BLOCKSCALE_SM90_DEQUANT_A="0")
 
 
 PAIRS = [
@@ -42,6 +44,7 @@ PAIRS = [
     (None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "mxfp8_e5m2"),
 ]
 OUTS = {"f32": (jnp.float32, 1e-5), "bf16": (jnp.bfloat16, 8e-3), "f16": (jnp.float16, 1e-3)}
+KPERM = cat.KIND_CODES["bf16_kperm"]  # a bf16 activation in the register-weight variants' K order
 _seed = [1000]
 
 
@@ -94,16 +97,22 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
     """The default past the decode kernel's rows, for an mxfp8 activation in its wide rows, and
     from 33 rows when K is whole 64-element k-tiles (the register-weight variants): A dequantized
     to bf16 by XLA, then a weight-only kernel (alpha, the global scales, in its epilogue)."""
-    monkeypatch.delenv(sm90_ffi.ENV_DEQUANT_A)
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DEQUANT_A=None)
     a, b = _operands(fmt_a, fmt_b, batch_a, (), m, n, k)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     calls = [ln for ln in f.lower(a, b).as_text().splitlines()
              if "custom_call @" + _plugin.SM90_TARGET in ln]
     rows = m * int(np.prod(batch_a))
-    bf16_activation = rows > 64 or fmt_a.startswith("mxfp8") or (rows > 32 and k % 64 == 0)
-    # a_kind 4: bf16, 5: bf16 in the register-weight variants' K order
+    # past the decode kernel's rows; an mxfp8 activation in its wide rows; a register-weight
+    # variant's rows when K is whole 64-element k-tiles (the weights' tiles here are few: 33 rows)
+    sm_count = planner.device_for("cuda").sm_count
+    bf16_activation = (rows > cat.DECODE_MAX_ROWS
+                       or (fmt_a.startswith("mxfp8") and rows >= cat.DECODE_DEQUANT_MXFP8_FROM)
+                       or (rows >= cat.register_weight_min_rows(n, 1, sm_count)
+                           and k % cat.K_TILE == 0))
+    bf16_kinds = [str(cat.KIND_CODES[kind]) for kind in ("bf16", "bf16_kperm")]
     a_kind = next(c for c in "12345" if f"a_kind = {c} : i32" in calls[0])
-    assert len(calls) == 1 and (a_kind in "45") == bf16_activation, calls
+    assert len(calls) == 1 and (a_kind in bf16_kinds) == bf16_activation, calls
     _check(a, b, "f32", f)
     _check(a, b, "bf16")
 
@@ -127,12 +136,12 @@ def test_register_weights(monkeypatch, fmt_b, batch_a, batch_b, m, n, k):
     the activations K-permuted by the lowering): which call runs, and the numerics for odd M / N
     tails, several k-tiles, CTAs that run several tiles, folded and L batches, every output
     dtype."""
-    monkeypatch.setenv(sm90_ffi.ENV_DECODE_MAX_ROWS, "0")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0")
     a, b = _operands(None, fmt_b, batch_a, batch_b, m, n, k)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     calls = [ln for ln in f.lower(a, b).as_text().splitlines()
              if "custom_call @" + _plugin.SM90_TARGET in ln]
-    assert len(calls) == 1 and "a_kind = 5 : i32" in calls[0], calls
+    assert len(calls) == 1 and f"a_kind = {KPERM} : i32" in calls[0], calls
     _check(a, b, "f32", f)
     _check(a, b, "bf16")
     _check(a, b, "f16")
@@ -143,10 +152,10 @@ def test_register_weights(monkeypatch, fmt_b, batch_a, batch_b, m, n, k):
 def test_register_weights_two_operand(monkeypatch, fmt):
     """W4A4 past the decode kernel's rows: A dequantized by XLA, K-permuted, then the
     register-weight variant (alpha, the global scales, in its epilogue)."""
-    monkeypatch.delenv(sm90_ffi.ENV_DEQUANT_A)
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DEQUANT_A=None)
     a, b = _operands(fmt, fmt, (), (), 130, 264, 640)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
-    assert "a_kind = 5 : i32" in f.lower(a, b).as_text()
+    assert f"a_kind = {KPERM} : i32" in f.lower(a, b).as_text()
     _check(a, b, "f32", f)
     _check(a, b, "bf16")
 
@@ -155,10 +164,10 @@ def test_register_weights_two_operand(monkeypatch, fmt):
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4"])
 def test_shared_memory_weights(monkeypatch, fmt_b):
     """JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS=0 keeps the shared-memory weight-only variants."""
-    monkeypatch.setenv(sm90_ffi.ENV_REGISTER_WEIGHTS, "0")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS="0")
     a, b = _operands(None, fmt_b, (), (), 200, 300, 192)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
-    assert "a_kind = 4 : i32" in f.lower(a, b).as_text()
+    assert f"a_kind = {cat.KIND_CODES['bf16']} : i32" in f.lower(a, b).as_text()
     _check(a, b, "f32", f)
 
 
@@ -249,7 +258,7 @@ def test_cuda_graph():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         import jax_blockscale as jbs
-        from jax_blockscale.lowering import ffi
+        from jax_blockscale.lowering import ffi_sm90
         ka, kb = jax.random.split(jax.random.PRNGKey(7))
         a = jbs.quantize(jax.random.normal(ka, (96, 512)), "nvfp4")
         b = jbs.quantize(jax.random.normal(kb, (160, 512)), "nvfp4", layout="blocked")
@@ -264,24 +273,52 @@ def test_cuda_graph():
     _run_with_command_buffers(code)
 
 
+_FUSED_8x8 = cat.fused_variant("mxfp8", "mxfp8", "f32", 128, 64)
+_DECODE_8x8 = cat.decode_variant(cat.DecodeVariant("mxfp8", "mxfp8", "f32", 1))
+
+
 @needs_sm90
-@pytest.mark.parametrize("ws_len,sa_len,plain,match", [
-    (0, 100, 0, "scale buffer"),  # a wrongly sized A-scale buffer
-    (60, 512, 0, "workspace"),  # a declared decode workspace smaller than L*M*N floats
-    (64, 512, 1, "plain layout"),  # plain A scales are 8 rows x 1 block: 8 bytes, not 512
-    (0, 8, 1, "need the decode kernel"),  # plain A scales, no workspace: the fused GEMM
+@pytest.mark.parametrize("ws_len,sa_len,plain,variant,splits,match", [
+    (0, 100, 0, _FUSED_8x8, 0, "scale buffer"),  # a wrongly sized A-scale buffer
+    # a declared decode workspace smaller than L*M*N floats
+    (60, 512, 0, _DECODE_8x8, 1, "workspace"),
+    # plain A scales are 8 rows x 1 block: 8 bytes, not 512
+    (64, 512, 1, _DECODE_8x8, 1, "plain layout"),
+    (0, 8, 1, _FUSED_8x8, 0, "need the decode kernel"),  # plain A scales, the fused GEMM
+    (0, 512, 0, cat.fused_variant("mxfp8", "mxfp8", "f32", 128, 96), 0, "no compiled"),
+    (0, 512, 0, _FUSED_8x8, 2, "split count"),  # a split count for a fused variant
+    (64, 512, 0, _DECODE_8x8, 0, "split count"),  # the decode kernel with no split
 ])
-def test_handler_rejects_bad_input(ws_len, sa_len, plain, match):
-    """A call the kernel cannot take returns an error from the handler, never a crash."""
+def test_handler_rejects_bad_input(ws_len, sa_len, plain, variant, splits, match):
+    """A call the kernel cannot take returns an error from the handler, never a crash (the
+    variant attributes name a compiled variant unless the case says otherwise)."""
     call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
                                                   jax.ShapeDtypeStruct((ws_len,), jnp.float32)))
     u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(call(u8(1, 8, 32), u8(1, 8, 32), u8(sa_len), u8(512),
-                                   jnp.ones((1,), jnp.float32), a_kind=np.int32(3),
-                                   b_kind=np.int32(3), a_e5m2=np.int32(0), b_e5m2=np.int32(0),
-                                   m=np.int64(8), n=np.int64(8), k=np.int64(32), l=np.int64(1),
-                                   a_scales_plain=np.int32(plain)))
+                                   jnp.ones((1,), jnp.float32),
+                                   a_kind=np.int32(cat.KIND_CODES["mxfp8"]),
+                                   b_kind=np.int32(cat.KIND_CODES["mxfp8"]), a_e5m2=np.int32(0),
+                                   b_e5m2=np.int32(0), m=np.int64(8), n=np.int64(8),
+                                   k=np.int64(32), l=np.int64(1), a_scales_plain=np.int32(plain),
+                                   nt=np.int32(variant.nt), tile_m=np.int32(variant.tile_m),
+                                   tile_n=np.int32(variant.tile_n), splits=np.int32(splits)))
+
+
+@needs_sm90
+def test_handler_runs_a_well_formed_call():
+    """The cases above differ from this accepted call in one respect each."""
+    call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
+                                                  jax.ShapeDtypeStruct((0,), jnp.float32)))
+    u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
+    v = _FUSED_8x8
+    y, _ = call(u8(1, 8, 32), u8(1, 8, 32), u8(512), u8(512), jnp.ones((1,), jnp.float32),
+                a_kind=np.int32(cat.KIND_CODES["mxfp8"]), b_kind=np.int32(cat.KIND_CODES["mxfp8"]),
+                a_e5m2=np.int32(0), b_e5m2=np.int32(0), m=np.int64(8), n=np.int64(8),
+                k=np.int64(32), l=np.int64(1), a_scales_plain=np.int32(0), nt=np.int32(v.nt),
+                tile_m=np.int32(v.tile_m), tile_n=np.int32(v.tile_n), splits=np.int32(0))
+    assert np.isfinite(np.asarray(y)).all()
 
 
 # ---- the decode kernel (M <= decode_max_rows(): kernels/sm90_decode.py through the same FFI) -----
@@ -360,7 +397,7 @@ def test_decode_cuda_graph():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         import jax_blockscale as jbs
-        from jax_blockscale.lowering import ffi
+        from jax_blockscale.lowering import ffi_sm90
         for i, (fa, fb, m, n, k) in enumerate([(None, "nvfp4", 3, 777, 544),
                                               ("nvfp4", "nvfp4", 16, 300, 1056),
                                               (None, "mxfp8_e4m3", 1, 1000, 4096)]):
@@ -395,7 +432,7 @@ def test_decode_matches_fused_kernel(monkeypatch):
     """Same inputs through the decode kernel and the fused kernel (decode turned off)."""
     a, b = _operands(None, "nvfp4", (), (), 16, 520, 1024)
     y_dec = np.asarray(jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
-    monkeypatch.setenv(sm90_ffi.ENV_DECODE_MAX_ROWS, "0")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0")
     y_fused = np.asarray(jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32,
                                                        backend="sm90"))(a, b))
     assert _rel(y_dec, y_fused) < 1e-5
@@ -411,7 +448,7 @@ def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
     dot_alpha target (cuBLASLt, alpha in the epilogue). Either way: one rounding of the f32 sum."""
     from oracle import dequantize as np_dequantize  # tests/support/oracle.py
 
-    monkeypatch.setenv(sm90_ffi.ENV_MAX_ROWS, "16")
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_MAX_ROWS="16")
     kx, kw = jax.random.split(_key())
     # 2^22 outputs: the smallest problem whose GEMM may round to bf16 itself
     x = jax.random.normal(kx, (1024, 1024), jnp.float32)

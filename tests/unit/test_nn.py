@@ -333,7 +333,7 @@ def test_exported_layer_on_hopper_holds_the_sm90_call():
     """On an H100 with the library: the export carries our FFI target, needs the allowance, and
     the deserialized artifact runs (targets registered in this process) and matches."""
     from jax_blockscale import _plugin
-    from jax_blockscale.lowering import ffi  # noqa: F401  (registers the sm90 backend)
+    from jax_blockscale.lowering import ffi_sm90  # noqa: F401  (registers the sm90 backend)
 
     from hopper import hopper_with_library  # tests/support/hopper.py
 

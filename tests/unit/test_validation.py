@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax_blockscale as jbs
+from configure import set_env  # tests/support/configure.py
 
 
 def q(shape, fmt, layout="plain", seed=0):
@@ -67,10 +68,10 @@ def test_forced_backend_that_cannot_run_fails_clearly(monkeypatch):
     class Never:
         name, platforms, priority = "never", ("cpu",), 100
 
-        def unsupported_reason(self, spec):
+        def plan(self, spec, device):
             return "this test backend runs nothing"
 
-        def __call__(self, *args, **kw):
+        def __call__(self, a, b, sa, sb, alpha, *, plan):
             raise AssertionError("must not be called")
 
     jbs.register_backend(Never())
@@ -79,7 +80,7 @@ def test_forced_backend_that_cannot_run_fails_clearly(monkeypatch):
         y = jax.jit(lambda a, b: jbs.gemm(a, b))(A, B)
         assert y.shape == (16, 24)
         # forced through the environment: a clear error, not a crash
-        monkeypatch.setenv("JAX_BLOCKSCALE_BACKEND", "never")
+        set_env(monkeypatch, JAX_BLOCKSCALE_BACKEND="never")
         with pytest.raises(ValueError, match="cannot run this problem: this test backend"):
             jax.jit(lambda a, b: jbs.gemm(a, b)).lower(A, B)
     finally:
