@@ -54,6 +54,9 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     *empty = true;
     return nullptr;
   }
+  if (p.m * p.k > kInt32Max || p.n * p.k > kInt32Max || p.m * p.n > kInt32Max)
+    return Fail(buf, n, "M*K, N*K and M*N must each be below 2^31 (M=%lld N=%lld K=%lld)", p.m,
+                p.n, p.k);
   const uint64_t ptrs[5] = {p.a_ptr, p.b_ptr, p.sa_ptr, p.sb_ptr, p.c_ptr};
   for (int i = 0; i < 5; ++i)
     if (ptrs[i] % 16 != 0)
