@@ -138,3 +138,21 @@ def test_example_smoke():
     m = re.search(r"expert parallel over 8 devices.*rel. error vs one device ([0-9.e+-]+); "
                   r"collectives: (.*)$", out, re.M)
     assert m and float(m.group(1)) < 1e-6 and m.group(2) == "all-reduce", out
+
+
+def test_bench_moe_tiny(tmp_path):
+    """benchmarks/bench_moe.py runs on the CPU and writes its JSON rows (one small GEMM)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "moe"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_moe.py"),
+                          "--tiny", "--gemms", "down", "--tokens", "1,16", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert {(r["fmt"], r["tokens"]) for r in rows} == {(f, t) for f in ("mxfp4", "nvfp4")
+                                                       for t in (1, 16)}
+    for r in rows:
+        for method in ("bf16_ragged_dot", "deq_ragged_dot", "ours", "ours_qact"):
+            assert r[method + "_us"] > 0, r
