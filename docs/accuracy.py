@@ -1,13 +1,18 @@
 """Quantization error of every format on a few input distributions (CPU is fine).
 
     python docs/accuracy.py                 # prints the markdown tables pasted into accuracy.md
-    python docs/accuracy.py --png docs/accuracy.png
+    python docs/accuracy.py --png docs/accuracy.png --markdown /tmp/accuracy_tables.md
+
+The third table compares the two MX scale rules of `jbs.quantize(..., scale_rounding=)`:
+"ocp" (OCP MX v1.0: 2^(floor(log2 amax) - emax)) and "round_up" (2^ceil(log2(amax / elem_max)),
+the default), tensor error on the same data; docs/formats.md quotes it.
 
 Two measurements per (format, distribution), both relative Frobenius errors against float64:
   tensor  ||dequantize(quantize(x)) - x|| / ||x||            for x of shape (ROWS, K)
   gemm    ||gemm(quantize(a), quantize(w)) - a @ w.T|| / ||a @ w.T||, both operands in the format,
           a (M, K) from the distribution, w (N, K) normal (a weight) - the W*A* serving case.
 bf16 (a plain cast) is the baseline row. Seeds are fixed, so the numbers are reproducible.
+Quantization uses the package defaults (MX: scale_rounding="round_up").
 """
 from __future__ import annotations
 
@@ -47,12 +52,12 @@ def _bf16_round_trip(x):
     return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def tensor_error(x: np.ndarray, fmt: str) -> float:
+def tensor_error(x: np.ndarray, fmt: str, **quantize_kw) -> float:
     xj = jnp.asarray(x, jnp.float32)
     if fmt == "bf16":
         back = _bf16_round_trip(xj)
     else:
-        back = jax.jit(lambda v: jbs.dequantize(jbs.quantize(v, fmt)))(xj)
+        back = jax.jit(lambda v: jbs.dequantize(jbs.quantize(v, fmt, **quantize_kw)))(xj)
     back = np.asarray(back, np.float64)
     return float(np.linalg.norm(back - x) / np.linalg.norm(x))
 
@@ -84,6 +89,35 @@ def measure(seed: int = 0):
             tensor[fmt, dname] = tensor_error(x, fmt)
             gemm[fmt, dname] = gemm_error(a, w, fmt)
     return rows, list(dists), tensor, gemm
+
+
+MX_FORMATS = [f for f in FORMATS if f.startswith("mx")]
+RULES = ("ocp", "round_up")
+
+
+def measure_rounding(seed: int = 0):
+    """Tensor error of every MX format under both scale rules, same data for both."""
+    rng = np.random.default_rng(seed)
+    dists = distributions(rng, None)
+    table = {}
+    for dname, sample in dists.items():
+        x = sample((ROWS, K))
+        for fmt in MX_FORMATS:
+            for rule in RULES:
+                table[fmt, dname, rule] = tensor_error(x, fmt, scale_rounding=rule)
+    return MX_FORMATS, list(dists), table
+
+
+def rounding_markdown(rows, dists, table):
+    lines = [f"**MX scale rule, tensor error {ROWS} x {K}** (relative Frobenius error, %: "
+             "`ocp` / `round_up`)", "",
+             "| format | " + " | ".join(dists) + " |",
+             "|---|" + "---:|" * len(dists)]
+    for fmt in rows:
+        lines.append(f"| `{fmt}` | " + " | ".join(
+            f"{100 * table[fmt, d, 'ocp']:.2f} / {100 * table[fmt, d, 'round_up']:.2f}"
+            for d in dists) + " |")
+    return "\n".join(lines)
 
 
 def markdown(rows, dists, table, title):
@@ -124,14 +158,21 @@ def plot(rows, dists, tensor, gemm, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--png", help="also write the plot here")
+    parser.add_argument("--markdown", help="also write the tables to this file")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rows, dists, tensor, gemm = measure(args.seed)
-    print(markdown(rows, dists, tensor, f"Tensor error, {ROWS} x {K}"))
-    print()
-    print(markdown(rows, dists, gemm,
-                   f"GEMM error, activations (M={M}, K={K}) from the distribution x normal "
-                   f"weights (N={N}), both in the format"))
+    tables = [markdown(rows, dists, tensor, f"Tensor error, {ROWS} x {K}"),
+              markdown(rows, dists, gemm,
+                       f"GEMM error, activations (M={M}, K={K}) from the distribution x normal "
+                       f"weights (N={N}), both in the format"),
+              rounding_markdown(*measure_rounding(args.seed))]
+    text = "\n\n".join(tables)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+        print(f"\nwrote {args.markdown}")
     if args.png:
         plot(rows, dists, tensor, gemm, args.png)
         print(f"\nwrote {args.png}")

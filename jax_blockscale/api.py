@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import OUT_DTYPES, format_for
+from .formats import OUT_DTYPES, can_multiply, format_for, supported_pairs
 from .lowering import forced_backend
 from .primitive import gemm_p, join_operands
 from .quantize import BlockScaled, check_blockscaled
@@ -71,17 +71,35 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
 
     The format is inferred from the element dtype, the scale dtype and the block size
     K // scales.shape[-1] (e2m1 + e4m3 scales + 16 is nvfp4, e2m1 + e8m0 + 32 is mxfp4, ...).
+    Errors name the argument (lhs, rhs, lhs_scales, rhs_scales).
     """
     def wrap(x, s, name):
         x, s = jnp.asarray(x), jnp.asarray(s)
-        if x.ndim != 3 or s.ndim != 3:
-            raise ValueError(f"{name} and its scales must be rank 3 (B, MN, K), (B, MN, K/block); "
-                             f"got {x.shape} and {s.shape}")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be rank 3 (B, MN, K), got shape {x.shape}")
+        if s.ndim != 3:
+            raise ValueError(f"{name}_scales must be rank 3 (B, MN, K/block), got shape "
+                             f"{s.shape}")
+        if s.shape[:2] != x.shape[:2]:
+            raise ValueError(f"{name}_scales has shape {s.shape}; for {name} of shape {x.shape} "
+                             f"it must be {x.shape[:2] + ('K/block',)}")
         if s.shape[-1] == 0 or x.shape[-1] % s.shape[-1]:
-            raise ValueError(f"{name} has K={x.shape[-1]}, which its scales' last axis "
-                             f"{s.shape[-1]} does not divide into blocks")
-        f = format_for(x.dtype, s.dtype, x.shape[-1] // s.shape[-1])
+            raise ValueError(f"{name} has K={x.shape[-1]}, which the last axis of {name}_scales "
+                             f"({s.shape[-1]}) does not divide into blocks")
+        try:
+            f = format_for(x.dtype, s.dtype, x.shape[-1] // s.shape[-1])
+        except ValueError as e:
+            raise ValueError(f"{name} / {name}_scales: {e}") from None
         return BlockScaled(x, s, None, f.name, "plain")
 
-    return gemm(wrap(lhs, lhs_scales, "lhs"), wrap(rhs, rhs_scales, "rhs"),
-                out_dtype=preferred_element_type)
+    a, b = wrap(lhs, lhs_scales, "lhs"), wrap(rhs, rhs_scales, "rhs")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"lhs and rhs must agree on K (their last axis): lhs is {a.shape}, "
+                         f"rhs is {b.shape}")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"lhs and rhs must have the same batch size B: lhs is {a.shape}, "
+                         f"rhs is {b.shape}")
+    if not can_multiply(a.fmt, b.fmt):
+        raise ValueError(f"lhs ({a.fmt}) and rhs ({b.fmt}) cannot be multiplied; supported "
+                         f"pairs: {supported_pairs()}")
+    return gemm(a, b, out_dtype=preferred_element_type)

@@ -33,6 +33,9 @@ def _as_bits(s: jax.Array) -> jax.Array:
 
 def to_blocked_scales(s: jax.Array) -> jax.Array:
     """Plain (..., MN, SK) scales -> blocked (..., ceil(MN/128), ceil(SK/4), 32, 4, 4)."""
+    if s.ndim < 2:
+        raise ValueError(f"to_blocked_scales needs plain (..., MN, K/block) scales (at least 2 "
+                         f"axes), got shape {tuple(s.shape)}")
     *batch, mn, sk = s.shape
     n_row_tiles, n_col_tiles = blocked_shape(mn, sk)[:2]
     bits = _as_bits(s)
@@ -47,10 +50,10 @@ def to_blocked_scales(s: jax.Array) -> jax.Array:
 
 def from_blocked_scales(b: jax.Array, mn: int, sk: int) -> jax.Array:
     """Blocked (..., MN/128, SK/4, 32, 4, 4) scales -> plain (..., mn, sk), padding dropped."""
-    *batch, n_row_tiles, n_col_tiles = b.shape[:-3]
-    if tuple(b.shape[-5:]) != blocked_shape(mn, sk):
+    if b.ndim < 5 or tuple(b.shape[-5:]) != blocked_shape(mn, sk):
         raise ValueError(f"blocked scales of shape {b.shape} do not hold a ({mn}, {sk}) plain "
                          f"scale array; expected trailing shape {blocked_shape(mn, sk)}")
+    *batch, n_row_tiles, n_col_tiles = b.shape[:-3]
     nb = len(batch)
     bits = jnp.moveaxis(_as_bits(b), (nb + 1, nb + 3), (nb + 3, nb + 1))
     bits = bits.reshape(*batch, n_row_tiles * ROWS_PER_TILE, n_col_tiles * COLS_PER_TILE)

@@ -7,7 +7,10 @@ Why ``np.savez``: it needs nothing beyond NumPy, and every array is stored as it
 (uint8/16/32/64 of the same width), so FP4, FP8, e8m0 and bf16 values round-trip bit for bit
 whatever dtypes the reader's NumPy or checkpoint library knows. FP4 elements are packed two per
 byte (low nibble first), so a file is as small as the weights. The format, layout, shapes and
-dtypes of every entry are stored beside the arrays as JSON and checked on load.
+dtypes of every entry are stored beside the arrays as JSON and checked on load, and every entry
+carries a SHA-256 digest of its metadata and bits (the file, one of the whole metadata): a
+truncated, damaged or edited file raises `CorruptFileError` naming the entry instead of loading
+wrong values (an mxfp6_e2m3 entry relabelled e3m2 would otherwise load, up to 2x off).
 
 Orbax also stores these dtypes bit-exactly, but a BlockScaled's format and layout are static
 pytree metadata that an Orbax checkpoint does not record: it restores into whatever target it is
@@ -20,6 +23,7 @@ Only nested dicts are stored (Linen ``params``, ``nnx.to_pure_dict(state)``, the
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -33,16 +37,45 @@ from . import layout as _layout
 from .formats import get_format
 from .quantize import BlockScaled
 
-__all__ = ["FILE_VERSION", "ParamsFileError", "check_description", "describe_params",
-           "load_params", "save_params"]
+__all__ = ["FILE_VERSION", "CorruptFileError", "ParamsFileError", "check_description",
+           "describe_params", "load_params", "save_params"]
 
-FILE_VERSION = 1
+# 2 adds the SHA-256 digests; version 1 files (no digests) are still read.
+FILE_VERSION = 2
+_READS = (1, 2)
 _META = "__jax_blockscale_meta__"
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class ParamsFileError(ValueError):
     """The file is not a jax_blockscale params file, is inconsistent, or is not what was asked."""
+
+
+class CorruptFileError(ParamsFileError):
+    """The file is damaged: truncated, unreadable, or its contents do not match their digests."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Digests: each entry's metadata and bits, and the metadata as a whole
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _entry_digest(entry: dict, bits: dict[str, np.ndarray]) -> str:
+    """SHA-256 of an entry's metadata (without its digest) and of every part's dtype, shape and
+    raw bytes, in part-name order."""
+    h = hashlib.sha256(_canonical({k: v for k, v in entry.items() if k != "sha256"}))
+    for part in sorted(bits):
+        b = np.ascontiguousarray(bits[part])
+        h.update(_canonical([part, b.dtype.str, list(b.shape)]))
+        h.update(memoryview(b.reshape(-1).view(np.uint8)))
+    return h.hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+    return hashlib.sha256(_canonical({k: v for k, v in meta.items() if k != "sha256"})).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,13 +174,16 @@ def save_params(path: str | os.PathLike, params) -> None:
             entry["kind"] = "array"
             parts = {"value": leaf}
         entry["arrays"] = {}
+        stored = {}
         for part, value in parts.items():
             bits, info = _to_bits(jax.device_get(value))
             name = f"{i}.{part}"
-            arrays[name] = bits
+            arrays[name] = stored[part] = bits
             entry["arrays"][part] = dict(info, name=name)
+        entry["sha256"] = _entry_digest(entry, stored)
         entries.append(entry)
     meta = {"version": FILE_VERSION, "library": "jax_blockscale", "entries": entries}
+    meta["sha256"] = _meta_digest(meta)
     arrays[_META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     with open(path, "wb") as f:  # an open file: np.savez would append ".npz" to a bare name
         np.savez(f, **arrays)
@@ -200,25 +236,72 @@ def _unflatten(items):
     return tree
 
 
-def _read_entry(z, entry: dict, fmt: str | None):
+_ENTRY_FIELDS = {"array": ("path", "kind", "arrays"),
+                 "blockscaled": ("path", "kind", "arrays", "fmt", "layout", "shape",
+                                 "has_global_scale")}
+_INFO_FIELDS = ("name", "dtype", "shape", "encoding")
+
+
+def _entry_where(entry, i: int) -> str:
+    """The entry's path ("fc/kernel") for messages, or its position if the path is unusable."""
+    path = entry.get("path") if isinstance(entry, dict) else None
+    if (isinstance(path, list) and path
+            and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in path)):
+        return "/".join(map(str, path))
+    return f"entry {i}"
+
+
+def _check_entry_fields(entry, where: str) -> None:
+    """The metadata of one entry has the fields and types a reader needs."""
+    if not isinstance(entry, dict):
+        raise CorruptFileError(f"{where}: the metadata entry is not a JSON object")
+    kind = entry.get("kind")
+    if kind not in _ENTRY_FIELDS:
+        raise CorruptFileError(f"{where}: unknown entry kind {kind!r}")
+    missing = [k for k in _ENTRY_FIELDS[kind] if k not in entry]
+    if missing:
+        raise CorruptFileError(f"{where}: the metadata lacks {', '.join(missing)}")
+    if where.startswith("entry "):
+        raise CorruptFileError(f"{where}: the metadata has no usable path ({entry['path']!r})")
+    arrays = entry["arrays"]
+    if not isinstance(arrays, dict):
+        raise CorruptFileError(f"{where}: the metadata's 'arrays' is not an object")
+    for part, info in arrays.items():
+        if not isinstance(info, dict) or any(k not in info for k in _INFO_FIELDS):
+            raise CorruptFileError(f"{where} ({part}): the metadata lacks one of {_INFO_FIELDS}")
+        shape = info["shape"]
+        if (not isinstance(info["name"], str) or not isinstance(info["dtype"], str)
+                or not isinstance(shape, list)
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                           for n in shape)):
+            raise CorruptFileError(f"{where} ({part}): malformed array metadata {info!r}")
+
+
+def _read_entry(z, entry: dict, where: str, fmt: str | None, verify: bool):
     """One leaf of the file as NumPy arrays (a BlockScaled of them), checked as it is read."""
-    where = "/".join(map(str, entry["path"]))
+    bits = {}
+    for name, info in entry["arrays"].items():
+        if info["name"] not in z.files:
+            raise CorruptFileError(f"{where} ({name}): array {info['name']!r} missing from the "
+                                   "file")
+        try:
+            bits[name] = z[info["name"]]
+        except Exception as e:  # a damaged zip member or .npy header: BadZipFile, ValueError...
+            raise CorruptFileError(f"{where} ({name}): cannot read array {info['name']!r} "
+                                   f"({type(e).__name__}: {e})") from None
+    if verify and "sha256" in entry and _entry_digest(entry, bits) != entry["sha256"]:
+        raise CorruptFileError(f"{where}: its metadata or bits do not match the SHA-256 digest "
+                               "stored with them (the file was damaged or edited)")
 
     def part(name):
         info = entry["arrays"].get(name)
-        if info is None:
-            return None
-        if info["name"] not in z.files:
-            raise ParamsFileError(f"{where}: array {info['name']!r} missing from the file")
-        return _from_bits(z[info["name"]], info, f"{where} ({name})")
+        return None if info is None else _from_bits(bits[name], info, f"{where} ({name})")
 
     if entry["kind"] == "array":
         value = part("value")
         if value is None:
             raise ParamsFileError(f"{where}: value missing from the file")
         return value
-    if entry["kind"] != "blockscaled":
-        raise ParamsFileError(f"{where}: unknown entry kind {entry['kind']!r}")
     try:
         get_format(entry["fmt"])
     except ValueError as e:
@@ -289,30 +372,88 @@ def check_description(params, description: dict) -> None:
 # Load
 
 
+def _read_meta(z, name: str) -> dict:
+    if _META not in z.files:
+        raise ParamsFileError(f"{name} is not a jax_blockscale params file (no metadata entry); "
+                              "write it with save_params")
+    try:
+        raw = z[_META]
+    except Exception as e:
+        raise CorruptFileError(f"{name}: cannot read the metadata ({type(e).__name__}: "
+                               f"{e})") from None
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptFileError(f"{name}: the metadata is not UTF-8 JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CorruptFileError(f"{name}: the metadata is not a JSON object")
+    if meta.get("version") not in _READS:
+        raise ParamsFileError(f"{name} has file version {meta.get('version')!r}; this "
+                              f"jax_blockscale reads versions {list(_READS)}")
+    if not isinstance(meta.get("entries"), list):
+        raise CorruptFileError(f"{name}: the metadata has no list of entries")
+    if meta["version"] >= 2 and not (isinstance(meta.get("sha256"), str) and all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) for e in meta["entries"])):
+        raise CorruptFileError(f"{name}: a version {meta['version']} file carries SHA-256 "
+                               "digests, and some are missing")
+    return meta
+
+
+def _unflatten_checked(items, name: str):
+    try:
+        return _unflatten(items)
+    except (AttributeError, TypeError):
+        raise CorruptFileError(f"{name}: entry paths overlap (a leaf is also a "
+                               "directory)") from None
+
+
 def load_params(path: str | os.PathLike, *, fmt: str | None = None, like=None,
-                as_numpy: bool = False):
+                as_numpy: bool = False, verify: bool = True):
     """Read a file written by `save_params`; returns the same nested dicts of jax arrays
     (NumPy arrays with ``as_numpy=True``).
 
     Every quantized entry is checked against its own metadata (format, layout, element and
-    scale dtypes and shapes). Then, optionally:
+    scale dtypes and shapes), and (``verify=True``) every entry against its SHA-256 digest.
+    Then, optionally:
       fmt:  every quantized entry must be in this format;
       like: a pytree with the expected structure, formats, layouts, shapes and dtypes: e.g. the
             params you quantized, or, from a model skeleton that holds no weights,
             ``jax.eval_shape(lambda p: quantize_params(p, fmt), nnx.state(skeleton, nnx.Param))``.
-    A mismatch raises `ParamsFileError` (a ValueError) naming the entry and both sides.
+    A mismatch raises `ParamsFileError` (a ValueError) naming the entry and both sides; a
+    damaged file (truncated, unreadable, bits or metadata edited) raises its subclass
+    `CorruptFileError`, naming the entry where there is one.
     """
     if fmt is not None:
         get_format(fmt)
-    with np.load(path, allow_pickle=False) as z:
-        if _META not in z.files:
-            raise ParamsFileError(f"{os.fspath(path)!r} is not a jax_blockscale params file "
-                                  "(no metadata entry); write it with save_params")
-        meta = json.loads(z[_META].tobytes().decode())
-        if meta.get("version") != FILE_VERSION:
-            raise ParamsFileError(f"{os.fspath(path)!r} has file version {meta.get('version')}; "
-                                  f"this jax_blockscale reads version {FILE_VERSION}")
-        loaded = _unflatten((tuple(e["path"]), _read_entry(z, e, fmt)) for e in meta["entries"])
+    name = repr(os.fspath(path))
+    try:
+        z = np.load(path, allow_pickle=False)
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
+            raise
+        raise CorruptFileError(f"{name} is not a readable params file ({e})") from None
+    except Exception as e:  # empty (EOFError), truncated or damaged zip (BadZipFile, ValueError)
+        raise CorruptFileError(f"{name} is not a readable params file ({type(e).__name__}: "
+                               f"{e})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise ParamsFileError(f"{name} is a single .npy array, not a jax_blockscale params file")
+    with z:
+        meta = _read_meta(z, name)
+        items = []
+        for i, entry in enumerate(meta["entries"]):
+            where = _entry_where(entry, i)
+            _check_entry_fields(entry, where)
+            try:
+                leaf = _read_entry(z, entry, where, fmt, verify)
+            except ParamsFileError:
+                raise
+            except Exception as e:  # anything else a damaged entry can provoke
+                raise CorruptFileError(f"{where}: unreadable ({type(e).__name__}: {e})") from None
+            items.append((tuple(entry["path"]), leaf))
+        if verify and "sha256" in meta and _meta_digest(meta) != meta["sha256"]:
+            raise CorruptFileError(f"{name}: the metadata does not match its SHA-256 digest "
+                                   "(entries were removed, reordered or edited)")
+        loaded = _unflatten_checked(items, name)
     if like is not None:
         _compare(describe_params(loaded), describe_params(like), holder="file", holds="holds",
                  wanted="expected", title="the params file does not match what was expected")

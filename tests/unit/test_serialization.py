@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import jax_blockscale as jbs
-from jax_blockscale.serialization import ParamsFileError, load_params, save_params
+from jax_blockscale import serialization
+from jax_blockscale.serialization import (CorruptFileError, ParamsFileError, load_params,
+                                          save_params)
 
 
 def normal(seed, shape, dtype=np.float32):
@@ -115,14 +117,29 @@ def test_load_checks_format_and_expected_tree(tmp_path):
         load_params(path, like=missing)
 
 
-def _rewrite(path, edit):
-    """Load the raw npz, let `edit(arrays, meta)` change it, write it back."""
+META_KEY = "__jax_blockscale_meta__"
+
+
+def _reseal(arrays, meta):
+    """Recompute the digests after an edit, as a writer of such a file would have."""
+    for entry in meta.get("entries", []):
+        bits = {part: arrays[info["name"]] for part, info in entry.get("arrays", {}).items()
+                if info["name"] in arrays}
+        if isinstance(entry, dict) and isinstance(entry.get("arrays"), dict):
+            entry["sha256"] = serialization._entry_digest(entry, bits)
+    meta["sha256"] = serialization._meta_digest(meta)
+
+
+def _rewrite(path, edit, reseal=True):
+    """Load the raw npz, let `edit(arrays, meta)` change it, write it back (with digests that
+    match the edit unless reseal=False: then the edit is a tamper the digests must catch)."""
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
-    meta_key = "__jax_blockscale_meta__"
-    meta = json.loads(arrays[meta_key].tobytes().decode())
+    meta = json.loads(arrays[META_KEY].tobytes().decode())
     edit(arrays, meta)
-    arrays[meta_key] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    if reseal:
+        _reseal(arrays, meta)
+    arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     np.savez(path, **arrays)
 
 
@@ -215,3 +232,157 @@ def test_orbax_recipe_detects_a_wrong_target(tmp_path):
     assert wrong["fc"]["kernel"].fmt == "mxfp8_e5m2"  # Orbax cast it without a word
     with pytest.raises(ParamsFileError, match="fc/kernel: the params hold BlockScaled mxfp8_e5m2"):
         check_description(wrong, description)
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged and edited files: the package's own error, naming the entry; never a wrong value
+
+
+def _small_params():
+    return {"fc": {"kernel": jbs.quantize(heavy(20, (16, 64)), "nvfp4", layout="blocked"),
+                   "bias": jnp.asarray(normal(21, (16,)), jnp.bfloat16)},
+            "fp6": jbs.quantize(heavy(22, (8, 64)), "mxfp6_e2m3"),
+            "stack": jbs.quantize(heavy(23, (2, 8, 32)), "nvfp4", global_scale="per_matrix")}
+
+
+def test_fp6_format_swap_is_detected(tmp_path):
+    """e2m3 and e3m2 share storage and shapes: only the digest tells a relabelled entry."""
+    path = tmp_path / "p.npz"
+    for fmt, other in (("mxfp6_e2m3", "mxfp6_e3m2"), ("mxfp6_e3m2", "mxfp6_e2m3")):
+        save_params(path, {"w": jbs.quantize(heavy(24, (8, 64)), fmt)})
+        _rewrite(path, lambda arrays, meta: meta["entries"][0].__setitem__("fmt", other),
+                 reseal=False)
+        with pytest.raises(CorruptFileError, match="^w: its metadata or bits do not match"):
+            load_params(path)
+
+
+def test_tampered_bits_are_detected(tmp_path):
+    path = tmp_path / "p.npz"
+    save_params(path, _small_params())
+
+    def flip(arrays, meta):
+        entry = next(e for e in meta["entries"] if e["path"] == ["fc", "kernel"])
+        name = entry["arrays"]["scales"]["name"]
+        arrays[name] = arrays[name].copy()
+        arrays[name].reshape(-1)[3] ^= 1  # one scale one code off: a valid file otherwise
+
+    _rewrite(path, flip, reseal=False)
+    with pytest.raises(CorruptFileError, match="^fc/kernel: .*SHA-256"):
+        load_params(path)
+    load_params(path, verify=False)  # the check can be skipped (the rest still holds)
+
+
+def test_edited_metadata_is_detected(tmp_path):
+    path = tmp_path / "p.npz"
+    save_params(path, _small_params())
+    _rewrite(path, lambda arrays, meta: meta["entries"].pop(), reseal=False)  # an entry dropped
+    with pytest.raises(CorruptFileError, match="metadata does not match its SHA-256"):
+        load_params(path)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda arrays, meta: meta["entries"][0].pop("fmt"), "fc/kernel: the metadata lacks fmt"),
+    (lambda arrays, meta: meta.pop("entries"), "no list of entries"),
+    (lambda arrays, meta: meta["entries"][0].pop("path"), "entry 0: the metadata lacks path"),
+    (lambda arrays, meta: meta["entries"][0]["arrays"]["data"].pop("shape"),
+     r"fc/kernel \(data\): the metadata lacks"),
+    (lambda arrays, meta: meta["entries"][0].__setitem__("kind", "tensor"),
+     "fc/kernel: unknown entry kind 'tensor'"),
+    (lambda arrays, meta: arrays.pop(meta["entries"][0]["arrays"]["scales"]["name"]),
+     r"fc/kernel \(scales\): array '0.scales' missing"),
+])
+def test_malformed_metadata_raises_the_package_error(tmp_path, edit, match):
+    path = tmp_path / "p.npz"
+    save_params(path, _small_params())
+    _rewrite(path, edit)
+    with pytest.raises(CorruptFileError, match=match):
+        load_params(path)
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"{not json", "not UTF-8 JSON"),
+    (b"\xff\xfe{}", "not UTF-8 JSON"),
+    (b"[1, 2]", "not a JSON object"),
+])
+def test_unreadable_metadata(tmp_path, raw, match):
+    path = tmp_path / "p.npz"
+    np.savez(path, **{META_KEY: np.frombuffer(raw, np.uint8), "0.data": np.ones(3, np.uint8)})
+    with pytest.raises(CorruptFileError, match=match):
+        load_params(path)
+
+
+def test_empty_truncated_and_foreign_files(tmp_path):
+    path = tmp_path / "p.npz"
+    save_params(path, _small_params())
+    raw = path.read_bytes()
+    for n in (0, 10, len(raw) // 2, len(raw) - 1):
+        (tmp_path / "t.npz").write_bytes(raw[:n])
+        with pytest.raises(CorruptFileError, match="t.npz"):
+            load_params(tmp_path / "t.npz")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    with pytest.raises(ParamsFileError, match="single .npy array"):
+        load_params(tmp_path / "one.npy")
+    (tmp_path / "text.npz").write_text("hello")
+    with pytest.raises(CorruptFileError):
+        load_params(tmp_path / "text.npz")
+    with pytest.raises(FileNotFoundError):
+        load_params(tmp_path / "absent.npz")
+
+
+def test_version_1_files_still_load(tmp_path):
+    path = tmp_path / "p.npz"
+    params = _small_params()
+    save_params(path, params)
+
+    def as_v1(arrays, meta):
+        meta["version"] = 1
+        del meta["sha256"]
+        for e in meta["entries"]:
+            del e["sha256"]
+
+    _rewrite(path, as_v1, reseal=False)
+    loaded = load_params(path)
+    assert_same_blockscaled(loaded["fc"]["kernel"], params["fc"]["kernel"])
+    assert_same_blockscaled(loaded["stack"], params["stack"])
+
+
+def _assert_same_tree(a, b):
+    la, ta = jax.tree.flatten(a, is_leaf=lambda x: isinstance(x, jbs.BlockScaled))
+    lb, tb = jax.tree.flatten(b, is_leaf=lambda x: isinstance(x, jbs.BlockScaled))
+    assert ta == tb
+    for x, y in zip(la, lb):
+        if isinstance(x, jbs.BlockScaled):
+            assert_same_blockscaled(x, y)
+        else:
+            assert_same_bits(x, y)
+
+
+def test_fuzz_byte_flips_and_truncations(tmp_path):
+    """Every damaged copy either raises ParamsFileError (CorruptFileError) or, where the byte
+    was one nobody reads (zip timestamps, .npy header padding), loads bit for bit."""
+    path = tmp_path / "p.npz"
+    params = _small_params()
+    save_params(path, params)
+    raw = path.read_bytes()
+    want = load_params(path, as_numpy=True)
+    _assert_same_tree(want, params)
+    rng = np.random.default_rng()
+    positions = rng.choice(len(raw), size=min(len(raw), 300), replace=False)
+    outcomes = {"error": 0, "same": 0}
+    bad = tmp_path / "bad.npz"
+    for pos in positions:
+        damaged = bytearray(raw)
+        damaged[pos] ^= int(rng.integers(1, 256))
+        bad.write_bytes(bytes(damaged))
+        try:
+            got = load_params(bad, as_numpy=True)
+        except ParamsFileError:
+            outcomes["error"] += 1
+            continue
+        _assert_same_tree(got, want)  # it loaded: then it must be exactly what was saved
+        outcomes["same"] += 1
+    for n in rng.choice(len(raw), size=40, replace=False):
+        bad.write_bytes(raw[:n])
+        with pytest.raises(ParamsFileError):
+            load_params(bad, as_numpy=True)
+    assert outcomes["error"] > len(positions) // 2, outcomes
