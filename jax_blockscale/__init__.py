@@ -12,14 +12,16 @@ from .ragged_backends import RaggedSpec, ragged_backend_names, register_ragged_b
 from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
 from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper; library loads lazily)
 from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
-from .quantize import (BlockScaled, dequantize, pack_fp4, quantize, to_blocked, to_plain,
-                       unpack_fp4)
+from .quantize import (BlockScaled, check_blockscaled, dequantize, pack_fp4, quantize, to_blocked,
+                       to_plain, unpack_fp4)
+from .serialization import CorruptFileError, ParamsFileError  # noqa: E402  (load_params' errors)
 from . import interop  # noqa: E402  (published checkpoint layouts; safetensors loads lazily)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockScaled", "FORMATS", "Format", "GemmSpec", "backend_names", "can_multiply", "dequantize",
+    "BlockScaled", "CorruptFileError", "FORMATS", "Format", "GemmSpec", "ParamsFileError",
+    "backend_names", "can_multiply", "check_blockscaled", "dequantize",
     "from_blocked_scales", "gemm", "gemm_p", "get_format", "pack_fp4", "quantize",
     "RaggedSpec", "ragged_backend_names", "ragged_gemm", "ragged_gemm_p", "register_ragged_backend",
     "register_backend", "scaled_matmul", "supported_pairs", "to_blocked", "to_blocked_scales",
