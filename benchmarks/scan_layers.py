@@ -5,9 +5,9 @@ weights, per format; device time from the profiler (benchmarks/timing.py).
     python benchmarks/scan_layers.py --out /tmp/scan                  # GPU
     python benchmarks/scan_layers.py --tiny                           # CPU smoke run
 
-Modes: "unrolled" (one weight per layer), "scan" (the stacked BlockScaled is the scan's xs),
-"scan_bytes" (FP4 elements travel through the scan as their packed uint8 bytes and are viewed as
-float4 again inside the body). The per-kernel breakdown (--kernels) shows where the time goes.
+Modes: "unrolled" (one weight per layer) and "scan" (the stacked weight is the scan's xs). The
+per-kernel breakdown (--kernels) shows where the time goes (a copy of each layer's weight slice,
+for bf16 and FP4: docs/design/scanned_layers.md).
 """
 from __future__ import annotations
 
@@ -41,13 +41,6 @@ def layer(x, w):
     return jnp.tanh(y.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def as_bytes(w):
-    """The stacked weight with FP4 elements as packed uint8 (what travels through the scan)."""
-    if isinstance(w, jbs.BlockScaled) and w.data.dtype == jnp.float4_e2m1fn:
-        return w, w.packed_data()
-    return w, None
-
-
 def run_unrolled(x, ws):
     for w in ws:
         x = layer(x, w)
@@ -56,17 +49,6 @@ def run_unrolled(x, ws):
 
 def run_scan(x, w):
     return jax.lax.scan(lambda x, w: (layer(x, w), None), x, w)[0]
-
-
-def run_scan_bytes(x, w, packed):
-    def body(x, sl):
-        wl, p = sl
-        wl = jbs.BlockScaled(jbs.unpack_fp4(p), wl.scales, wl.global_scale, wl.fmt, wl.layout)
-        return layer(x, wl), None
-
-    skeleton = jbs.BlockScaled(jnp.zeros(packed.shape[:1], jnp.uint8), w.scales, w.global_scale,
-                               w.fmt, w.layout)
-    return jax.lax.scan(body, x, (skeleton, packed))[0]
 
 
 def main(argv=None):
@@ -93,9 +75,6 @@ def main(argv=None):
         per_layer = [jax.tree.map(lambda a, i=i: a[i], w) for i in range(args.layers)]
         modes = {"unrolled": (jax.jit(run_unrolled), (x, per_layer)),
                  "scan": (jax.jit(run_scan), (x, w))}
-        _, packed = as_bytes(w)
-        if packed is not None:
-            modes["scan_bytes"] = (jax.jit(run_scan_bytes), (x, w, packed))
         want = np.asarray(modes["unrolled"][0](*modes["unrolled"][1]), np.float32)
         for mode, (f, a) in modes.items():
             if args.hlo:

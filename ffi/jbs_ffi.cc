@@ -1,7 +1,7 @@
 // XLA FFI handlers for the jax_blockscale sm90 block-scaled GEMM.
 //
 //   target "jax_blockscale_gemm_sm90"
-//   operands: a (u8 packed | f4e2m1fn | bf16) [L,M,Ka], b (u8 | f4e2m1fn) [L,N,Kb], sa (u8, blocked or, for the decode
+//   operands: a (u8 packed | bf16) [L,M,Ka], b (u8) [L,N,Kb], sa (u8, blocked or, for the decode
 //             kernel, plain; any buffer in weight-only mode), sb (u8, blocked), alpha (f32 [1])
 //   results:  c (bf16 | f16 | f32) [L, M, N]
 //             ws (f32): the decode kernel's split-K workspace, splits*L*M*N floats (zero
@@ -62,15 +62,10 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
 
   // dtypes of the buffers (sizes and everything else: ValidateProblem)
   const bool a_is_bf16 = a_kind == JBS_BF16 || a_kind == JBS_BF16_KPERM;
-  const auto fp4 = [](int kind) { return kind == JBS_NVFP4 || kind == JBS_MXFP4; };
-  if (a_is_bf16 ? a.element_type() != ffi::DataType::BF16
-                : !jbs_ffi::PackedElements(a, fp4(a_kind)))
-    return g_state.InvalidArgument(
-        "A must be bf16 (weight-only), uint8 (packed) or float4_e2m1fn (fp4 kinds)");
-  if (!jbs_ffi::PackedElements(b, fp4(b_kind)))
-    return g_state.InvalidArgument("B must be uint8 (packed) or float4_e2m1fn (fp4 kinds)");
-  if (auto err = jbs_ffi::CheckU8AndAlpha(g_state, {&sb, &sa},
-                                          "the scales must be uint8 buffers", alpha);
+  if (a.element_type() != (a_is_bf16 ? ffi::DataType::BF16 : ffi::DataType::U8))
+    return g_state.InvalidArgument("A must be uint8 (packed) or bf16 (weight-only)");
+  if (auto err = jbs_ffi::CheckU8AndAlpha(g_state, {&b, &sb, &sa},
+                                          "B and the scales must be uint8 buffers", alpha);
       err.failure())
     return err;
   if (ws->element_type() != ffi::DataType::F32)

@@ -48,14 +48,6 @@ inline int OutCode(ffi::DataType t, int bf16, int f16, int f32) {
   }
 }
 
-// Bytes a buffer occupies. XLA stores float4 arrays packed, two elements per byte (layout E(4),
-// element 2i in the low nibble), which size_bytes() (one byte per element) does not know.
-inline int64_t StorageBytes(const ffi::AnyBuffer& b) {
-  if (b.element_type() == ffi::DataType::F4E2M1FN)
-    return static_cast<int64_t>((b.element_count() + 1) / 2);
-  return static_cast<int64_t>(b.size_bytes());
-}
-
 // True when every buffer has dtype t (element_type() only reads the call frame).
 inline bool AllOfType(ffi::DataType t, std::initializer_list<const ffi::AnyBuffer*> bufs) {
   for (const ffi::AnyBuffer* b : bufs)
@@ -78,8 +70,8 @@ void FillProblem(P& p, int out, int64_t m, int64_t n, int64_t k, int64_t l,
   p.sb_ptr = reinterpret_cast<uint64_t>(sb.untyped_data());
   p.c_ptr = reinterpret_cast<uint64_t>(c.untyped_data());
   p.alpha_ptr = reinterpret_cast<uint64_t>(alpha.untyped_data());
-  p.a_bytes = StorageBytes(a); p.b_bytes = StorageBytes(b);
-  p.sa_bytes = StorageBytes(sa); p.sb_bytes = StorageBytes(sb);
+  p.a_bytes = a.size_bytes(); p.b_bytes = b.size_bytes();
+  p.sa_bytes = sa.size_bytes(); p.sb_bytes = sb.size_bytes();
   p.c_bytes = c.size_bytes(); p.alpha_bytes = alpha.size_bytes();
   p.cc_major = d.cc_major; p.cc_minor = d.cc_minor; p.sm_count = d.sm_count;
 }
@@ -186,13 +178,6 @@ class HandlerState {
   DeviceInfo devices_[kMaxDevices];
   std::mutex device_mu_;
 };
-
-// Packed quantized elements: uint8 bytes, or (FP4 kinds) the float4 array itself, which XLA
-// stores packed (passing it as it is lets XLA hand a scanned layer's slice over in place).
-inline bool PackedElements(const ffi::AnyBuffer& b, bool fp4) {
-  return b.element_type() == ffi::DataType::U8 ||
-         (fp4 && b.element_type() == ffi::DataType::F4E2M1FN);
-}
 
 // The dtype checks both handlers make after their own: `u8` all uint8 (else u8_why), then alpha
 // float32.

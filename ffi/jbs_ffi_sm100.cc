@@ -74,12 +74,8 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
   if (ArchFor(d->cc_major, d->cc_minor) == 0) return NotBlackwell(*d);
-  const auto fp4 = [](int fmt) { return fmt == JBS100_NVFP4 || fmt == JBS100_MXFP4; };
-  if (!jbs_ffi::PackedElements(a, fp4(fmt_a)) || !jbs_ffi::PackedElements(b, fp4(fmt_b)))
-    return g_state.InvalidArgument(
-        "A and B must be uint8 (packed) or float4_e2m1fn (fp4 formats)");
-  if (auto err = jbs_ffi::CheckU8AndAlpha(g_state, {&sa, &sb},
-                                          "the scales must be uint8 buffers", alpha);
+  if (auto err = jbs_ffi::CheckU8AndAlpha(g_state, {&a, &b, &sa, &sb},
+                                          "A, B and the scales must be uint8 buffers", alpha);
       err.failure())
     return err;
 

@@ -37,13 +37,10 @@ def kernel_batch_layout(x: jax.Array, rows: int, *, spec: GemmSpec) -> jax.Array
 
 
 def element_bytes(x: jax.Array) -> jax.Array:
-    """Quantized elements as the kernels read them: fp4 stays a float4 array (XLA stores it
-    packed two per byte, element 2i in the low nibble, which is the kernels' layout, and the
-    handlers take it as it is: a scanned layer's slice of a stacked weight then reaches the
-    kernel in place, where a conversion to uint8 would make XLA copy it first); 8-bit kinds
-    bitcast to uint8."""
+    """Quantized elements as the uint8 the kernels read: fp4 two per byte (element 2i in the low
+    nibble), 8-bit kinds bit for bit."""
     if x.dtype == jnp.float4_e2m1fn:
-        return x
+        return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)), jnp.uint8)
     return lax.bitcast_convert_type(x, jnp.uint8)
 
 

@@ -1,6 +1,7 @@
 """Scanned layers on the sm90 backend: `lax.scan` over a stacked weight gives each layer's result
-bit for bit as a per-layer call does, and the layer's slice of the stacked weight reaches the
-kernel in place (XLA's dynamic-slice fusion of the custom call), with no copy of the weights.
+bit for bit as a per-layer call does; an 8-bit weight's slice reaches the kernel in place (XLA's
+dynamic-slice fusion of the custom call). FP4 slices are still copied first (XLA does not fuse
+sub-byte dynamic slices; docs/design/scanned_layers.md), which the test records.
 """
 from __future__ import annotations
 
@@ -42,7 +43,12 @@ def test_scan_matches_per_layer_calls(fmt, rows):
                                   np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("fmt", [
+    "mxfp8_e4m3",
+    pytest.param("nvfp4", marks=pytest.mark.xfail(strict=True, reason="XLA copies sub-byte "
+                                                  "dynamic slices (docs/design/scanned_layers.md)")),
+    pytest.param("mxfp4", marks=pytest.mark.xfail(strict=True, reason="as nvfp4")),
+])
 def test_scan_hands_the_weight_slice_over_in_place(fmt):
     """The element slice of the stacked weight is taken inside the custom call's dynamic-slice
     fusion (an address offset), not materialized by a separate copy."""
