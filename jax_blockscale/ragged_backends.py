@@ -42,19 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .lowering import ALL_PLATFORMS
+from .lowering import ALL_PLATFORMS, log_once
 from .lowering.reference import operand_values
-
-log = logging.getLogger("jax_blockscale")
-_logged: set = set()
-
-
-def _log_once(level, msg, *args):
-    key = (msg,) + args
-    if key not in _logged:
-        _logged.add(key)
-        log.log(level, msg, *args)
-
 
 @dataclasses.dataclass(frozen=True)
 class RaggedSpec:
@@ -75,11 +64,22 @@ class RaggedSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RaggedPlan:
-    """How one grouped problem runs: the backend, its kernel (or method) and the spec."""
+    """How one grouped problem runs: the backend, its kernel (or method) and the spec; for a
+    kernel (lowering/plan.py: plan_ragged_sm90) the compiled variant, its operand kinds, n8
+    tiles of M per work item (`nt`), tile, split-K count, work-table entries (`items`) and
+    whether the activation's plain scales are read as they are."""
     backend: str
     kernel: str
     spec: RaggedSpec
     platform: str
+    variant: str | None = None
+    a_kind: str | None = None
+    b_kind: str | None = None
+    nt: int = 0
+    tile: tuple[int, int] = (0, 0)
+    splits: int = 0
+    items: int = 0
+    a_scales_plain: bool = False
 
 
 _BACKENDS: dict[str, object] = {}
@@ -117,7 +117,7 @@ def select_ragged_backend(spec: RaggedSpec, platform: str, requested: str | None
     if requested in (None, "auto"):
         env = config.get().backend
         if env is not None and env not in _BACKENDS:
-            _log_once(logging.INFO, "jax_blockscale ragged_gemm: JAX_BLOCKSCALE_BACKEND=%s has no "
+            log_once(logging.INFO, "jax_blockscale ragged_gemm: JAX_BLOCKSCALE_BACKEND=%s has no "
                       "ragged_gemm implementation; choosing automatically", env)
             env = None
         requested = env
@@ -136,7 +136,7 @@ def select_ragged_backend(spec: RaggedSpec, platform: str, requested: str | None
         plan = backend.plan(spec, platform)
         if not isinstance(plan, str):
             return plan
-        _log_once(logging.INFO, "jax_blockscale ragged_gemm: backend %s skipped: %s",
+        log_once(logging.INFO, "jax_blockscale ragged_gemm: backend %s skipped: %s",
                   backend.name, plan)
     raise ValueError(f"no ragged_gemm backend serves platform {platform!r}")
 

@@ -35,7 +35,6 @@ import functools
 import logging
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -46,21 +45,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # No public names: see sharding.py.
 from jax._src import dispatch
-from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
 from .formats import get_format
+from .partitioning import log_once, needs_partitioning
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
 from .ragged import bind_local, join_operands, ragged_gemm_p, split_operands
 from .ragged_backends import clamp_group_sizes
 
 log = logging.getLogger("jax_blockscale")
-_logged: set[str] = set()
-
-
-def _log_once(level, msg):
-    if msg not in _logged:
-        _logged.add(msg)
-        log.log(level, msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +118,11 @@ def _plan(geo: _Geometry, mesh, lhs_spec, rhs_spec, out_spec=None) -> _Plan:
         if not axes:
             return ()
         if used & set(axes):
-            _log_once(logging.INFO, f"jax_blockscale ragged_gemm: {what} not sharded over "
+            log_once(logging.INFO, f"jax_blockscale ragged_gemm: {what} not sharded over "
                       f"{axes}: the axes already shard another dim; resharding")
             return ()
         if extent % (size(axes) * multiple):
-            _log_once(logging.WARNING, f"jax_blockscale ragged_gemm: {what}={extent} cannot be "
+            log_once(logging.WARNING, f"jax_blockscale ragged_gemm: {what}={extent} cannot be "
                       f"split over mesh axes {axes} ({size(axes)} shards){why}; resharding it "
                       "to replicated")
             return ()
@@ -333,44 +325,8 @@ _partitioned_ragged.def_partition(
 # (The same decision as sharding.py's for gemm_p.)
 
 
-def _thread_mesh():
-    from jax._src import mesh as mesh_lib  # noqa: PLC0415
-    return mesh_lib.thread_resources.env.physical_mesh
-
-
-def _devices(axis_context) -> int:
-    """Devices the SPMD partitioner will split this op over (1: nothing to partition)."""
-    if isinstance(axis_context, ShardingContext):
-        n = len(axis_context.device_assignment or ())
-        if n > 1 and axis_context.abstract_mesh is None and _thread_mesh().empty:
-            _log_once(logging.INFO, "jax_blockscale ragged_gemm: no mesh in scope (no "
-                      "NamedSharding inputs/outputs); not custom-partitioned")
-            return 1
-        return n
-    if isinstance(axis_context, SPMDAxisContext):
-        auto = set(axis_context.mesh.axis_names) - set(axis_context.manual_axes)
-        if not auto:
-            return 1
-        if not getattr(jax.config, "jax_use_shardy_partitioner", False):
-            _log_once(logging.INFO, "jax_blockscale ragged_gemm: inside a partially manual "
-                      "shard_map under GSPMD it is not custom-partitioned; XLA places it")
-            return 1
-        return math.prod(axis_context.mesh.shape[x] for x in auto)
-    return 1
-
-
-def _needs_partitioning(ctx) -> bool:
-    mc = ctx.module_context
-    if getattr(mc.lowering_parameters, "for_export", False):
-        if _devices(mc.axis_context) > 1:
-            _log_once(logging.INFO, "jax_blockscale ragged_gemm: jax.export lowers it without "
-                      "its custom partitioning rule; XLA partitions the backend's ops itself")
-        return False
-    return _devices(mc.axis_context) > 1
-
-
 def _lowering(ctx, *args, **params):
-    if not _needs_partitioning(ctx):
+    if not needs_partitioning(ctx, "ragged_gemm"):
         return mlir.lower_fun(lambda *xs: bind_local(xs, params),
                               multiple_results=False)(ctx, *args)
     pt = tuple(sorted(params.items()))

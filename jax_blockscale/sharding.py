@@ -37,7 +37,6 @@ import functools
 import logging
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -46,24 +45,15 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# No public names: the registry of primitives that need the devices at lowering time, and the
-# lowering's axis contexts (they say whether an SPMD partitioner will split the op).
+# No public name: the registry of primitives that need the devices at lowering time.
 from jax._src import dispatch
-from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
+from .partitioning import log_once, needs_partitioning
 from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")
-_logged: set[str] = set()
-
-
-def _log_once(level, msg):
-    # Partitioning callbacks run several times per compilation; say each thing once.
-    if msg not in _logged:
-        _logged.add(msg)
-        log.log(level, msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,12 +146,12 @@ def _plan(g: _Geometry, mesh, a_spec, b_spec, out_spec=None) -> _Plan:
         if not axes:
             return ()
         if used & set(axes):
-            _log_once(logging.INFO, f"jax_blockscale gemm: {what} not sharded over {axes}: the "
+            log_once(logging.INFO, f"jax_blockscale gemm: {what} not sharded over {axes}: the "
                       "axes already shard another dim; resharding")
             return ()
         d = size(axes)
         if extent % (d * multiple):
-            _log_once(logging.WARNING,
+            log_once(logging.WARNING,
                       f"jax_blockscale gemm: {what}={extent} cannot be split over mesh axes "
                       f"{axes} ({d} shards){why}; resharding it to replicated")
             return ()
@@ -385,51 +375,8 @@ _partitioned_gemm.def_partition(
 # gemm_p's lowering: partitioned where an SPMD partitioner will split it, local otherwise.
 
 
-def _needs_partitioning(ctx) -> bool:
-    mc = ctx.module_context
-    if getattr(mc.lowering_parameters, "for_export", False):
-        # A custom-partitioning call holds a key into this process's Python callbacks; it
-        # cannot be serialized. Exported code keeps the plain local lowering.
-        if _devices(mc.axis_context) > 1:
-            _log_once(logging.INFO, "jax_blockscale gemm: jax.export lowers gemm without its "
-                      "custom partitioning rule; XLA partitions the backend's ops itself")
-        return False
-    return _devices(mc.axis_context) > 1
-
-
-def _thread_mesh():
-    from jax._src import mesh as mesh_lib  # noqa: PLC0415
-    return mesh_lib.thread_resources.env.physical_mesh
-
-
-def _devices(axis_context) -> int:
-    """Devices the SPMD partitioner will split this op over (1: nothing to partition)."""
-    if isinstance(axis_context, ShardingContext):
-        n = len(axis_context.device_assignment or ())
-        if n > 1 and axis_context.abstract_mesh is None and _thread_mesh().empty:
-            # No NamedSharding anywhere and no `with mesh`: the callbacks would get shardings
-            # without mesh axis names, so leave the op to XLA (correct, maybe gathered).
-            _log_once(logging.INFO, "jax_blockscale gemm: no mesh in scope (no NamedSharding "
-                      "inputs/outputs); the gemm is not custom-partitioned")
-            return 1
-        return n
-    if isinstance(axis_context, SPMDAxisContext):
-        auto = set(axis_context.mesh.axis_names) - set(axis_context.manual_axes)
-        # Fully manual (shard_map, and our own per-device function): the op is already local.
-        if not auto:
-            return 1
-        if not getattr(jax.config, "jax_use_shardy_partitioner", False):
-            # Partially manual shard_map: GSPMD cannot hand these shardings to a
-            # custom-partitioning callback (XLA aborts), so leave the op to XLA.
-            _log_once(logging.INFO, "jax_blockscale gemm: inside a partially manual shard_map "
-                      "under GSPMD the gemm is not custom-partitioned; XLA places it")
-            return 1
-        return math.prod(axis_context.mesh.shape[x] for x in auto)
-    return 1  # pmap's replica context and anything else: per-device code
-
-
 def _lowering(ctx, *args, **params):
-    if not _needs_partitioning(ctx):
+    if not needs_partitioning(ctx, "gemm"):
         return mlir.lower_fun(lambda *xs: gemm_local_p.bind(*xs, **params),
                               multiple_results=False)(ctx, *args)
     pt = tuple(sorted(params.items()))

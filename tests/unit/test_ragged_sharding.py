@@ -51,7 +51,7 @@ else:
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
     import jax_blockscale as jbs
-    from jax_blockscale import ragged_sharding
+    from jax_blockscale import lowering as jbs_lowering
 
     SHARDY = os.environ.get("JBS_PARTITIONER", "shardy") == "shardy"
     if hasattr(jax.config, "jax_use_shardy_partitioner"):
@@ -177,7 +177,7 @@ else:
         assert rel_err(y, want) < TOL
 
     def test_misaligned_n_reshards_and_stays_correct(caplog):
-        ragged_sharding._logged.clear()
+        jbs_lowering._logged.clear()
         caplog.set_level("INFO", logger="jax_blockscale")
         x = rand(5, (32, 256))
         w = experts_nvfp4(rand(6, (8, 384, 256)))  # N = 384 = 3 tiles: not 8 whole shards

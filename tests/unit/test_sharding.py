@@ -101,6 +101,7 @@ else:
 
     import jax_blockscale as jbs
     from jax_blockscale import sharding as jbs_sharding
+    from jax_blockscale import lowering as jbs_lowering
 
     SHARDY = os.environ.get("JBS_PARTITIONER", "shardy") == "shardy"
     if hasattr(jax.config, "jax_use_shardy_partitioner"):
@@ -339,7 +340,7 @@ else:
 
     @pytest.fixture
     def log_lines(caplog):
-        jbs_sharding._logged.clear()  # the module logs each message once per process
+        jbs_lowering._logged.clear()  # the module logs each message once per process
         caplog.set_level(logging.INFO, logger="jax_blockscale")
         return caplog
 
