@@ -112,6 +112,13 @@ class BlockScaled:
             gs = gs[idx]
         return BlockScaled(self.data[idx], self.scales[idx], gs, self.fmt, self.layout)
 
+    def __iter__(self):
+        """The matrices of a stack, one by one (a single matrix is not iterable)."""
+        if self.ndim <= 2:
+            raise TypeError(f"a single {self.fmt} matrix {self.shape} is not iterable; only "
+                            "the leading (batch) axes of a stack are")
+        return (self[i] for i in range(self.shape[0]))
+
 
 # Let jax.export serialize functions that take or return BlockScaled (aux data: fmt, layout).
 jax.export.register_pytree_node_serialization(
@@ -212,12 +219,17 @@ def _pow2(exponent: jax.Array) -> jax.Array:
 
 def _is_concrete(x) -> bool:
     """An array whose values can be read now (not a tracer inside jit / vmap / grad)."""
-    return x is not None and not isinstance(x, jax.core.Tracer)
+    if isinstance(x, jax.core.Tracer):
+        return False
+    if isinstance(x, jax.Array):
+        return x.is_fully_addressable  # (a multi-process array cannot be read here)
+    return isinstance(x, (np.ndarray, np.generic, float, int))
 
 
-def check_global_scale(gs, batch_shape: tuple, name: str = "global_scale") -> None:
-    """A decode factor must be f32-castable, a scalar or one per matrix (shape `batch_shape`),
-    and, where its values are known now, finite and positive."""
+def check_global_scale(gs, batch_shape: tuple, name: str = "global_scale", *,
+                       values: bool = True) -> None:
+    """A decode factor must be floating-point, a scalar or one per matrix (shape `batch_shape`),
+    and, where its values are known now (and ``values``), finite and positive."""
     shape = tuple(jnp.shape(gs))
     if shape not in ((), tuple(batch_shape)):
         raise ValueError(f"{name} has shape {shape}; it must be a scalar or hold one decode "
@@ -225,7 +237,7 @@ def check_global_scale(gs, batch_shape: tuple, name: str = "global_scale") -> No
     dtype = getattr(gs, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point decode factor, got {dtype}")
-    if _is_concrete(gs):
+    if values and _is_concrete(gs):
         v = np.asarray(jax.device_get(gs), np.float32).ravel()
         bad = v[~(np.isfinite(v) & (v > 0))]
         if bad.size:
@@ -274,7 +286,7 @@ def check_blockscaled(q: BlockScaled, name: str = "q", *, values: bool = True) -
         if not f.has_global_scale:
             raise ValueError(f"{name} is {f.name}, which has no global scale (only nvfp4 does), "
                              "but its global_scale is set; use global_scale=None")
-        check_global_scale(gs, tuple(data.shape[:-2]), f"{name}.global_scale")
+        check_global_scale(gs, tuple(data.shape[:-2]), f"{name}.global_scale", values=values)
     if values and f.is_code_stored and _is_concrete(data) and data.size:
         top = int(jnp.max(data))
         if top >= 64:

@@ -192,3 +192,18 @@ def test_quantize_params_stacked_kernels_get_per_matrix_scales():
         if fmt == "nvfp4":
             q2 = jnn.quantize_params(params, fmt, filter="layers/kernel", global_scale=0.5)
             assert q2["layers"]["kernel"].global_scale.shape == (L,)
+
+
+def test_indexing_and_iterating_a_stack():
+    w = _stack(70)
+    q = jbs.quantize(w, "nvfp4", global_scale="per_matrix", layout="blocked")
+    layers = list(q)
+    assert len(layers) == L and all(x.global_scale.shape == () for x in layers)
+    sub = q[1:]
+    assert sub.shape == (L - 1, N, K) and sub.global_scale.shape == (L - 1,)
+    np.testing.assert_array_equal(np.asarray(jbs.dequantize(sub[0])),
+                                  np.asarray(jbs.dequantize(layers[1])))
+    with pytest.raises(IndexError, match="leading"):
+        q[0, 1]
+    with pytest.raises(TypeError, match="not iterable"):
+        iter(q[0])
