@@ -1,0 +1,222 @@
+"""The QuantizedMoE layer on 1 device and sharded over 2 (expert parallel, tensor parallel), at
+Qwen3-30B-A3B's expert shapes (hidden 2048, intermediate 768, 128 experts, top-8), 16 and 256
+tokens, NVFP4 (one global scale per expert) and MXFP4 experts, bf16 activations.
+
+    python benchmarks/bench_moe_sharded.py --out benchmarks/results --tag bench_moe_sharded_h200x2
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
+        python benchmarks/bench_moe_sharded.py --smoke --out /tmp/moe_sharded   # CPU smoke run
+
+Each row is one jitted layer call (routing, both ragged GEMMs, SwiGLU, the combine) with its
+expert weights (elements, blocked scales, global scales) placed as
+  1 device      everything on the first device (the baseline)
+  expert        gate_up and down split on the expert axis over 2 devices (half the experts each)
+  tensor        gate_up and down split on N (their output features) over 2 devices
+  tensor_k      gate_up on N, down on K = intermediate (Megatron's pairing)
+and the router and tokens replicated. It needs 2 devices (the first two of jax.devices()); with
+fewer it stops, unless --allow-one (then only the 1-device rows run).
+
+Timing: benchmarks/timing.py. "device_us": the time per call during which a GPU ran a kernel
+(the union of the kernel intervals on every stream of both GPUs, NCCL's kernels included), from
+a profiler trace; absent on the CPU. "loop_us": median over --trials of the mean of --iters
+back-to-back calls from Python (host and dispatch cost included). Weights smaller than ~3x L2
+are rotated through copies. Each sharded row also records the compiled program's collectives and
+its largest difference to the 1-device output (0 where the math allows: expert, tensor).
+Prints a table; writes <tag>.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale import nn as jnn  # noqa: E402
+from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
+
+QWEN3_30B_A3B = dict(hidden=2048, intermediate=768, experts=128, top_k=8)
+# N / 2 and K / 2 whole blocked-scale tiles for every format (MX: K / 2 a multiple of 128)
+SMOKE = dict(hidden=256, intermediate=256, experts=8, top_k=2)
+TOKENS, SMOKE_TOKENS = (16, 256), (4, 16)
+FORMATS = ("nvfp4", "mxfp4")
+# placement: (gate_up (E, 2I, H) spec, down (E, H, I) spec) on the 2-device mesh axis "d"
+PLACEMENTS = {
+    "expert": (P("d", None, None), P("d", None, None)),
+    "tensor": (P(None, "d", None), P(None, "d", None)),
+    "tensor_k": (P(None, "d", None), P(None, None, "d")),
+}
+COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                        r"collective-permute)(?:-start)?\(")
+SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def shard_state(state, mesh, gate_up_spec, down_spec):
+    """The layer's state with each expert weight's elements, blocked scales (split on their tile
+    dims like the elements) and per-expert global scales on its spec; the router replicated."""
+    specs = {"gate_up": gate_up_spec, "down": down_spec}
+
+    def put(path, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        spec = specs.get(names[0])
+        if spec is None:
+            s = P()
+        elif names[-1] == "data":
+            s = spec
+        elif names[-1] == "scales":  # (E, MN/128, SK/4, 32, 4, 4)
+            s = P(*spec, None, None, None)
+        else:  # global scales (E,)
+            s = P(spec[0]) if jnp.ndim(leaf) == 1 else P()
+        return jax.device_put(leaf, NamedSharding(mesh, s))
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+def collectives(hlo_text):
+    """e.g. "all-reduce bf16[128,1536] x1, all-reduce bf16[128,2048] x1" (the last shape of each
+    collective's result type: the result of an async start)."""
+    counts = {}
+    for line in hlo_text.splitlines():
+        m = COLLECTIVE.search(line)
+        if m:
+            shapes = SHAPE.findall(m.group(1))
+            dt, dims = shapes[-1] if shapes else ("", "")
+            key = f"{m.group(2)} {dt}[{dims}]"
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())) or "none"
+
+
+def expert_bytes(layer):
+    """Bytes of both expert weights: elements (fp4 packed, half a byte), scales, global scales."""
+    total = 0
+    for w in (layer.gate_up.get_value(), layer.down.get_value()):
+        f = jbs.get_format(w.fmt)
+        bits = 4 if f.element_bits == 4 else 8 * f.storage_dtype.itemsize
+        total += w.data.size * bits // 8 + w.scales.size * w.scales.dtype.itemsize
+        total += 0 if w.global_scale is None else 4 * w.global_scale.size
+    return total
+
+
+def timed(row, f, arg_sets, timing):
+    row["loop_us"] = time_us(f, arg_sets=arg_sets, **timing)
+    dev = device_time_us(f, arg_sets=arg_sets)
+    if dev is not None:
+        row["device_us"] = dev
+
+
+def bench_format(fmt, moe, shape, tokens, devices, placements, timing):
+    layer = jnn.QuantizedMoE.from_float(moe, fmt)
+    graphdef, state = nnx.split(layer)
+    forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    n_copies = rotation_count(expert_bytes(layer))
+    mesh = Mesh(np.asarray(devices[:2]), ("d",), axis_types=(AxisType.Auto,)) \
+        if len(devices) >= 2 else None
+    one = copies(jax.device_put(state, devices[0]), n_copies)
+    rows = []
+    for t in tokens:
+        x = jax.random.normal(jax.random.PRNGKey(t), (t, shape["hidden"]), jnp.bfloat16)
+        x1 = jax.device_put(x, devices[0])
+        base = dict(fmt=fmt, tokens=t, **shape, weight_copies=n_copies,
+                    expert_bytes=expert_bytes(layer))
+        baseline = dict(base, placement="1 device", devices=1)
+        timed(baseline, forward, [(s, x1) for s in one], timing)
+        want = np.asarray(forward(one[0], x1), np.float32)
+        rows.append(baseline)
+        print_row(baseline)
+        for name in placements:
+            sharded = copies(shard_state(state, mesh, *PLACEMENTS[name]), n_copies)
+            x2 = jax.device_put(x, NamedSharding(mesh, P()))
+            row = dict(base, placement=name, devices=2)
+            got = np.asarray(forward(sharded[0], x2), np.float32)
+            row["max_abs_diff_vs_1_device"] = float(np.max(np.abs(got - want)))
+            row["collectives"] = collectives(forward.lower(sharded[0], x2).compile().as_text())
+            timed(row, forward, [(s, x2) for s in sharded], timing)
+            rows.append(row)
+            print_row(row, baseline)
+            del sharded
+    del one
+    return rows
+
+
+def print_row(row, baseline=None):
+    dev, loop = row.get("device_us"), row["loop_us"]
+    speedup = ""
+    if baseline is not None:
+        clock = "device_us" if dev is not None else "loop_us"
+        speedup = f"{baseline[clock] / row[clock]:.2f}x"
+    diff = row.get("max_abs_diff_vs_1_device")
+    print(f"{row['fmt']:<7}{row['tokens']:>6}  {row['placement']:<10}"
+          f"{(f'{dev:.1f}' if dev is not None else '-'):>11}{loop:>11.1f}{speedup:>9}"
+          f"{('-' if diff is None else f'{diff:.3g}'):>10}  {row.get('collectives', '')}",
+          flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, few calls (CPU smoke run)")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--tokens", help="comma-separated token counts (default 16,256)")
+    p.add_argument("--placements", default=",".join(PLACEMENTS),
+                   help=f"2-device placements, from {list(PLACEMENTS)}")
+    p.add_argument("--allow-one", action="store_true",
+                   help="with fewer than 2 devices, time the 1-device layer only")
+    p.add_argument("--iters", type=int, default=None, help="calls per trial (default 20)")
+    p.add_argument("--trials", type=int, default=None, help="trials, median (default 5)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--tag", default=None, help="file name stem (default: "
+                   "bench_moe_sharded_<platform>)")
+    args = p.parse_args()
+
+    devices = jax.devices()
+    placements = [s for s in args.placements.split(",") if s]
+    for s in placements:
+        if s not in PLACEMENTS:
+            p.error(f"unknown placement {s!r}; choose from {list(PLACEMENTS)}")
+    if len(devices) < 2:
+        if not args.allow_one:
+            raise SystemExit(
+                f"bench_moe_sharded.py needs 2 devices and found {len(devices)} "
+                f"({devices[0].device_kind}). Run it on a 2-GPU machine, or force 2 CPU devices "
+                "(XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu), or pass "
+                "--allow-one to time the 1-device layer only.")
+        placements = []
+    shape = SMOKE if args.smoke else QWEN3_30B_A3B
+    tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens else
+              list(SMOKE_TOKENS if args.smoke else TOKENS))
+    timing = dict(iters=args.iters or (2 if args.smoke else 20),
+                  trials=args.trials or (1 if args.smoke else 5))
+    device = devices[0]
+    print(f"{len(devices)} x {device.device_kind} ({device.platform}); jax {jax.__version__}; "
+          f"layer: {shape}; timing {timing}")
+    print(f"{'fmt':<7}{'tokens':>6}  {'placement':<10}{'device_us':>11}{'loop_us':>11}"
+          f"{'speedup':>9}{'max diff':>10}  collectives")
+    moe = jnn.MoE(shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"],
+                  rngs=nnx.Rngs(0))
+    rows = []
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.tag or f"bench_moe_sharded_{device.platform}")
+    meta = dict(device=device.device_kind, platform=device.platform, devices=len(devices),
+                jax=jax.__version__, ragged_backends=jbs.ragged_backend_names(),
+                timing=dict(timing, method="benchmarks/timing.py: loop_us = median over trials "
+                            "of the mean of back-to-back jitted calls (host cost included); "
+                            "device_us = time per call during which any GPU ran a kernel "
+                            "(profiler trace, both GPUs' streams, NCCL included)"),
+                placements={k: [str(s) for s in v] for k, v in PLACEMENTS.items()},
+                env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE",
+                                                     "XLA_PYTHON_CLIENT_PREALLOCATE")})
+    for fmt in args.formats.split(","):
+        rows += bench_format(fmt, moe, shape, tokens, devices, placements, timing)
+        with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {stem}.json")
+
+
+if __name__ == "__main__":
+    main()

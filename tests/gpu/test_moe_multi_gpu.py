@@ -1,0 +1,63 @@
+"""MoE on 2 GPUs: ragged_gemm with its experts, N or K split and the QuantizedMoE layer expert
+parallel, tensor parallel (N of both weights) and Megatron-style (gate_up on N, down on K), under
+jax.jit on a mesh of the first 2 GPUs, equal the same call on one GPU (bit for bit where no
+partial sums are added), with exactly the expected collectives (NCCL) and no expert weight moved.
+The checks are tests/support/moe_multi_device.py's, as tests/unit/test_moe_sharding.py runs them
+on forced CPU devices; here they run in this process. Skipped with fewer than 2 GPUs.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 \\
+        python -m pytest -q -m gpu tests/gpu/test_moe_multi_gpu.py
+"""
+from __future__ import annotations
+
+import os
+
+# NVLink multicast stays off on the lent machines (before the first collective initializes NCCL).
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import moe_multi_device as mmd  # noqa: E402  (tests/support, put on sys.path by conftest)
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(len(_gpus()) < 2, reason="needs 2 or more GPUs")]
+
+FORMATS = ("nvfp4", "mxfp4")
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return _gpus()[:2]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(mmd.RAGGED_CASES))
+def test_ragged_gemm_split_on_2_gpus(devices, case, fmt):
+    found = mmd.check_ragged(devices, case, fmt)
+    print(f"ragged {case} {fmt}: {mmd.summary(found)}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(mmd.LAYER_CASES))
+def test_moe_layer_parallel_on_2_gpus(devices, case, fmt):
+    found = mmd.check_layer(devices, case, fmt)
+    print(f"layer {case} {fmt}: {mmd.summary(found)}")
+
+
+def test_moe_layer_w4a4_megatron_on_2_gpus(devices):
+    found = mmd.check_layer(devices, "tensor_k", "nvfp4", act_fmt="nvfp4")
+    print(f"layer tensor_k nvfp4 W4A4: {mmd.summary(found)}")
+
+
+def test_hlo_check_catches_a_gathered_weight_on_2_gpus(devices):
+    msg = mmd.check_catches_weight_gather(devices)
+    assert "expert weight" in msg or "more than any activation" in msg, msg

@@ -1,0 +1,337 @@
+"""Expert-, tensor- and K-parallel MoE checks on a 2-device mesh, shared by the 2-GPU test
+(tests/gpu/test_moe_multi_gpu.py, in process) and its CPU twin (tests/unit/test_moe_sharding.py,
+a child process with 8 forced CPU devices).
+
+Each check builds one problem at small Qwen3-MoE-like shapes, runs it under `jax.jit` once
+unsharded (every operand on one device) and once with the expert weights placed on a mesh, and
+asserts
+  * the result equals the unsharded one: bit for bit where each output element is computed by
+    one device from the same operands (experts split, N split); where K is split the partial
+    products are summed in f32 across devices, so an f32 output matches to f32 rounding and a
+    bf16 output (the layer's) in all but a few elements, which differ by a bf16 rounding step;
+  * the compiled program's collectives are exactly the expected reductions (an all-reduce of
+    (rows, N) per expert-split or K-split ragged_gemm, none for an N split) plus, for the
+    tensor-parallel layer, moves of activations (never of a weight: no collective takes or
+    produces an array shaped like an expert weight or a 2-device shard of one, and none moves
+    more elements than the largest activation);
+  * the compiled program takes the weights as they were placed (not gathered on entry), and
+    ragged_gemm went through the package's partitioning rule.
+
+Only jax, numpy, flax and jax_blockscale are imported; the caller picks the devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import jax_blockscale as jbs
+from jax_blockscale import nn as jnn
+
+# Qwen3-30B-A3B has hidden 2048, intermediate 768, 128 experts, top-8. These are small enough
+# for a CPU and keep what matters: every expert gets rows (32 tokens x top-4 over 16 experts),
+# and every N / K shard is whole blocked-scale tiles over 2 devices (N % 256 == 0; K % 256 == 0,
+# 4 MX blocks of 32 per scale tile). The widths differ (2I = 512 != H = 768) so that each
+# collective's shape says which GEMM it belongs to.
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, TOKENS = 768, 256, 16, 4, 32
+ROWS = TOKENS * TOP_K  # the sorted (token, expert) pairs: the rows of both expert GEMMs
+# ragged_gemm alone: G experts, (M, K) rows x (G, N, K) experts
+G, M, N, K = 16, 128, 768, 512
+
+MOVES = frozenset({"all-gather", "collective-permute", "all-to-all"})  # activations only
+
+
+@dataclasses.dataclass(frozen=True)
+class Expect:
+    """What a placement must give. `match`: "exact" (bitwise), "f32" (f32 output of a K split),
+    "bf16" (bf16 output downstream of a K split). `reductions`: (rows, cols) of each all-reduce,
+    with the dtypes it may have: a K split reduces in f32 by design; an expert split reduces in
+    the output dtype (bf16), which XLA's CPU backend promotes to f32 (all-reduce-promotion), so
+    both are accepted there. `moves`: the collectives allowed to move activations."""
+    match: str
+    reductions: tuple = ()
+    moves: frozenset = frozenset()
+
+
+EITHER = ("bf16", "f32")
+RAGGED_CASES = {
+    # name: (lhs spec (M, K), rhs spec (G, N, K), out dtype, expectation)
+    "experts": (P(None, None), P("d", None, None), jnp.bfloat16,
+                Expect("exact", (((M, N), EITHER),))),
+    "n": (P(None, None), P(None, "d", None), jnp.bfloat16, Expect("exact")),
+    "k": (P(None, "d"), P(None, None, "d"), jnp.float32, Expect("f32", (((M, N), ("f32",)),))),
+}
+# The layer: (gate_up (E, 2I, H) spec, down (E, H, I) spec, expectation).
+#  "experts": each device holds half the experts of both weights; each ragged_gemm's rows are
+#    combined by one all-reduce (gate_up's (rows, 2I), down's (rows, H)).
+#  "tensor": N of both weights split. SwiGLU pairs gate column j with up column j, but an N
+#    split of the fused weight (gate rows, then up rows) puts gate on one device and up on the
+#    other, and down needs all of I: XLA moves the activations (half of h each way, then the
+#    SwiGLU output gathered). Nothing is reduced: every output element comes from one device.
+#  "tensor_k": Megatron's pairing (gate_up on N, down on K = I): the same exchange of h, then
+#    down's partial products summed by one f32 all-reduce of (rows, H).
+LAYER_CASES = {
+    "experts": (P("d", None, None), P("d", None, None),
+                Expect("exact", (((ROWS, 2 * INTERMEDIATE), EITHER), ((ROWS, HIDDEN), EITHER)))),
+    "tensor": (P(None, "d", None), P(None, "d", None), Expect("exact", (), MOVES)),
+    "tensor_k": (P(None, "d", None), P(None, None, "d"),
+                 Expect("bf16", (((ROWS, HIDDEN), ("f32",)),), MOVES)),
+}
+
+
+def mesh_of(devices, n=2):
+    assert len(devices) >= n, f"needs {n} devices, got {devices}"
+    return Mesh(np.asarray(devices[:n]), ("d",), axis_types=(AxisType.Auto,))
+
+
+def rand(seed, shape, scale=1.0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale
+
+
+def place(mesh, x, spec):
+    """device_put an array or BlockScaled (G, N, K) on `spec`: the blocked scales follow the
+    elements' tile dims, a per-expert global scale follows G."""
+    put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
+    if not isinstance(x, jbs.BlockScaled):
+        return put(x, spec)
+    gs = x.global_scale
+    if gs is not None and jnp.ndim(gs) == 1:
+        gs = put(gs, P(spec[0]))
+    extra = (None,) * 3 if x.layout == "blocked" else ()
+    return jbs.BlockScaled(put(x.data, spec), put(x.scales, P(*spec, *extra)), gs, x.fmt,
+                           x.layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the compiled program
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    name: str  # "all-reduce", "all-gather", ... ("-start" of an async pair folded in)
+    results: tuple  # ((dtype, dims), ...) it produces
+    shapes: tuple  # every (dtype, dims) in its result type (async starts list operands too)
+
+
+_INSTR = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                    r"collective-permute)(-start)?\(")
+_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def collectives(hlo_text) -> list[Collective]:
+    """The collectives of a compiled program's text, with their shapes."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        shapes = tuple((dt, tuple(int(d) for d in dims.split(",") if d))
+                       for dt, dims in _SHAPE.findall(m.group(1)))
+        results = shapes
+        if m.group(3) and m.group(2) != "all-reduce":
+            # an async start's type is (operands..., results..., [u32[] contexts]): the second
+            # half of its arrays are the results
+            arrays = tuple(s for s in shapes if s[1]) or shapes
+            results = arrays[len(arrays) // 2:]
+        found.append(Collective(m.group(2), results, shapes))
+    return found
+
+
+def summary(found: list[Collective]) -> str:
+    """e.g. "all-reduce f32[128,768] x1, collective-permute f32[128,128] x2"."""
+    counts = Counter((c.name, dt, dims) for c in found for dt, dims in c.results)
+    return ", ".join(f"{name} {dt}[{','.join(map(str, dims))}] x{n}"
+                     for (name, dt, dims), n in sorted(counts.items())) or "none"
+
+
+def weight_shapes(*weights):
+    """The dims of every array of the given BlockScaled weights, whole and as 2-device shards
+    (any one dim halved): a collective taking or producing one of these moves a weight."""
+    out = set()
+    for w in weights:
+        for a in (w.data, w.scales, w.global_scale):
+            if a is None or jnp.ndim(a) == 0:
+                continue
+            dims = tuple(a.shape)
+            out.add(dims)
+            out.update(dims[:i] + (d // 2,) + dims[i + 1:] for i, d in enumerate(dims)
+                       if d % 2 == 0)
+    return out
+
+
+def check_hlo(compiled_text, weights, expect: Expect, max_moved: int, scalar_reductions=False):
+    """The compiled program moves no weight, reduces exactly `expect.reductions` (plus scalar
+    all-reduces where `scalar_reductions`: an NVFP4 activation's global amax) and moves
+    activations of at most `max_moved` elements, only with `expect.moves`. Returns the
+    collectives."""
+    found = collectives(compiled_text)
+    text = summary(found)
+    wshapes = weight_shapes(*weights)
+    for c in found:
+        bad = [s for s in c.shapes if s[1] in wshapes]
+        assert not bad, f"{c.name} moves an expert weight {bad}; collectives: {text}"
+    reductions = [r for c in found if c.name == "all-reduce" for r in c.results
+                  if r[1] or not scalar_reductions]
+    want = sorted(dims for dims, _ in expect.reductions)
+    assert sorted(dims for _, dims in reductions) == want, \
+        f"all-reduces {sorted(reductions)}, expected shapes {want}; collectives: {text}"
+    for dims, dtypes in expect.reductions:
+        got = {dt for dt, d in reductions if d == dims}
+        assert got <= set(dtypes), f"all-reduce of {dims} in {got}, expected {dtypes}"
+    others = {c.name for c in found} - {"all-reduce"}
+    assert others <= expect.moves, f"unexpected {sorted(others - expect.moves)}: {text}"
+    for c in found:
+        if c.name != "all-reduce":
+            big = [s for s in c.shapes if np.prod(s[1], dtype=np.int64) > max_moved]
+            assert not big, f"{c.name} moves {big}, more than any activation ({max_moved} " \
+                            f"elements); collectives: {text}"
+    return found
+
+
+def assert_match(got, want, match, what):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    diff = got.view(np.uint32) != want.view(np.uint32)
+    row_max = np.abs(want).max(axis=-1, keepdims=True) + 1e-30
+    err = float(np.max(np.abs(got - want) / row_max))
+    detail = (f"{what}: {int(diff.sum())} of {got.size} elements differ from the unsharded "
+              f"call, max error {err:.2e} of the row's magnitude")
+    if match == "exact":
+        assert not diff.any(), detail
+    elif match == "f32":  # f32 partial sums added in another order: a few ulps of the row
+        assert err < 1e-5, detail
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5, detail
+    elif match == "bf16":
+        # f32 partial sums rounded to bf16 once: where the two f32 sums straddle a bf16
+        # rounding boundary the outputs differ by one bf16 step (2^-8..2^-7 relative), which
+        # the layer's weighted combine carries on. A wrong shard or a dropped partial sum
+        # changes most elements, and by far more.
+        assert diff.mean() < 0.01 and err < 2.0 ** -6, detail
+    else:
+        raise ValueError(match)
+
+
+def expect_sharded(compiled, args):
+    """The compiled program takes every placed array as it was placed (not gathered on entry)."""
+    in_shardings = jax.tree.leaves(compiled.input_shardings[0])
+    leaves = jax.tree.leaves(args)
+    assert len(in_shardings) == len(leaves)
+    for s, leaf in zip(in_shardings, leaves):
+        if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
+            assert s.is_equivalent_to(leaf.sharding, leaf.ndim), (s, leaf.sharding)
+
+
+# ---------------------------------------------------------------------------------------------
+# ragged_gemm on its own
+
+
+def ragged_problem(fmt="nvfp4", seed=0):
+    x = jnp.asarray(rand(seed, (M, K)), jnp.bfloat16)
+    gkw = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
+    w = jax.jit(lambda w: jbs.quantize(w, fmt, layout="blocked", **gkw))(
+        rand(seed + 1, (G, N, K), 1 / np.sqrt(K)))
+    # uneven routing: empty experts, a heavy one, a sum below M (rows past it are zero)
+    gs = np.array([0, 9, 0, 3, 20, 1, 3, 0, 7, 0, 15, 2, 0, 31, 6, 10], np.int32)
+    assert gs.size == G and gs.sum() < M
+    return x, w, jnp.asarray(gs)
+
+
+def check_ragged(devices, case, fmt="nvfp4"):
+    """ragged_gemm with its experts (G), N or K split over 2 devices equals the unsharded call.
+    Returns the sharded program's collectives."""
+    lhs_spec, rhs_spec, out_dtype, expect = RAGGED_CASES[case]
+    mesh = mesh_of(devices)
+    x, w, gs = ragged_problem(fmt)
+    f = jax.jit(lambda x, w, g: jbs.ragged_gemm(x, w, g, out_dtype=out_dtype))
+    want = f(*jax.device_put((x, w, gs), devices[0]))
+    args = (place(mesh, x, lhs_spec), place(mesh, w, rhs_spec), place(mesh, gs, P()))
+    got = f(*args)
+    assert got.dtype == out_dtype
+    assert_match(got, want, expect.match, f"ragged_gemm, {case} split ({fmt})")
+    assert not np.any(np.asarray(got, np.float32)[int(gs.sum()):])
+    lowered = f.lower(*args)
+    assert "CustomSPMDPartitioning" in lowered.as_text()  # the package's rule decides
+    compiled = lowered.compile()
+    expect_sharded(compiled, args)
+    if case == "n":  # the output keeps N split: nothing to combine
+        assert tuple(got.sharding.spec)[1:2] == ("d",), got.sharding
+    return check_hlo(compiled.as_text(), [w], expect, max_moved=M * max(N, K))
+
+
+def check_catches_weight_gather(devices, fmt="nvfp4"):
+    """The HLO check is not vacuous: a program that gathers the expert weights (a sharding
+    constraint replicating them before ragged_gemm) must fail it. Returns the failure."""
+    mesh = mesh_of(devices)
+    x, w, gs = ragged_problem(fmt)
+    replicate = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P()))
+    f = jax.jit(lambda x, w, g: jbs.ragged_gemm(x, jax.tree.map(replicate, w), g))
+    args = (place(mesh, x, P()), place(mesh, w, P("d", None, None)), place(mesh, gs, P()))
+    text = f.lower(*args).compile().as_text()
+    try:
+        check_hlo(text, [w], RAGGED_CASES["experts"][3], max_moved=M * max(N, K))
+    except AssertionError as e:
+        return str(e)
+    raise AssertionError(f"a gathered weight passed the check: {summary(collectives(text))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The QuantizedMoE layer
+
+
+def moe_layer(fmt="nvfp4", act_fmt=None, seed=0):
+    moe = jnn.MoE(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, rngs=nnx.Rngs(seed))
+    return jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt)
+
+
+def shard_layer(state, mesh, gate_up_spec, down_spec):
+    """The layer's state with gate_up / down (elements, scales, global scales) on their specs
+    and the router replicated."""
+    specs = {"gate_up": gate_up_spec, "down": down_spec}
+
+    def put(path, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        spec = specs.get(names[0])
+        if spec is None:
+            return jax.device_put(leaf, NamedSharding(mesh, P()))
+        if names[-1] == "data":
+            s = spec
+        elif names[-1] == "scales":
+            s = P(*spec, None, None, None)
+        else:  # global_scale: (E,) follows the experts
+            s = P(spec[0]) if jnp.ndim(leaf) == 1 else P()
+        return jax.device_put(leaf, NamedSharding(mesh, s))
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+def check_layer(devices, case, fmt="nvfp4", act_fmt=None):
+    """A QuantizedMoE layer with its experts split over 2 devices ("experts"), N of both
+    weights split ("tensor") or gate_up on N and down on K ("tensor_k"), under jit, equals the
+    unsharded layer. Returns the sharded program's collectives."""
+    gate_up_spec, down_spec, expect = LAYER_CASES[case]
+    mesh = mesh_of(devices)
+    layer = moe_layer(fmt, act_fmt)
+    graphdef, state = nnx.split(layer)
+    x = jnp.asarray(rand(7, (TOKENS, HIDDEN)), jnp.bfloat16)
+    f = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    want = f(*jax.device_put((state, x), devices[0]))
+    sharded = shard_layer(state, mesh, gate_up_spec, down_spec)
+    xs = jax.device_put(x, NamedSharding(mesh, P()))
+    got = f(sharded, xs)
+    assert got.dtype == jnp.bfloat16
+    assert_match(got, want, expect.match, f"QuantizedMoE, {case} parallel ({fmt}, act {act_fmt})")
+    lowered = f.lower(sharded, xs)
+    assert "CustomSPMDPartitioning" in lowered.as_text()
+    compiled = lowered.compile()
+    expect_sharded(compiled, (sharded, xs))
+    weights = [layer.gate_up.get_value(), layer.down.get_value()]
+    act_global = act_fmt is not None and jbs.get_format(act_fmt).has_global_scale
+    return check_hlo(compiled.as_text(), weights, expect,
+                     max_moved=ROWS * max(2 * INTERMEDIATE, HIDDEN),
+                     scalar_reductions=act_global)
