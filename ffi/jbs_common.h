@@ -32,14 +32,17 @@ struct LaunchArgs {
   cudaStream_t stream;
   void* ws;        // decode kernel only: f32 workspace, one L*M*N slice per split
   int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
+  void* items;        // grouped decode only: int32 work table [num_items, 3]
+  int32_t num_items;  // (l is then the number of experts G)
 };
 // One compiled kernel (a row of the generated table). nt == 0: the fused GEMM
 // (kernels/sm90_blockscaled.py, tile_m x tile_n; a_kind JBS_BF16_KPERM: its register-weight
 // variants); nt == 1, 2, 4, 8: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per
-// CTA (tile_m = 8 * nt), tile_n rows of N per CTA, k_chunk K elements per sub-chunk.
+// CTA (tile_m = 8 * nt), tile_n rows of N per CTA, k_chunk K elements per sub-chunk; grouped 1:
+// the decode kernel for ragged_gemm (experts), target jax_blockscale_ragged_gemm_sm90.
 struct Variant {
   const char* name;
-  int a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk;
+  int a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk, grouped;
   void (*load)();
   int32_t (*launch)(const LaunchArgs&);
 };
@@ -60,6 +63,11 @@ struct Problem {
   int nt, tile_m, tile_n, splits;
   uint64_t ws_ptr;  // the decode kernel's f32 workspace (the lowering declares it)
   int64_t ws_bytes;
+  // grouped (ragged_gemm): A is one (M, K) activation, B holds L = G experts, C is (M, N),
+  // alpha one float per expert, and the rows come from an int32 work table [num_items, 3].
+  int grouped;
+  uint64_t items_ptr;
+  int64_t items_bytes, num_items;
 };
 
 // Pure check (no CUDA): nullptr when the planned variant is in `variants` and can run `p`

@@ -9,6 +9,13 @@
 //   attrs:    a_kind, b_kind, a_e5m2, b_e5m2, a_scales_plain (int32), m, n, k, l (int64), and
 //             the planned variant: nt (0: fused; 1/2/4/8: decode), tile_m, tile_n, splits (int32)
 //
+//   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel)
+//   operands: a [M, Ka] (as above, one activation, rows sorted by expert), b (u8) [G, N, Kb],
+//             sa, sb (as above; sb [G, ...]), alpha (f32 [G]: one per expert),
+//             items (s32 [num_items, 3]: expert, first row, end row; expert -1 = zero rows)
+//   results:  c [M, N], ws (f32, splits*M*N floats when splits > 1)
+//   attrs:    as above with g (experts) in place of l
+//
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
 //              capability / SM count.
@@ -51,12 +58,13 @@ ffi::Error Instantiate() {
   return LoadModules();
 }
 
-ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
-                   ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
-                   ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
-                   int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l,
-                   int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
-                   int32_t splits) {
+// Validates one call (dense: items null) and launches the planned variant on XLA's stream.
+ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
+               ffi::AnyBuffer sb, ffi::AnyBuffer alpha, const ffi::AnyBuffer* items,
+               ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind,
+               int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
+               int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
+               int32_t splits) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -70,6 +78,8 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
     return err;
   if (ws->element_type() != ffi::DataType::F32)
     return g_state.InvalidArgument("the decode workspace must be float32");
+  if (items && items->element_type() != ffi::DataType::S32)
+    return g_state.InvalidArgument("the grouped work table must be int32");
 
   Problem p{};
   p.a_kind = a_kind;
@@ -82,6 +92,12 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   p.nt = nt; p.tile_m = tile_m; p.tile_n = tile_n; p.splits = splits;
   p.ws_ptr = reinterpret_cast<uint64_t>(ws->untyped_data());
   p.ws_bytes = ws->size_bytes();
+  if (items) {
+    p.grouped = 1;
+    p.items_ptr = reinterpret_cast<uint64_t>(items->untyped_data());
+    p.items_bytes = items->size_bytes();
+    p.num_items = static_cast<int64_t>(items->element_count() / 3);
+  }
   char msg[512];
   const Variant* v = nullptr;
   if (const char* why = ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, msg, sizeof(msg)))
@@ -94,7 +110,32 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   // scales only for it)
   if (v->nt > 0) args.a_e5m2 |= a_scales_plain << 1;
   args.stream = stream; args.ws = ws->untyped_data(); args.splits = splits;
+  if (items) {
+    args.items = items->untyped_data();
+    args.num_items = static_cast<int32_t>(p.num_items);
+  }
   return g_state.Launch(*v, args);
+}
+
+ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
+                   ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
+                   ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
+                   int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l,
+                   int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
+                   int32_t splits) {
+  return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
+             k, l, a_scales_plain, nt, tile_m, tile_n, splits);
+}
+
+ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                         ffi::AnyBuffer sa, ffi::AnyBuffer sb, ffi::AnyBuffer alpha,
+                         ffi::AnyBuffer items, ffi::Result<ffi::AnyBuffer> c,
+                         ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
+                         int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
+                         int64_t g, int32_t a_scales_plain, int32_t nt, int32_t tile_m,
+                         int32_t tile_n, int32_t splits) {
+  return Run(stream, a, b, sa, sb, alpha, &items, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
+             k, g, a_scales_plain, nt, tile_m, tile_n, splits);
 }
 
 }  // namespace
@@ -124,38 +165,66 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm90, jbs::Execute,
                            .Attr<int32_t>("splits"),
                        {ffi::Traits::kCmdBufferCompatible});
 
+JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()  // a
+                           .Arg<ffi::AnyBuffer>()  // b
+                           .Arg<ffi::AnyBuffer>()  // sa
+                           .Arg<ffi::AnyBuffer>()  // sb
+                           .Arg<ffi::AnyBuffer>()  // alpha
+                           .Arg<ffi::AnyBuffer>()  // items
+                           .Ret<ffi::AnyBuffer>()  // c
+                           .Ret<ffi::AnyBuffer>()  // ws
+                           .Attr<int32_t>("a_kind")
+                           .Attr<int32_t>("b_kind")
+                           .Attr<int32_t>("a_e5m2")
+                           .Attr<int32_t>("b_e5m2")
+                           .Attr<int64_t>("m")
+                           .Attr<int64_t>("n")
+                           .Attr<int64_t>("k")
+                           .Attr<int64_t>("g")
+                           .Attr<int32_t>("a_scales_plain")
+                           .Attr<int32_t>("nt")
+                           .Attr<int32_t>("tile_m")
+                           .Attr<int32_t>("tile_n")
+                           .Attr<int32_t>("splits"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----
 extern "C" {
 
 JBS_EXPORT int jbs_num_variants() { return kJbsNumVariants; }
 
-// vals: a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk
+// vals: a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk, grouped
 JBS_EXPORT int jbs_variant_info(int i, const char** name, int* vals) {
   if (i < 0 || i >= kJbsNumVariants) return 1;
   const jbs::Variant& v = kJbsVariants[i];
   *name = v.name;
-  const int x[8] = {v.a_kind, v.b_kind, v.out, v.tile_m, v.tile_n, v.sm, v.nt, v.k_chunk};
-  for (int j = 0; j < 8; ++j) vals[j] = x[j];
+  const int x[9] = {v.a_kind, v.b_kind, v.out, v.tile_m, v.tile_n, v.sm, v.nt, v.k_chunk,
+                    v.grouped};
+  for (int j = 0; j < 9; ++j) vals[j] = x[j];
   return 0;
 }
 
 // The execute stage's validation (ValidateProblem), without a GPU. ints: a_kind, b_kind, out,
-// a_e5m2, b_e5m2, cc_major, cc_minor, sm_count, a_scales_plain, nt, tile_m, tile_n, splits;
-// longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, ws_bytes;
-// ptrs: a, b, sa, sb, c, alpha, ws. Returns 0 with the variant's name in msg, or 1 with the
-// reason.
+// a_e5m2, b_e5m2, cc_major, cc_minor, sm_count, a_scales_plain, nt, tile_m, tile_n, splits,
+// grouped; longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes,
+// ws_bytes, items_bytes, num_items; ptrs: a, b, sa, sb, c, alpha, ws, items. Returns 0 with the
+// variant's name in msg, or 1 with the reason.
 JBS_EXPORT int jbs_sm90_check_problem(const int* ints, const long long* longs,
                                       const unsigned long long* ptrs, char* msg, int msg_len) {
   jbs::Problem p{};
   p.a_kind = ints[0]; p.b_kind = ints[1]; p.out = ints[2]; p.a_e5m2 = ints[3];
   p.b_e5m2 = ints[4]; p.cc_major = ints[5]; p.cc_minor = ints[6]; p.sm_count = ints[7];
   p.a_scales_plain = ints[8]; p.nt = ints[9]; p.tile_m = ints[10]; p.tile_n = ints[11];
-  p.splits = ints[12];
+  p.splits = ints[12]; p.grouped = ints[13];
   p.m = longs[0]; p.n = longs[1]; p.k = longs[2]; p.l = longs[3];
   p.a_bytes = longs[4]; p.b_bytes = longs[5]; p.sa_bytes = longs[6]; p.sb_bytes = longs[7];
   p.c_bytes = longs[8]; p.alpha_bytes = longs[9]; p.ws_bytes = longs[10];
+  p.items_bytes = longs[11]; p.num_items = longs[12];
   p.a_ptr = ptrs[0]; p.b_ptr = ptrs[1]; p.sa_ptr = ptrs[2]; p.sb_ptr = ptrs[3];
-  p.c_ptr = ptrs[4]; p.alpha_ptr = ptrs[5]; p.ws_ptr = ptrs[6];
+  p.c_ptr = ptrs[4]; p.alpha_ptr = ptrs[5]; p.ws_ptr = ptrs[6]; p.items_ptr = ptrs[7];
   char buf[512];
   const jbs::Variant* v = nullptr;
   const char* why = jbs::ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, buf, sizeof(buf));

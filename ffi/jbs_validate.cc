@@ -25,9 +25,11 @@ int OutBytes(int out) {
 }
 const char* KindName(int kind) { return KnownKind(kind) ? jbs_catalog::kKindName[kind] : "unknown"; }
 
-// The decode kernel's own limits: the workspace, the split count and the launch grid.
+// The decode kernel's own limits: the workspace, the split count and the launch grid (grouped:
+// the work table too).
 const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n) {
-  const int64_t cells = p.l * p.m * p.n;  // bounded by INT32_MAX (checked before)
+  // output cells, bounded by INT32_MAX (checked before); a grouped call has one (M, N) output
+  const int64_t cells = (p.grouped ? 1 : p.l) * p.m * p.n;
   const int64_t k_chunks = CeilDiv(p.k, v.k_chunk);
   // grid (ceil(N / rows per CTA) * ceil(M / (8 nt)), splits, L): y and z at most 65535
   if (p.splits < 1 || p.splits > k_chunks || p.splits > 65535)
@@ -43,6 +45,16 @@ const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n)
   if (p.ws_ptr % 16)
     return Fail(buf, n, "workspace pointer 0x%llx is not 16-byte aligned",
                 (unsigned long long)p.ws_ptr);
+  if (p.grouped) {
+    // grid (ceil(N / rows per CTA) * items, splits, 1); entries (expert, first row, end row)
+    if (p.num_items < 1 || p.num_items > kInt32Max / CeilDiv(p.n, v.tile_n))
+      return Fail(buf, n, "grouped work table of %lld items out of range", (long long)p.num_items);
+    if (p.items_bytes != p.num_items * 12)
+      return Fail(buf, n, "grouped work table has %lld bytes, expected %lld (%lld items of 3 "
+                  "int32)", (long long)p.items_bytes, (long long)(p.num_items * 12),
+                  (long long)p.num_items);
+    return nullptr;
+  }
   if (p.l > 65535 || CeilDiv(p.n, v.tile_n) * CeilDiv(p.m, v.tile_m) > kInt32Max)
     return Fail(buf, n, "decode grid too large (L=%lld, M=%lld)", (long long)p.l, (long long)p.m);
   return nullptr;
@@ -64,13 +76,14 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   for (int i = 0; i < num_variants && !v; ++i) {
     const Variant& c = variants[i];
     if (c.sm == 90 && c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out &&
-        c.nt == p.nt && c.tile_m == p.tile_m && c.tile_n == p.tile_n)
+        c.nt == p.nt && c.tile_m == p.tile_m && c.tile_n == p.tile_n &&
+        c.grouped == p.grouped)
       v = &c;
   }
   if (!v)
     return Fail(buf, n, "no compiled sm90 %s kernel for %s x %s with output code %d and tile "
-                "%dx%d", p.nt ? "decode" : "fused", KindName(p.a_kind), KindName(p.b_kind),
-                p.out, p.tile_m, p.tile_n);
+                "%dx%d", p.grouped ? "grouped decode" : p.nt ? "decode" : "fused",
+                KindName(p.a_kind), KindName(p.b_kind), p.out, p.tile_m, p.tile_n);
   if ((p.a_e5m2 != 0 && p.a_e5m2 != 1) || (p.b_e5m2 != 0 && p.b_e5m2 != 1))
     return Fail(buf, n, "a_e5m2/b_e5m2 must be 0 or 1");
   if ((p.a_e5m2 && p.a_kind != JBS_MXFP8) || (p.b_e5m2 && p.b_kind != JBS_MXFP8))
@@ -87,16 +100,18 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.a_kind == JBS_BF16_KPERM && p.k % 64)
     return Fail(buf, n, "K=%lld must be a multiple of 64 for a K-permuted activation",
                 (long long)p.k);
-  // The kernel indexes with 32-bit integers.
+  // The kernel indexes with 32-bit integers. la: batch of A and C (a grouped call has one
+  // activation and one output; its L counts the experts of B).
+  const int64_t la = p.grouped ? 1 : p.l;
   const int64_t a_row = RowBytes(p.a_kind, p.k), b_row = RowBytes(p.b_kind, p.k);
-  if (p.m > kInt32Max / p.n / p.l || p.m > kInt32Max / a_row / p.l ||
+  if (p.m > kInt32Max / p.n / la || p.m > kInt32Max / a_row / la ||
       p.n > kInt32Max / b_row / p.l || p.k > kInt32Max)
     return Fail(buf, n, "problem too large for 32-bit indexing (M=%lld N=%lld K=%lld L=%lld)",
                 (long long)p.m, (long long)p.n, (long long)p.k, (long long)p.l);
   // Buffer sizes.
-  if (p.a_bytes != p.l * p.m * a_row)
+  if (p.a_bytes != la * p.m * a_row)
     return Fail(buf, n, "A buffer has %lld bytes, expected %lld", (long long)p.a_bytes,
-                (long long)(p.l * p.m * a_row));
+                (long long)(la * p.m * a_row));
   if (p.b_bytes != p.l * p.n * b_row)
     return Fail(buf, n, "B buffer has %lld bytes, expected %lld", (long long)p.b_bytes,
                 (long long)(p.l * p.n * b_row));
@@ -107,8 +122,8 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     return Fail(buf, n, "plain A scales need the decode kernel; the planned %s is a fused "
                 "variant", v->name);
   if (ba) {
-    const int64_t want = p.a_scales_plain ? p.l * p.m * (p.k / ba)
-                                          : BlockedScaleBytes(p.l, p.m, p.k, ba);
+    const int64_t want = p.a_scales_plain ? la * p.m * (p.k / ba)
+                                          : BlockedScaleBytes(la, p.m, p.k, ba);
     if (p.sa_bytes != want)
       return Fail(buf, n, "A scale buffer has %lld bytes, expected %lld (%s layout)",
                   (long long)p.sa_bytes, (long long)want, p.a_scales_plain ? "plain" : "blocked");
@@ -117,19 +132,21 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.sb_bytes != want_sb)
     return Fail(buf, n, "B scale buffer has %lld bytes, expected %lld (blocked layout)",
                 (long long)p.sb_bytes, (long long)want_sb);
-  if (p.c_bytes != p.l * p.m * p.n * OutBytes(p.out))
+  if (p.c_bytes != la * p.m * p.n * OutBytes(p.out))
     return Fail(buf, n, "output buffer has %lld bytes, expected %lld", (long long)p.c_bytes,
-                (long long)(p.l * p.m * p.n * OutBytes(p.out)));
-  if (p.alpha_bytes != 4)
-    return Fail(buf, n, "alpha must be one float32, got %lld bytes", (long long)p.alpha_bytes);
+                (long long)(la * p.m * p.n * OutBytes(p.out)));
+  if (p.alpha_bytes != (p.grouped ? 4 * p.l : 4))
+    return Fail(buf, n, "alpha must be %s, got %lld bytes",
+                p.grouped ? "one float32 per expert" : "one float32", (long long)p.alpha_bytes);
   if (BlockedScaleBytes(p.l, p.n, p.k, bb) / 128 > kInt32Max ||
-      (ba && BlockedScaleBytes(p.l, p.m, p.k, ba) / 128 > kInt32Max))
+      (ba && BlockedScaleBytes(la, p.m, p.k, ba) / 128 > kInt32Max))
     return Fail(buf, n, "scale tensors too large for 32-bit indexing");
   // TMA needs 16-byte aligned global addresses.
   const jbs_check::Pointer ptrs[] = {
       {"A", p.a_ptr, 16, true},       {"B", p.b_ptr, 16, true},
       {"A scales", p.sa_ptr, 16, ba != 0}, {"B scales", p.sb_ptr, 16, true},
-      {"output", p.c_ptr, OutBytes(p.out), true}, {"alpha", p.alpha_ptr, 4, true}};
+      {"output", p.c_ptr, OutBytes(p.out), true}, {"alpha", p.alpha_ptr, 4, true},
+      {"work table", p.items_ptr, 4, p.grouped != 0}};
   if (const char* why = jbs_check::CheckPointers(ptrs, buf, n)) return why;
   if (v->nt) {
     if (const char* why = CheckDecode(p, *v, buf, n)) return why;

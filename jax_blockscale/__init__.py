@@ -12,6 +12,7 @@ from .ragged_backends import RaggedSpec, ragged_backend_names, register_ragged_b
 from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
 from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper; library loads lazily)
 from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
+from .lowering import ragged_sm90 as _ragged_sm90_backend  # noqa: F401,E402  (ragged_gemm on Hopper)
 from .quantize import (BlockScaled, check_blockscaled, dequantize, pack_fp4, quantize, to_blocked,
                        to_plain, unpack_fp4)
 from .serialization import CorruptFileError, ParamsFileError  # noqa: E402  (load_params' errors)

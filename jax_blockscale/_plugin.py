@@ -26,6 +26,7 @@ SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), 
 # cuBLASLt GEMM with alpha in its epilogue (ffi/jbs_dot_alpha.cc): the sm90 large-M path with a
 # global scale
 DOT_ALPHA_TARGET = "jax_blockscale_dot_alpha"
+RAGGED_SM90_TARGET = "jax_blockscale_ragged_gemm_sm90"  # ragged_gemm's grouped decode kernel
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -110,6 +111,11 @@ def register_targets() -> bool:
                 "execute": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90),
             }
             jax.ffi.register_ffi_target(SM90_TARGET, handlers, platform="CUDA")
+            if has_ragged_sm90(lib):
+                jax.ffi.register_ffi_target(RAGGED_SM90_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_ragged_gemm_sm90),
+                }, platform="CUDA")
             if has_sm100(lib):
                 jax.ffi.register_ffi_target(SM100_TARGET, {
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
@@ -124,7 +130,7 @@ def register_targets() -> bool:
     return True
 
 
-_SM90_FIELDS = ("a_kind", "b_kind", "out", "tile_m", "tile_n", "sm", "nt", "k_chunk")
+_SM90_FIELDS = ("a_kind", "b_kind", "out", "tile_m", "tile_n", "sm", "nt", "k_chunk", "grouped")
 
 
 def variants() -> list[dict]:
@@ -163,10 +169,10 @@ def manifest() -> dict | None:
 
 
 _SM90_INTS = ("a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "cc_major", "cc_minor", "sm_count",
-               "a_scales_plain", "nt", "tile_m", "tile_n", "splits")
+               "a_scales_plain", "nt", "tile_m", "tile_n", "splits", "grouped")
 _SM90_LONGS = ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes", "c_bytes",
-               "alpha_bytes", "ws_bytes")
-_SM90_PTRS = ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "ws_ptr")
+               "alpha_bytes", "ws_bytes", "items_bytes", "num_items")
+_SM90_PTRS = ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "ws_ptr", "items_ptr")
 
 
 def check_problem(**kw) -> tuple[bool, str]:
@@ -177,7 +183,8 @@ def check_problem(**kw) -> tuple[bool, str]:
     if lib is None:
         raise RuntimeError(unavailable_reason())
     kw = dict(dict(cc_major=9, cc_minor=0, sm_count=132, a_e5m2=0, b_e5m2=0, a_scales_plain=0,
-                   nt=0, splits=0, alpha_bytes=4, ws_bytes=0), **kw)
+                   nt=0, splits=0, alpha_bytes=4, ws_bytes=0, grouped=0, items_bytes=0,
+                   num_items=0), **kw)
     ptrs = [kw.get(n, 0x10000 * (i + 1)) for i, n in enumerate(_SM90_PTRS)]
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_sm90_check_problem((ctypes.c_int * len(_SM90_INTS))(*(kw[n] for n in _SM90_INTS)),
@@ -185,6 +192,12 @@ def check_problem(**kw) -> tuple[bool, str]:
                                         *(kw[n] for n in _SM90_LONGS)),
                                     (ctypes.c_ulonglong * len(_SM90_PTRS))(*ptrs), buf, len(buf))
     return rc == 0, buf.value.decode()
+
+
+def has_ragged_sm90(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has ragged_gemm's sm90 target (the grouped decode kernel)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_ragged_gemm_sm90")
 
 
 def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:

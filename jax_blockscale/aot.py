@@ -80,7 +80,13 @@ def variants_header(variants: list[cat.Variant]) -> str:
             f"static void load_{p}() {{ {p}_Kernel_Module_Load(&g_{p}); }}",
             f"static int32_t launch_{p}(const jbs::LaunchArgs& a) {{",
         ]
-        if v.kernel == "decode":  # f32 workspace + split-K count
+        if v.kernel == "ragged_decode":  # + the work table and its length; l = G experts
+            lines += [
+                f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.ws,",
+                "                               a.items, a.m, a.n, a.k, a.l, a.num_items,",
+                "                               a.a_e5m2, a.b_e5m2, a.splits, a.stream);",
+            ]
+        elif v.kernel == "decode":  # f32 workspace + split-K count
             lines += [
                 f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.ws,",
                 "                               a.m, a.n, a.k, a.l, a.a_e5m2, a.b_e5m2, a.splits,",
@@ -94,13 +100,15 @@ def variants_header(variants: list[cat.Variant]) -> str:
         lines.append("}")
     lines += ["}  // namespace jbs_generated", "",
               "// name, a_kind, b_kind, out, tile_m, tile_n, sm, nt (0: fused; 1/2/4/8: decode),",
-              "// k_chunk (decode: K elements per sub-chunk), load, launch",
+              "// k_chunk (decode: K elements per sub-chunk), grouped (1: ragged_gemm's grouped",
+              "// decode kernel), load, launch",
               "static const jbs::Variant kJbsVariants[] = {"]
     for v in variants:
         p = v.name
         lines.append(
             f'  {{"{p}", {cat.KIND_CODES[v.a_kind]}, {cat.KIND_CODES[v.b_kind]}, '
             f'{cat.OUT_CODES[v.out]}, {v.tile_m}, {v.tile_n}, 90, {v.nt}, {v.k_chunk}, '
+            f'{int(v.kernel == "ragged_decode")}, '
             f"&jbs_generated::load_{p}, &jbs_generated::launch_{p}}},")
     lines += ["};", f"static const int kJbsNumVariants = {len(variants)};"]
     return "\n".join(lines) + "\n"
@@ -111,11 +119,12 @@ def _build_one(job) -> float:
     out_dir, v = job
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     t0 = time.time()
-    if v.kernel == "decode":
+    if v.kernel in ("decode", "ragged_decode"):
         from jax_blockscale.kernels import sm90_decode
 
         sm90_decode.export_variant(cat.DecodeVariant(v.a_kind, v.b_kind, v.out, v.nt), out_dir,
-                                   function_prefix=v.name, arch="sm_90a")
+                                   function_prefix=v.name, arch="sm_90a",
+                                   grouped=v.kernel == "ragged_decode")
     else:
         from jax_blockscale.kernels.export import export_compiled
         from jax_blockscale.kernels.sm90_blockscaled import compile_variant

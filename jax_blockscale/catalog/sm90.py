@@ -12,6 +12,11 @@ Three kernels share one FFI target (`jax_blockscale_gemm_sm90`):
     `activation_k_order` (operand kind "bf16_kperm"), weight kinds REGISTER_WEIGHT_KINDS.
   * **decode**: kernels/sm90_decode.py, split-K weight streaming for M <= DECODE_MAX_ROWS, an f32
     workspace of one L*M*N slice per split; pairs DECODE_PAIRS.
+
+and a fourth has its own target (`jax_blockscale_ragged_gemm_sm90`, `ragged_gemm`):
+
+  * **ragged_decode**: the decode kernel over a mixture's experts (Sm90RaggedDecodeGemm), rows
+    from a work table of (expert, first row, end row); the same pairs, tiles and tunings.
 """
 from __future__ import annotations
 
@@ -279,6 +284,49 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 
 
 # ----------------------------------------------------------------------------------------------
+# The grouped decode kernel (kernels/sm90_decode.py: Sm90RaggedDecodeGemm): `ragged_gemm`'s
+# experts, rows of each expert in work items of at most 8 nt rows (the item table is built by
+# the lowering from the group sizes), every decode pair, tile and tuning as above.
+
+# Past this many rows per expert on average the experts' weights would be streamed once per
+# 64-row item, and dequantize + XLA's grouped GEMM (the reference) is the better path.
+RAGGED_DECODE_MAX_AVG_ROWS = DECODE_MAX_ROWS
+
+
+def ragged_decode_items(m: int, groups: int, nt: int) -> int:
+    """Entries of the work table for M rows over G groups: an upper bound on the items the
+    groups need (at most min(G, M) groups have rows, and sum over them of ceil(size / 8 nt) <=
+    M / 8 nt + their count), plus the two zero items (the rows before the first group and after
+    the last). Every entry is a CTA per tile of N, so the bound is kept tight."""
+    return _ceil_div(m, 8 * nt) + min(groups, m) + 2
+
+
+def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16"):
+    """(variant, splits, items) for a grouped call of M rows (all groups together) over
+    `groups` experts of (N, K), or None if the grouped decode kernel does not run it.
+
+    The item height follows the average rows per expert; splits fill about one wave with the
+    CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense kernel."""
+    a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
+    b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
+    if (a_kind, b_kind) not in DECODE_PAIRS or out not in OUTS:
+        return None
+    if m < 1 or n < 1 or groups < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
+        return None
+    avg = _ceil_div(m, groups)
+    if avg > RAGGED_DECODE_MAX_AVG_ROWS:
+        return None
+    nt = nt_for(avg)
+    tuning = tuning_for(nt)
+    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
+    ctas = _ceil_div(n, tuning.bn) * min(groups, m)
+    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
+    per = _ceil_div(k_chunks, splits)
+    return (DecodeVariant(a_kind, b_kind, out, nt), _ceil_div(k_chunks, per),
+            ragged_decode_items(m, groups, nt))
+
+
+# ----------------------------------------------------------------------------------------------
 # The library's variant table (what the AOT build compiles and the C++ table lists)
 
 
@@ -286,9 +334,10 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 class Variant:
     """One compiled sm90 kernel as the FFI handler's table knows it.
 
-    kernel: "fused" | "register_weights" | "decode"; nt: 0 for the fused kernels, else the decode
-    kernel's n8 tiles of M per CTA (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its
-    tuning's bn); k_chunk: decode only, K elements per sub-chunk (a split's unit)."""
+    kernel: "fused" | "register_weights" | "decode" | "ragged_decode" (the grouped decode
+    kernel); nt: 0 for the fused kernels, else the decode kernel's n8 tiles of M per CTA
+    (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its tuning's bn); k_chunk: decode only,
+    K elements per sub-chunk (a split's unit)."""
 
     kernel: str
     a_kind: str
@@ -303,6 +352,8 @@ class Variant:
     def name(self) -> str:
         if self.kernel == "decode":
             return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt).name
+        if self.kernel == "ragged_decode":
+            return ragged_decode_name(DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt))
         return f"jbs_sm90_{self.a_kind}_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
 
 
@@ -311,10 +362,14 @@ def fused_variant(a_kind: str, b_kind: str, out: str, tile_m: int, tile_n: int) 
     return Variant(kernel, a_kind, b_kind, out, tile_m, tile_n)
 
 
-def decode_variant(v: DecodeVariant) -> Variant:
+def decode_variant(v: DecodeVariant, kernel: str = "decode") -> Variant:
     t = tuning_for(v.nt)
-    return Variant("decode", v.a_kind, v.b_kind, v.out, 8 * v.nt, t.bn, v.nt,
+    return Variant(kernel, v.a_kind, v.b_kind, v.out, 8 * v.nt, t.bn, v.nt,
                    decode_chunk_elems(v.b_kind, v.nt, t))
+
+
+def ragged_decode_name(v: DecodeVariant) -> str:
+    return v.name.replace("jbs_sm90_decode_", "jbs_sm90_ragged_decode_")
 
 
 VARIANTS = tuple(
@@ -322,4 +377,5 @@ VARIANTS = tuple(
      for (tm, tn) in FUSED_TILES]
     + [fused_variant("bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS for out in OUTS
        for (tm, tn) in REGISTER_WEIGHT_TILES]
-    + [decode_variant(v) for v in DECODE_VARIANTS])
+    + [decode_variant(v) for v in DECODE_VARIANTS]
+    + [decode_variant(v, "ragged_decode") for v in DECODE_VARIANTS])

@@ -85,8 +85,11 @@ from jax_blockscale.kernels.sm90_ptx import (
 # The kernel
 # ----------------------------------------------------------------------------------------------
 class Sm90DecodeGemm:
+    grouped = False  # Sm90RaggedDecodeGemm: rows of M come from a work table, one expert each
+
     def __init__(self, variant: DecodeVariant, tuning: Tuning | None = None):
         tuning = tuning or tuning_for(variant.nt)
+        assert tuning.pipeline == "tma" or not self.grouped, tuning
         self.tuning = tuning
         self.sub = tuning.sub_steps
         v = variant
@@ -216,7 +219,10 @@ class Sm90DecodeGemm:
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nb, _, _ = cute.arch.grid_dim()
-        alpha = self._alpha(alpha_ptr)
+        if cutlass.const_expr(self.grouped):
+            alpha = cutlass.Float32(1.0)  # the main kernel applied each expert's alpha
+        else:
+            alpha = self._alpha(alpha_ptr)
         cute.arch.griddepcontrol_wait()  # the main kernel's partials are complete and visible
         ws = ws_ptr.toint()
         c = c_ptr.toint()
@@ -286,7 +292,7 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
-              b_e5m2, splits, mchunks, tma):
+              b_e5m2, splits, mchunks, tma, work=None):
         v = self.v
         nt, se, e, Q = v.nt, self.se, self.e, self.q
         tid, _, _ = cute.arch.thread_idx()
@@ -300,6 +306,24 @@ class Sm90DecodeGemm:
         t = lane % 4
         li = bz
         m0 = (bxm % mchunks) * (8 * nt)
+        m_end = m  # rows [m0, m_end) of batch entry li are this CTA's (up to 8 nt of them)
+        li_a = li  # the activation's batch entry
+        expert = li
+        if cutlass.const_expr(self.grouped):
+            # work item (expert, first row, end row) of the table: rows of the (M, K) activation
+            # and of the (M, N) output; expert -1: rows no group owns, written as zeros. The
+            # entry is clamped so that no table can make the kernel read or write out of
+            # bounds: rows to [0, M), a computed item to 8 nt rows, an expert past G computes
+            # nothing.
+            items_ptr, groups = work
+            entry = items_ptr.toint() + cutlass.Int64(bxm % mchunks) * 12
+            expert = ldg_bytes(entry, 1, 4)
+            m0 = cutlass.min(cutlass.max(ldg_bytes(entry + 4, 1, 4), 0), m)
+            m_end = cutlass.min(cutlass.max(ldg_bytes(entry + 8, 1, 4), m0), m)
+            m_end = m_end - cutlass.Int32(expert >= 0) * cutlass.max(0, m_end - m0 - 8 * nt)
+            expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
+            li = cutlass.max(expert, 0)
+            li_a = cutlass.Int32(0)
 
         smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
@@ -318,6 +342,8 @@ class Sm90DecodeGemm:
         k_begin = by * per * chunk
         k_end = cutlass.min(k, k_begin + per * chunk)
         n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
+        if cutlass.const_expr(self.grouped):
+            n_sub = n_sub * cutlass.Int32((m_end > m0) & (expert >= 0))  # empty item: no K loop
 
         # ---- per-row constants (R rows per thread: R/2 row tiles x {g, g+8}) ------------------
         b_pitch = cutlass.Int64(k * self.b_bits // 8)
@@ -347,9 +373,14 @@ class Sm90DecodeGemm:
         acc = cute.make_rmem_tensor((self.RT * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
-            self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
-                               a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t,
-                               a_fp8, b_fp8)
+            if cutlass.const_expr(self.grouped):
+                self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
+                                   a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g,
+                                   t, a_fp8, b_fp8, rows=(li_a, m_end))
+            else:
+                self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
+                                   a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g,
+                                   t, a_fp8, b_fp8)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
@@ -372,7 +403,10 @@ class Sm90DecodeGemm:
         # launcher skips finalize_kernel ----
         _, _, nl = cute.arch.grid_dim()  # L
         outputs = self._outputs(bx, warp, g, t, m0)
-        if splits == 1:
+        if cutlass.const_expr(self.grouped):
+            self._grouped_epilogue(outputs, acc, c_ptr, alpha_ptr, ws_ptr, expert, m, n, m0,
+                                   m_end, bx, by, splits, tid)
+        elif splits == 1:
             alpha = self._alpha(alpha_ptr)
             mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
             for row, mm, j in outputs:
@@ -384,9 +418,44 @@ class Sm90DecodeGemm:
                 addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
 
-    def _alpha(self, alpha_ptr):
-        """alpha from device memory, times FOLD_ALPHA when the nvfp4 scales carry the fold."""
-        alpha = ldg_f32(alpha_ptr.toint())
+    @cute.jit
+    def _grouped_epilogue(self, outputs, acc, c_ptr, alpha_ptr, ws_ptr, expert, m, n, m0, m_end,
+                          bx, by, splits, tid):
+        """Grouped calls: the item's rows [m0, m_end) of the (M, N) output (one split) or of
+        the split's (M, N) workspace slice, times the expert's alpha (alpha[expert]: the
+        finalize kernel then only adds). A zero item (expert -1) writes zeros to its rows in
+        this CTA's columns, so that every row no group owns reads as zero; an invalid one
+        (-2) writes nothing."""
+        alpha = self._alpha(alpha_ptr, cutlass.max(expert, 0))
+        mC = cute.make_tensor(c_ptr, cute.make_layout(m * n))
+        split_base = cutlass.Int64(by) * m * n
+        ws_addr = ws_ptr.toint()
+        for row, mm, j in outputs:
+            ok = (row < n) & (mm < m_end)
+            if splits == 1:
+                if ok:
+                    mC[mm * n + row] = self.c_dtype(acc[j] * alpha)
+            else:
+                stg_f32(ws_addr + (split_base + cutlass.Int64(mm) * n + row) * 4,
+                        acc[j] * alpha, cutlass.Int32(ok))
+        if expert == -1:
+            for idx in range(tid, (m_end - m0) * self.BN, THREADS):
+                mm = m0 + idx // self.BN
+                row = bx * self.BN + idx % self.BN
+                if row < n:
+                    if splits == 1:
+                        mC[mm * n + row] = self.c_dtype(0.0)
+                    else:
+                        stg_f32(ws_addr + (split_base + cutlass.Int64(mm) * n + row) * 4,
+                                cutlass.Float32(0.0), cutlass.Int32(1))
+
+    def _alpha(self, alpha_ptr, index=None):
+        """alpha (alpha[index] of a per-expert table) from device memory, times FOLD_ALPHA when
+        the nvfp4 scales carry the fold."""
+        if cutlass.const_expr(index is None):
+            alpha = ldg_f32(alpha_ptr.toint())
+        else:
+            alpha = ldg_f32(alpha_ptr.toint() + cutlass.Int64(index) * 4)
         if cutlass.const_expr(self.fold):
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
         return alpha
@@ -474,14 +543,17 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
-                      a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8):
+                      a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8,
+                      rows=None):
         """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
         box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
         stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
         thread and step. The CTA barrier that stages the activations also tells that the slot
         being refilled has been read by everyone. (Rows of 128 / 256 bytes cost a 2-way bank
-        conflict in the 16-byte reads; the longer row segments more than pay for it.)"""
+        conflict in the 16-byte reads; the longer row segments more than pay for it.)
+        rows = (the activation's batch entry, end row) when they are not (li, m): grouped."""
         tma_w, tW, tma_s, tS = tma
+        li_a, m_end = rows if rows is not None else (li, None)
         S = self.tuning.stages
         T = self.scale_tiles
         chunk = self.sub * self.se
@@ -513,7 +585,8 @@ class Sm90DecodeGemm:
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
-        self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, k_begin, k_end, tid, n_sub > 0)
+        self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid, n_sub > 0,
+                       m_end)
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
@@ -522,8 +595,8 @@ class Sm90DecodeGemm:
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
             self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, a_scales, li, m, m0, k, kc + chunk, k_end, tid,
-                           it + 1 < n_sub)
+            self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, kc + chunk, k_end, tid,
+                           it + 1 < n_sub, m_end)
             stage = it % S
             if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
                 mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
@@ -810,11 +883,12 @@ class Sm90DecodeGemm:
         return (self.items + THREADS - 1) // THREADS
 
     @cute.jit
-    def _load_act(self, raw, a_addr, a_scales, li, m, m0, k, kc, k_end, tid, active):
+    def _load_act(self, raw, a_addr, a_scales, li, m, m0, k, kc, k_end, tid, active, m_end=None):
         """Issue the loads of one sub-chunk's activations into `raw` (registers).
         Item (c, nt, q, lane=4g+t) = 8 elements of row m0 + 8nt + g at K kc + c*se + t*e + 8q;
         rows >= M, K >= k_end and items past the count load zeros. a_scales = (address of A's
-        scales, 1 if they are in the plain layout [L, M, K / block] else 0: blocked)."""
+        scales, 1 if they are in the plain layout [L, M, K / block] else 0: blocked).
+        m_end: rows from here on load zeros too (default M; a grouped item's end row)."""
         sa_addr, sa_plain = a_scales
         v = self.v
         nt, Q, W = v.nt, self.q, self._act_words
@@ -826,8 +900,12 @@ class Sm90DecodeGemm:
             c = idx // (32 * Q * nt)
             row = m0 + i * 8 + lane // 4
             kk = kc + c * self.se + (lane % 4) * self.e + q * 8
-            ok = cutlass.Int32(active & (idx < self.items) & (row < m) & (kk < k_end))
-            rowc = cutlass.min(row, m - 1)
+            if cutlass.const_expr(m_end is None):
+                ok = cutlass.Int32(active & (idx < self.items) & (row < m) & (kk < k_end))
+                rowc = cutlass.min(row, m - 1)
+            else:
+                ok = cutlass.Int32(active & (idx < self.items) & (row < m_end) & (kk < k_end))
+                rowc = cutlass.max(cutlass.min(row, m_end - 1), 0)
             if cutlass.const_expr(not self.a_quant):
                 addr = a_addr + (cutlass.Int64(li) * m + rowc) * k * 2 + cutlass.Int64(kk) * 2
                 x = ldg_v4(addr, ok)
@@ -867,14 +945,99 @@ class Sm90DecodeGemm:
                 sts_v4(buf + idx * 16, x)
 
 
+class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
+    """The decode kernel for grouped GEMMs (`jbs.ragged_gemm`, experts of a mixture):
+
+        y[m, n] = alpha[e] * sum_k A[m, k] * B[e, n, k]   for the rows m of expert e
+
+    A is one (M, K) activation whose rows are sorted by expert; B holds G experts' weights
+    (G, N, K) with blocked scales (G, ceil(N/128), ceil(SK/4), 32, 4, 4); alpha one f32 per
+    expert. The rows come as a work table built by the caller (`items`, int32 [num_items, 3]):
+    (expert, first row, end row), at most 8 nt rows per item, an expert's items adjacent.
+    Expert -1 marks rows no expert owns (before the first group, after the last): those items
+    write zeros. Items with no rows exit after reading their entry.
+
+    Grid (ceil(N / BN) * num_items, splits, 1), items fastest: the items of one expert stream
+    the same weight tile together (the second one reads it from L2). Everything else is the
+    dense decode kernel (same main loop, dequantization and MMAs): only the rows an item reads
+    and writes, the weights' batch index (its expert) and the alpha it applies differ. With
+    splits > 1 each split stores alpha[e] times its partial sums and the finalize kernel adds
+    them with alpha 1."""
+
+    grouped = True
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        ws_ptr: cute.Pointer,
+        items_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        g: cutlass.Int32,
+        num_items: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        splits: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        total = m * n
+        per_thread = cutlass.Int32(1) + 3 * cutlass.Int32(total >= FIN_FOUR_FROM)
+        ew_grid = cutlass.min((total + 256 * per_thread - 1) // (256 * per_thread), 2048)
+        kern = self.kernel_grouped(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr,
+                                   items_ptr, m, n, k, a_e5m2, b_e5m2, splits, num_items, g,
+                                   *self._tma_atoms(b_ptr, sb_ptr, n, k, g))
+        kern.launch(grid=[((n + self.BN - 1) // self.BN) * num_items, splits, 1],
+                    block=[THREADS, 1, 1], min_blocks_per_mp=self.tuning.min_blocks,
+                    preferred_smem_carveout=100, stream=stream)
+        if splits > 1:
+            self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
+                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel_grouped(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        ws_ptr: cute.Pointer,
+        items_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        splits: cutlass.Int32,
+        num_items: cutlass.Int32,
+        groups: cutlass.Int32,
+        tma_w: cute.CopyAtom,
+        tW: cute.Tensor,
+        tma_s: cute.CopyAtom,
+        tS: cute.Tensor,
+    ):
+        self._body(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
+                   b_e5m2, splits, num_items, (tma_w, tW, tma_s, tS), (items_ptr, groups))
+
+
 # ----------------------------------------------------------------------------------------------
 # Build / export
 # ----------------------------------------------------------------------------------------------
-def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning | None = None):
-    """cute.compile one variant for `arch` (no GPU needed) with placeholder pointers."""
-    gemm = Sm90DecodeGemm(variant, tuning)
+def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning | None = None,
+                    grouped: bool = False):
+    """cute.compile one variant (`grouped`: its Sm90RaggedDecodeGemm) for `arch` (no GPU
+    needed) with placeholder pointers."""
+    gemm = (Sm90RaggedDecodeGemm if grouped else Sm90DecodeGemm)(variant, tuning)
     a_t = cutlass.BFloat16 if variant.a_kind == "bf16" else cutlass.Uint8
-    args = (
+    pointers = [
         placeholder_ptr(a_t),
         placeholder_ptr(cutlass.Uint8),
         placeholder_ptr(cutlass.Uint8),
@@ -882,20 +1045,21 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning
         placeholder_ptr(OUT_DTYPES[variant.out]),
         placeholder_ptr(cutlass.Float32, align=4),
         placeholder_ptr(cutlass.Float32),
-        *(cutlass.Int32(1) for _ in range(4)),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cutlass.Int32(1),
-        cuda.CUstream(0),
-    )
+    ]
+    if grouped:  # + items; m, n, k, g, num_items
+        pointers.append(placeholder_ptr(cutlass.Int32, align=4))
+    sizes = [cutlass.Int32(1) for _ in range(5 if grouped else 4)]
+    args = (*pointers, *sizes, cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1),
+            cuda.CUstream(0))
     return compile_for_arch(gemm, args, arch)
 
 
 def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | None = None,
-                   arch: str = "sm_90a", tuning: Tuning | None = None):
+                   arch: str = "sm_90a", tuning: Tuning | None = None, grouped: bool = False):
     """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
 
     The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,
-    l, a_e5m2, b_e5m2, splits, stream)`; returns (header path, object path)."""
-    return export_compiled(compile_variant(variant, arch, tuning), out_dir,
+    l, a_e5m2, b_e5m2, splits, stream)` (grouped: `..., ws, items, m, n, k, g, num_items,
+    a_e5m2, b_e5m2, splits, stream`); returns (header path, object path)."""
+    return export_compiled(compile_variant(variant, arch, tuning, grouped), out_dir,
                            function_prefix or variant.name)

@@ -337,6 +337,53 @@ def plan_sm90(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> P
 # sm100
 
 
+def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
+    """The sm90 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec), or why the grouped decode
+    kernel cannot run it: its operand pairs, K a multiple of 32 and of the blocks, rows per
+    expert on average within the kernel's (past them dequantize + XLA's grouped GEMM, the
+    reference, is faster), 32-bit offsets; the variant, item height and split count from the
+    catalogue (catalog/sm90.py: choose_ragged_decode_variant)."""
+    from ..ragged_backends import RaggedPlan  # noqa: PLC0415  (ragged_backends imports lowering)
+
+    out = cat90.OUT_OF_DTYPE.get(np.dtype(spec.out_dtype).name)
+    if spec.fmt_lhs is None and np.dtype(spec.lhs_dtype) != np.dtype("bfloat16"):
+        return (f"weight-only sm90 needs a bf16 activation ({np.dtype(spec.lhs_dtype).name} is "
+                "not exact in bf16)")
+    if out is None:
+        return f"out dtype {np.dtype(spec.out_dtype).name} not supported"
+    if min(spec.m, spec.n, spec.k, spec.groups) < 1:
+        return "empty problem"
+    if spec.k % 32:
+        return f"K={spec.k} must be a multiple of 32 for the grouped decode kernel"
+    choice = cat90.choose_ragged_decode_variant(spec.m, spec.n, spec.k, spec.groups,
+                                                spec.fmt_lhs, spec.fmt_rhs, device.sm_count, out)
+    if choice is None:
+        ka, kb = cat90.KIND_OF_FORMAT.get(spec.fmt_lhs), cat90.KIND_OF_FORMAT.get(spec.fmt_rhs)
+        if (ka, kb) not in cat90.DECODE_PAIRS:
+            return f"the grouped decode kernel has no {spec.fmt_lhs or 'plain'} x {spec.fmt_rhs} variant"
+        return (f"{spec.m} rows over {spec.groups} experts: more than "
+                f"{cat90.RAGGED_DECODE_MAX_AVG_ROWS} per expert on average")
+    v, splits, items = choice
+    ka, kb = v.a_kind, v.b_kind
+    a_row = spec.k * cat90.KINDS[ka]["bits"] // 8
+    b_row = spec.k * cat90.KINDS[kb]["bits"] // 8
+    if max(splits * spec.m * spec.n, spec.m * a_row, spec.groups * spec.n * b_row) > _INT32_MAX:
+        return "problem too large for the kernel's 32-bit indexing"
+    if device.arch != "sm90":
+        return device.reason or ("the sm90 kernels need compute capability 9.0, this device is "
+                                 f"{device.arch}")
+    why = library.unavailable_reason()
+    if why is not None:
+        return why
+    name = cat90.ragged_decode_name(v)
+    if not library.has(name):
+        return f"the library has no grouped decode variant {name} (built before ragged_gemm's kernels?)"
+    return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
+                      nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
+                      items=items,
+                      a_scales_plain=spec.fmt_lhs is not None and spec.layout_lhs == "plain")
+
+
 def forced_sm100_tile(value: str) -> tuple[int, int, int, int]:
     """'128x64' or '256x128c2x1' -> (tile_m, tile_n, cluster_m, cluster_n)."""
     m = re.fullmatch(r"(\d+)x(\d+)(?:c(\d)x(\d))?", value)

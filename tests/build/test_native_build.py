@@ -44,9 +44,9 @@ def test_variant_table_is_the_catalogue():
         row = got.get(v.name)
         assert row is not None, f"{v.name} not compiled"
         assert (row["a_kind"], row["b_kind"], row["out"], row["tile_m"], row["tile_n"],
-                row["sm"], row["nt"], row["k_chunk"]) == (
+                row["sm"], row["nt"], row["k_chunk"], row["grouped"]) == (
             KIND_CODES[v.a_kind], KIND_CODES[v.b_kind], OUT_CODES[v.out], v.tile_m, v.tile_n,
-            90, v.nt, v.k_chunk), v.name
+            90, v.nt, v.k_chunk, int(v.kernel == "ragged_decode")), v.name
     assert set(got) == {v.name for v in cat.VARIANTS}
 
 
@@ -282,6 +282,83 @@ def test_every_plan_is_accepted_and_named_back():
         ok, name = _plugin.check_problem(**_call_of(p))
         assert ok and name == p.variant, (p, name)
     assert kernels == {"fused", "register_weights", "decode"}
+
+
+# ---- ragged_gemm's grouped decode kernel --------------------------------------------------------
+
+def _ragged_spec(fa, fb, layout_lhs, out, m, n, k, groups):
+    from jax_blockscale.ragged_backends import RaggedSpec
+    lhs_dtype = np.dtype("bfloat16") if fa is None else np.dtype(get_format(fa).storage_dtype)
+    return RaggedSpec(fa, fb, layout_lhs if fa else None, "blocked", lhs_dtype, np.dtype(out),
+                      m, n, k, groups)
+
+
+def _ragged_call_of(p) -> dict:
+    """The FFI call a grouped RaggedPlan becomes (what lowering/ragged_sm90.py passes)."""
+    spec = p.spec
+    m, n, k, g = spec.m, spec.n, spec.k, spec.groups
+    bb = get_format(spec.fmt_rhs).block
+    if spec.fmt_lhs is None:
+        sa = _scale_bytes(g, n, k, bb)
+    elif p.a_scales_plain:
+        sa = m * (k // get_format(spec.fmt_lhs).block)
+    else:
+        sa = _scale_bytes(1, m, k, get_format(spec.fmt_lhs).block)
+    out = cat.OUT_OF_DTYPE[np.dtype(spec.out_dtype).name]
+    return dict(a_kind=KIND_CODES[p.a_kind], b_kind=KIND_CODES[p.b_kind], out=OUT_CODES[out],
+                a_e5m2=int(spec.fmt_lhs == "mxfp8_e5m2"), b_e5m2=int(spec.fmt_rhs == "mxfp8_e5m2"),
+                m=m, n=n, k=k, l=g, a_bytes=m * _row_bytes(p.a_kind, k),
+                b_bytes=g * n * _row_bytes(p.b_kind, k), sa_bytes=sa,
+                sb_bytes=_scale_bytes(g, n, k, bb), alpha_bytes=4 * g,
+                c_bytes=m * n * np.dtype(spec.out_dtype).itemsize,
+                a_scales_plain=int(p.a_scales_plain), nt=p.nt, tile_m=p.tile[0],
+                tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.splits * m * n, grouped=1,
+                num_items=p.items, items_bytes=12 * p.items)
+
+
+def _ragged_plans():
+    pairs = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4"),
+             ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")]
+    for (fa, fb), layout_lhs, out, (m, g), (n, k) in itertools.product(
+            pairs, ["plain", "blocked"], ["bfloat16", "float32", "float16"],
+            [(1, 8), (16, 128), (128, 128), (300, 32), (2048, 128), (3000, 128), (64, 1)],
+            [(1536, 2048), (2048, 768), (5760, 2880), (200, 96)]):
+        if k % get_format(fb).block or (fa is None and layout_lhs == "blocked"):
+            continue
+        p = P.plan_ragged_sm90(_ragged_spec(fa, fb, layout_lhs, out, m, n, k, g), H100)
+        if not isinstance(p, str):
+            yield p
+
+
+def test_every_ragged_plan_is_accepted_and_named_back():
+    """Python and C++ agree on ragged_gemm's grouped decode calls: the validator accepts exactly
+    the planned variant and names it back, for every pair, layout, output and item height."""
+    nts = set()
+    for p in _ragged_plans():
+        ok, name = _plugin.check_problem(**_ragged_call_of(p))
+        assert ok and name == p.variant, (p, name)
+        nts.add(p.nt)
+    assert nts == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(tile_n=64), "no compiled sm90 grouped decode kernel"),
+    (dict(grouped=0), "A buffer"),  # read as the dense kernel's call: L activations
+    (dict(items_bytes=12 * 7), "work table has 84 bytes"),
+    (dict(num_items=0, items_bytes=0), "work table of 0 items"),
+    (dict(alpha_bytes=4), "one float32 per expert"),
+    (dict(items_ptr=0), "work table pointer is null"),
+    (dict(a_bytes=2 * 1024 * 129), "A buffer"),
+    (dict(c_bytes=2 * 2048 * 1536 * 8), "output buffer"),
+])
+def test_ragged_rejects(over, match):
+    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 1024, 8),
+                           H100)
+    kw = _ragged_call_of(p)
+    assert _plugin.check_problem(**kw)[0]
+    kw.update(over)
+    ok, msg = _plugin.check_problem(**kw)
+    assert not ok and re.search(match, msg), msg
 
 
 # ---- the backend on a machine without a Hopper GPU, and its lowering --------------------------

@@ -1,0 +1,116 @@
+"""The `sm90` backend of `ragged_gemm`: carries out a RaggedPlan of the grouped decode kernel
+(lowering/plan.py: plan_ragged_sm90 decides; this module prepares what the kernel reads and
+emits the call to the FFI target `jax_blockscale_ragged_gemm_sm90`).
+
+  * elements -> uint8 bytes (fp4 two per byte, low nibble first; fp8 bitcast); a bf16
+    activation passes through; the experts' weights (G, N, K) keep G as the kernel's L;
+  * scales -> raw bytes: the experts' in the blocked layout (plain ones are tiled here), the
+    activation's as they are (plain: the kernel reads them directly; blocked: one (M, K) tile set);
+  * the work table (`work_items`): int32 (items, 3) rows of (expert, first row, end row), at most
+    8 nt rows each, an expert's items adjacent, built on the device from the group sizes, so
+    only the experts that own rows cost weight traffic; two entries with expert -1 cover the rows
+    no expert owns (before `row_start`, after the last group), which the kernel writes as zeros;
+  * alpha: one f32 per expert (the product of the global scales), applied in the epilogue;
+  * the split-K workspace (splits * M * N f32) is a second result of the call, as for `gemm`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _plugin
+from .. import layout as _layout
+from ..catalog import sm90 as cat
+from ..ragged_backends import RaggedPlan, register_ragged_backend
+from .kernel_operands import element_bytes
+from .plan import device_for, plan_ragged_sm90
+
+ZERO_ITEM = -1  # the expert of an item whose rows the kernel writes as zeros
+
+
+def _cumsum(x):
+    """Inclusive cumulative sum of a short vector as one reduction (XLA's cumsum is a
+    reduce-window kernel, and every small kernel here costs microseconds of the call)."""
+    n = x.shape[0]
+    if n > 2048:
+        return jnp.cumsum(x)
+    tri = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+    return jnp.sum(jnp.where(tri, x[None, :], 0), axis=1)
+
+
+def work_items(group_sizes, row_start, m: int, rows_per_item: int, num_items: int):
+    """int32 (num_items, 3): (expert, first row, end row) of each work item.
+
+    group_sizes must be safe (>= 0, row_start + sum <= M: `clamp_group_sizes`). Expert g's rows
+    [start_g, end_g) are cut into ceil(size_g / rows_per_item) items, in expert order; entries
+    past the last item have no rows (expert -2: the kernel writes nothing). The last two
+    entries are the zero items: rows [0, row_start) and [row_start + sum, M). Built from
+    comparisons and sums only (no sort or search loop), so XLA makes a few small fusions of it.
+    """
+    gs = group_sizes.astype(jnp.int32)
+    groups = gs.shape[0]
+    ends = row_start + _cumsum(gs)
+    starts = ends - gs
+    per_group = (gs + rows_per_item - 1) // rows_per_item
+    last_item = _cumsum(per_group)  # one past each expert's last item
+    i = jnp.arange(num_items - 2, dtype=jnp.int32)
+    # the expert of item i: how many experts end at or before it
+    g = jnp.minimum(jnp.sum(last_item[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
+                    groups - 1)
+    first = starts[g] + (i - (last_item[g] - per_group[g])) * rows_per_item
+    valid = i < last_item[-1]
+    r0 = jnp.where(valid, first, 0)
+    r1 = jnp.where(valid, jnp.minimum(first + rows_per_item, ends[g]), 0)
+    expert = jnp.where(valid, g, -2)
+    zero = jnp.stack([jnp.stack([jnp.int32(ZERO_ITEM), jnp.int32(0), row_start]),
+                      jnp.stack([jnp.int32(ZERO_ITEM), ends[-1], jnp.int32(m)])])
+    return jnp.concatenate([jnp.stack([expert, r0, r1], axis=1), zero.astype(jnp.int32)])
+
+
+def _blocked_scale_bytes(s, layout: str):
+    """Scales (..., rows, K/block) plain or already blocked -> flat uint8, blocked layout."""
+    if layout == "plain":
+        s = _layout.to_blocked_scales(s)
+    return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
+
+
+class Sm90RaggedBackend:
+    name = "sm90"
+    platforms = ("cuda",)
+    priority = 10
+
+    def plan(self, spec, platform: str):
+        return plan_ragged_sm90(spec, device_for(platform))
+
+    def __call__(self, lhs, rhs, sl, sr, group_sizes, alpha, row_start, *, plan: RaggedPlan):
+        if not _plugin.register_targets():
+            raise RuntimeError(f"jax_blockscale sm90 ragged_gemm: {_plugin.unavailable_reason()}")
+        spec = plan.spec
+        m, n, k, groups = spec.m, spec.n, spec.k, spec.groups
+        a8 = lhs if spec.fmt_lhs is None else element_bytes(lhs)
+        b8 = element_bytes(rhs)
+        sb8 = _blocked_scale_bytes(sr, spec.layout_rhs)
+        if spec.fmt_lhs is None:
+            sa8 = sb8  # unused by the weight-only kernel; a buffer that exists costs nothing
+        else:
+            sa8 = lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1)  # plain or blocked as is
+        items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
+        call = jax.ffi.ffi_call(
+            _plugin.RAGGED_SM90_TARGET,
+            (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
+             jax.ShapeDtypeStruct((plan.splits * m * n,), jnp.float32)))
+        y, _ = call(a8, b8, sa8, sb8, alpha.astype(jnp.float32), items,
+                    a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
+                    b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
+                    a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),
+                    b_e5m2=np.int32(spec.fmt_rhs == "mxfp8_e5m2"),
+                    m=np.int64(m), n=np.int64(n), k=np.int64(k), g=np.int64(groups),
+                    a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),
+                    tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
+                    splits=np.int32(plan.splits))
+        return y
+
+
+register_ragged_backend(Sm90RaggedBackend())

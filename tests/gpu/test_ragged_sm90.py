@@ -1,0 +1,159 @@
+"""`ragged_gemm` on a Hopper GPU: the grouped decode kernel equals the reference backend
+(skipped without one).
+
+Fresh random data every check (never zeros); the allocator is filled with NaN first, so a row the
+kernel fails to write (including the zero rows past the groups) shows up. Errors are relative
+Frobenius errors against `backend="reference"`: < 1e-5 for f32 output (dequantization is exact
+in both; only the f32 accumulation order differs), output rounding for bf16 / f16.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_blockscale as jbs
+from jax_blockscale import ragged as ragged_mod
+from jax_blockscale.lowering import plan as planner
+from jax_blockscale.ragged_backends import RaggedSpec
+from hopper import needs_sm90, poison  # tests/support/hopper.py
+
+pytestmark = [pytest.mark.gpu, needs_sm90]
+
+PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "mxfp8_e5m2"),
+         ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"),
+         ("mxfp8_e5m2", "mxfp8_e4m3")]
+OUTS = {"f32": (jnp.float32, 1e-5), "bf16": (jnp.bfloat16, 8e-3), "f16": (jnp.float16, 1e-3)}
+_seed = [5000]
+
+
+def _rng():
+    _seed[0] += 1
+    return np.random.default_rng(_seed[0])
+
+
+def _problem(fmt_lhs, fmt_rhs, sizes, m, n, k, *, layout_lhs="plain", per_expert_scale=True):
+    rng = _rng()
+    g = len(sizes)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
+    w[:, :, :k // 3] *= 4.0  # blocks of different magnitudes (different scales)
+    gkw = dict(global_scale="per_matrix") if fmt_rhs == "nvfp4" and per_expert_scale else {}
+    rhs = jbs.quantize(w, fmt_rhs, layout="blocked", **gkw)
+    lhs = (jnp.asarray(x, jnp.bfloat16) if fmt_lhs is None
+           else jbs.quantize(x, fmt_lhs, layout=layout_lhs))
+    return lhs, rhs, jnp.asarray(np.asarray(sizes, np.int32))
+
+
+def _plan_of(lhs, rhs, gs, out_dtype):
+    """The plan the sm90 ragged backend makes for this call (the kernel must be what runs)."""
+    fmt_lhs = lhs.fmt if isinstance(lhs, jbs.BlockScaled) else None
+    layout_lhs = lhs.layout if fmt_lhs else None
+    spec = RaggedSpec(fmt_lhs, rhs.fmt, layout_lhs, rhs.layout,
+                      np.dtype(lhs.data.dtype if fmt_lhs else lhs.dtype), np.dtype(out_dtype),
+                      lhs.shape[0], rhs.shape[1], lhs.shape[1], rhs.shape[0])
+    return planner.plan_ragged_sm90(spec, planner.device_for("cuda"))
+
+
+def _compare(lhs, rhs, gs, out="bf16"):
+    dtype, tol = OUTS[out]
+    p = _plan_of(lhs, rhs, gs, dtype)
+    assert not isinstance(p, str), p
+    poison()
+    got = jax.jit(lambda a, b, g: jbs.ragged_gemm(a, b, g, out_dtype=dtype))(lhs, rhs, gs)
+    want = jax.jit(lambda a, b, g: jbs.ragged_gemm(a, b, g, out_dtype=dtype,
+                                                   backend="reference"))(lhs, rhs, gs)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.all(np.isfinite(got)), "unwritten (NaN) output elements"
+    total = int(np.clip(np.asarray(gs), 0, None).sum())
+    assert not np.any(got[min(total, got.shape[0]):]), "rows past the groups must be zero"
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert err < tol, (err, p)
+    return p
+
+
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs", PAIRS)
+@pytest.mark.parametrize("out", ["bf16", "f32"])
+def test_every_pair(fmt_lhs, fmt_rhs, out):
+    sizes = [3, 0, 9, 1, 0, 17, 2, 5]  # empty experts, one past a 16-row item, sum 37 < M
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 48, 384, 512)
+    _compare(lhs, rhs, gs, out)
+
+
+@pytest.mark.parametrize("m,g,n,k,sizes", [
+    (1, 8, 256, 256, "one"),  # a single decode token's row
+    (16 * 8, 128, 1536, 2048, "topk"),  # Qwen3-30B-A3B gate+up at 16 tokens
+    (4 * 4, 32, 5760, 2880, "topk"),  # gpt-oss-20b at 4 tokens
+    (300, 16, 200, 96, "random"),  # odd N (past a 128-row tile), few K chunks
+    (2048, 64, 384, 256, "random"),  # 32 rows per expert: nt = 4
+    (1000, 16, 256, 128, "heavy"),  # 62 rows per expert on average (nt = 8), one heavy expert
+])
+def test_shapes_and_routings(m, g, n, k, sizes):
+    rng = _rng()
+    if sizes == "one":
+        s = np.zeros(g, np.int64)
+        s[5] = 1
+    elif sizes == "topk":  # tokens x top_k rows over random experts
+        s = np.bincount(rng.integers(0, g, m), minlength=g)
+    elif sizes == "heavy":
+        s = np.bincount(rng.integers(0, g, m - 300), minlength=g)
+        s[3] += 300
+    else:
+        s = np.bincount(rng.integers(0, g, m - 7), minlength=g)  # 7 rows past the sum
+    for fmt in ("mxfp4", "nvfp4"):
+        lhs, rhs, gs = _problem(None, fmt, s.tolist(), m, n, k)
+        _compare(lhs, rhs, gs, "f32")
+
+
+def test_out_of_range_group_sizes_are_clamped():
+    """Negative sizes count as 0, a group running past M is cut there, later groups get no rows:
+    what the reference computes, no read or write out of bounds (the NaN-filled memory and the
+    shapes around the buffers would show it)."""
+    for sizes in ([5, -3, 40, 9, 2, 0, 1, 1], [70, 10, 0, 0, 0, 0, 0, 3], [-1] * 8,
+                  [2**30, 2**30, 5, 0, 0, 0, 0, 1]):
+        lhs, rhs, gs = _problem(None, "nvfp4", sizes, 64, 256, 256)
+        _compare(lhs, rhs, gs, "f32")
+
+
+def test_blocked_activation_scales_and_f16_output():
+    lhs, rhs, gs = _problem("mxfp4", "mxfp4", [10, 0, 100, 20, 0, 1], 200, 512, 256,
+                            layout_lhs="blocked")
+    _compare(lhs, rhs, gs, "f16")
+
+
+def test_scalar_global_scale_and_plain_weight_scales():
+    lhs, rhs, gs = _problem("nvfp4", "nvfp4", [7, 0, 9, 16], 40, 256, 512,
+                            per_expert_scale=False)
+    _compare(lhs, rhs, gs, "bf16")
+    rhs_plain = jbs.to_plain(rhs)
+    _compare(lhs, rhs_plain, gs, "bf16")
+
+
+def test_split_k_is_planned_and_correct():
+    """Few experts hit at a long K: the plan splits K, the finalize adds the splits."""
+    lhs, rhs, gs = _problem(None, "mxfp4", [0, 2, 0, 0], 4, 256, 8192)
+    p = _compare(lhs, rhs, gs, "bf16")
+    assert p.splits > 1, p
+
+
+def test_expert_parallel_row_start():
+    """The local primitive with a shifted first row (the expert-parallel rule's per-device
+    call): rows before row_start and past the groups are zero."""
+    lhs, rhs, gs = _problem(None, "nvfp4", [3, 0, 5, 2], 24, 256, 256)
+    params = dict(fmt_lhs=None, fmt_rhs=rhs.fmt, layout_lhs=None, layout_rhs=rhs.layout,
+                  out_dtype=np.dtype(jnp.float32), alpha_is_one=False)
+    operands = ragged_mod.join_operands(lhs, rhs.data, None, rhs.scales, gs,
+                                        jnp.asarray(rhs.global_scale, jnp.float32))
+    outs = {}
+    for backend in ("sm90", "reference"):
+        f = jax.jit(lambda *ops, b=backend: ragged_mod.bind_local(
+            ops, dict(params, backend=b), row_start=jnp.int32(6)))
+        poison()
+        outs[backend] = np.asarray(f(*operands))
+    got, want = outs["sm90"], outs["reference"]
+    assert np.all(np.isfinite(got)) and not np.any(got[:6]) and not np.any(got[16:])
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
