@@ -29,6 +29,7 @@
 
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "jbs_common.h"
 #include "jbs_ffi_common.h"  // state, device cache, loading, checks shared with jbs_ffi_sm100.cc
@@ -147,48 +148,49 @@ void RecordLoadError(int cuda_error) { g_state.RecordLoadError(cuda_error); }
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm90_instantiate, jbs::Instantiate,
                        ffi::Ffi::BindInstantiate());
 
+namespace jbs {
+// The attributes both execute handlers take after their buffers, in their signatures' order: the
+// operand kinds and flavours, the problem (`batch` names L: "l" for gemm, "g", the experts, for
+// ragged_gemm) and the planned variant.
+template <class Binding>
+auto BindPlannedAttrs(Binding b, const char* batch) {
+  return std::move(b)
+      .template Attr<int32_t>("a_kind")
+      .template Attr<int32_t>("b_kind")
+      .template Attr<int32_t>("a_e5m2")
+      .template Attr<int32_t>("b_e5m2")
+      .template Attr<int64_t>("m")
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("k")
+      .template Attr<int64_t>(batch)
+      .template Attr<int32_t>("a_scales_plain")
+      .template Attr<int32_t>("nt")
+      .template Attr<int32_t>("tile_m")
+      .template Attr<int32_t>("tile_n")
+      .template Attr<int32_t>("splits");
+}
+}  // namespace jbs
+
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm90, jbs::Execute,
-                       jbs_ffi::BindGemmOperands()  // stream, a, b, sa, sb, alpha, c
-                           .Ret<ffi::AnyBuffer>()   // ws (decode workspace, f32)
-                           .Attr<int32_t>("a_kind")
-                           .Attr<int32_t>("b_kind")
-                           .Attr<int32_t>("a_e5m2")
-                           .Attr<int32_t>("b_e5m2")
-                           .Attr<int64_t>("m")
-                           .Attr<int64_t>("n")
-                           .Attr<int64_t>("k")
-                           .Attr<int64_t>("l")
-                           .Attr<int32_t>("a_scales_plain")
-                           .Attr<int32_t>("nt")
-                           .Attr<int32_t>("tile_m")
-                           .Attr<int32_t>("tile_n")
-                           .Attr<int32_t>("splits"),
+                       jbs::BindPlannedAttrs(
+                           jbs_ffi::BindGemmOperands()    // stream, a, b, sa, sb, alpha, c
+                               .Ret<ffi::AnyBuffer>(),    // ws (decode workspace, f32)
+                           "l"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()  // a
-                           .Arg<ffi::AnyBuffer>()  // b
-                           .Arg<ffi::AnyBuffer>()  // sa
-                           .Arg<ffi::AnyBuffer>()  // sb
-                           .Arg<ffi::AnyBuffer>()  // alpha
-                           .Arg<ffi::AnyBuffer>()  // items
-                           .Ret<ffi::AnyBuffer>()  // c
-                           .Ret<ffi::AnyBuffer>()  // ws
-                           .Attr<int32_t>("a_kind")
-                           .Attr<int32_t>("b_kind")
-                           .Attr<int32_t>("a_e5m2")
-                           .Attr<int32_t>("b_e5m2")
-                           .Attr<int64_t>("m")
-                           .Attr<int64_t>("n")
-                           .Attr<int64_t>("k")
-                           .Attr<int64_t>("g")
-                           .Attr<int32_t>("a_scales_plain")
-                           .Attr<int32_t>("nt")
-                           .Attr<int32_t>("tile_m")
-                           .Attr<int32_t>("tile_n")
-                           .Attr<int32_t>("splits"),
+                       jbs::BindPlannedAttrs(
+                           ffi::Ffi::Bind()
+                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                               .Arg<ffi::AnyBuffer>()    // a
+                               .Arg<ffi::AnyBuffer>()    // b
+                               .Arg<ffi::AnyBuffer>()    // sa
+                               .Arg<ffi::AnyBuffer>()    // sb
+                               .Arg<ffi::AnyBuffer>()    // alpha
+                               .Arg<ffi::AnyBuffer>()    // items
+                               .Ret<ffi::AnyBuffer>()    // c
+                               .Ret<ffi::AnyBuffer>(),   // ws
+                           "g"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----

@@ -12,11 +12,13 @@ import logging
 import math
 
 import jax
+from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
 
 # No public names: the lowering's axis contexts (they say whether an SPMD partitioner will split
 # the op).
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
+from .layout import COLS_PER_TILE, ROWS_PER_TILE
 from .lowering import log_once  # (partitioning callbacks run several times per compilation)
 
 
@@ -62,3 +64,83 @@ def needs_partitioning(ctx, op: str) -> bool:
                      "custom partitioning rule; XLA partitions the backend's ops itself")
         return False
     return partitioned_devices(mc.axis_context, op) > 1
+
+
+class ShardyFactors:
+    """The factors of a Shardy rule over block-scaled operands, shared by gemm's and
+    ragged_gemm's rules: named factors with their sizes (some needing replication), compounds,
+    and the K and MN factors that elements and their plain or blocked scales share.
+
+    Blocked scales tile MN by 128 rows (t x 4 x 32) and K by 4 scale columns (kt x 4 x block),
+    so MN and K can only be sharded in whole tiles; kt (or ks, without blocked scales) is the
+    reduction factor. Where a dim is not a whole number of tiles no factor can express the
+    padding, and the dim needs replication."""
+
+    def __init__(self, *, blocked_any: bool, k: int, sk: int, block: int):
+        self.sizes: dict[str, int] = {}
+        self.replicated: list[str] = []
+        self.sk = sk
+        self.k_tiled = blocked_any and sk % COLS_PER_TILE == 0
+        if self.k_tiled:
+            self._k_tiles = (self.factor("kt", sk // COLS_PER_TILE),
+                             self.factor("k4", COLS_PER_TILE, True))
+            kb = self.factor("kb", block, True)
+            self.k_dim = self.compound(*self._k_tiles, kb)
+            self.plain_sk, self.reduction = self.compound(*self._k_tiles), self._k_tiles[0]
+        elif not blocked_any:
+            ks, kb = self.factor("ks", sk), self.factor("kb", block, True)
+            self.k_dim, self.plain_sk, self.reduction = self.compound(ks, kb), ks, ks
+        else:  # blocked scales with padded K columns: K cannot be split at all
+            self.k_dim = self.factor("k", k, True)
+            self.plain_sk, self.reduction = self.factor("sk", sk, True), None
+
+    def factor(self, name: str, n: int, replicate: bool = False) -> str:
+        self.sizes[name] = n
+        if replicate:
+            self.replicated.append(name)
+        return name
+
+    def compound(self, *names):
+        # Shardy rejects size-1 factors inside a compound; such a factor cannot be split anyway.
+        names = [f for f in names if self.sizes[f] > 1] or [names[-1]]
+        return names[0] if len(names) == 1 else CompoundFactor(*names)
+
+    def mn(self, p: str, mn: int, blocked: bool):
+        """(elements' MN dim, the blocked scales' (tile, r32, r4) dims, or None if plain)."""
+        if not blocked:
+            return self.factor(p, mn), None
+        if mn % ROWS_PER_TILE == 0:
+            t, r4, r32 = (self.factor(p + "t", mn // ROWS_PER_TILE), self.factor(p + "4", 4, True),
+                          self.factor(p + "32", 32, True))
+            return self.compound(t, r4, r32), (t, r32, r4)
+        return self.factor(p, mn, True), (self.factor(p + "t", -(-mn // ROWS_PER_TILE), True),
+                                          self.factor(p + "32", 32, True),
+                                          self.factor(p + "4", 4, True))
+
+    def scales(self, tag: str, lead, mn_dim, tiles) -> ArrayMapping:
+        """One operand's scales: plain (lead, MN, SK) when `tiles` is None, else blocked
+        (lead, t, kt, 32, 4, 4); blocked scales with padded K columns get their own replicated
+        K factors (tagged)."""
+        if tiles is None:
+            return ArrayMapping(*lead, mn_dim, self.plain_sk)
+        t, r32, r4 = tiles
+        if self.k_tiled:
+            skt, sk4 = self._k_tiles
+        else:
+            skt, sk4 = (self.factor(tag + "kt", -(-self.sk // COLS_PER_TILE), True),
+                        self.factor(tag + "k4", COLS_PER_TILE, True))
+        return ArrayMapping(*lead, t, skt, r32, r4, sk4)
+
+    def rule(self, operands, out, reductions) -> SdyShardingRule:
+        """The rule: factors used only inside compounds get their sizes; `reductions` (those in
+        use) are reduction factors, the replicated ones need replication."""
+        whole = {d for mapping in operands + (out,) for d in mapping if isinstance(d, str)}
+        # Shardy numbers factors in order of first use and wants special factors in that order.
+        order = list(dict.fromkeys(f for mapping in operands + (out,) for d in mapping
+                                   for f in ((d,) if isinstance(d, str) else d)))
+        compound_only = {f: self.sizes[f] for f in order if f not in whole}
+        reductions = tuple(f for f in order if f in reductions)
+        need_rep = tuple(sorted(set(self.replicated) & set(order) - set(reductions),
+                                key=order.index))
+        return SdyShardingRule(operands, (out,), reduction_factors=reductions,
+                               need_replication_factors=need_rep, **compound_only)

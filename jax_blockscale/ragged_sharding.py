@@ -38,8 +38,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
-                                                  custom_partitioning)
+from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -47,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax._src import dispatch
 
 from .formats import get_format
-from .partitioning import log_once, needs_partitioning
+from .partitioning import ShardyFactors, log_once, needs_partitioning
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
 from .ragged import bind_local, join_operands, ragged_gemm_p, split_operands
 from .ragged_backends import clamp_group_sizes
@@ -237,75 +236,19 @@ def _sdy_rule(pt, mesh, operand_types, result_types):
     from jax._src.lib.mlir import ir  # noqa: PLC0415
     shapes = [tuple(ir.RankedTensorType(t).shape) for t in operand_types]
     geo = _geometry(params, shapes)
-    sizes: dict[str, int] = {}
-    need_rep: list[str] = []
-
-    def factor(name, n, replicate=False):
-        sizes[name] = n
-        if replicate:
-            need_rep.append(name)
-        return name
-
-    def compound(*names):
-        names = [f for f in names if sizes[f] > 1] or [names[-1]]
-        return names[0] if len(names) == 1 else CompoundFactor(*names)
-
-    blocked_any = geo.lhs_blocked or geo.rhs_blocked
-    k_tiled = blocked_any and geo.sk % COLS_PER_TILE == 0
-    if k_tiled:
-        kt = factor("kt", geo.sk // COLS_PER_TILE)
-        k4 = factor("k4", COLS_PER_TILE, True)
-        kb = factor("kb", geo.block, True)
-        k_dim, plain_sk, k_red = compound(kt, k4, kb), compound(kt, k4), kt
-    elif not blocked_any:
-        ks, kb = factor("ks", geo.sk), factor("kb", geo.block, True)
-        k_dim, plain_sk, k_red = compound(ks, kb), ks, ks
-    else:  # blocked scales with padded K columns: K cannot be split
-        k_dim = factor("k", geo.k, True)
-        plain_sk, k_red = factor("sk", geo.sk, True), None
-
-    def scale_k_dims(tag):
-        if k_tiled:
-            return kt, k4
-        return (factor(tag + "kt", -(-geo.sk // COLS_PER_TILE), True),
-                factor(tag + "k4", COLS_PER_TILE, True))
-
-    def mn_factors(p, mn, blocked):
-        if not blocked:
-            return factor(p, mn), None
-        if mn % ROWS_PER_TILE == 0:
-            t, r4, r32 = (factor(p + "t", mn // ROWS_PER_TILE), factor(p + "4", 4, True),
-                          factor(p + "32", 32, True))
-            return compound(t, r4, r32), (t, r32, r4)
-        return factor(p, mn, True), (factor(p + "t", -(-mn // ROWS_PER_TILE), True),
-                                     factor(p + "32", 32, True), factor(p + "4", 4, True))
-
-    def scales(tag, lead, mn_dim, tiles, blocked):
-        if not blocked:
-            return ArrayMapping(*lead, mn_dim, plain_sk)
-        t, r32, r4 = tiles
-        skt, sk4 = scale_k_dims(tag)
-        return ArrayMapping(*lead, t, skt, r32, r4, sk4)
-
-    m_dim, m_tiles = mn_factors("m", geo.m, geo.lhs_blocked)
-    g = factor("g", geo.groups)
-    n_dim, n_tiles = mn_factors("n", geo.n, geo.rhs_blocked)
-    gsz = factor("gs", geo.groups, True)
-    lhs = ArrayMapping(m_dim, k_dim)
-    rhs = ArrayMapping(g, n_dim, k_dim)
-    sl = (scales("l", (), m_dim, m_tiles, geo.lhs_blocked) if geo.fmt_lhs is not None else None)
-    sr = scales("r", (g,), n_dim, n_tiles, geo.rhs_blocked)
+    f = ShardyFactors(blocked_any=geo.lhs_blocked or geo.rhs_blocked, k=geo.k, sk=geo.sk,
+                      block=geo.block)
+    m_dim, m_tiles = f.mn("m", geo.m, geo.lhs_blocked)
+    g = f.factor("g", geo.groups)
+    n_dim, n_tiles = f.mn("n", geo.n, geo.rhs_blocked)
+    gsz = f.factor("gs", geo.groups, True)
+    lhs = ArrayMapping(m_dim, f.k_dim)
+    rhs = ArrayMapping(g, n_dim, f.k_dim)
+    sl = f.scales("l", (), m_dim, m_tiles) if geo.fmt_lhs is not None else None
+    sr = f.scales("r", (g,), n_dim, n_tiles)
     operands = join_operands(lhs, rhs, sl, sr, ArrayMapping(gsz), ArrayMapping(g))
     out = ArrayMapping(m_dim, n_dim)
-
-    whole = {d for mapping in operands + (out,) for d in mapping if isinstance(d, str)}
-    order = list(dict.fromkeys(f for mapping in operands + (out,) for d in mapping
-                               for f in ((d,) if isinstance(d, str) else d)))
-    compound_only = {f: sizes[f] for f in order if f not in whole}
-    reductions = tuple(f for f in order if f in (k_red, g))
-    need_rep = tuple(sorted(set(need_rep) & set(order) - set(reductions), key=order.index))
-    return SdyShardingRule(operands, (out,), reduction_factors=reductions,
-                           need_replication_factors=need_rep, **compound_only)
+    return f.rule(operands, out, (f.reduction, g))
 
 
 @functools.partial(custom_partitioning, static_argnums=(0,))

@@ -40,8 +40,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
-                                                  custom_partitioning)
+from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -50,7 +49,7 @@ from jax._src import dispatch
 
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .partitioning import log_once, needs_partitioning
+from .partitioning import ShardyFactors, log_once, needs_partitioning
 from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")
@@ -274,89 +273,28 @@ def _sdy_rule(pt, mesh, operand_types, result_types):
     from jax._src.lib.mlir import ir  # noqa: PLC0415  (MLIR types arrive from the lowering)
     shapes = [tuple(ir.RankedTensorType(t).shape) for t in operand_types]
     g = _geometry(params, shapes)
-    sizes: dict[str, int] = {}
-    need_rep: list[str] = []
-
-    def factor(name, n, replicate=False):
-        sizes[name] = n
-        if replicate:
-            need_rep.append(name)
-        return name
-
-    def compound(*names):
-        # Shardy rejects size-1 factors inside a compound; such a factor cannot be split anyway.
-        names = [f for f in names if sizes[f] > 1] or [names[-1]]
-        return names[0] if len(names) == 1 else CompoundFactor(*names)
-
-    blocked_any = g.a_blocked or g.b_blocked
-    k_tiled = blocked_any and g.sk % COLS_PER_TILE == 0
-    if k_tiled:
-        kt = factor("kt", g.sk // COLS_PER_TILE)
-        k4 = factor("k4", COLS_PER_TILE, True)
-        kb = factor("kb", g.block, True)
-        k_dim, plain_sk, reduction = compound(kt, k4, kb), compound(kt, k4), kt
-    elif not blocked_any:
-        ks, kb = factor("ks", g.sk), factor("kb", g.block, True)
-        k_dim, plain_sk, reduction = compound(ks, kb), ks, ks
-    else:  # blocked scales with padded K columns: K cannot be split at all
-        k_dim = factor("k", g.k, True)
-        plain_sk, reduction = factor("sk", g.sk, True), None
-
-    def mn_factors(p, mn, blocked):
-        """(elements' MN dim, scales' (tile, r32, r4) dims or None for plain scales)."""
-        if not blocked:
-            return factor(p, mn), None
-        if mn % ROWS_PER_TILE == 0:
-            t, r4, r32 = factor(p + "t", mn // ROWS_PER_TILE), factor(p + "4", 4, True), \
-                factor(p + "32", 32, True)
-            return compound(t, r4, r32), (t, r32, r4)
-        return factor(p, mn, True), (factor(p + "t", -(-mn // ROWS_PER_TILE), True),
-                                     factor(p + "32", 32, True), factor(p + "4", 4, True))
-
-    def scale_k_dims(tag):
-        if k_tiled:
-            return kt, k4
-        if blocked_any:  # padded K columns: the scale's own, replicated factors
-            return (factor(tag + "kt", -(-g.sk // COLS_PER_TILE), True),
-                    factor(tag + "k4", COLS_PER_TILE, True))
-        raise AssertionError("unreachable: no blocked scales")
+    f = ShardyFactors(blocked_any=g.a_blocked or g.b_blocked, k=g.k, sk=g.sk, block=g.block)
 
     def batch_dims(tag, own):
         dims = []
         for j, d in enumerate(own):
             i = j + g.nb - len(own)
-            dims.append(f"b{i}" if g.batch_dim(own, i) is not None else factor(f"{tag}one{j}", d))
+            dims.append(f"b{i}" if g.batch_dim(own, i) is not None
+                        else f.factor(f"{tag}one{j}", d))
         return dims
 
     for i, d in enumerate(g.batch):
-        factor(f"b{i}", d)
-    m_dim, m_tiles = mn_factors("m", g.m, g.a_blocked)
-    n_dim, n_tiles = mn_factors("n", g.n, g.b_blocked)
-
-    def scales(tag, own, mn_dim, tiles, blocked):
-        if not blocked:
-            return ArrayMapping(*batch_dims(tag, own), mn_dim, plain_sk)
-        t, r32, r4 = tiles
-        skt, sk4 = scale_k_dims(tag)
-        return ArrayMapping(*batch_dims(tag, own), t, skt, r32, r4, sk4)
-
-    a = ArrayMapping(*batch_dims("a", g.a_batch), m_dim, k_dim)
-    b = ArrayMapping(*batch_dims("b", g.b_batch), n_dim, k_dim)
-    sa = (scales("a", g.a_batch, m_dim, m_tiles, g.a_blocked) if g.fmt_a is not None else None)
-    sb = scales("b", g.b_batch, n_dim, n_tiles, g.b_blocked)
+        f.factor(f"b{i}", d)
+    m_dim, m_tiles = f.mn("m", g.m, g.a_blocked)
+    n_dim, n_tiles = f.mn("n", g.n, g.b_blocked)
+    a = ArrayMapping(*batch_dims("a", g.a_batch), m_dim, f.k_dim)
+    b = ArrayMapping(*batch_dims("b", g.b_batch), n_dim, f.k_dim)
+    sa = (f.scales("a", batch_dims("a", g.a_batch), m_dim, m_tiles)
+          if g.fmt_a is not None else None)
+    sb = f.scales("b", batch_dims("b", g.b_batch), n_dim, n_tiles)
     operands = join_operands(a, b, sa, sb, ArrayMapping())
     out = ArrayMapping(*[f"b{i}" for i in range(g.nb)], m_dim, n_dim)
-
-    whole = {d for mapping in operands + (out,) for d in mapping if isinstance(d, str)}
-    # Shardy numbers factors in order of first use and wants special factors in that order.
-    order = list(dict.fromkeys(f for mapping in operands + (out,) for d in mapping
-                               for f in ((d,) if isinstance(d, str) else d)))
-    compound_only = {f: sizes[f] for f in order if f not in whole}
-    need_rep = tuple(sorted(set(need_rep) & set(order) - {reduction}, key=order.index))
-    reduction = reduction if reduction in order else None
-    return SdyShardingRule(operands, (out,),
-                           reduction_factors=(reduction,) if reduction else (),
-                           need_replication_factors=need_rep, **compound_only)
+    return f.rule(operands, out, (f.reduction,))
 
 
 @functools.partial(custom_partitioning, static_argnums=(0,))
