@@ -1,10 +1,13 @@
-"""Time one decode step of a Llama-3-8B-shaped model: block-scaled weights (weight-only
-`jbs.gemm`, bf16 activations) against the same model in bf16, scanned (and optionally unrolled)
-layers, batch 1 / 16 / 64.
+"""Time one decode step of a Llama-3-8B-shaped model (or, with --moe, a Qwen3-30B-A3B-shaped
+mixture of experts): block-scaled weights (weight-only `jbs.gemm` / `jbs.ragged_gemm`, bf16
+activations) against the same model in bf16, scanned (and optionally unrolled) layers, batch
+1 / 16 / 64.
 
     python benchmarks/e2e_model.py --out /tmp/e2e                      # GPU: 16 layers, nvfp4
     python benchmarks/e2e_model.py --formats nvfp4,mxfp4,mxfp8_e4m3 --compare-unrolled
+    python benchmarks/e2e_model.py --moe --compare-unrolled --out /tmp/e2e   # GPU: 8 MoE layers
     python benchmarks/e2e_model.py --tiny --out /tmp/e2e_smoke         # CPU smoke run
+    python benchmarks/e2e_model.py --tiny --moe --out /tmp/e2e_smoke   # CPU smoke run, MoE
 
 The model is examples/llama/model.py: hidden 4096, 32 query / 8 key-value heads of 128, MLP
 14336 (SwiGLU), --layers layers (default 16), a --vocab-sized embedding and bf16 LM head (small
@@ -12,14 +15,24 @@ by default: the vocabulary projection is the same in every variant and not what 
 Weights are random; the quantized model is the bf16 model's weights quantized per layer (NVFP4:
 one global scale per layer, blocked scales), the embedding, norms and LM head stay as they are.
 
-A decode step: B new tokens (one per sequence) at position --pos of a KV cache of --max-len
-positions (bf16), all layers, the LM head and the greedy next token, under one `jax.jit`, the
-cache donated and updated in place (the step is called on its own output cache, as in serving).
+--moe: hidden 2048, 32 query / 4 key-value heads of 128, every MLP a sparse block of 128
+SwiGLU experts of width 768, top-8 (Qwen3-30B-A3B's shapes; --layers of its 48, default 8).
+The bf16 model's MLP is `jax_blockscale.nn.MoE` (bf16 `lax.ragged_dot` experts), the quantized
+one `jax_blockscale.nn.QuantizedMoE` (the same experts quantized by `quantize_experts`: NVFP4
+with one global scale per expert, `ragged_gemm`); the router stays bf16 in both.
+
+A decode step: B new tokens (one per sequence, distinct random ids, so an MoE routes them to
+different experts as real traffic does) at position --pos of a KV cache of --max-len positions
+(bf16), all layers, the LM head and the greedy next token, under one `jax.jit`, the cache
+donated and updated in place (the step is called on its own output cache, as in serving).
 
 Timing: benchmarks/timing.py. "device": GPU kernel time per step from a profiler trace (the
 number to compare: no host cost); "loop": median over --trials of the mean of --iters
 back-to-back steps from Python (host and dispatch cost included). Prints a table; writes
-<tag>.json and <tag>.png under --out.
+<tag>.json and <tag>.png under --out. "weight_bytes": the projection weights a step must read
+(elements and block scales, all layers); for an MoE, the attention, the router and the experts
+a batch is expected to hit if its B * k choices were uniform and independent
+(E * (1 - (1 - k/E)^B) per layer: 8, 82 and 126 of 128 experts at batch 1, 16, 64).
 """
 from __future__ import annotations
 
@@ -36,8 +49,8 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                                 "llama"))
-from model import (PROJECTIONS, Llama, LlamaConfig, init_cache, quantize_params,  # noqa: E402
-                   random_params)
+from model import (EXPERT_WEIGHTS, Llama, LlamaConfig, init_cache,  # noqa: E402
+                   quantize_params, random_params)
 from timing import device_time_us, time_us  # noqa: E402
 
 import jax_blockscale as jbs  # noqa: E402
@@ -57,7 +70,9 @@ class Stepper:
     def __init__(self, model, batch, max_len, pos):
         self.graphdef, self.state = nnx.split(model)
         self.cache = init_cache(model.cfg, batch, max_len, model.dtype)
-        self.tokens = jnp.zeros((batch, 1), jnp.int32)
+        # distinct tokens per sequence: identical ones would all route to the same k experts
+        self.tokens = jax.random.randint(jax.random.key(batch), (batch, 1), 0,
+                                         model.cfg.vocab_size, jnp.int32)
         self.pos = jnp.int32(pos)
 
     def __call__(self):
@@ -66,18 +81,30 @@ class Stepper:
         return tok
 
 
-def weight_bytes(cfg: LlamaConfig, fmt: str) -> int:
-    """Bytes of the projection weights one step reads (elements + unpadded scales), all layers."""
-    total = 0
-    for name in PROJECTIONS:
-        n, k = cfg.projection_shape(name)
-        if fmt == "bf16":
-            total += 2 * n * k
-        else:
-            f = jbs.get_format(fmt)
-            bits = 4 if f.element_bits == 4 else 8 * f.storage_dtype.itemsize
-            total += n * k * bits // 8 + n * (k // f.block) * f.scale_dtype.itemsize
-    return total * cfg.num_hidden_layers
+def matrix_bytes(n: int, k: int, fmt: str) -> int:
+    """Bytes of one (N, K) weight: elements + unpadded block scales."""
+    if fmt == "bf16":
+        return 2 * n * k
+    f = jbs.get_format(fmt)
+    bits = 4 if f.element_bits == 4 else 8 * f.storage_dtype.itemsize
+    return n * k * bits // 8 + n * (k // f.block) * f.scale_dtype.itemsize
+
+
+def experts_hit(cfg: LlamaConfig, batch: int) -> float:
+    """Expected distinct experts a batch of single tokens hits in one layer, if each token's k
+    choices were uniform and independent of the others'."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def weight_bytes(cfg: LlamaConfig, fmt: str, batch: int = 1) -> int:
+    """Bytes of the projection weights one step reads (elements + unpadded scales), all layers;
+    for an MoE the bf16 router and the expected experts hit (`experts_hit`)."""
+    total = sum(matrix_bytes(*cfg.projection_shape(name), fmt) for name in cfg.projections)
+    if cfg.is_moe:
+        one_expert = sum(matrix_bytes(*cfg.expert_shape(name), fmt) for name in EXPERT_WEIGHTS)
+        total += 2 * cfg.hidden_size * cfg.num_experts + experts_hit(cfg, batch) * one_expert
+    return int(total * cfg.num_hidden_layers)
 
 
 def model_on_gpu(model) -> bool:
@@ -91,7 +118,9 @@ def bench(model, fmt, mode, batch, args, cfg):
     jax.block_until_ready(step())  # compile
     compile_s = time.perf_counter() - start
     row = dict(fmt=fmt, mode=mode, batch=batch, compile_s=round(compile_s, 2),
-               weight_bytes=weight_bytes(cfg, fmt))
+               weight_bytes=weight_bytes(cfg, fmt, batch))
+    if cfg.is_moe:
+        row["experts_hit_est"] = round(experts_hit(cfg, batch), 1)
     row["loop_us"] = time_us(step, iters=args.iters, trials=args.trials)
     # the profiler trace holds GPU kernel times only: skip it elsewhere (it costs seconds)
     dev = device_time_us(step, calls=args.calls) if model_on_gpu(model) else None
@@ -169,7 +198,10 @@ def plot(rows, title, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16; tiny 2)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 16, --moe 8; tiny 2)")
+    p.add_argument("--moe", action="store_true", help="a mixture-of-experts model "
+                   "(Qwen3-30B-A3B's shapes; tiny: 4 experts, top-2)")
     p.add_argument("--batches", default=None, help="comma list (default 1,16,64; tiny 1,2)")
     p.add_argument("--formats", default="nvfp4",
                    help="comma list of block-scaled formats timed against bf16 (e.g. "
@@ -188,13 +220,14 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     tiny = args.tiny
-    layers = args.layers or (2 if tiny else 16)
+    layers = args.layers or (2 if tiny else 8 if args.moe else 16)
     if tiny:
-        cfg = LlamaConfig.tiny(num_layers=layers)
+        cfg = (LlamaConfig.tiny_moe if args.moe else LlamaConfig.tiny)(num_layers=layers)
         if args.vocab:
             cfg = LlamaConfig(**{**cfg.__dict__, "vocab_size": args.vocab})
     else:
-        cfg = LlamaConfig.llama3_8b(num_layers=layers, vocab_size=args.vocab or 8192)
+        cfg = (LlamaConfig.qwen3_30b_a3b if args.moe else LlamaConfig.llama3_8b)(
+            num_layers=layers, vocab_size=args.vocab or 8192)
     batches = [int(b) for b in (args.batches or ("1,2" if tiny else "1,16,64")).split(",")]
     args.max_len = args.max_len or (32 if tiny else 512)
     args.pos = args.max_len // 2 if args.pos is None else args.pos
@@ -209,13 +242,19 @@ def main(argv=None):
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, {device.device_kind}; {cfg}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.tag or f"e2e_model_{device.platform}")
+    stem = os.path.join(args.out, args.tag or
+                        f"e2e_model{'_moe' if args.moe else ''}_{device.platform}")
     meta = dict(jax=jax.__version__, device=device.device_kind, platform=device.platform,
                 config=cfg.__dict__, max_len=args.max_len, pos=args.pos,
                 timing=dict(iters=args.iters, trials=args.trials, calls=args.calls,
                             method="benchmarks/timing.py: loop_us = median over trials of the "
                             "mean of back-to-back jitted decode steps (host cost included); "
                             "device_us = GPU kernel time per step from a profiler trace"))
+    if cfg.is_moe:
+        meta["mlp"] = ("bf16: jax_blockscale.nn.MoE (bf16 lax.ragged_dot experts); block-scaled: "
+                       "jax_blockscale.nn.QuantizedMoE (weight-only ragged_gemm, NVFP4 with one "
+                       "global scale per expert); router bf16 in both. weight_bytes counts the "
+                       "experts_hit_est experts per layer (uniform independent routing)")
 
     float_params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     rows = []
@@ -232,7 +271,8 @@ def main(argv=None):
             del model
         del params
     print_table(rows)
-    plot(rows, f"{device.device_kind}, jax {jax.__version__}: Llama-3-8B-shaped decode step, "
+    shape = "Qwen3-30B-A3B-shaped MoE" if args.moe else "Llama-3-8B-shaped"
+    plot(rows, f"{device.device_kind}, jax {jax.__version__}: {shape} decode step, "
          f"{cfg.num_hidden_layers} layers" if not tiny else "tiny smoke run", stem + ".png")
     print(f"wrote {stem}.json")
 

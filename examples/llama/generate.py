@@ -2,11 +2,16 @@
 
     python examples/llama/write_checkpoint.py /tmp/llama-nvfp4 --tiny
     python examples/llama/generate.py /tmp/llama-nvfp4 --new-tokens 16
+    python examples/llama/generate.py --moe             # writes a tiny MoE checkpoint first
 
 The checkpoint's projections load bit-exact into NVFP4 `BlockScaled` weights (blocked scales,
 one global scale per layer), stacked for `lax.scan`; each step runs under one `jax.jit`
 (prefill of the prompt, then one token at a time with a KV cache), with weight-only `jbs.gemm`
-(bf16 activations x NVFP4 weights). Greedy decoding; the prompt is random token ids (the
+(bf16 activations x NVFP4 weights). A mixture-of-experts checkpoint (config.json has
+num_experts) runs its MLPs as `jax_blockscale.nn.QuantizedMoE`: a bf16 router, the per-expert
+NVFP4 tensors stacked into (L, E, N, K) weights with one global scale per expert, weight-only
+`jbs.ragged_gemm`. Without a checkpoint argument a tiny random one is written to a temporary
+directory (``--moe``: 4 experts, top-2). Greedy decoding; the prompt is random token ids (the
 checkpoint's weights are random too: the tokens mean nothing, the point is the path).
 """
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -22,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import init_cache, load_llama  # noqa: E402
+from model import LlamaConfig, init_cache, load_llama  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
@@ -51,18 +57,34 @@ def generate(model, prompt: jax.Array, new_tokens: int, *, max_len: int | None =
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a directory written by write_checkpoint.py (or any "
-                   "ModelOpt NVFP4 Llama export)")
+    p.add_argument("checkpoint", nargs="?", help="a directory written by write_checkpoint.py "
+                   "(or a ModelOpt NVFP4 Llama export); none: write a tiny random one first")
+    p.add_argument("--moe", action="store_true", help="the tiny checkpoint written when none is "
+                   "given is a mixture of experts; with a checkpoint: require it to be one")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--no-scan", action="store_true", help="unroll the layers instead of scan")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    start = time.perf_counter()
-    cfg, model = load_llama(a.checkpoint, scan_layers=not a.no_scan)
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.checkpoint is None:
+            from write_checkpoint import write_checkpoint
+            a.checkpoint = write_checkpoint(
+                tmp, LlamaConfig.tiny_moe() if a.moe else LlamaConfig.tiny(), seed=a.seed,
+                std=0.2, log=lambda *_: None)
+            print(f"wrote a tiny random {'MoE ' if a.moe else ''}checkpoint to {a.checkpoint}")
+        start = time.perf_counter()
+        cfg, model = load_llama(a.checkpoint, scan_layers=not a.no_scan)
+    if a.moe and not cfg.is_moe:
+        p.error(f"--moe: {a.checkpoint} is not a mixture-of-experts checkpoint")
     print(f"loaded {cfg.num_hidden_layers} layers (hidden {cfg.hidden_size}) in "
           f"{time.perf_counter() - start:.1f} s on {jax.devices()[0].device_kind}")
+    if cfg.is_moe:
+        layer = model.layers[0] if a.no_scan else model.layers  # scanned: all layers stacked
+        w = layer.mlp.gate_up.get_value()
+        print(f"MoE: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}; gate_up "
+              f"{w.fmt} {w.shape}, global scales {tuple(w.global_scale.shape)}")
     prompt = jax.random.randint(jax.random.key(a.seed), (a.batch, a.prompt_len), 0,
                                 cfg.vocab_size, jnp.int32)
     tokens = generate(model, prompt, a.new_tokens)  # compiles prefill and decode once each

@@ -10,14 +10,24 @@ The model: token embedding, then per layer RMSNorm -> grouped-query attention (R
 conventions follow Hugging Face's LlamaForCausalLM (rotate-half RoPE, weights stored (out, in)),
 so the tensors of a ModelOpt export of a Llama map one to one.
 
+Mixture of experts (``cfg.num_experts > 0``): the MLP of every layer is a sparse block, Qwen3-MoE
+style: a bf16 router (never quantized), each token's top-k experts weighted by the softmax over
+the chosen k logits, SwiGLU experts. It is `jax_blockscale.nn.QuantizedMoE` (``ragged_gemm``,
+experts NVFP4 with one global scale per expert) or, for float experts, `jax_blockscale.nn.MoE`
+(``lax.ragged_dot``); this file only builds them (`moe_block`). Checkpoint tensors use Qwen3-MoE's
+names (``mlp.gate`` is the router, ``mlp.experts.<e>.{gate,up,down}_proj``); `load_experts`
+stacks ModelOpt's per-expert NVFP4 tensors into one (L, E, N, K) weight per projection.
+
 Layers: every per-layer weight is stacked along a leading axis (L, ...), an NVFP4 weight with one
-global scale per layer (global_scale of shape (L,)), and `jax.lax.scan` runs one layer per step
-(one compiled layer, whatever L is). ``scan_layers=False`` keeps one module per layer and unrolls
-the loop (for comparison; benchmarks/e2e_model.py times both).
+global scale per layer (global_scale of shape (L,); experts: (L, E), one per expert and layer),
+and `jax.lax.scan` runs one layer per step (one compiled layer, whatever L is).
+``scan_layers=False`` keeps one module per layer and unrolls the loop (for comparison;
+benchmarks/e2e_model.py times both).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -25,15 +35,20 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 import jax_blockscale as jbs
+from jax_blockscale import nn as jnn
 
 # HF name of each projection -> the submodule that holds it
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 NORMS = ("input_layernorm", "post_attention_layernorm")
+# An MoE layer's MLP: the fused expert weights QuantizedMoE / MoE hold -> the per-expert HF
+# projections they are made of (gate_up: gate rows first, then up rows, as nn_moe computes it)
+EXPERT_WEIGHTS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +63,20 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # Mixture of experts (Qwen3-MoE's config.json names): 0 experts is a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's SwiGLU width
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} query heads do not split into "
+                             f"{self.num_key_value_heads} key-value groups")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(f"an MoE config needs 1 <= num_experts_per_tok <= num_experts "
+                             f"and moe_intermediate_size > 0, got {self.num_experts_per_tok}, "
+                             f"{self.num_experts}, {self.moe_intermediate_size}")
 
     @classmethod
     def llama3_8b(cls, num_layers: int = 32, vocab_size: int = 128256) -> "LlamaConfig":
@@ -59,6 +88,32 @@ class LlamaConfig:
                    num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16)
 
+    @classmethod
+    def qwen3_30b_a3b(cls, num_layers: int = 48, vocab_size: int = 151936) -> "LlamaConfig":
+        """Qwen3-30B-A3B's shapes: hidden 2048, 32 query / 4 key-value heads of 128 (so the
+        attention is 4096 wide, twice the hidden size), 128 experts of width 768, top-8. Not
+        the model itself: Qwen3's per-head q/k RMSNorms are not modeled. intermediate_size is
+        its config's (unused: every layer is sparse)."""
+        return cls(vocab_size, 2048, 6144, num_layers, 32, 4, 128, rms_norm_eps=1e-6,
+                   rope_theta=1e6, num_experts=128, num_experts_per_tok=8,
+                   moe_intermediate_size=768)
+
+    @classmethod
+    def tiny_moe(cls, num_layers: int = 2, num_experts: int = 4,
+                 top_k: int = 2) -> "LlamaConfig":
+        return dataclasses.replace(cls.tiny(num_layers), num_experts=num_experts,
+                                   num_experts_per_tok=top_k, moe_intermediate_size=32)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def projections(self) -> dict[str, str]:
+        """The dense projections of a layer (name -> HF submodule): an MoE layer has the
+        attention ones only."""
+        return {n: m for n, m in PROJECTIONS.items() if not (self.is_moe and m == "mlp")}
+
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(out, in) of a projection: the (N, K) of its gemm."""
         h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
@@ -68,9 +123,23 @@ class LlamaConfig:
                 "o_proj": (h, self.num_attention_heads * hd),
                 "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[name]
 
+    def expert_shape(self, name: str) -> tuple[int, int]:
+        """(out, in) of one expert's projection (gate_proj, up_proj, down_proj) or of a fused
+        expert weight (gate_up, down)."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+                "gate_up": (2 * i, h), "down": (h, i)}[name]
+
     def to_json(self) -> dict:
-        return dict(dataclasses.asdict(self), architectures=["LlamaForCausalLM"],
-                    model_type="llama")
+        d = dataclasses.asdict(self)
+        if not self.is_moe:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                del d[name]
+            return dict(d, architectures=["LlamaForCausalLM"], model_type="llama")
+        # not a transformers architecture: a Llama whose MLPs are Qwen3-MoE sparse blocks
+        # (norm_topk_prob: the chosen k weights are renormalized, as nn_moe.route does)
+        return dict(d, architectures=["LlamaMoeForCausalLM"], model_type="llama_moe",
+                    norm_topk_prob=True)
 
     @classmethod
     def from_json(cls, d: dict) -> "LlamaConfig":
@@ -133,15 +202,51 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> nnx.Module:
+    """The sparse MLP of one layer, or of all layers stacked (every array with a leading L axis,
+    which `lax.scan` slices per layer): `jnn.QuantizedMoE` when the experts are BlockScaled,
+    `jnn.MoE` (lax.ragged_dot experts, computing in `dtype`) when they are float arrays.
+
+    params: ``router`` (..., hidden, experts); ``gate_up`` and ``down``: BlockScaled
+    (..., E, 2I, H) and (..., E, H, I) (out, in), or float (..., E, H, 2I) and (..., E, I, H)
+    (nnx kernels' (in, out)), gate before up in both.
+
+    The layer is built for one layer's shapes under `nnx.eval_shape` (its constructor checks
+    them; nothing is initialized or quantized) and then handed `params` as its variables'
+    values, which may carry the stacked L axis: the forward pass is nn_moe's, unchanged."""
+    k = cfg.num_experts_per_tok
+    quantized = isinstance(params["gate_up"], jbs.BlockScaled)
+    lead = jnp.ndim(params["router"]) - 2  # 1 for stacked layers
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), params)
+    e, h = cfg.num_experts, cfg.hidden_size
+    want = {"router": (h, e)}
+    for name in EXPERT_WEIGHTS:
+        n, kk = cfg.expert_shape(name)
+        want[name] = (e, n, kk) if quantized else (e, kk, n)
+    got = {name: tuple(one[name].shape) for name in want}
+    if got != want:
+        raise ValueError(f"MoE params have per-layer shapes {got}; the config needs {want}")
+    if quantized:
+        abstract = nnx.eval_shape(lambda p: jnn.QuantizedMoE.from_params(p, k, dtype=dtype), one)
+    else:
+        abstract = nnx.eval_shape(lambda: jnn.MoE(h, cfg.moe_intermediate_size, e, k,
+                                                  dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, {name: params[name] for name in want})
+    return nnx.merge(graphdef, state)
+
+
 class DecoderLayer(nnx.Module):
     """One decoder layer, or (stacked) all of them: every variable may carry a leading L axis."""
 
-    def __init__(self, cfg: LlamaConfig, params: dict[str, Any]):
+    def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16):
         self.cfg = cfg
         for name in NORMS:
             setattr(self, name, nnx.Param(params[name]))
-        for name in PROJECTIONS:
+        for name in cfg.projections:
             setattr(self, name, Weight(params[name]))
+        if cfg.is_moe:
+            self.mlp = moe_block(cfg, params["mlp"], dtype)
 
     def __call__(self, h, cache: KVCache, layer, pos):
         """h (B, T, hidden) at positions pos..pos+T-1; `layer` indexes the stacked cache."""
@@ -173,6 +278,8 @@ class DecoderLayer(nnx.Module):
         h = h + linear(attn.reshape(b, t, kvh * group * hd), w("o_proj"))
 
         x = rms_norm(h, w("post_attention_layernorm"), cfg.rms_norm_eps)
+        if cfg.is_moe:  # the B*T tokens routed together (QuantizedMoE folds the leading dims)
+            return h + self.mlp(x).astype(h.dtype), KVCache(ck, cv)
         mlp = jax.nn.silu(linear(x, w("gate_proj"))) * linear(x, w("up_proj"))
         return h + linear(mlp, w("down_proj")), KVCache(ck, cv)
 
@@ -184,7 +291,9 @@ def _layer(stacked: dict, i: int) -> dict:
 
 class Llama(nnx.Module):
     """params: {"embed": (V, H), "norm": (H,), "lm_head": (V, H) or BlockScaled,
-    "layers": {norm / projection name: stacked (L, ...) array or BlockScaled}}."""
+    "layers": {norm / projection name: stacked (L, ...) array or BlockScaled,
+               (MoE) "mlp": {"router", "gate_up", "down"} stacked as `moe_block` takes them}}.
+    `dtype` is the activations' (and a float MoE's compute) dtype."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], *, scan_layers: bool = True,
                  dtype=jnp.bfloat16):
@@ -195,9 +304,9 @@ class Llama(nnx.Module):
         self.norm = nnx.Param(params["norm"])
         self.lm_head = Weight(params["lm_head"])
         if scan_layers:
-            self.layers = DecoderLayer(cfg, params["layers"])
+            self.layers = DecoderLayer(cfg, params["layers"], dtype)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, _layer(params["layers"], i))
+            self.layers = nnx.List([DecoderLayer(cfg, _layer(params["layers"], i), dtype)
                                     for i in range(cfg.num_hidden_layers)])
 
     def __call__(self, tokens: jax.Array, cache: KVCache, pos) -> tuple[jax.Array, KVCache]:
@@ -227,38 +336,66 @@ class Llama(nnx.Module):
 
 
 def random_params(cfg: LlamaConfig, key, dtype=jnp.bfloat16, std: float = 0.02) -> dict:
-    """Random float parameters in the model's layout (stacked layers), for tests and timing."""
+    """Random float parameters in the model's layout (stacked layers), for tests and timing.
+    MoE experts are in `jnn.MoE`'s (E, in, out) layout (what `quantize_params` quantizes)."""
     keys = iter(jax.random.split(key, len(PROJECTIONS) + 4))
     L = cfg.num_hidden_layers
-    normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
-                            ).astype(dtype)
-    layers = {name: normal((L, *cfg.projection_shape(name))) for name in PROJECTIONS}
+    normal = lambda shape, k=None: _normal(next(keys) if k is None else k, shape,  # noqa: E731
+                                           std, dtype)
+    layers = {name: normal((L, *cfg.projection_shape(name))) for name in cfg.projections}
     for name in NORMS:
         layers[name] = (1.0 + 0.1 * jax.random.normal(next(keys), (L, cfg.hidden_size))
                         ).astype(jnp.float32)
+    if cfg.is_moe:
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        k_router, k_gate_up, k_down = jax.random.split(jax.random.fold_in(key, 1), 3)
+        layers["mlp"] = {"router": normal((L, h, e), k_router),
+                         "gate_up": normal((L, e, h, 2 * i), k_gate_up),
+                         "down": normal((L, e, i, h), k_down)}
     return {"embed": normal((cfg.vocab_size, cfg.hidden_size)),
             "norm": jnp.ones((cfg.hidden_size,), jnp.float32),
             "lm_head": normal((cfg.vocab_size, cfg.hidden_size)), "layers": layers}
 
 
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _normal(key, shape, std, dtype):
+    # jitted so the f32 draw is fused with the cast: at Qwen3-30B-A3B's expert shapes a layer's
+    # f32 draw alone is 1.6 GB
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
 def quantize_params(params: dict, fmt: str) -> dict:
     """Quantize every projection of float params into `fmt` (blocked scales, ready for gemm);
-    NVFP4 gets one global scale per layer, as each layer of a published checkpoint has. The
-    embedding, norms and LM head stay as they are."""
+    NVFP4 gets one global scale per layer, as each layer of a published checkpoint has, and
+    MoE experts one per expert and layer (`jnn.quantize_experts`: (L, E, out, in), global scale
+    (L, E)). The embedding, norms, LM head and MoE router stay as they are."""
     one = jax.jit(jax.vmap(lambda w: jbs.quantize(w, fmt, layout="blocked",
                                                   global_scale="auto" if fmt == "nvfp4" else None)))
     layers = {k: one(v) if k in PROJECTIONS else v for k, v in params["layers"].items()}
+    if "mlp" in layers:
+        mlp = dict(layers["mlp"])
+        for name in EXPERT_WEIGHTS:  # a layer at a time: one layer's f32 temporaries at most
+            per_layer = [jnn.quantize_experts(w, fmt) for w in mlp[name]]
+            mlp[name] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        layers["mlp"] = mlp
     return dict(params, layers=layers)
 
 
 def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
-    """Every BlockScaled weight back to a float array of `dtype` (exact in f32), layer by layer."""
+    """Every BlockScaled weight back to a float array of `dtype` (exact in f32), layer by layer;
+    MoE experts (out, in) -> `jnn.MoE`'s (in, out)."""
     def deq(x):
         if not isinstance(x, jbs.BlockScaled):
             return x
         return jax.vmap(lambda q: jbs.dequantize(q, dtype))(x) if x.ndim == 3 \
             else jbs.dequantize(x, dtype)
-    return jax.tree.map(deq, params, is_leaf=lambda x: isinstance(x, jbs.BlockScaled))
+    is_q = lambda x: isinstance(x, jbs.BlockScaled)  # noqa: E731
+    out = jax.tree.map(deq, {**params, "layers": {k: v for k, v in params["layers"].items()
+                                                  if k != "mlp"}}, is_leaf=is_q)
+    if "mlp" in params["layers"]:
+        out["layers"]["mlp"] = {k: jnp.swapaxes(jbs.dequantize(v, dtype), -1, -2) if is_q(v)
+                                else v for k, v in params["layers"]["mlp"].items()}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,37 +405,145 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
 def checkpoint_spec(cfg: LlamaConfig, *, layout: str = "blocked", dtype=jnp.bfloat16,
                     sharding=None) -> dict:
     """What to read from a ModelOpt NVFP4 export of a Llama (HF tensor names), in the model's
-    params layout: the projections as stacked NVFP4 weights, the rest as plain tensors."""
+    params layout: the projections as stacked NVFP4 weights, the rest as plain tensors. An MoE
+    model's router (``mlp.gate``, (E, H) as stored) is here; its experts are not: they are read
+    by `load_experts`."""
     from jax_blockscale import interop
     layers = range(cfg.num_hidden_layers)
     spec = {name: interop.Quantized(f"model.layers.{{layer}}.{module}.{name}", "modelopt_nvfp4",
                                     layers=layers, shape=cfg.projection_shape(name),
                                     layout=layout, sharding=sharding)
-            for name, module in PROJECTIONS.items()}
+            for name, module in cfg.projections.items()}
     for name in NORMS:
         spec[name] = interop.Tensor(f"model.layers.{{layer}}.{name}.weight", layers=layers,
                                     dtype=jnp.float32, shape=(cfg.hidden_size,))
     h, v = cfg.hidden_size, cfg.vocab_size
+    if cfg.is_moe:
+        spec["mlp"] = {"router": interop.Tensor("model.layers.{layer}.mlp.gate.weight",
+                                                layers=layers, dtype=dtype,
+                                                shape=(cfg.num_experts, h))}
     return {"embed": interop.Tensor("model.embed_tokens.weight", dtype=dtype, shape=(v, h)),
             "norm": interop.Tensor("model.norm.weight", dtype=jnp.float32, shape=(h,)),
             "lm_head": interop.Tensor("lm_head.weight", dtype=dtype, shape=(v, h)),
             "layers": spec}
 
 
+def expert_prefix(layer: int, expert: int, proj: str) -> str:
+    """The HF module name of one expert's projection (as Qwen3-MoE's checkpoints name them)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}"
+
+
+def load_experts(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", sharding=None,
+                 progress: bool = False) -> dict:
+    """Every layer's experts from ModelOpt's per-expert NVFP4 tensors, as the fused weights
+    QuantizedMoE takes: {"gate_up": (L, E, 2I, H), "down": (L, E, H, I)}, BlockScaled with one
+    global scale per expert and layer ((L, E)), bit-exact. sharding: None or a Sharding of the
+    (L, E, N, K) stacks, mapped onto the scales by `interop.blockscaled_shardings` (e.g.
+    ``NamedSharding(mesh, P(None, "e"))``: expert parallel, each device holds E / n experts).
+
+    Each expert's ``weight`` (packed e2m1 bytes) and ``weight_scale`` (e4m3) are copied from the
+    memory-mapped files into one preallocated host stack (gate_proj's rows, then up_proj's),
+    which `interop.from_modelopt_nvfp4` converts once (nothing is dequantized: host memory peaks
+    at the packed stack plus one byte per element, the device gets each weight once).
+
+    gate_proj and up_proj become one weight with one global scale, so their ``weight_scale_2``
+    must be equal. ModelOpt's export makes them so (the two share their input, and it gives
+    such modules one amax); a checkpoint where they differ raises CheckpointError, as bit-exact
+    loading would need two scales (vLLM warns and uses gate's for both)."""
+    from jax_blockscale import interop
+    L, E = cfg.num_hidden_layers, cfg.num_experts
+    layers = range(L)
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            layers = tqdm(layers, desc="loading experts", unit="layer", leave=False)
+        except ImportError:
+            pass
+    stacks = {}
+    for fused, parts in EXPERT_WEIGHTS.items():
+        n, k = cfg.expert_shape(parts[0])
+        stacks[fused] = (np.empty((L, E, n * len(parts), k // 2), np.uint8),   # packed e2m1
+                         np.empty((L, E, n * len(parts), k // 16), np.uint8),  # e4m3 bits
+                         np.empty((L, E), np.float32))                         # weight_scale_2
+    for layer in layers:
+        for fused, parts in EXPERT_WEIGHTS.items():
+            packed, scales, factor = stacks[fused]
+            n, k = cfg.expert_shape(parts[0])
+            for e in range(E):
+                factors = {}
+                for j, proj in enumerate(parts):
+                    m = expert_prefix(layer, e, proj)
+                    rows = slice(j * n, (j + 1) * n)
+                    packed[layer, e, rows] = ckpt.read(m + ".weight", dtype="U8",
+                                                       shape=(n, k // 2))
+                    scales[layer, e, rows] = ckpt.read(
+                        m + ".weight_scale", dtype=("F8_E4M3", "U8"),
+                        shape=(n, k // 16)).view(np.uint8)
+                    g = ckpt.read(m + ".weight_scale_2", dtype="F32")
+                    if g.size != 1:
+                        raise interop.CheckpointError(f"{m}.weight_scale_2 has shape {g.shape}; "
+                                                      "expected one per-tensor factor")
+                    factors[m] = np.float32(g.reshape(()))
+                values = list(factors.values())
+                if any(v.tobytes() != values[0].tobytes() for v in values):
+                    raise interop.CheckpointError(
+                        f"weight_scale_2 differs between {' and '.join(factors)} "
+                        f"({', '.join(map(str, values))}): they are fused into one weight with "
+                        "one global scale, so they must be equal to load bit-exactly")
+                factor[layer, e] = values[0]
+    out = {}
+    for fused, (packed, scales, factor) in stacks.items():
+        q = interop.from_modelopt_nvfp4(packed, scales, factor, layout=layout)
+        if sharding is not None:
+            q = jax.device_put(q, interop.blockscaled_shardings(sharding, q))
+        out[fused] = q
+    return out
+
+
+def load_params(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", dtype=jnp.bfloat16,
+                sharding=None, expert_sharding=None, progress: bool = False) -> dict:
+    """The model's params from a ModelOpt NVFP4 checkpoint (a path or an open
+    SafetensorsCheckpoint): `checkpoint_spec` through `interop.load_tree`, and for an MoE model
+    its experts (`load_experts`, placed by `expert_sharding`) with the router turned to
+    (L, H, E). `sharding` places the dense projections, as `checkpoint_spec` says."""
+    from jax_blockscale import interop
+    if not isinstance(ckpt, interop.SafetensorsCheckpoint):
+        with interop.SafetensorsCheckpoint(ckpt) as opened:
+            return load_params(opened, cfg, layout=layout, dtype=dtype, sharding=sharding,
+                               expert_sharding=expert_sharding, progress=progress)
+    params = interop.load_tree(ckpt, checkpoint_spec(cfg, layout=layout, dtype=dtype,
+                                                     sharding=sharding), progress=progress)
+    if cfg.is_moe:
+        mlp = params["layers"]["mlp"]
+        mlp["router"] = jnp.swapaxes(mlp["router"], -1, -2)  # HF Linear (E, H) -> x @ (H, E)
+        mlp.update(load_experts(ckpt, cfg, layout=layout, sharding=expert_sharding,
+                                progress=progress))
+    return params
+
+
 def load_llama(path, *, scan_layers: bool = True, dtype=jnp.bfloat16, layout: str = "blocked",
-               sharding=None, progress: bool = True) -> tuple[LlamaConfig, Llama]:
+               sharding=None, expert_sharding=None,
+               progress: bool = True) -> tuple[LlamaConfig, Llama]:
     """A Llama from a ModelOpt NVFP4 checkpoint directory (config.json, hf_quant_config.json,
-    *.safetensors with their index): projections bit-exact as NVFP4 BlockScaled weights."""
+    *.safetensors with their index): projections (and MoE experts) bit-exact as NVFP4
+    BlockScaled weights. sharding / expert_sharding: see `load_params`."""
     from jax_blockscale import interop
     path = Path(path)
-    cfg = LlamaConfig.from_json(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    cfg = LlamaConfig.from_json(config)
     quant = path / "hf_quant_config.json"
     if quant.exists():
         algo = json.loads(quant.read_text()).get("quantization", {}).get("quant_algo")
         if algo != "NVFP4":
             raise interop.CheckpointError(f"{quant} says quant_algo={algo!r}; this loader reads "
                                           "ModelOpt NVFP4 checkpoints")
+    if cfg.is_moe and not config.get("norm_topk_prob", True):
+        raise interop.CheckpointError(f"{path / 'config.json'} has norm_topk_prob=false; this "
+                                      "model renormalizes the top-k routing weights")
     with interop.SafetensorsCheckpoint(path) as ckpt:
-        params = interop.load_tree(ckpt, checkpoint_spec(cfg, layout=layout, dtype=dtype,
-                                                         sharding=sharding), progress=progress)
+        if "model.layers.0.self_attn.q_norm.weight" in ckpt:  # e.g. a real Qwen3 export
+            raise interop.CheckpointError(f"{path} has per-head q/k RMSNorms (q_norm / k_norm, "
+                                          "as Qwen3 has), which this Llama does not model")
+        params = load_params(ckpt, cfg, layout=layout, dtype=dtype, sharding=sharding,
+                             expert_sharding=expert_sharding, progress=progress)
     return cfg, Llama(cfg, params, scan_layers=scan_layers, dtype=dtype)

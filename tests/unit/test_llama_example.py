@@ -1,7 +1,9 @@
 """examples/llama at tiny shapes on the CPU: write a random ModelOpt NVFP4 checkpoint (two
 shards), load it into the scanned NNX Llama, and check its logits against the same model with
 the dequantized weights as plain f32 arrays, scanned against unrolled layers, the KV cache
-against a full-sequence forward pass, and that generation under jit yields tokens."""
+against a full-sequence forward pass, and that generation under jit yields tokens. The same for
+the mixture-of-experts variant (per-expert ModelOpt tensors stacked into QuantizedMoE weights),
+whose loaded experts are also compared bit for bit with the checkpoint's tensors."""
 import json
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ pytest.importorskip("safetensors")
 
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import interop  # noqa: E402
+from jax_blockscale import nn as jnn  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama"
 sys.path.insert(0, str(EXAMPLE))
@@ -135,3 +138,167 @@ def test_e2e_benchmark_tiny(tmp_path):
     assert nvfp4_scan["loop_us"] > 0 and "speedup_vs_bf16" in nvfp4_scan
     assert "scan_over_unrolled" in nvfp4_scan
     assert (tmp_path / "smoke.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    cfg = llama.LlamaConfig.tiny_moe(num_layers=2, num_experts=4, top_k=2)
+    path = write_checkpoint(tmp_path_factory.mktemp("moe"), cfg, seed=7, max_shard_mb=0.05,
+                            std=0.2, log=lambda *_: None)
+    return cfg, path
+
+
+@pytest.fixture(scope="module")
+def moe_params(moe_ckpt):
+    cfg, path = moe_ckpt
+    return llama.load_params(path, cfg, dtype=F32)
+
+
+def test_config_json_and_presets():
+    dense, moe = llama.LlamaConfig.tiny(), llama.LlamaConfig.tiny_moe()
+    assert "num_experts" not in dense.to_json()  # a dense config.json stays a Llama's
+    for cfg in (dense, moe, llama.LlamaConfig.qwen3_30b_a3b()):
+        assert llama.LlamaConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    q = llama.LlamaConfig.qwen3_30b_a3b(num_layers=4)
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size) == (128, 8, 768)
+    # attention is 32 x 128 = 4096 wide on a 2048 hidden size: q / o are not square
+    assert q.projection_shape("q_proj") == (4096, 2048)
+    assert q.projection_shape("k_proj") == (512, 2048)
+    assert q.projection_shape("o_proj") == (2048, 4096)
+    assert q.expert_shape("gate_up") == (1536, 2048) and q.expert_shape("down") == (2048, 768)
+    assert set(q.projections) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        llama.LlamaConfig.tiny_moe(num_experts=2, top_k=3)
+
+
+def test_moe_checkpoint_experts_bit_exact(moe_ckpt, moe_params):
+    cfg, path = moe_ckpt
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(names.values())) >= 2  # really sharded
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.experts.3.up_proj.input_scale" in names
+    assert not any(".mlp.gate_proj." in n or ".mlp.down_proj." in n for n in names)  # no dense MLP
+    mlp = moe_params["layers"]["mlp"]
+    plain = llama.load_params(path, cfg, dtype=F32, layout="plain")["layers"]["mlp"]
+    i = cfg.moe_intermediate_size
+    parts = (("gate_up", "gate_proj", slice(0, i)), ("gate_up", "up_proj", slice(i, 2 * i)),
+             ("down", "down_proj", slice(None)))
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    with interop.SafetensorsCheckpoint(path) as ck:
+        for layer in range(cfg.num_hidden_layers):
+            router = ck.read(f"model.layers.{layer}.mlp.gate.weight")  # (E, H) bf16
+            np.testing.assert_array_equal(np.asarray(mlp["router"][layer]).T,
+                                          router.astype(np.float32))
+            for e in range(cfg.num_experts):
+                for fused, proj, rows in parts:
+                    m = llama.expert_prefix(layer, e, proj)
+                    q = plain[fused][layer, e]
+                    np.testing.assert_array_equal(np.asarray(jbs.pack_fp4(q.data[rows])),
+                                                  ck.read(m + ".weight"))
+                    np.testing.assert_array_equal(bits(q.scales[rows]),
+                                                  bits(ck.read(m + ".weight_scale")))
+                    assert (np.float32(q.global_scale).tobytes()
+                            == ck.read(m + ".weight_scale_2").astype(np.float32).tobytes())
+    for name in ("gate_up", "down"):
+        w = mlp[name]  # what the model uses: the same bits with the scales swizzled
+        assert w.fmt == "nvfp4" and w.layout == "blocked"
+        assert w.shape == (2, 4, *cfg.expert_shape(name)) and w.global_scale.shape == (2, 4)
+        # one per expert and layer (two may coincide: each is a bf16 amax / (6 * 448))
+        assert len(set(np.asarray(w.global_scale).ravel().tolist())) >= 4
+        np.testing.assert_array_equal(bits(w.data), bits(plain[name].data))
+        np.testing.assert_array_equal(bits(w.plain_scales()), bits(plain[name].scales))
+
+
+def test_moe_model_matches_dequantized_reference(moe_ckpt, moe_params):
+    cfg, _ = moe_ckpt
+    tokens = tokens_for(cfg, b=2, t=6, seed=11)
+    quantized = llama.Llama(cfg, moe_params, dtype=F32)
+    reference = llama.Llama(cfg, llama.dequantize_params(moe_params, F32), dtype=F32)
+    assert isinstance(quantized.layers.mlp, jnn.QuantizedMoE)
+    assert isinstance(reference.layers.mlp, jnn.MoE)  # f32 lax.ragged_dot experts
+    got, want = forward(quantized, tokens), forward(reference, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4,
+                               atol=1e-4 * float(jnp.abs(want).max()))
+    assert float(jnp.std(got)) > 1e-3
+    # the experts matter: the same model with the experts of layer 0 rolled by one differs
+    mlp = dict(moe_params["layers"]["mlp"])
+    mlp["gate_up"] = jax.tree.map(lambda a: a.at[0].set(jnp.roll(a[0], 1, axis=0)),
+                                  mlp["gate_up"])  # elements, scales, global scales
+    rolled = dict(moe_params, layers=dict(moe_params["layers"], mlp=mlp))
+    other = forward(llama.Llama(cfg, rolled, dtype=F32), tokens)
+    assert float(jnp.abs(other - got).max()) > 1e-2 * float(jnp.abs(got).max())
+
+
+def test_moe_scan_equals_unrolled(moe_ckpt, moe_params):
+    cfg, _ = moe_ckpt
+    tokens = tokens_for(cfg, seed=12)
+    scanned = forward(llama.Llama(cfg, moe_params, dtype=F32), tokens)
+    unrolled_model = llama.Llama(cfg, moe_params, dtype=F32, scan_layers=False)
+    assert unrolled_model.layers[1].mlp.gate_up.get_value().shape == (4, 64, 64)
+    unrolled = forward(unrolled_model, tokens)
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-4,
+                               atol=1e-5 * float(jnp.abs(scanned).max()))
+
+
+def test_moe_kv_cache_decode_matches_full_forward(moe_ckpt, moe_params):
+    """Decoding routes B tokens per step (B * k rows); the full pass routes all B * T at once:
+    each token's experts and output must not depend on which others share the call."""
+    cfg, _ = moe_ckpt
+    model = llama.Llama(cfg, moe_params, dtype=F32)
+    tokens = tokens_for(cfg, t=5, seed=13)
+    full = forward(model, tokens)
+    step = jax.jit(lambda m, t, c, p: m(t, c, p))
+    cache = llama.init_cache(cfg, 2, 16, F32)
+    logits, cache = step(model, tokens[:, :2], cache, jnp.int32(0))
+    outs = [logits]
+    for i in range(2, 5):
+        logits, cache = step(model, tokens[:, i:i + 1], cache, jnp.int32(i))
+        outs.append(logits)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(full),
+                               rtol=1e-4, atol=1e-4 * float(jnp.abs(full).max()))
+
+
+def test_moe_generate_cli(capsys):
+    """generate.py --moe: writes a tiny MoE checkpoint, loads it (bf16) and decodes under jit."""
+    gen.main(["--moe", "--batch", "2", "--new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "MoE: 4 experts, top-2; gate_up nvfp4 (2, 4, 64, 64)" in out
+    lines = [line for line in out.splitlines() if line.startswith("prompt ")]
+    assert len(lines) == 2
+    for line in lines:
+        new = json.loads(line.split("->")[1])
+        assert len(new) == 4 and all(0 <= t < 97 for t in new)
+
+
+def test_moe_unshared_gate_up_scale_refused(tmp_path):
+    """gate_proj and up_proj become one weight with one global scale: a checkpoint where their
+    weight_scale_2 differ cannot load bit-exactly, and says so."""
+    cfg = llama.LlamaConfig.tiny_moe(num_layers=1, num_experts=2, top_k=1)
+    path = write_checkpoint(tmp_path, cfg, std=0.2, shared_gate_up_scale=False,
+                            log=lambda *_: None)
+    with pytest.raises(interop.CheckpointError, match="weight_scale_2 differs between "
+                       r"model\.layers\.0\.mlp\.experts\.0\.gate_proj and"):
+        llama.load_params(path, cfg)
+
+
+def test_e2e_benchmark_tiny_moe(tmp_path):
+    """benchmarks/e2e_model.py --tiny --moe: the QuantizedMoE model against the bf16 MoE one."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(EXAMPLE.parents[1] / "benchmarks"))
+    import e2e_model
+    e2e_model.main(["--tiny", "--moe", "--layers", "1", "--batches", "2", "--compare-unrolled",
+                    "--iters", "2", "--trials", "1", "--calls", "1", "--out", str(tmp_path),
+                    "--tag", "smoke"])
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["config"]["num_experts"] == 4 and "ragged_dot" in result["mlp"]
+    got = {(r["fmt"], r["mode"], r["batch"]) for r in result["rows"]}
+    assert got == {(f, m, 2) for f in ("bf16", "nvfp4") for m in ("scan", "unrolled")}
+    for r in result["rows"]:
+        assert r["loop_us"] > 0 and r["experts_hit_est"] == 3.0  # 4 * (1 - (1 - 2/4)^2)
+    nvfp4, bf16 = (next(r for r in result["rows"] if (r["fmt"], r["mode"]) == (f, "scan"))
+                   for f in ("nvfp4", "bf16"))
+    assert "speedup_vs_bf16" in nvfp4 and nvfp4["weight_bytes"] < bf16["weight_bytes"]
