@@ -305,7 +305,7 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     """(variant, splits, items) for a grouped call of M rows (all groups together) over
     `groups` experts of (N, K), or None if the grouped decode kernel does not run it.
 
-    The item height follows the average rows per expert; splits fill about one wave with the
+    The item height follows twice the average rows per expert; splits fill about one wave with the
     CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense kernel."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
@@ -316,7 +316,10 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     avg = _ceil_div(m, groups)
     if avg > RAGGED_DECODE_MAX_AVG_ROWS:
         return None
-    nt = nt_for(avg)
+    # Routing is uneven: items of twice the average keep most experts to one item (one pass over
+    # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
+    # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
+    nt = nt_for(max(avg, min(2 * avg, 32)))
     tuning = tuning_for(nt)
     k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
     ctas = _ceil_div(n, tuning.bn) * min(groups, m)

@@ -88,8 +88,9 @@ def test_every_pair(fmt_lhs, fmt_rhs, out):
     (16 * 8, 128, 1536, 2048, "topk"),  # Qwen3-30B-A3B gate+up at 16 tokens
     (4 * 4, 32, 5760, 2880, "topk"),  # gpt-oss-20b at 4 tokens
     (300, 16, 200, 96, "random"),  # odd N (past a 128-row tile), few K chunks
-    (2048, 64, 384, 256, "random"),  # 32 rows per expert: nt = 4
-    (1000, 16, 256, 128, "heavy"),  # 62 rows per expert on average (nt = 8), one heavy expert
+    (1024, 64, 384, 256, "random"),  # 16 rows per expert on average: 32-row items (nt = 4)
+    (2048, 64, 384, 256, "random"),  # 32 rows per expert on average: 32-row items too
+    (1000, 16, 256, 128, "heavy"),  # 62 rows per expert on average: 64-row items (nt = 8)
 ])
 def test_shapes_and_routings(m, g, n, k, sizes):
     rng = _rng()
