@@ -288,11 +288,6 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 # experts, rows of each expert in work items of at most 8 nt rows (the item table is built by
 # the lowering from the group sizes), every decode pair, tile and tuning as above.
 
-# Past this many rows per expert on average the experts' weights would be streamed once per
-# 64-row item, and dequantize + XLA's grouped GEMM (the reference) is the better path.
-RAGGED_DECODE_MAX_AVG_ROWS = DECODE_MAX_ROWS
-
-
 def ragged_decode_items(m: int, groups: int, nt: int) -> int:
     """Entries of the work table for M rows over G groups: an upper bound on the items the
     groups need (at most min(G, M) groups have rows, and sum over them of ceil(size / 8 nt) <=
@@ -303,7 +298,7 @@ def ragged_decode_items(m: int, groups: int, nt: int) -> int:
 
 def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16"):
     """(variant, splits, items) for a grouped call of M rows (all groups together) over
-    `groups` experts of (N, K), or None if the grouped decode kernel does not run it.
+    `groups` experts of (N, K), or None if the grouped decode kernel cannot run it.
 
     The item height follows twice the average rows per expert; splits fill about one wave with the
     CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense kernel."""
@@ -313,9 +308,10 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
         return None
     if m < 1 or n < 1 or groups < 1 or k < 32 or k % 32 or k % KINDS[b_kind]["block"]:
         return None
+    # No row limit: past 64 rows an expert's rows run as several 64-row items that stream its
+    # weights again (mostly from L2); that still beats dequantize + XLA's grouped GEMM at every
+    # size measured (docs/design/sm90_ragged_decode.md).
     avg = _ceil_div(m, groups)
-    if avg > RAGGED_DECODE_MAX_AVG_ROWS:
-        return None
     # Routing is uneven: items of twice the average keep most experts to one item (one pass over
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.

@@ -339,10 +339,9 @@ def plan_sm90(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> P
 
 def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     """The sm90 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec), or why the grouped decode
-    kernel cannot run it: its operand pairs, K a multiple of 32 and of the blocks, rows per
-    expert on average within the kernel's (past them dequantize + XLA's grouped GEMM, the
-    reference, is faster), 32-bit offsets; the variant, item height and split count from the
-    catalogue (catalog/sm90.py: choose_ragged_decode_variant)."""
+    kernel cannot run it: its operand pairs, K a multiple of 32 and of the blocks, 32-bit
+    offsets; the variant, item height and split count from the catalogue (catalog/sm90.py:
+    choose_ragged_decode_variant)."""
     from ..ragged_backends import RaggedPlan  # noqa: PLC0415  (ragged_backends imports lowering)
 
     out = cat90.OUT_OF_DTYPE.get(np.dtype(spec.out_dtype).name)
@@ -358,11 +357,8 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     choice = cat90.choose_ragged_decode_variant(spec.m, spec.n, spec.k, spec.groups,
                                                 spec.fmt_lhs, spec.fmt_rhs, device.sm_count, out)
     if choice is None:
-        ka, kb = cat90.KIND_OF_FORMAT.get(spec.fmt_lhs), cat90.KIND_OF_FORMAT.get(spec.fmt_rhs)
-        if (ka, kb) not in cat90.DECODE_PAIRS:
-            return f"the grouped decode kernel has no {spec.fmt_lhs or 'plain'} x {spec.fmt_rhs} variant"
-        return (f"{spec.m} rows over {spec.groups} experts: more than "
-                f"{cat90.RAGGED_DECODE_MAX_AVG_ROWS} per expert on average")
+        return (f"the grouped decode kernel has no {spec.fmt_lhs or 'plain'} x {spec.fmt_rhs} "
+                f"variant with K={spec.k}")
     v, splits, items = choice
     ka, kb = v.a_kind, v.b_kind
     a_row = spec.k * cat90.KINDS[ka]["bits"] // 8

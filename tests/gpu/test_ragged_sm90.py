@@ -91,6 +91,7 @@ def test_every_pair(fmt_lhs, fmt_rhs, out):
     (1024, 64, 384, 256, "random"),  # 16 rows per expert on average: 32-row items (nt = 4)
     (2048, 64, 384, 256, "random"),  # 32 rows per expert on average: 32-row items too
     (1000, 16, 256, 128, "heavy"),  # 62 rows per expert on average: 64-row items (nt = 8)
+    (4096, 8, 256, 256, "random"),  # 512 rows per expert: eight 64-row items each (prefill)
 ])
 def test_shapes_and_routings(m, g, n, k, sizes):
     rng = _rng()
