@@ -278,20 +278,59 @@ class QuantizedMoE(nnx.Module):
         return cls(hidden, two_i // 2, experts, top_k, fmt=None, act_fmt=act_fmt, dtype=dtype,
                    router=router, gate_up=gate_up, down=down, backend=backend)
 
-    def __call__(self, x):
+    def __call__(self, x, *, layer=None):
+        """x (..., hidden) -> (..., hidden) in `dtype`.
+
+        layer: for a layer that holds every layer's weights stacked (router (L, hidden, E),
+          experts (L, E, out, in): a scanned model's layer), the index of the layer to run, a
+          traced int32 scalar. The experts are then read in place: the stack is viewed as L * E
+          experts and only layer `layer`'s get rows, so no layer's experts are sliced out of the
+          stack (inside `lax.scan`, XLA copies a sliced FP4 operand; here every expert would be
+          copied on every step).
+        """
         x = jnp.asarray(x)
         if x.shape[-1] != self.hidden:
             raise ValueError(f"the input's last axis must be hidden={self.hidden}, got shape "
                              f"{x.shape}")
         dt = np.dtype(self.dtype)
         gate_up, down = self.gate_up.get_value(), self.down.get_value()
+        router = self.router[...]
+        place = lambda gs: gs  # noqa: E731  (group sizes of the experts as stored)
+        if layer is not None:
+            if gate_up.ndim != 4 or down.ndim != 4 or jnp.ndim(router) != 3:
+                raise ValueError("layer= needs stacked weights: router (L, hidden, experts) and "
+                                 f"experts (L, E, out, in); got router {jnp.shape(router)}, "
+                                 f"gate_up {gate_up.shape}, down {down.shape}")
+            layers = gate_up.shape[0]
+            router = lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
+            gate_up, down = flatten_layers(gate_up), flatten_layers(down)
+            place = functools.partial(layer_group_sizes, layer=layer, layers=layers)
 
         def activation(a):
             return quantize(a, self.act_fmt) if self.act_fmt is not None else a.astype(dt)
 
         def experts(rows, gs):
+            gs = place(gs)
             h = ragged_gemm(activation(rows), gate_up, gs, out_dtype=dt, backend=self.backend)
             a = _swiglu(h)
             return ragged_gemm(activation(a), down, gs, out_dtype=dt, backend=self.backend)
 
-        return _moe_forward(x.astype(dt), self.router[...], self.top_k, experts)
+        return _moe_forward(x.astype(dt), router, self.top_k, experts)
+
+
+def flatten_layers(w: BlockScaled) -> BlockScaled:
+    """A stack of L layers' experts (L, E, out, in) as L * E experts (free reshapes; a global
+    scale per layer and expert (L, E) becomes one per expert)."""
+    lead = (w.shape[0] * w.shape[1],)
+    gs = w.global_scale
+    if gs is not None and jnp.ndim(gs) == 2:
+        gs = jnp.reshape(gs, lead)
+    return BlockScaled(w.data.reshape(lead + w.data.shape[2:]),
+                       w.scales.reshape(lead + w.scales.shape[2:]), gs, w.fmt, w.layout)
+
+
+def layer_group_sizes(group_sizes, *, layer, layers: int):
+    """One layer's E group sizes placed among L * E (every other layer's experts get none)."""
+    experts = group_sizes.shape[0]
+    full = jnp.zeros((layers * experts,), group_sizes.dtype)
+    return lax.dynamic_update_slice(full, group_sizes, (layer * experts,))

@@ -279,7 +279,11 @@ class DecoderLayer(nnx.Module):
 
         x = rms_norm(h, w("post_attention_layernorm"), cfg.rms_norm_eps)
         if cfg.is_moe:  # the B*T tokens routed together (QuantizedMoE folds the leading dims)
-            return h + self.mlp(x).astype(h.dtype), KVCache(ck, cv)
+            # A scanned model hands its block-scaled MoE every layer's experts (see Llama): the
+            # layer's are read in place, never sliced out of the stack.
+            stacked = isinstance(self.mlp, jnn.QuantizedMoE) and self.mlp.router[...].ndim == 3
+            y = self.mlp(x, layer=layer) if stacked else self.mlp(x)
+            return h + y.astype(h.dtype), KVCache(ck, cv)
         mlp = jax.nn.silu(linear(x, w("gate_proj"))) * linear(x, w("up_proj"))
         return h + linear(mlp, w("down_proj")), KVCache(ck, cv)
 
@@ -314,12 +318,20 @@ class Llama(nnx.Module):
         with their keys and values written."""
         h = self.embed.get_value()[tokens].astype(self.dtype)
         if self.scan_layers:
-            graphdef, state = nnx.split(self.layers)
+            # lax.scan slices every layer's weights out of the stacks it scans over, and XLA
+            # copies a sliced FP4 array; a block-scaled MoE's experts (most of the bytes) stay out
+            # of the scanned state instead: every step sees all of them and runs its own layer's
+            # in place (QuantizedMoE(layer=)).
+            in_place = (nnx.All(nnx.PathContains("mlp"), nnx.Any(*map(nnx.PathContains, (
+                "router", "gate_up", "down"))))
+                if self.cfg.is_moe and isinstance(self.layers.mlp, jnn.QuantizedMoE)
+                else nnx.Nothing())
+            graphdef, whole, state = nnx.split(self.layers, in_place, ...)
 
             def step(carry, xs):
                 h, cache = carry
                 layer_state, i = xs
-                h, cache = nnx.merge(graphdef, layer_state)(h, cache, i, pos)
+                h, cache = nnx.merge(graphdef, whole, layer_state)(h, cache, i, pos)
                 return (h, cache), None
 
             (h, cache), _ = lax.scan(step, (h, cache),

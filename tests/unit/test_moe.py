@@ -156,3 +156,31 @@ def test_bench_moe_tiny(tmp_path):
     for r in rows:
         for method in ("bf16_ragged_dot", "deq_ragged_dot", "ours", "ours_qact"):
             assert r[method + "_us"] > 0, r
+
+
+def test_stacked_layers_run_in_place():
+    """A QuantizedMoE holding L layers' weights stacked runs layer i with layer=i (eager, and
+    traced inside lax.scan over the index, the experts never sliced) exactly as the layer built
+    on its own."""
+    from jax import lax
+
+    L = 3
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, H)), jnp.bfloat16)
+    singles = [jnn.QuantizedMoE.from_float(jnn.MoE(H, I, E, TOP_K, rngs=nnx.Rngs(10 + s)),
+                                           "nvfp4") for s in range(L)]
+    stack = lambda name: jax.tree.map(lambda *a: jnp.stack(a),  # noqa: E731
+                                      *[getattr(m, name).get_value() for m in singles])
+    stacked = jnn.QuantizedMoE.from_float(jnn.MoE(H, I, E, TOP_K, rngs=nnx.Rngs(10)), "nvfp4")
+    stacked.router = nnx.Param(jnp.stack([m.router[...] for m in singles]))
+    stacked.gate_up = jnn.QuantizedWeight(stack("gate_up"))
+    stacked.down = jnn.QuantizedWeight(stack("down"))
+    assert stacked.gate_up.get_value().global_scale.shape == (L, E)
+    want = np.stack([np.asarray(m(x), np.float32) for m in singles])
+    assert np.abs(want[0] - want[1]).max() > 0  # the layers differ
+    for i in range(L):
+        np.testing.assert_array_equal(np.asarray(stacked(x, layer=i), np.float32), want[i])
+    scanned = jax.jit(lambda x: lax.scan(lambda c, i: (c, stacked(x, layer=i)), 0,
+                                         jnp.arange(L))[1])
+    np.testing.assert_array_equal(np.asarray(scanned(x), np.float32), want)
+    with pytest.raises(ValueError, match="layer= needs stacked weights"):
+        singles[0](x, layer=0)
