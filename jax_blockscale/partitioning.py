@@ -1,5 +1,7 @@
-"""When a primitive's lowering should wrap itself in `custom_partitioning`: shared by the dense
-(sharding.py) and grouped (ragged_sharding.py) GEMMs.
+"""What the dense (sharding.py) and grouped (ragged_sharding.py) GEMMs' sharding share: when a
+primitive's lowering wraps itself in `custom_partitioning` (and that lowering,
+`register_partitioned_lowering`), and the factor bookkeeping of their Shardy rules
+(`ShardyFactors`).
 
 A custom-partitioning call is only useful where an SPMD partitioner will split the op and can
 hand its callbacks shardings with mesh axis names; elsewhere (one device, fully manual code inside
@@ -13,9 +15,11 @@ import math
 
 import jax
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
+from jax.interpreters import mlir
 
 # No public names: the lowering's axis contexts (they say whether an SPMD partitioner will split
-# the op).
+# the op) and the registry of primitives that need the devices at lowering time.
+from jax._src import dispatch
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
@@ -51,6 +55,25 @@ def partitioned_devices(axis_context, op: str) -> int:
             return 1
         return math.prod(axis_context.mesh.shape[x] for x in auto)
     return 1  # pmap's replica context and anything else: per-device code
+
+
+def register_partitioned_lowering(prim, op: str, local, partitioned) -> None:
+    """The only lowering of `prim` (every platform): `partitioned(params_tuple, *operands)` (a
+    custom_partitioning function) where an SPMD partitioner will split the op, else
+    `local(operands, params)`, the per-device computation itself. The partitioning callbacks need
+    the mesh; JAX hands a lowering rule the devices and the mesh only for primitives in
+    `prim_requires_devices_during_lowering` (jax.nn.scaled_matmul does the same)."""
+
+    def lowering(ctx, *args, **params):
+        if not needs_partitioning(ctx, op):
+            fn = lambda *xs: local(xs, params)  # noqa: E731
+        else:
+            pt = tuple(sorted(params.items()))
+            fn = lambda *xs: partitioned(pt, *xs)  # noqa: E731
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+    dispatch.prim_requires_devices_during_lowering.add(prim)
+    mlir.register_lowering(prim, lowering)
 
 
 def needs_partitioning(ctx, op: str) -> bool:

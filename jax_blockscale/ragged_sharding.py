@@ -39,14 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioning
-from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# No public names: see sharding.py.
-from jax._src import dispatch
-
 from .formats import get_format
-from .partitioning import ShardyFactors, log_once, needs_partitioning
+from .partitioning import ShardyFactors, log_once, register_partitioned_lowering
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
 from .ragged import bind_local, join_operands, ragged_gemm_p, split_operands
 from .ragged_backends import clamp_group_sizes
@@ -263,19 +259,7 @@ _partitioned_ragged.def_partition(
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# ragged_gemm_p's lowering: partitioned where an SPMD partitioner will split it, local otherwise.
-# (The same decision as sharding.py's for gemm_p.)
-
-
-def _lowering(ctx, *args, **params):
-    if not needs_partitioning(ctx, "ragged_gemm"):
-        return mlir.lower_fun(lambda *xs: bind_local(xs, params),
-                              multiple_results=False)(ctx, *args)
-    pt = tuple(sorted(params.items()))
-    return mlir.lower_fun(lambda *xs: _partitioned_ragged(pt, *xs),
-                          multiple_results=False)(ctx, *args)
-
-
-dispatch.prim_requires_devices_during_lowering.add(ragged_gemm_p)
-mlir.register_lowering(ragged_gemm_p, _lowering)
+# ragged_gemm_p's only lowering: partitioned where an SPMD partitioner will split it, local
+# otherwise (the same decision as sharding.py's for gemm_p).
+register_partitioned_lowering(ragged_gemm_p, "ragged_gemm", lambda xs, params: bind_local(xs, params),
+                              _partitioned_ragged)

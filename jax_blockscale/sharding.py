@@ -41,15 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioning
-from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
-
-# No public name: the registry of primitives that need the devices at lowering time.
-from jax._src import dispatch
 
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .partitioning import ShardyFactors, log_once, needs_partitioning
+from .partitioning import ShardyFactors, log_once, register_partitioned_lowering
 from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")
@@ -309,22 +305,7 @@ _partitioned_gemm.def_partition(
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# gemm_p's lowering: partitioned where an SPMD partitioner will split it, local otherwise.
-
-
-def _lowering(ctx, *args, **params):
-    if not needs_partitioning(ctx, "gemm"):
-        return mlir.lower_fun(lambda *xs: gemm_local_p.bind(*xs, **params),
-                              multiple_results=False)(ctx, *args)
-    pt = tuple(sorted(params.items()))
-    return mlir.lower_fun(lambda *xs: _partitioned_gemm(pt, *xs),
-                          multiple_results=False)(ctx, *args)
-
-
-# The partitioning callbacks need the mesh (axis names, device order). JAX hands a lowering rule
-# the devices and the mesh only for primitives in this set (jax.nn.scaled_matmul does the same).
-dispatch.prim_requires_devices_during_lowering.add(gemm_p)
-
-# gemm_p's only lowering (every platform): partitioned, or the local computation itself.
-mlir.register_lowering(gemm_p, _lowering)
+# gemm_p's only lowering (every platform): partitioned where an SPMD partitioner will split it,
+# otherwise the local computation itself.
+register_partitioned_lowering(gemm_p, "gemm", lambda xs, params: gemm_local_p.bind(*xs, **params),
+                              _partitioned_gemm)
