@@ -57,6 +57,36 @@ def partitioned_devices(axis_context, op: str) -> int:
     return 1  # pmap's replica context and anything else: per-device code
 
 
+class MeshAxes:
+    """Mesh axes handed out to one op's dims, each axis at most once (a partition rule's choice
+    of placement): `take` keeps a dim's axes where they are free and split it into whole
+    multiples, and otherwise says once, on the package's logger, why the dim is resharded."""
+
+    def __init__(self, mesh, op: str):
+        self.mesh, self.op = mesh, op
+        self.used: set[str] = set()
+
+    def size(self, axes) -> int:
+        return math.prod(self.mesh.shape[x] for x in axes)
+
+    def take(self, what: str, axes, extent: int, multiple: int = 1, why: str = ""):
+        """`axes` for a dim of `extent` if they are free and split it into multiples of
+        `multiple`, else () (the dim is replicated)."""
+        if not axes:
+            return ()
+        if self.used & set(axes):
+            log_once(logging.INFO, f"jax_blockscale {self.op}: {what} not sharded over {axes}: "
+                     "the axes already shard another dim; resharding")
+            return ()
+        d = self.size(axes)
+        if extent % (d * multiple):
+            log_once(logging.WARNING, f"jax_blockscale {self.op}: {what}={extent} cannot be split "
+                     f"over mesh axes {axes} ({d} shards){why}; resharding it to replicated")
+            return ()
+        self.used.update(axes)
+        return axes
+
+
 def register_partitioned_lowering(prim, op: str, local, partitioned) -> None:
     """The only lowering of `prim` (every platform): `partitioned(params_tuple, *operands)` (a
     custom_partitioning function) where an SPMD partitioner will split the op, else

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +41,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioni
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .formats import get_format
-from .partitioning import ShardyFactors, log_once, register_partitioned_lowering
+from .partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
 from .ragged import bind_local, join_operands, ragged_gemm_p, split_operands
 from .ragged_backends import clamp_group_sizes
@@ -106,23 +105,8 @@ class _Plan:
 
 
 def _plan(geo: _Geometry, mesh, lhs_spec, rhs_spec, out_spec=None) -> _Plan:
-    size = lambda axes: math.prod(mesh.shape[x] for x in axes)
-    used: set[str] = set()
-
-    def take(what, axes, extent, multiple=1, why=""):
-        if not axes:
-            return ()
-        if used & set(axes):
-            log_once(logging.INFO, f"jax_blockscale ragged_gemm: {what} not sharded over "
-                      f"{axes}: the axes already shard another dim; resharding")
-            return ()
-        if extent % (size(axes) * multiple):
-            log_once(logging.WARNING, f"jax_blockscale ragged_gemm: {what}={extent} cannot be "
-                      f"split over mesh axes {axes} ({size(axes)} shards){why}; resharding it "
-                      "to replicated")
-            return ()
-        used.update(axes)
-        return axes
+    axes = MeshAxes(mesh, "ragged_gemm")
+    size, take = axes.size, axes.take
 
     tile_why = " into whole 128-row scale tiles (blocked layout)"
     m = take("M", lhs_spec[0], geo.m, ROWS_PER_TILE if geo.lhs_blocked else 1,

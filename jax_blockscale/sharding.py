@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .formats import get_format
 from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .partitioning import ShardyFactors, log_once, register_partitioned_lowering
+from .partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
 from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")
@@ -133,25 +132,8 @@ class _Plan:
 
 def _plan(g: _Geometry, mesh, a_spec, b_spec, out_spec=None) -> _Plan:
     """Choose the placement: keep the operands' shardings where the kernel can take them."""
-    size = lambda axes: math.prod(mesh.shape[x] for x in axes)
-    used: set[str] = set()
-
-    def take(what, axes, extent, multiple=1, why=""):
-        """Keep `axes` for a dim of `extent` if they are free and split it into multiples."""
-        if not axes:
-            return ()
-        if used & set(axes):
-            log_once(logging.INFO, f"jax_blockscale gemm: {what} not sharded over {axes}: the "
-                      "axes already shard another dim; resharding")
-            return ()
-        d = size(axes)
-        if extent % (d * multiple):
-            log_once(logging.WARNING,
-                      f"jax_blockscale gemm: {what}={extent} cannot be split over mesh axes "
-                      f"{axes} ({d} shards){why}; resharding it to replicated")
-            return ()
-        used.update(axes)
-        return axes
+    axes = MeshAxes(mesh, "gemm")
+    size, take = axes.size, axes.take
 
     batch = []
     for i in range(g.nb):
