@@ -8,6 +8,7 @@ activations) against the same model in bf16, scanned (and optionally unrolled) l
     python benchmarks/e2e_model.py --moe --compare-unrolled --out /tmp/e2e   # GPU: 8 MoE layers
     python benchmarks/e2e_model.py --tiny --out /tmp/e2e_smoke         # CPU smoke run
     python benchmarks/e2e_model.py --tiny --moe --out /tmp/e2e_smoke   # CPU smoke run, MoE
+    python benchmarks/e2e_model.py --breakdown --compare-unrolled --out /tmp/e2e  # + kernels
 
 The model is examples/llama/model.py: hidden 4096, 32 query / 8 key-value heads of 128, MLP
 14336 (SwiGLU), --layers layers (default 16), a --vocab-sized embedding and bf16 LM head (small
@@ -33,6 +34,8 @@ back-to-back steps from Python (host and dispatch cost included). Prints a table
 (elements and block scales, all layers); for an MoE, the attention, the router and the experts
 a batch is expected to hit if its B * k choices were uniform and independent
 (E * (1 - (1 - k/E)^B) per layer: 8, 82 and 126 of 128 experts at batch 1, 16, 64).
+--breakdown adds each row's GPU kernels from the same trace (time and launches per step and per
+layer, most time first), printed after the table and stored as the row's "kernels".
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "llama"))
 from model import (EXPERT_WEIGHTS, Llama, LlamaConfig, init_cache,  # noqa: E402
                    quantize_params, random_params)
-from timing import device_time_us, time_us  # noqa: E402
+from timing import gpu_kernel_events, time_us, union_length  # noqa: E402
 
 import jax_blockscale as jbs  # noqa: E402
 
@@ -123,13 +126,40 @@ def bench(model, fmt, mode, batch, args, cfg):
         row["experts_hit_est"] = round(experts_hit(cfg, batch), 1)
     row["loop_us"] = time_us(step, iters=args.iters, trials=args.trials)
     # the profiler trace holds GPU kernel times only: skip it elsewhere (it costs seconds)
-    dev = device_time_us(step, calls=args.calls) if model_on_gpu(model) else None
-    if dev is not None:
+    events = gpu_kernel_events(step, calls=args.calls) if model_on_gpu(model) else []
+    if events:
+        dev = union_length([(s, e) for _, s, e in events]) / args.calls / 1e3
         row["device_us"] = dev
         row["weight_TBps"] = row["weight_bytes"] / (dev * 1e-6) / 1e12
+        if args.breakdown:
+            row["kernels"] = kernel_breakdown(events, args.calls, cfg.num_hidden_layers)
     clock = row.get("device_us", row["loop_us"])
     row["tokens_per_s"] = batch / (clock * 1e-6)
     return row
+
+
+def kernel_breakdown(events, calls: int, layers: int, top: int = 25) -> list[dict]:
+    """The step's GPU kernels by name, most time first: microseconds and launches per step,
+    launches per layer (the launch count is what a fused or persistent kernel would remove)."""
+    per_name: dict[str, list[float]] = {}
+    for name, s, e in events:
+        per_name.setdefault(name, []).append((e - s) / 1e3)
+    rows = [dict(kernel=name[:120], us_per_step=round(sum(d) / calls, 2),
+                 launches_per_step=round(len(d) / calls, 2),
+                 launches_per_layer=round(len(d) / calls / layers, 2))
+            for name, d in per_name.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
+def print_breakdown(rows):
+    for r in rows:
+        if "kernels" not in r:
+            continue
+        print(f"\n{r['fmt']} {r['mode']} batch {r['batch']}: {r.get('device_us', 0):.0f} us")
+        for k in r["kernels"][:12]:
+            print(f"  {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f} x "
+                  f"({k['launches_per_layer']:.2f} / layer)  {k['kernel'][:80]}")
 
 
 def add_ratios(rows):
@@ -215,6 +245,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=None, help="steps per trial (default 20)")
     p.add_argument("--trials", type=int, default=None, help="trials, median (default 5)")
     p.add_argument("--calls", type=int, default=None, help="profiled steps (default 10)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="record and print the step's GPU kernels (time and launches per step "
+                   "and per layer) from the profiler trace")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default e2e_model_<platform>)")
     args = p.parse_args(argv)
@@ -271,6 +304,7 @@ def main(argv=None):
             del model
         del params
     print_table(rows)
+    print_breakdown(rows)
     shape = "Qwen3-30B-A3B-shaped MoE" if args.moe else "Llama-3-8B-shaped"
     plot(rows, f"{device.device_kind}, jax {jax.__version__}: {shape} decode step, "
          f"{cfg.num_hidden_layers} layers" if not tiny else "tiny smoke run", stem + ".png")
