@@ -140,7 +140,10 @@ def bench(model, fmt, mode, batch, args, cfg):
 
 def kernel_breakdown(events, calls: int, layers: int, top: int = 25) -> list[dict]:
     """The step's GPU kernels by name, most time first: microseconds and launches per step,
-    launches per layer (the launch count is what a fused or persistent kernel would remove)."""
+    launches per layer (the launch count is what a fused or persistent kernel would remove).
+    A kernel launched with programmatic dependent launch (the sm90 decode kernel's split-K
+    finalize) starts while the kernel before it runs and waits for it: its time overlaps that
+    kernel's, so the rows add up to more than the step's device time."""
     per_name: dict[str, list[float]] = {}
     for name, s, e in events:
         per_name.setdefault(name, []).append((e - s) / 1e3)
