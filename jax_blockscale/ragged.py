@@ -79,7 +79,7 @@ def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
       output. At run time a negative size counts as 0, and a group running past row M is cut
       at M (later groups then get no rows).
     out_dtype: bf16 (default), f16 or f32; accumulation is always f32.
-    backend: force a ragged backend ("reference"; GPU kernels register more); default: the
+    backend: force a ragged backend ("reference", "sm90" on Hopper); default: the
       fastest that accepts the problem.
     Returns (M, N) in out_dtype. Any format pair `gemm` takes (`jbs.can_multiply`) works.
     """
