@@ -22,8 +22,9 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
   reads its 16-byte pieces from there. M <= 8 (NARROW_TUNING): the same with 128 rows per CTA
   and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes.
-  Measured alternatives, still buildable as tunings (docs/design/sm90_decode.md): "cpasync" (each thread cp.async-copies its own
-  pieces into a per-thread ring) and "regs" (loads into registers one sub-chunk ahead).
+  Measured alternatives, still buildable as tunings (docs/design/sm90_decode.md): "cpasync"
+  (each thread cp.async-copies its own pieces into a per-thread ring) and "regs" (loads into
+  registers one sub-chunk ahead).
   Activations are loaded one sub-chunk ahead into registers and stored into a double-buffered
   shared tile; one CTA barrier per sub-chunk.
 * The K index inside an MMA may be any permutation, as long as weights and activations use the
@@ -306,9 +307,7 @@ class Sm90DecodeGemm:
         t = lane % 4
         li = bz
         m0 = (bxm % mchunks) * (8 * nt)
-        m_end = m  # rows [m0, m_end) of batch entry li are this CTA's (up to 8 nt of them)
-        li_a = li  # the activation's batch entry
-        expert = li
+        rows = None  # grouped: (the activation's batch entry, end row) of the CTA's rows
         if cutlass.const_expr(self.grouped):
             # work item (expert, first row, end row) of the table: rows of the (M, K) activation
             # and of the (M, N) output; expert -1: rows no group owns, written as zeros. The
@@ -323,7 +322,7 @@ class Sm90DecodeGemm:
             m_end = m_end - cutlass.Int32(expert >= 0) * cutlass.max(0, m_end - m0 - 8 * nt)
             expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
             li = cutlass.max(expert, 0)
-            li_a = cutlass.Int32(0)
+            rows = (cutlass.Int32(0), m_end)
 
         smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
@@ -373,14 +372,9 @@ class Sm90DecodeGemm:
         acc = cute.make_rmem_tensor((self.RT * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
-            if cutlass.const_expr(self.grouped):
-                self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
-                                   a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g,
-                                   t, a_fp8, b_fp8, rows=(li_a, m_end))
-            else:
-                self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k,
-                                   a_addr, a_scales, k_begin, k_end, n_sub, tid, lane, warp, g,
-                                   t, a_fp8, b_fp8)
+            self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
+                               a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8,
+                               b_fp8, rows=rows)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
