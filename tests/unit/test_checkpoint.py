@@ -21,6 +21,8 @@ from jax_blockscale.interop import CheckpointError
 pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
 
+from child_runs import finish, start  # noqa: E402  (tests/support)
+
 from test_interop import (E2M1, codes_of, gpt_oss_arrays, modelopt_arrays,  # noqa: E402
                           oracle_gpt_oss, oracle_nvfp4, pack_low_first)
 
@@ -254,9 +256,7 @@ print("ok")
 def test_sharded_placement(modelopt_ckpt):
     """On 4 forced CPU devices (a child process: the device count is fixed per process)."""
     path, _ = modelopt_ckpt
-    root = Path(jbs.__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    out = subprocess.run([sys.executable, "-c", SHARDED_CHILD, str(path)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    rc, out = finish(start([sys.executable, "-c", SHARDED_CHILD, str(path)],
+                           {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
+                     timeout=300)
+    assert rc == 0 and "ok" in out.splitlines(), out

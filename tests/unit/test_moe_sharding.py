@@ -10,29 +10,19 @@ device count once per process, so the checks run in child pytests (`JBS_MOE_SHAR
 examples/moe_sharded.py; the parent's tests start the children and report their output.
 """
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from child_runs import finish, pytest_argv, start_all, use_partitioner  # tests/support
+
 CHILD = os.environ.get("JBS_MOE_SHARDING_CHILD") == "1"
 FORMATS = ("nvfp4", "mxfp4")  # NVFP4 (per-expert global scales) and one MX format
 
 
 if not CHILD:
-    def _start(argv, env_extra):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   **env_extra)
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-
-    CHILD_PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    str(Path(__file__).relative_to(ROOT))]
-    CHILD_ENV = {"JBS_MOE_SHARDING_CHILD": "1",
-                 "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    CHILD_PYTEST = pytest_argv(__file__)
+    CHILD_ENV = {"JBS_MOE_SHARDING_CHILD": "1"}
     JOBS = {
         "shardy": (CHILD_PYTEST, dict(CHILD_ENV, JBS_PARTITIONER="shardy")),
         "gspmd": (CHILD_PYTEST, dict(CHILD_ENV, JBS_PARTITIONER="gspmd")),
@@ -42,30 +32,16 @@ if not CHILD:
 
     @pytest.fixture(scope="module")
     def children():
-        # Start every child at once: each is mostly single-threaded compilation.
-        procs = {name: _start(argv, env) for name, (argv, env) in JOBS.items()}
-        yield procs
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-
-    def _finish(proc, timeout=600):
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            pytest.fail(f"timed out after {timeout} s:\n{out[-6000:]}")
-        return proc.returncode, out
+        yield from start_all(JOBS)
 
     @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
     def test_moe_sharding_on_cpu_devices(children, partitioner):
-        rc, out = _finish(children[partitioner])
+        rc, out = finish(children[partitioner])
         assert rc == 0, f"child pytest ({partitioner}) failed:\n{out[-12000:]}"
         assert " passed" in out and "skipped" not in out, out[-3000:]
 
     def test_moe_sharded_example_smoke(children):
-        rc, out = _finish(children["example"])
+        rc, out = finish(children["example"])
         assert rc == 0, out[-6000:]
         assert "2 cpu devices" in out, out
         lines = {line.split(":")[0].strip(): line for line in out.splitlines() if ":" in line}
@@ -82,11 +58,7 @@ else:
 
     import moe_multi_device as mmd  # tests/support (conftest puts it on sys.path)
 
-    SHARDY = os.environ.get("JBS_PARTITIONER", "shardy") == "shardy"
-    if hasattr(jax.config, "jax_use_shardy_partitioner"):
-        jax.config.update("jax_use_shardy_partitioner", SHARDY)
-    elif not SHARDY:
-        pytest.skip("this JAX has no GSPMD switch", allow_module_level=True)
+    use_partitioner()
     DEVICES = jax.devices("cpu")
     assert len(DEVICES) == 8, DEVICES
 

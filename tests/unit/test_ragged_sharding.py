@@ -6,43 +6,25 @@ As tests/unit/test_sharding.py: the real tests run in a child pytest with 8 host
 (`JBS_RAGGED_SHARDING_CHILD=1`), once with Shardy and once with GSPMD.
 """
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from child_runs import finish, pytest_argv, start_all, use_partitioner  # tests/support
+
 CHILD = os.environ.get("JBS_RAGGED_SHARDING_CHILD") == "1"
 
 
 if not CHILD:
-    def _run(partitioner):
-        env = dict(os.environ, JBS_RAGGED_SHARDING_CHILD="1", JBS_PARTITIONER=partitioner,
-                   XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        return subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             str(Path(__file__).relative_to(ROOT))],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
     @pytest.fixture(scope="module")
     def children():
-        procs = {p: _run(p) for p in ("shardy", "gspmd")}
-        yield procs
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+        yield from start_all({p: (pytest_argv(__file__), {"JBS_RAGGED_SHARDING_CHILD": "1",
+                                                          "JBS_PARTITIONER": p})
+                              for p in ("shardy", "gspmd")})
 
     @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
     def test_sharded_ragged_gemm_on_8_cpu_devices(children, partitioner):
-        try:
-            out, _ = children[partitioner].communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            children[partitioner].kill()
-            pytest.fail(f"child pytest ({partitioner}) timed out")
-        assert children[partitioner].returncode == 0, \
-            f"child pytest ({partitioner}) failed:\n{out[-12000:]}"
+        rc, out = finish(children[partitioner])
+        assert rc == 0, f"child pytest ({partitioner}) failed:\n{out[-12000:]}"
 
 else:
     import jax
@@ -53,11 +35,7 @@ else:
     import jax_blockscale as jbs
     from jax_blockscale import lowering as jbs_lowering
 
-    SHARDY = os.environ.get("JBS_PARTITIONER", "shardy") == "shardy"
-    if hasattr(jax.config, "jax_use_shardy_partitioner"):
-        jax.config.update("jax_use_shardy_partitioner", SHARDY)
-    elif not SHARDY:
-        pytest.skip("this JAX has no GSPMD switch", allow_module_level=True)
+    SHARDY = use_partitioner()
     DEVICES = jax.devices("cpu")
     assert len(DEVICES) == 8, DEVICES
     TOL = 1e-6

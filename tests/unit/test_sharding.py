@@ -10,45 +10,17 @@ example on the GPUs, so the GPU kernels run sharded.
 import itertools
 import logging
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from child_runs import finish, pytest_argv, start, start_all, use_partitioner  # tests/support
+
 CHILD = os.environ.get("JBS_SHARDING_CHILD") == "1"
-N_CPU_DEVICES = 8
-
-
-def _start(argv, env_extra, gpu=False):
-    env = dict(os.environ,
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               **env_extra)
-    if gpu:
-        # The parent may hold GPU memory already (conftest looks for GPUs); NVLink multicast
-        # (NVLS) stays off on the lent machines.
-        env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
-    else:
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={N_CPU_DEVICES}",
-                   JAX_PLATFORMS="cpu")
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc, timeout=600):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        return -1, out + f"\n[timed out after {timeout} s]"
-    return proc.returncode, out
 
 
 if not CHILD:
-    CHILD_PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    str(Path(__file__).relative_to(ROOT))]
+    CHILD_PYTEST = pytest_argv(__file__)
     EXAMPLE = [sys.executable, "examples/sharded_inference.py", "--smoke"]
     JOBS = {
         "shardy": (CHILD_PYTEST, {"JBS_SHARDING_CHILD": "1", "JBS_PARTITIONER": "shardy"}),
@@ -58,20 +30,15 @@ if not CHILD:
 
     @pytest.fixture(scope="module")
     def children():
-        # Start every child at once: each is mostly single-threaded compilation.
-        procs = {name: _start(argv, env) for name, (argv, env) in JOBS.items()}
-        yield procs
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+        yield from start_all(JOBS)
 
     @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
     def test_sharded_gemm_on_8_cpu_devices(children, partitioner):
-        rc, out = _finish(children[partitioner])
+        rc, out = finish(children[partitioner])
         assert rc == 0, f"child pytest ({partitioner}) failed:\n{out[-12000:]}"
 
     def test_example_smoke(children):
-        rc, out = _finish(children["example"])
+        rc, out = finish(children["example"])
         assert rc == 0, out[-6000:]
         assert "rel. error" in out and "tokens/s" in out, out
 
@@ -86,10 +53,10 @@ if not CHILD:
     def test_sharded_gemm_and_example_on_gpus():
         if _gpu_count() < 2:
             pytest.skip("needs 2 or more GPUs")
-        rc, out = _finish(_start(CHILD_PYTEST, {"JBS_SHARDING_CHILD": "1",
+        rc, out = finish(start(CHILD_PYTEST, {"JBS_SHARDING_CHILD": "1",
                                                 "JBS_SHARDING_PLATFORM": "gpu"}, gpu=True))
         assert rc == 0, f"child pytest on GPUs failed:\n{out[-12000:]}"
-        rc, out = _finish(_start(EXAMPLE, {}, gpu=True))
+        rc, out = finish(start(EXAMPLE, {}, gpu=True))
         assert rc == 0, out[-6000:]
         assert "gpu devices" in out and "rel. error" in out, out
 
@@ -103,11 +70,7 @@ else:
     from jax_blockscale import sharding as jbs_sharding
     from jax_blockscale import lowering as jbs_lowering
 
-    SHARDY = os.environ.get("JBS_PARTITIONER", "shardy") == "shardy"
-    if hasattr(jax.config, "jax_use_shardy_partitioner"):
-        jax.config.update("jax_use_shardy_partitioner", SHARDY)
-    elif not SHARDY:
-        pytest.skip("this JAX has no GSPMD switch", allow_module_level=True)
+    SHARDY = use_partitioner()
     PLATFORM = os.environ.get("JBS_SHARDING_PLATFORM", "cpu")
     DEVICES = jax.devices(PLATFORM)
     ON_GPU = PLATFORM == "gpu"
