@@ -101,18 +101,14 @@ def ours(x, q, gs):
     return jbs.ragged_gemm(x, q, gs)
 
 
-def ours_path(x, q):
+def ours_path(x, q, gs):
     """The ragged backend and kernel the planner picks for `ours` on this machine's platform
     (e.g. "sm90/ragged_decode", "reference/ragged_dot")."""
-    from jax_blockscale.ragged_backends import RaggedSpec, select_ragged_backend
+    from jax_blockscale.ragged import ragged_gemm_spec
+    from jax_blockscale.ragged_backends import select_ragged_backend
 
-    quantized = isinstance(x, jbs.BlockScaled)
-    spec = RaggedSpec(x.fmt if quantized else None, q.fmt, x.layout if quantized else None,
-                      q.layout, np.dtype((x.data if quantized else x).dtype),
-                      np.dtype(jnp.bfloat16), x.shape[0], q.shape[1], q.shape[2], q.shape[0],
-                      alpha_is_one=q.global_scale is None)
     platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
-    plan = select_ragged_backend(spec, platform, None)
+    plan = select_ragged_backend(ragged_gemm_spec(x, q, gs), platform, None)
     return f"{plan.backend}/{plan.kernel}"
 
 
@@ -190,10 +186,10 @@ def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax):
                        all_bytes=quantized_bytes(fmt, g * n, k))
             timed(row, "deq_ragged_dot", deq_ragged_dot, [(x, q, gs) for q in qp_sets], timing)
             timed(row, "ours", ours, [(x, q, gs) for q in qb_sets], timing)
-            row["ours_path"] = ours_path(x, q_blocked)
+            row["ours_path"] = ours_path(x, q_blocked, gs)
             xq = quantize(x, fmt)
             timed(row, "ours_qact", ours, [(xq, q, gs) for q in qb_sets], timing)
-            row["ours_qact_path"] = ours_path(xq, q_blocked)
+            row["ours_qact_path"] = ours_path(xq, q_blocked, gs)
             for clock in ("_device_us", "_us"):
                 if "ours" + clock in row:
                     row["hit_TBps" + clock.replace("_us", "")] = \

@@ -83,6 +83,22 @@ def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
       fastest that accepts the problem.
     Returns (M, N) in out_dtype. Any format pair `gemm` takes (`jbs.can_multiply`) works.
     """
+    operands, params = _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend)
+    return ragged_gemm_p.bind(*operands, **params)
+
+
+def ragged_gemm_spec(lhs, rhs: BlockScaled, group_sizes, *,
+                     out_dtype=jnp.bfloat16) -> RaggedSpec:
+    """The problem ``ragged_gemm(lhs, rhs, group_sizes, out_dtype=...)`` hands the backends'
+    planners (benchmarks and tests use it to ask which backend and kernel would run a call)."""
+    operands, params = _operands_and_params(lhs, rhs, group_sizes, out_dtype, None)
+    avals = [jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x)) for x in operands]
+    return ragged_spec(avals, **params)
+
+
+def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend):
+    """ragged_gemm's arguments checked (naming the bad one) and turned into ragged_gemm_p's
+    operands and params."""
     if not isinstance(rhs, BlockScaled):
         raise TypeError(f"rhs must be a jbs.BlockScaled (G, N, K), got {type(rhs).__name__}; "
                         "quantize the expert weights with jbs.quantize(w, fmt, layout='blocked')")
@@ -108,10 +124,9 @@ def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
             alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
             no_global_scale = False
     operands = join_operands(l_elems, rhs.data, sl, rhs.scales, group_sizes, alpha)
-    return ragged_gemm_p.bind(*operands, fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt,
-                              layout_lhs=layout_lhs, layout_rhs=rhs.layout,
-                              out_dtype=np.dtype(out_dtype), backend=backend,
-                              alpha_is_one=no_global_scale)
+    return operands, dict(fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt, layout_lhs=layout_lhs,
+                          layout_rhs=rhs.layout, out_dtype=np.dtype(out_dtype), backend=backend,
+                          alpha_is_one=no_global_scale)
 
 
 def split_operands(args, fmt_lhs):

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 import jax_blockscale as jbs
 from jax_blockscale import ragged as ragged_mod
+from jax_blockscale.ragged import ragged_gemm_spec
 from jax_blockscale.lowering import plan as planner
-from jax_blockscale.ragged_backends import RaggedSpec
 from hopper import needs_sm90, poison  # tests/support/hopper.py
 
 pytestmark = [pytest.mark.gpu, needs_sm90]
@@ -49,11 +49,7 @@ def _problem(fmt_lhs, fmt_rhs, sizes, m, n, k, *, layout_lhs="plain", per_expert
 
 def _plan_of(lhs, rhs, gs, out_dtype):
     """The plan the sm90 ragged backend makes for this call (the kernel must be what runs)."""
-    fmt_lhs = lhs.fmt if isinstance(lhs, jbs.BlockScaled) else None
-    layout_lhs = lhs.layout if fmt_lhs else None
-    spec = RaggedSpec(fmt_lhs, rhs.fmt, layout_lhs, rhs.layout,
-                      np.dtype(lhs.data.dtype if fmt_lhs else lhs.dtype), np.dtype(out_dtype),
-                      lhs.shape[0], rhs.shape[1], lhs.shape[1], rhs.shape[0])
+    spec = ragged_gemm_spec(lhs, rhs, gs, out_dtype=out_dtype)
     return planner.plan_ragged_sm90(spec, planner.device_for("cuda"))
 
 
