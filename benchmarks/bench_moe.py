@@ -10,7 +10,8 @@ For each model's expert GEMMs (gate+up and down), token count and format, in one
                     activation quantized once outside the timed call
 Routing: each token picks top_k distinct experts uniformly at random (seeded), the T * top_k
 rows sorted by expert; `experts_hit` counts the experts with rows and `hit_bytes` their
-quantized bytes (elements + scales), the floor for a kernel that streams only the hit experts.
+quantized bytes (elements + scales), the floor for a kernel that streams only the hit experts;
+"ours_rel_err" / "ours_qact_rel_err" the Frobenius error against the reference backend.
 
     python benchmarks/bench_moe.py --tiny --out /tmp/moe      # CPU smoke run, tiny shapes
     python benchmarks/bench_moe.py --out benchmarks/results/moe_h100   # GPU: the full matrix
@@ -101,6 +102,18 @@ def ours(x, q, gs):
     return jbs.ragged_gemm(x, q, gs)
 
 
+@jax.jit
+def reference(x, q, gs):
+    return jbs.ragged_gemm(x, q, gs, backend="reference")
+
+
+def rel_error(x, q, gs):
+    """Frobenius error of `ours` relative to the reference backend (same bf16 output)."""
+    got = np.asarray(ours(x, q, gs), np.float64)
+    want = np.asarray(reference(x, q, gs), np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
 def ours_path(x, q, gs):
     """The ragged backend and kernel the planner picks for `ours` on this machine's platform
     (e.g. "sm90/ragged_decode", "reference/ragged_dot")."""
@@ -187,9 +200,11 @@ def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax):
             timed(row, "deq_ragged_dot", deq_ragged_dot, [(x, q, gs) for q in qp_sets], timing)
             timed(row, "ours", ours, [(x, q, gs) for q in qb_sets], timing)
             row["ours_path"] = ours_path(x, q_blocked, gs)
+            row["ours_rel_err"] = rel_error(x, q_blocked, gs)
             xq = quantize(x, fmt)
             timed(row, "ours_qact", ours, [(xq, q, gs) for q in qb_sets], timing)
             row["ours_qact_path"] = ours_path(xq, q_blocked, gs)
+            row["ours_qact_rel_err"] = rel_error(xq, q_blocked, gs)
             for clock in ("_device_us", "_us"):
                 if "ours" + clock in row:
                     row["hit_TBps" + clock.replace("_us", "")] = \
