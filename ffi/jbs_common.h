@@ -64,7 +64,9 @@ struct Problem {
   uint64_t ws_ptr;  // the decode kernel's f32 workspace (the lowering declares it)
   int64_t ws_bytes;
   // grouped (ragged_gemm): A is one (M, K) activation, B holds L = G experts, C is (M, N),
-  // alpha one float per expert, and the rows come from an int32 work table [num_items, 3].
+  // alpha one float per expert, and the rows come from an int32 work table [num_items, 3]
+  // (grouped = 1), or (grouped = 2, index mode) from one int32, the expert that owns every row,
+  // in num_items = ceil(M / tile_m) items of tile_m rows (`jbs.gemm(..., layer=i)`).
   int grouped;
   uint64_t items_ptr;
   int64_t items_bytes, num_items;

@@ -12,9 +12,11 @@
 //   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel)
 //   operands: a [M, Ka] (as above, one activation, rows sorted by expert), b (u8) [G, N, Kb],
 //             sa, sb (as above; sb [G, ...]), alpha (f32 [G]: one per expert),
-//             items (s32 [num_items, 3]: expert, first row, end row; expert -1 = zero rows)
+//             items (s32 [num_items, 3]: expert, first row, end row; expert -1 = zero rows;
+//             or, in index mode, s32 [1]: the expert that owns every row)
 //   results:  c [M, N], ws (f32, splits*M*N floats when splits > 1)
-//   attrs:    as above with g (experts) in place of l
+//   attrs:    as above with g (experts) in place of l, and index_items (int64): 0 for a work
+//             table, else index mode with that many items (ceil(M / tile_m))
 //
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
@@ -65,7 +67,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind,
                int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
-               int32_t splits) {
+               int32_t splits, int64_t index_items = 0) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -93,11 +95,11 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   p.nt = nt; p.tile_m = tile_m; p.tile_n = tile_n; p.splits = splits;
   p.ws_ptr = reinterpret_cast<uint64_t>(ws->untyped_data());
   p.ws_bytes = ws->size_bytes();
-  if (items) {
-    p.grouped = 1;
+  if (items) {  // a work table of (expert, first row, end row), or index mode: one int32
+    p.grouped = index_items > 0 ? 2 : 1;
     p.items_ptr = reinterpret_cast<uint64_t>(items->untyped_data());
     p.items_bytes = items->size_bytes();
-    p.num_items = static_cast<int64_t>(items->element_count() / 3);
+    p.num_items = index_items > 0 ? index_items : static_cast<int64_t>(items->element_count() / 3);
   }
   char msg[512];
   const Variant* v = nullptr;
@@ -114,6 +116,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   if (items) {
     args.items = items->untyped_data();
     args.num_items = static_cast<int32_t>(p.num_items);
+    if (p.grouped == 2) args.a_e5m2 |= 4;  // the grouped kernel's index mode
   }
   return g_state.Launch(*v, args);
 }
@@ -134,9 +137,9 @@ ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
                          int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                          int64_t g, int32_t a_scales_plain, int32_t nt, int32_t tile_m,
-                         int32_t tile_n, int32_t splits) {
+                         int32_t tile_n, int32_t splits, int64_t index_items) {
   return Run(stream, a, b, sa, sb, alpha, &items, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
-             k, g, a_scales_plain, nt, tile_m, tile_n, splits);
+             k, g, a_scales_plain, nt, tile_m, tile_n, splits, index_items);
 }
 
 }  // namespace
@@ -190,7 +193,9 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
                                .Arg<ffi::AnyBuffer>()    // items
                                .Ret<ffi::AnyBuffer>()    // c
                                .Ret<ffi::AnyBuffer>(),   // ws
-                           "g"),
+                           "g")
+                           // 0: items is a work table; > 0: index mode, this many items
+                           .Attr<int64_t>("index_items"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----

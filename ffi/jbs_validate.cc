@@ -49,6 +49,16 @@ const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n)
     // grid (ceil(N / rows per CTA) * items, splits, 1); entries (expert, first row, end row)
     if (p.num_items < 1 || p.num_items > kInt32Max / CeilDiv(p.n, v.tile_n))
       return Fail(buf, n, "grouped work table of %lld items out of range", (long long)p.num_items);
+    if (p.grouped == 2) {  // index mode: one int32 (the expert), items of tile_m rows cover M
+      if (p.items_bytes != 4)
+        return Fail(buf, n, "the group index has %lld bytes, expected 4 (one int32)",
+                    (long long)p.items_bytes);
+      if (p.num_items != CeilDiv(p.m, v.tile_m))
+        return Fail(buf, n, "index mode needs ceil(M / %d) = %lld items, got %lld", v.tile_m,
+                    (long long)CeilDiv(p.m, v.tile_m), (long long)p.num_items);
+      return nullptr;
+    }
+    if (p.grouped != 1) return Fail(buf, n, "grouped mode %d unknown", p.grouped);
     if (p.items_bytes != p.num_items * 12)
       return Fail(buf, n, "grouped work table has %lld bytes, expected %lld (%lld items of 3 "
                   "int32)", (long long)p.items_bytes, (long long)(p.num_items * 12),
@@ -77,7 +87,7 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     const Variant& c = variants[i];
     if (c.sm == 90 && c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out &&
         c.nt == p.nt && c.tile_m == p.tile_m && c.tile_n == p.tile_n &&
-        c.grouped == p.grouped)
+        c.grouped == (p.grouped != 0))
       v = &c;
   }
   if (!v)

@@ -25,7 +25,8 @@ def _alpha(*operands) -> jax.Array:
     return alpha
 
 
-def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None) -> jax.Array:
+def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None,
+         layer=None) -> jax.Array:
     """y[..., m, n] = sum_k A[..., m, k] * B[..., n, k]  (both operands K-major, "TN").
 
     a: a `BlockScaled` (..., M, K), or a plain bf16/f16/f32 array for weight-only mode.
@@ -36,10 +37,17 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     Leading batch dims of a and b broadcast against each other. An NVFP4 operand may carry one
     global scale per matrix (shape = its batch dims, ``global_scale="per_matrix"``); the
     product of the global scales is then applied per output matrix.
+    layer: with b a stack of L layers' weights (L, N, K), an integer scalar (traced or not):
+      multiply by b[layer] (clamped to [0, L), as indexing does) where it lies in memory. Inside
+      `lax.scan` / `fori_loop` over layers, pass the stack (not a scanned slice of it) and the
+      loop index: a scanned slice of FP4 elements is copied before every call, this is not.
+      Leading dims of a fold into M; `backend` then names a `ragged_gemm` backend.
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
                         "weight with jbs.quantize(w, fmt, layout='blocked')")
+    if layer is not None:
+        return _layer_gemm(a, b, layer, out_dtype, backend)
     forced_backend(backend)  # an unknown name fails here, at trace time
     if np.dtype(out_dtype) not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
@@ -64,6 +72,38 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     y = gemm_p.bind(*operands, **dict(params, out_dtype=np.dtype(np.float32)), alpha_is_one=True)
     y = y * jnp.reshape(alpha, alpha.shape + (1, 1))
     return y.astype(out_dtype)
+
+
+def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend) -> jax.Array:
+    """gemm(a, b[layer]) with b (L, N, K) read in place: ragged_gemm's index mode."""
+    from .ragged import indexed_gemm  # noqa: PLC0415  (ragged imports this package's modules)
+
+    if b.ndim != 3:
+        raise ValueError(f"layer= needs b stacked as (L, N, K) (one matrix per layer), got b of "
+                         f"shape {b.shape}")
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise TypeError(f"layer must be an integer scalar (the index into b's {b.shape[0]} "
+                        f"layers), got {layer.dtype}{list(layer.shape)}")
+    lead = tuple(a.shape[:-1])  # the rows of y, whatever their dims
+    if isinstance(a, BlockScaled):
+        check_blockscaled(a, "a")
+        if a.ndim > 2:
+            if a.layout == "blocked":
+                raise ValueError(f"with layer=, a BlockScaled a of shape {a.shape} must be 2-D "
+                                 "when its scales are blocked (quantize it with "
+                                 "layout='plain', or fold its leading dims before quantizing)")
+            if a.global_scale is not None and jnp.ndim(a.global_scale):
+                raise ValueError("with layer=, a's global scale must be one scalar (got shape "
+                                 f"{jnp.shape(a.global_scale)})")
+            a = BlockScaled(a.data.reshape((-1,) + a.shape[-1:]),
+                            a.scales.reshape((-1,) + a.scales.shape[-1:]), a.global_scale,
+                            a.fmt, a.layout)
+    else:
+        a = jnp.asarray(a)
+        a = a.reshape((-1,) + a.shape[-1:])
+    y = indexed_gemm(a, b, layer.astype(jnp.int32), out_dtype=out_dtype, backend=backend)
+    return y.reshape(lead + y.shape[-1:])
 
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):

@@ -27,7 +27,14 @@ Operands of `ragged_gemm_p`, in order: ``lhs, rhs, [lhs_scales], rhs_scales, gro
   group_sizes  int32 (G,).
   alpha        f32 (G,): per group, the product of the global (decode) scales of lhs and rhs[g].
 Params: fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, backend, alpha_is_one (the caller
-promises alpha is all ones); the local primitive adds `shifted` (row_start may be nonzero).
+promises alpha is all ones), group_index; the local primitive adds `shifted` (row_start may be
+nonzero).
+
+Index mode (``group_index=True``, what ``jbs.gemm(x, w, layer=i)`` binds): the group_sizes
+operand is an int32 scalar, the one group that owns every row (clamped to [0, G)): a dense GEMM
+against one matrix of a stack (a layer of a scanned model) that reads it where it lies. A
+backend whose plan accepts it runs it in place (sm90: the grouped decode kernel, no work table);
+otherwise the lowering slices that matrix out and runs `gemm`'s local primitive on it.
 
 Differentiation: as `gemm` (primitive.py): quantized operands are not differentiable (a nonzero
 tangent reaching one raises); in weight-only mode the product is linear in lhs and in alpha,
@@ -55,8 +62,8 @@ from .lowering import ALL_PLATFORMS
 from .primitive import _check_elements, _check_scales
 from .quantize import BlockScaled, check_blockscaled
 from .ragged_backends import (RaggedSpec, check_backend_name, clamp_group_sizes,
-                              dequantized_rhs, get_ragged_backend, method_for, ragged_matmul,
-                              row_groups, select_ragged_backend)
+                              dequantized_rhs, get_ragged_backend, index_group_sizes, method_for,
+                              ragged_matmul, row_groups, select_ragged_backend)
 
 ragged_gemm_p = Primitive("blockscale_ragged_gemm")
 ragged_gemm_local_p = Primitive("blockscale_ragged_gemm_local")
@@ -87,6 +94,15 @@ def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
     return ragged_gemm_p.bind(*operands, **params)
 
 
+def indexed_gemm(lhs, rhs: BlockScaled, index, *, out_dtype=jnp.bfloat16,
+                 backend: str | None = None) -> jax.Array:
+    """``lhs @ rhs[index].T`` for an (M, K) lhs and a stack rhs (G, N, K), reading rhs[index]
+    in place (index mode, see the module docstring); what ``jbs.gemm(..., layer=)`` calls."""
+    operands, params = _operands_and_params(lhs, rhs, index, out_dtype, backend,
+                                            group_index=True)
+    return ragged_gemm_p.bind(*operands, **params)
+
+
 def ragged_gemm_spec(lhs, rhs: BlockScaled, group_sizes, *,
                      out_dtype=jnp.bfloat16) -> RaggedSpec:
     """The problem ``ragged_gemm(lhs, rhs, group_sizes, out_dtype=...)`` hands the backends'
@@ -96,9 +112,9 @@ def ragged_gemm_spec(lhs, rhs: BlockScaled, group_sizes, *,
     return ragged_spec(avals, **params)
 
 
-def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend):
+def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend, group_index=False):
     """ragged_gemm's arguments checked (naming the bad one) and turned into ragged_gemm_p's
-    operands and params."""
+    operands and params (group_index: group_sizes is the index of index mode)."""
     if not isinstance(rhs, BlockScaled):
         raise TypeError(f"rhs must be a jbs.BlockScaled (G, N, K), got {type(rhs).__name__}; "
                         "quantize the expert weights with jbs.quantize(w, fmt, layout='blocked')")
@@ -126,7 +142,7 @@ def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend):
     operands = join_operands(l_elems, rhs.data, sl, rhs.scales, group_sizes, alpha)
     return operands, dict(fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt, layout_lhs=layout_lhs,
                           layout_rhs=rhs.layout, out_dtype=np.dtype(out_dtype), backend=backend,
-                          alpha_is_one=no_global_scale)
+                          alpha_is_one=no_global_scale, group_index=group_index)
 
 
 def split_operands(args, fmt_lhs):
@@ -146,7 +162,8 @@ def join_operands(lhs, rhs, sl, sr, *rest):
 
 
 def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, backend=None,
-                alpha_is_one=False, shifted=False, local=False) -> RaggedSpec:
+                alpha_is_one=False, group_index=False, shifted=False,
+                local=False) -> RaggedSpec:
     """Validate the operands' shapes and dtypes and describe the problem."""
     del backend
     lhs, rhs, sl, sr, gs, alpha, *rest = split_operands(avals, fmt_lhs)
@@ -170,10 +187,16 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
         _check_scales("lhs scales", sl, lhs, fmt_lhs, layout_lhs)
     _check_scales("rhs scales", sr, rhs, fmt_rhs, layout_rhs)
     groups = rhs.shape[0]
-    if np.dtype(gs.dtype) != np.int32:
+    if group_index:
+        if np.dtype(gs.dtype) != np.int32 or gs.shape != ():
+            raise TypeError(f"the layer (group) index must be an int32 scalar, got "
+                            f"{gs.dtype}{list(gs.shape)}")
+        if shifted:
+            raise ValueError("index mode has no row offset (shifted=True)")
+    elif np.dtype(gs.dtype) != np.int32:
         raise TypeError(f"group_sizes must be int32, got {gs.dtype}; pass "
                         "group_sizes.astype(jnp.int32)")
-    if gs.shape != (groups,):
+    elif gs.shape != (groups,):
         raise ValueError(f"group_sizes must have shape (G,) = ({groups},), one size per group "
                          f"of rhs {tuple(rhs.shape)}; got shape {tuple(gs.shape)}")
     if alpha.shape != (groups,) or np.dtype(alpha.dtype) != np.float32:
@@ -191,7 +214,7 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
                         f"got {np.dtype(out_dtype).name}")
     return RaggedSpec(fmt_lhs, fmt_rhs, layout_lhs if fmt_lhs else None, layout_rhs,
                       np.dtype(lhs.dtype), np.dtype(out_dtype), lhs.shape[0], rhs.shape[1],
-                      lhs.shape[1], groups, bool(alpha_is_one), bool(shifted))
+                      lhs.shape[1], groups, bool(alpha_is_one), bool(shifted), bool(group_index))
 
 
 def _abstract_eval(*avals, local, **params):
@@ -217,9 +240,16 @@ def local_lowering(ctx, *args, platform, **params):
     spec = ragged_spec(ctx.avals_in, local=True, **params)
     plan = select_ragged_backend(spec, platform, params["backend"])
     backend = get_ragged_backend(plan.backend)
+    if spec.group_index and plan.backend == "reference":
+        # no kernel reads the stack in place: slice the matrix out and run gemm's best backend
+        return mlir.lower_fun(functools.partial(_sliced_gemm, params=params),
+                              multiple_results=False)(ctx, *args)
 
     def run(*xs):
         lhs, rhs, sl, sr, gs, alpha, row_start = split_operands(xs, params["fmt_lhs"])
+        if spec.group_index:
+            index = jnp.clip(gs, 0, spec.groups - 1)
+            return backend(lhs, rhs, sl, sr, index, alpha, jnp.int32(0), plan=plan)
         if spec.shifted:
             row_start = jnp.clip(row_start, 0, spec.m)
         else:
@@ -234,6 +264,21 @@ for _platform in ALL_PLATFORMS:
     mlir.register_lowering(ragged_gemm_local_p,
                            functools.partial(local_lowering, platform=_platform),
                            platform=_platform)
+
+
+def _sliced_gemm(*xs, params):
+    """Index mode without an in-place kernel: gemm's local primitive on rhs[index] (a copy)."""
+    from .primitive import gemm_local_p  # noqa: PLC0415
+    from .primitive import join_operands as join_gemm  # noqa: PLC0415
+
+    lhs, rhs, sl, sr, index, alpha, _ = split_operands(xs, params["fmt_lhs"])
+    index = jnp.clip(index, 0, rhs.shape[0] - 1)
+    take = lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False)
+    return gemm_local_p.bind(
+        *join_gemm(lhs, take(rhs), sl, take(sr), take(alpha)),
+        fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
+        layout_b=params["layout_rhs"], out_dtype=params["out_dtype"],
+        backend=params["backend"], alpha_is_one=params["alpha_is_one"])
 
 
 def bind_local(operands, params, row_start=None):
@@ -272,12 +317,27 @@ def _merged_rows(args, dims, size, params):
     return y.reshape(size, m, y.shape[-1])
 
 
+def _folded_rows(args, dims, size, params):
+    """Index mode, one index for the whole batch: the examples' rows as one (B*M, K) call."""
+    lhs, rhs, sl, sr, index, alpha = split_operands(args, params["fmt_lhs"])
+    dl, _, dsl, _, _, _ = split_operands(dims, params["fmt_lhs"])
+    lhs = batching.bdim_at_front(lhs, dl, size)
+    m = lhs.shape[1]
+    fold = lambda x: x.reshape((size * m,) + x.shape[2:])
+    sl = None if sl is None else fold(batching.bdim_at_front(sl, dsl, size))
+    y = ragged_gemm_p.bind(*join_operands(fold(lhs), rhs, sl, sr, index, alpha), **params)
+    return y.reshape(size, m, y.shape[-1])
+
+
 def _batch_rule(args, dims, **params):
     fmt_lhs = params["fmt_lhs"]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    _, drhs, dsl, dsr, _, dalpha = split_operands(dims, fmt_lhs)
+    _, drhs, dsl, dsr, dgs, dalpha = split_operands(dims, fmt_lhs)
     shared_weights = drhs is None and dsr is None and dalpha is None
-    if shared_weights and params["layout_lhs"] != "blocked":
+    if params["group_index"]:
+        if shared_weights and dgs is None and params["layout_lhs"] != "blocked":
+            return _folded_rows(args, dims, size, params), 0
+    elif shared_weights and params["layout_lhs"] != "blocked":
         return _merged_rows(args, dims, size, params), 0
     # General case: one example at a time.
     mapped = [i for i, d in enumerate(dims) if d is not None]
@@ -337,7 +397,8 @@ def _transpose(ct, *args, **params):
         raise TypeError("ragged_gemm: group_sizes must be a known value when transposing")
     ct = ct.astype(jnp.float32)
     m = ct.shape[0]
-    safe = clamp_group_sizes(gs, m)
+    sizes = index_group_sizes(gs, rhs.shape[0], m) if params["group_index"] else gs
+    safe = clamp_group_sizes(sizes, m)
     gid = row_groups(safe, m)
     if ad.is_undefined_primal(lhs):  # weight-only: dL/dlhs[m] = alpha[g] * ct[m] @ W_g
         if ad.is_undefined_primal(alpha):

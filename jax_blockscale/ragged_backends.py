@@ -18,7 +18,9 @@ What the lowering (ragged.py) hands `__call__`, once per lowering of `ragged_gem
     lhs_scales   lhs's scales in ``spec.layout_lhs`` (plain (M, K/block) or blocked), or None
     rhs_scales   (G, N, K/block) plain or (G, ceil(N/128), ceil(SK/4), 32, 4, 4) blocked
     group_sizes  int32 (G,), already made safe: every size >= 0 and
-                 ``row_start + sum(group_sizes) <= M`` (see `clamp_group_sizes`)
+                 ``row_start + sum(group_sizes) <= M`` (see `clamp_group_sizes`); or, when
+                 ``spec.group_index`` (a backend's plan may accept it), an int32 scalar in
+                 [0, G): the group that owns every row (`index_group_sizes`)
     alpha        f32 (G,): the product of the global (decode) scales per group; when
                  ``spec.alpha_is_one`` it is all ones and may be ignored
     row_start    int32 scalar in [0, M]: group 0 starts at this row (always 0 unless
@@ -60,6 +62,7 @@ class RaggedSpec:
     groups: int  # G
     alpha_is_one: bool = False  # no global scales: alpha is all ones
     shifted: bool = False  # row_start may be nonzero (expert-parallel shards)
+    group_index: bool = False  # group_sizes is one index: every row belongs to that group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,12 @@ def clamp_group_sizes(group_sizes, m: int, row_start=0):
     ends = jnp.minimum(start + jnp.cumsum(gs), m)
     starts = jnp.concatenate([start[None], ends[:-1]])
     return ends - starts
+
+
+def index_group_sizes(index, groups: int, m: int):
+    """The group sizes of index mode (all M rows in group `index`, clamped to [0, G))."""
+    index = jnp.clip(jnp.asarray(index, jnp.int32), 0, groups - 1)
+    return jnp.where(jnp.arange(groups, dtype=jnp.int32) == index, jnp.int32(m), jnp.int32(0))
 
 
 def row_groups(group_sizes, m: int):

@@ -13,6 +13,9 @@ fully manual code, pmap, jax.export). Operands: lhs (M, K), rhs (G, N, K), scale
 | G of rhs (expert parallel)    | its experts' rows (group offsets shifted)   | psum over G's axes   |
 | K of lhs / rhs                | partial products in f32                     | psum over K's axes   |
 
+In index mode (`jbs.gemm(..., layer=i)`: one group, the layer, owns every row) G is never split
+(each device needs the layer it runs); M, N and K split as above.
+
 Expert parallel: each device holds G/d experts, the full lhs (replicated, or its M shard) and
 the full group_sizes (G ints, always replicated: a device needs the sizes of the experts before
 its own to know where its rows start). It computes the rows of its experts, which form one
@@ -59,6 +62,7 @@ class _Geometry:
     k: int
     groups: int
     block: int
+    group_index: bool  # index mode: one group owns every row (a layer of a stack)
 
     @property
     def sk(self) -> int:
@@ -72,7 +76,8 @@ def _geometry(params, shapes) -> _Geometry:
                      lhs_blocked=fmt_lhs is not None and params["layout_lhs"] == "blocked",
                      rhs_blocked=params["layout_rhs"] == "blocked",
                      m=lhs[0], n=rhs[1], k=lhs[1], groups=rhs[0],
-                     block=get_format(params["fmt_rhs"]).block)
+                     block=get_format(params["fmt_rhs"]).block,
+                     group_index=bool(params.get("group_index")))
 
 
 Axes = tuple[str, ...]
@@ -111,7 +116,8 @@ def _plan(geo: _Geometry, mesh, lhs_spec, rhs_spec, out_spec=None) -> _Plan:
     tile_why = " into whole 128-row scale tiles (blocked layout)"
     m = take("M", lhs_spec[0], geo.m, ROWS_PER_TILE if geo.lhs_blocked else 1,
              tile_why if geo.lhs_blocked else "")
-    g = take("G", rhs_spec[0], geo.groups)
+    # index mode reads one group (layer) of the stack: every device needs it, so G is whole
+    g = () if geo.group_index else take("G", rhs_spec[0], geo.groups)
     n = take("N", rhs_spec[1], geo.n, ROWS_PER_TILE if geo.rhs_blocked else 1,
              tile_why if geo.rhs_blocked else "")
     blocked = geo.lhs_blocked or geo.rhs_blocked
@@ -187,7 +193,7 @@ def _partition(pt, mesh, arg_shapes, result_shape):
 
     def local_ragged(*operands):
         lhs, rhs, sl, sr, gs, alpha = split_operands(operands, params["fmt_lhs"])
-        if plan.m or plan.g:
+        if (plan.m or plan.g) and not geo.group_index:  # index mode: every row is the layer's
             safe = clamp_group_sizes(gs, geo.m)  # the global semantics, on the full sizes
             row_start, gs = _local_rows(safe, geo, plan, lhs.shape[0], rhs.shape[0])
         else:
@@ -221,12 +227,13 @@ def _sdy_rule(pt, mesh, operand_types, result_types):
     m_dim, m_tiles = f.mn("m", geo.m, geo.lhs_blocked)
     g = f.factor("g", geo.groups)
     n_dim, n_tiles = f.mn("n", geo.n, geo.rhs_blocked)
-    gsz = f.factor("gs", geo.groups, True)
+    gsz = None if geo.group_index else f.factor("gs", geo.groups, True)
     lhs = ArrayMapping(m_dim, f.k_dim)
     rhs = ArrayMapping(g, n_dim, f.k_dim)
     sl = f.scales("l", (), m_dim, m_tiles) if geo.fmt_lhs is not None else None
     sr = f.scales("r", (g,), n_dim, n_tiles)
-    operands = join_operands(lhs, rhs, sl, sr, ArrayMapping(gsz), ArrayMapping(g))
+    gs = ArrayMapping() if gsz is None else ArrayMapping(gsz)  # index mode: a scalar
+    operands = join_operands(lhs, rhs, sl, sr, gs, ArrayMapping(g))
     out = ArrayMapping(m_dim, n_dim)
     return f.rule(operands, out, (f.reduction, g))
 

@@ -57,7 +57,8 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
   sa, sb : uint8 blocked scales [L, ceil(MN/128), ceil(SK/4), 32, 4, 4] (sa unused for bf16 A;
         plain [L, M, SK] instead when bit 1 of a_e5m2 is set)
   c   : out dtype [L, M, N];  alpha : f32 [1] in device memory;  ws : f32 [splits, L, M, N]
-  a_e5m2, b_e5m2 : bit 0 = e5m2 fp8 elements (else e4m3); a_e5m2 bit 1 = plain A scales
+  a_e5m2, b_e5m2 : bit 0 = e5m2 fp8 elements (else e4m3); a_e5m2 bit 1 = plain A scales;
+        a_e5m2 bit 2 (grouped kernel only) = index mode: the work table is one int32
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
 """
@@ -314,11 +315,20 @@ class Sm90DecodeGemm:
             # entry is clamped so that no table can make the kernel read or write out of
             # bounds: rows to [0, M), a computed item to 8 nt rows, an expert past G computes
             # nothing.
+            # Index mode (bit 2 of a_e5m2): the table is one int32, the expert every row
+            # belongs to (a layer of a stack), clamped to [0, G); item i is rows
+            # [8 nt i, 8 nt (i + 1)). Selected arithmetically: no branch, no read past the
+            # one-int32 buffer.
             items_ptr, groups = work
-            entry = items_ptr.toint() + cutlass.Int64(bxm % mchunks) * 12
+            indexed = (a_e5m2 >> 2) & 1
+            item = bxm % mchunks
+            entry = items_ptr.toint() + cutlass.Int64(item * (1 - indexed)) * 12
             expert = ldg_bytes(entry, 1, 4)
-            m0 = cutlass.min(cutlass.max(ldg_bytes(entry + 4, 1, 4), 0), m)
-            m_end = cutlass.min(cutlass.max(ldg_bytes(entry + 8, 1, 4), m0), m)
+            expert = expert + indexed * (cutlass.min(cutlass.max(expert, 0), groups - 1) - expert)
+            first = ldg_bytes(entry + 4, 1 - indexed, 4) + indexed * (item * (8 * nt))
+            end = ldg_bytes(entry + 8, 1 - indexed, 4) + indexed * ((item + 1) * (8 * nt))
+            m0 = cutlass.min(cutlass.max(first, 0), m)
+            m_end = cutlass.min(cutlass.max(end, m0), m)
             m_end = m_end - cutlass.Int32(expert >= 0) * cutlass.max(0, m_end - m0 - 8 * nt)
             expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
             li = cutlass.max(expert, 0)
@@ -949,7 +959,10 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
     expert. The rows come as a work table built by the caller (`items`, int32 [num_items, 3]):
     (expert, first row, end row), at most 8 nt rows per item, an expert's items adjacent.
     Expert -1 marks rows no expert owns (before the first group, after the last): those items
-    write zeros. Items with no rows exit after reading their entry.
+    write zeros. Items with no rows exit after reading their entry. Index mode (bit 2 of
+    a_e5m2): `items` is a single int32, the expert that owns every row (clamped to [0, G)),
+    and item i is rows [8 nt i, 8 nt (i + 1)): a dense GEMM against one layer of a stacked
+    weight, read in place, with no table to build (`jbs.gemm(..., layer=i)`).
 
     Grid (ceil(N / BN) * num_items, splits, 1), items fastest: the items of one expert stream
     the same weight tile together (the second one reads it from L2). Everything else is the

@@ -354,8 +354,16 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         return "empty problem"
     if spec.k % 32:
         return f"K={spec.k} must be a multiple of 32 for the grouped decode kernel"
-    choice = cat90.choose_ragged_decode_variant(spec.m, spec.n, spec.k, spec.groups,
-                                                spec.fmt_lhs, spec.fmt_rhs, device.sm_count, out)
+    if spec.group_index:  # one layer of a stack: a dense problem, the dense kernel's choice
+        choice = cat90.choose_indexed_decode_variant(spec.m, spec.n, spec.k, spec.fmt_lhs,
+                                                     spec.fmt_rhs, device.sm_count, out)
+        if choice is None and spec.m > cat90.DECODE_MAX_ROWS:
+            return (f"M={spec.m} is past the decode kernels' {cat90.DECODE_MAX_ROWS} rows "
+                    "(the layer is sliced and the wide kernels run it)")
+    else:
+        choice = cat90.choose_ragged_decode_variant(spec.m, spec.n, spec.k, spec.groups,
+                                                    spec.fmt_lhs, spec.fmt_rhs, device.sm_count,
+                                                    out)
     if choice is None:
         return (f"the grouped decode kernel has no {spec.fmt_lhs or 'plain'} x {spec.fmt_rhs} "
                 f"variant with K={spec.k}")

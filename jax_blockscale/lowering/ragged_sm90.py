@@ -10,6 +10,8 @@ emits the call to the FFI target `jax_blockscale_ragged_gemm_sm90`).
     8 nt rows each, an expert's items adjacent, built on the device from the group sizes, so
     only the experts that own rows cost weight traffic; two entries with expert -1 cover the rows
     no expert owns (before `row_start`, after the last group), which the kernel writes as zeros;
+  * index mode (`spec.group_index`, `jbs.gemm(..., layer=i)`): the table is the layer index
+    itself (one int32; the kernel makes the items), so nothing runs before the kernel;
   * alpha: one f32 per expert (the product of the global scales), applied in the epilogue;
   * the split-K workspace (splits * M * N f32) is a second result of the call, as for `gemm`.
 """
@@ -96,7 +98,11 @@ class Sm90RaggedBackend:
             sa8 = sb8  # unused by the weight-only kernel; a buffer that exists costs nothing
         else:
             sa8 = lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1)  # plain or blocked as is
-        items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
+        if spec.group_index:  # index mode: the kernel reads the layer index as its table
+            items, index_items = group_sizes.astype(jnp.int32).reshape(1), plan.items
+        else:
+            items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
+            index_items = 0
         call = jax.ffi.ffi_call(
             _plugin.RAGGED_SM90_TARGET,
             (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
@@ -109,7 +115,7 @@ class Sm90RaggedBackend:
                     m=np.int64(m), n=np.int64(n), k=np.int64(k), g=np.int64(groups),
                     a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),
                     tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
-                    splits=np.int32(plan.splits))
+                    splits=np.int32(plan.splits), index_items=np.int64(index_items))
         return y
 
 
