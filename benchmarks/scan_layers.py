@@ -5,8 +5,9 @@ weights, per format; device time from the profiler (benchmarks/timing.py).
     python benchmarks/scan_layers.py --out /tmp/scan                  # GPU
     python benchmarks/scan_layers.py --tiny                           # CPU smoke run
 
-Modes: "unrolled" (one weight per layer) and "scan" (the stacked weight is the scan's xs). The
-per-kernel breakdown (--kernels) shows where the time goes (a copy of each layer's weight slice,
+Modes: "unrolled" (one weight per layer), "scan" (the stacked weight is the scan's xs) and, for
+block-scaled formats, "scan_in_place" (the scan runs over the layer index and each step calls
+``jbs.gemm(x, stack, layer=i)``, which reads the layer where it lies). The per-kernel breakdown (--kernels) shows where the time goes (a copy of each layer's weight slice,
 for bf16 and FP4: docs/design/scanned_layers.md).
 """
 from __future__ import annotations
@@ -51,6 +52,15 @@ def run_scan(x, w):
     return jax.lax.scan(lambda x, w: (layer(x, w), None), x, w)[0]
 
 
+def run_scan_in_place(x, w):
+    """The stack stays whole; each step runs its layer with gemm(..., layer=i)."""
+    def step(x, i):
+        y = jbs.gemm(x, w, layer=i)
+        return jnp.tanh(y.astype(jnp.float32)).astype(jnp.bfloat16), None
+
+    return jax.lax.scan(step, x, jnp.arange(w.shape[0]))[0]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,nvfp4,mxfp4,mxfp8_e4m3")
@@ -75,6 +85,8 @@ def main(argv=None):
         per_layer = [jax.tree.map(lambda a, i=i: a[i], w) for i in range(args.layers)]
         modes = {"unrolled": (jax.jit(run_unrolled), (x, per_layer)),
                  "scan": (jax.jit(run_scan), (x, w))}
+        if fmt != "bf16":
+            modes["scan_in_place"] = (jax.jit(run_scan_in_place), (x, w))
         want = np.asarray(modes["unrolled"][0](*modes["unrolled"][1]), np.float32)
         for mode, (f, a) in modes.items():
             if args.hlo:

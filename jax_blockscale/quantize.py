@@ -288,7 +288,7 @@ def check_blockscaled(q: BlockScaled, name: str = "q", *, values: bool = True) -
                              "but its global_scale is set; use global_scale=None")
         check_global_scale(gs, tuple(data.shape[:-2]), f"{name}.global_scale", values=values)
     if values and f.is_code_stored and _is_concrete(data) and data.size:
-        top = int(jnp.max(data))
+        top = int(np.max(np.asarray(data)))  # NumPy: inside a jit trace jnp would stage it
         if top >= 64:
             raise ValueError(f"{name} holds FP6 codes up to {top}; {f.name} codes are 6 bits "
                              "(0..63)")

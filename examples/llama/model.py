@@ -20,7 +20,10 @@ stacks ModelOpt's per-expert NVFP4 tensors into one (L, E, N, K) weight per proj
 
 Layers: every per-layer weight is stacked along a leading axis (L, ...), an NVFP4 weight with one
 global scale per layer (global_scale of shape (L,); experts: (L, E), one per expert and layer),
-and `jax.lax.scan` runs one layer per step (one compiled layer, whatever L is).
+and `jax.lax.scan` runs one layer per step (one compiled layer, whatever L is). Block-scaled
+weights are not scanned over: each step hands the whole stacks and its layer index to
+``jbs.gemm(..., layer=i)`` / ``QuantizedMoE(layer=i)``, which read the layer in place (a scanned
+slice of FP4 weights is copied first).
 ``scan_layers=False`` keeps one module per layer and unrolls the loop (for comparison;
 benchmarks/e2e_model.py times both).
 """
@@ -158,15 +161,17 @@ class Weight(nnx.Variable):
     Not an nnx.Param: this is an inference model."""
 
 
-def linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w, layer=None) -> jax.Array:
     """y[..., n] = sum_k x[..., k] w[n, k]: `jbs.gemm` for a BlockScaled weight (weight-only: the
     activation stays in its float dtype), an f32-accumulating dot otherwise. The leading dims
     are folded into M first (batch x tokens rows against one weight: one GEMM, not a batch of
-    M = 1 GEMMs)."""
+    M = 1 GEMMs). A BlockScaled stack of every layer's weights (L, out, in) runs layer `layer`,
+    read where it lies (``jbs.gemm(..., layer=)``)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if isinstance(w, jbs.BlockScaled):
-        y = jbs.gemm(x2, w, out_dtype=x.dtype)
+        stacked = dict(layer=layer) if w.ndim == 3 else {}
+        y = jbs.gemm(x2, w, out_dtype=x.dtype, **stacked)
     else:
         y = lax.dot_general(x2, w.astype(x.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32).astype(x.dtype)
@@ -258,9 +263,9 @@ class DecoderLayer(nnx.Module):
 
         w = lambda name: getattr(self, name).get_value()  # noqa: E731
         x = rms_norm(h, w("input_layernorm"), cfg.rms_norm_eps)
-        q = linear(x, w("q_proj")).reshape(b, t, kvh * group, hd)
-        k = linear(x, w("k_proj")).reshape(b, t, kvh, hd)
-        v = linear(x, w("v_proj")).reshape(b, t, kvh, hd)
+        q = linear(x, w("q_proj"), layer).reshape(b, t, kvh * group, hd)
+        k = linear(x, w("k_proj"), layer).reshape(b, t, kvh, hd)
+        v = linear(x, w("v_proj"), layer).reshape(b, t, kvh, hd)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         # write this step's keys / values in place, then attend over the layer's cache
         at = (layer, 0, pos, 0, 0)
@@ -275,7 +280,7 @@ class DecoderLayer(nnx.Module):
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(q.dtype), values.astype(q.dtype),
                           preferred_element_type=jnp.float32).astype(h.dtype)
-        h = h + linear(attn.reshape(b, t, kvh * group * hd), w("o_proj"))
+        h = h + linear(attn.reshape(b, t, kvh * group * hd), w("o_proj"), layer)
 
         x = rms_norm(h, w("post_attention_layernorm"), cfg.rms_norm_eps)
         if cfg.is_moe:  # the B*T tokens routed together (QuantizedMoE folds the leading dims)
@@ -284,8 +289,14 @@ class DecoderLayer(nnx.Module):
             stacked = isinstance(self.mlp, jnn.QuantizedMoE) and self.mlp.router[...].ndim == 3
             y = self.mlp(x, layer=layer) if stacked else self.mlp(x)
             return h + y.astype(h.dtype), KVCache(ck, cv)
-        mlp = jax.nn.silu(linear(x, w("gate_proj"))) * linear(x, w("up_proj"))
-        return h + linear(mlp, w("down_proj")), KVCache(ck, cv)
+        mlp = jax.nn.silu(linear(x, w("gate_proj"), layer)) * linear(x, w("up_proj"), layer)
+        return h + linear(mlp, w("down_proj"), layer), KVCache(ck, cv)
+
+
+def _block_scaled_weight(path, node) -> bool:
+    """nnx filter: a projection's Weight holding a BlockScaled (read in place when scanned)."""
+    del path
+    return isinstance(node, Weight) and isinstance(node.get_value(), jbs.BlockScaled)
 
 
 def _layer(stacked: dict, i: int) -> dict:
@@ -319,13 +330,14 @@ class Llama(nnx.Module):
         h = self.embed.get_value()[tokens].astype(self.dtype)
         if self.scan_layers:
             # lax.scan slices every layer's weights out of the stacks it scans over, and XLA
-            # copies a sliced FP4 array; a block-scaled MoE's experts (most of the bytes) stay out
-            # of the scanned state instead: every step sees all of them and runs its own layer's
-            # in place (QuantizedMoE(layer=)).
-            in_place = (nnx.All(nnx.PathContains("mlp"), nnx.Any(*map(nnx.PathContains, (
+            # copies a sliced FP4 array before each use. Block-scaled weights stay out of the
+            # scanned state instead: every step sees the whole stacks and runs its own layer's
+            # where they lie (jbs.gemm(..., layer=i), QuantizedMoE(layer=i)).
+            experts = (nnx.All(nnx.PathContains("mlp"), nnx.Any(*map(nnx.PathContains, (
                 "router", "gate_up", "down"))))
                 if self.cfg.is_moe and isinstance(self.layers.mlp, jnn.QuantizedMoE)
                 else nnx.Nothing())
+            in_place = nnx.Any(experts, _block_scaled_weight)
             graphdef, whole, state = nnx.split(self.layers, in_place, ...)
 
             def step(carry, xs):

@@ -286,11 +286,11 @@ def test_every_plan_is_accepted_and_named_back():
 
 # ---- ragged_gemm's grouped decode kernel --------------------------------------------------------
 
-def _ragged_spec(fa, fb, layout_lhs, out, m, n, k, groups):
+def _ragged_spec(fa, fb, layout_lhs, out, m, n, k, groups, group_index=False):
     from jax_blockscale.ragged_backends import RaggedSpec
     lhs_dtype = np.dtype("bfloat16") if fa is None else np.dtype(get_format(fa).storage_dtype)
     return RaggedSpec(fa, fb, layout_lhs if fa else None, "blocked", lhs_dtype, np.dtype(out),
-                      m, n, k, groups)
+                      m, n, k, groups, group_index=group_index)
 
 
 def _ragged_call_of(p) -> dict:
@@ -312,13 +312,17 @@ def _ragged_call_of(p) -> dict:
                 sb_bytes=_scale_bytes(g, n, k, bb), alpha_bytes=4 * g,
                 c_bytes=m * n * np.dtype(spec.out_dtype).itemsize,
                 a_scales_plain=int(p.a_scales_plain), nt=p.nt, tile_m=p.tile[0],
-                tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.splits * m * n, grouped=1,
-                num_items=p.items, items_bytes=12 * p.items)
+                tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.splits * m * n,
+                grouped=2 if spec.group_index else 1, num_items=p.items,
+                items_bytes=4 if spec.group_index else 12 * p.items)
+
+
+_RAGGED_PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4"),
+                 ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")]
 
 
 def _ragged_plans():
-    pairs = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4"),
-             ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")]
+    pairs = _RAGGED_PAIRS
     for (fa, fb), layout_lhs, out, (m, g), (n, k) in itertools.product(
             pairs, ["plain", "blocked"], ["bfloat16", "float32", "float16"],
             [(1, 8), (16, 128), (128, 128), (600, 128), (300, 32), (2048, 128), (64, 1)],
@@ -339,6 +343,55 @@ def test_every_ragged_plan_is_accepted_and_named_back():
         assert ok and name == p.variant, (p, name)
         nts.add(p.nt)
     assert nts == {1, 2, 4, 8}
+
+
+def _indexed_plans():
+    for (fa, fb), out, m, (n, k) in itertools.product(
+            _RAGGED_PAIRS, ["bfloat16", "float32"], [1, 7, 16, 20, 33, 64],
+            [(6144, 4096), (4096, 14336), (200, 96)]):
+        if k % get_format(fb).block:
+            continue
+        layout_lhs = None if fa is None else "plain"
+        yield P.plan_ragged_sm90(_ragged_spec(fa, fb, layout_lhs, out, m, n, k, 16,
+                                              group_index=True), H100)
+
+
+def test_every_indexed_plan_is_accepted_and_matches_the_dense_choice():
+    """Index mode (gemm(..., layer=)): every decode-sized plan is the dense decode kernel's
+    choice (same item height and split count), its items cover M, and the C++ validator
+    accepts it with the one-int32 table and names the variant back."""
+    nts = set()
+    for p in _indexed_plans():
+        assert not isinstance(p, str), p
+        spec = p.spec
+        v, splits = cat.choose_decode_variant(spec.m, spec.n, spec.k, spec.fmt_lhs, spec.fmt_rhs,
+                                              H100.sm_count, cat.OUT_OF_DTYPE[spec.out_dtype.name])
+        assert (p.nt, p.splits, p.items) == (v.nt, splits, -(-spec.m // (8 * v.nt))), p
+        ok, name = _plugin.check_problem(**_ragged_call_of(p))
+        assert ok and name == p.variant, (p, name)
+        nts.add(p.nt)
+    assert nts == {1, 2, 4, 8}
+
+
+def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():
+    why = P.plan_ragged_sm90(_ragged_spec(None, "nvfp4", None, "bfloat16", 65, 4096, 4096, 16,
+                                          group_index=True), H100)
+    assert isinstance(why, str) and "past the decode kernels' 64 rows" in why
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(items_bytes=12), "group index has 12 bytes"),
+    (dict(num_items=3), r"index mode needs ceil\(M / 32\) = 1 items, got 3"),
+    (dict(grouped=3), "grouped mode 3 unknown"),
+])
+def test_indexed_rejects(over, match):
+    p = P.plan_ragged_sm90(_ragged_spec(None, "nvfp4", None, "bfloat16", 20, 4096, 4096, 16,
+                                        group_index=True), H100)
+    kw = _ragged_call_of(p)
+    assert _plugin.check_problem(**kw)[0]
+    kw.update(over)
+    ok, msg = _plugin.check_problem(**kw)
+    assert not ok and re.search(match, msg), msg
 
 
 @pytest.mark.parametrize("over,match", [

@@ -1,0 +1,162 @@
+"""`gemm(x, w, layer=i)` on a Hopper GPU: one layer of a stacked weight, read in place by the
+grouped decode kernel's index mode (skipped without one).
+
+Fresh random data every check (never zeros), the allocator filled with NaN first (an unwritten
+output shows up). Errors are relative Frobenius errors against the reference backend on the
+sliced layer (`gemm(x, w[i], backend="reference")`): < 1e-5 for f32 output, output rounding for
+bf16.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_blockscale as jbs
+from jax_blockscale.lowering import plan as planner
+from jax_blockscale.ragged import _operands_and_params, ragged_spec
+from hopper import needs_sm90, poison  # tests/support/hopper.py
+
+pytestmark = [pytest.mark.gpu, needs_sm90]
+
+RAGGED = "jax_blockscale_ragged_gemm_sm90"
+DENSE = "jax_blockscale_gemm_sm90"
+PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "mxfp8_e5m2"),
+         ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")]
+OUTS = {"f32": (jnp.float32, 1e-5), "bf16": (jnp.bfloat16, 8e-3)}
+_seed = [9000]
+
+
+def _rng():
+    _seed[0] += 1
+    return np.random.default_rng(_seed[0])
+
+
+def _stack(fmt, layers, n, k):
+    w = (_rng().standard_normal((layers, n, k)) / np.sqrt(k)).astype(np.float32)
+    w[:, :, :k // 3] *= 4.0  # blocks of different magnitudes
+    w *= np.linspace(0.5, 2.0, layers, dtype=np.float32)[:, None, None]  # layers differ
+    kw = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
+    return jbs.quantize(jnp.asarray(w), fmt, layout="blocked", **kw)
+
+
+def _activation(fmt, m, k):
+    x = _rng().standard_normal((m, k)).astype(np.float32)
+    return jnp.asarray(x, jnp.bfloat16) if fmt is None else jbs.quantize(x, fmt)
+
+
+def _layer_of(w, i):
+    return jax.tree.map(lambda t: t[i], w)
+
+
+def _plan(x, w, out_dtype):
+    operands, params = _operands_and_params(x, w, jnp.int32(0), out_dtype, None,
+                                            group_index=True)
+    avals = [jax.core.ShapedArray(jnp.shape(o), jnp.result_type(o)) for o in operands]
+    return planner.plan_ragged_sm90(ragged_spec(avals, **params), planner.device_for("cuda"))
+
+
+def _check(x, w, i, out="bf16"):
+    dtype, tol = OUTS[out]
+    poison()
+    got = jax.jit(lambda x, w, i: jbs.gemm(x, w, layer=i, out_dtype=dtype))(x, w, i)
+    clamped = int(np.clip(i, 0, w.shape[0] - 1))
+    want = jbs.gemm(x, _layer_of(w, clamped), out_dtype=dtype, backend="reference")
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape and np.all(np.isfinite(got)), "unwritten output elements"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", PAIRS)
+@pytest.mark.parametrize("out", ["bf16", "f32"])
+def test_every_pair_and_row_count(fmt_a, fmt_b, out):
+    """Every decode pair at 1 to 64 rows (each item height, split-K on and off) runs the kernel
+    in index mode and equals the reference on the sliced layer."""
+    layers = 5
+    w = _stack(fmt_b, layers, 384, 1024)
+    for m in (1, 7, 16, 20, 64):
+        x = _activation(fmt_a, m, 1024)
+        p = _plan(x, w, OUTS[out][0])
+        assert not isinstance(p, str), p
+        _check(x, w, int(_rng().integers(layers)), out)
+
+
+def test_shapes_odd_n_and_long_k():
+    for n, k, m in [(200, 96, 3), (4096, 14336, 16), (6144, 4096, 1), (130, 4096, 33)]:
+        w = _stack("nvfp4", 3, n, k)
+        _check(_activation(None, m, k), w, 2)
+
+
+def test_out_of_range_layer_is_clamped():
+    w = _stack("mxfp4", 4, 256, 512)
+    x = _activation(None, 5, 512)
+    for i in (-3, 4, 100):
+        _check(x, w, i)
+
+
+def test_scan_reads_the_stack_in_place():
+    """lax.scan over the layer index with the stack passed whole: the kernel reads the stack (no
+    dynamic slice of the elements anywhere in the program), and each step equals its layer."""
+    layers, n = 4, 1024
+    for fmt in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
+        w = _stack(fmt, layers, n, n)
+        x = jnp.asarray(_rng().standard_normal((2, n)), jnp.bfloat16)
+
+        def step(h, i, w=w):
+            return jnp.tanh(jbs.gemm(h, w, layer=i, out_dtype=jnp.float32)).astype(h.dtype), None
+
+        f = jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(layers))[0])
+        hlo = f.lower(x).compile().as_text()
+        assert RAGGED in hlo
+        element = "f4e2m1fn" if "fp4" in fmt else "f8e4m3fn"
+        assert not re.search(rf"{element}\[1,{n},\d+\][^\n]*dynamic-slice\(", hlo), fmt
+        want = x
+        for i in range(layers):
+            want = jnp.tanh(jbs.gemm(want, _layer_of(w, i), out_dtype=jnp.float32,
+                                     backend="reference")).astype(x.dtype)
+        got, want = np.asarray(f(x), np.float64), np.asarray(want, np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, fmt  # bf16 per layer
+
+
+def test_prefill_rows_slice_the_layer_and_run_the_dense_kernels():
+    """Past the decode kernels' 64 rows the layer is sliced and gemm's wide kernels run it."""
+    w = _stack("nvfp4", 3, 512, 1024)
+    x = _activation(None, 200, 1024)
+    f = jax.jit(lambda x, i: jbs.gemm(x, w, layer=i))
+    hlo = f.lower(x, 1).as_text()
+    assert DENSE in hlo and RAGGED not in hlo
+    _check(x, w, 1)
+
+
+def test_batch_dims_vmap_grad_and_export():
+    """Leading dims of x fold into the rows, vmap over examples shares the layer, grad with
+    respect to a plain x, and a jax.export round trip all run the kernel."""
+    w = _stack("mxfp4", 3, 256, 512)
+    x = jnp.asarray(_rng().standard_normal((2, 3, 512)), jnp.float32).astype(jnp.bfloat16)
+
+    def f(x, i, backend=None):
+        return jbs.gemm(x, w, layer=i, out_dtype=jnp.float32, backend=backend)
+
+    assert RAGGED in jax.jit(f).lower(x, 2).as_text()
+    want = np.asarray(f(x, 2, "reference"))
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x, 2)), want, rtol=1e-5, atol=1e-5)
+    batched = jax.jit(jax.vmap(f, in_axes=(0, None)))
+    assert RAGGED in batched.lower(x, 2).as_text()
+    np.testing.assert_allclose(np.asarray(batched(x, 2)), want, rtol=1e-5, atol=1e-5)
+
+    def loss(x, backend=None):
+        return jnp.sum(f(x, 1, backend) ** 2)
+
+    g_got = np.asarray(jax.jit(jax.grad(loss))(x), np.float32)
+    g_want = np.asarray(jax.grad(lambda x: loss(x, "reference"))(x), np.float32)
+    assert np.linalg.norm(g_got - g_want) / np.linalg.norm(g_want) < 1e-2
+
+    exp = jax.export.export(jax.jit(f), disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(RAGGED)])(x, 2)
+    back = jax.export.deserialize(exp.serialize())
+    np.testing.assert_array_equal(np.asarray(back.call(x, 2)), np.asarray(jax.jit(f)(x, 2)))
