@@ -31,7 +31,8 @@ promises alpha is all ones), group_index; the local primitive adds `shifted` (ro
 nonzero).
 
 Index mode (``group_index=True``, what ``jbs.gemm(x, w, layer=i)`` binds): the group_sizes
-operand is an int32 scalar, the one group that owns every row (clamped to [0, G)): a dense GEMM
+operand is an int32 scalar, the one group that owns every row (clamped to [0, G) by whoever
+runs it): a dense GEMM
 against one matrix of a stack (a layer of a scanned model) that reads it where it lies. A
 backend whose plan accepts it runs it in place (sm90: the grouped decode kernel, no work table);
 otherwise the lowering slices that matrix out and runs `gemm`'s local primitive on it.
@@ -247,9 +248,8 @@ def local_lowering(ctx, *args, platform, **params):
 
     def run(*xs):
         lhs, rhs, sl, sr, gs, alpha, row_start = split_operands(xs, params["fmt_lhs"])
-        if spec.group_index:
-            index = jnp.clip(gs, 0, spec.groups - 1)
-            return backend(lhs, rhs, sl, sr, index, alpha, jnp.int32(0), plan=plan)
+        if spec.group_index:  # the backend clamps the index (an XLA clip is a kernel launch)
+            return backend(lhs, rhs, sl, sr, gs, alpha, jnp.int32(0), plan=plan)
         if spec.shifted:
             row_start = jnp.clip(row_start, 0, spec.m)
         else:

@@ -19,8 +19,9 @@ What the lowering (ragged.py) hands `__call__`, once per lowering of `ragged_gem
     rhs_scales   (G, N, K/block) plain or (G, ceil(N/128), ceil(SK/4), 32, 4, 4) blocked
     group_sizes  int32 (G,), already made safe: every size >= 0 and
                  ``row_start + sum(group_sizes) <= M`` (see `clamp_group_sizes`); or, when
-                 ``spec.group_index`` (a backend's plan may accept it), an int32 scalar in
-                 [0, G): the group that owns every row (`index_group_sizes`)
+                 ``spec.group_index`` (a backend's plan may accept it), an int32 scalar: the
+                 group that owns every row, which the backend clamps to [0, G)
+                 (`index_group_sizes`)
     alpha        f32 (G,): the product of the global (decode) scales per group; when
                  ``spec.alpha_is_one`` it is all ones and may be ignored
     row_start    int32 scalar in [0, M]: group 0 starts at this row (always 0 unless

@@ -333,6 +333,9 @@ class Sm90DecodeGemm:
             expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
             li = cutlass.max(expert, 0)
             rows = (cutlass.Int32(0), m_end)
+            # the expert's alpha, loaded now: its latency hides behind the main loop instead of
+            # adding to the epilogue
+            expert_alpha = self._alpha(alpha_ptr, li)
 
         smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
@@ -352,7 +355,12 @@ class Sm90DecodeGemm:
         k_end = cutlass.min(k, k_begin + per * chunk)
         n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
         if cutlass.const_expr(self.grouped):
-            n_sub = n_sub * cutlass.Int32((m_end > m0) & (expert >= 0))  # empty item: no K loop
+            # empty item: no K loop. Index mode's items are never empty of an expert, and its
+            # activation loads (predicated on n_sub) need not wait for the index to arrive.
+            if indexed == 0:
+                n_sub = n_sub * cutlass.Int32((m_end > m0) & (expert >= 0))
+            else:
+                n_sub = n_sub * cutlass.Int32(m_end > m0)
 
         # ---- per-row constants (R rows per thread: R/2 row tiles x {g, g+8}) ------------------
         b_pitch = cutlass.Int64(k * self.b_bits // 8)
@@ -408,7 +416,7 @@ class Sm90DecodeGemm:
         _, _, nl = cute.arch.grid_dim()  # L
         outputs = self._outputs(bx, warp, g, t, m0)
         if cutlass.const_expr(self.grouped):
-            self._grouped_epilogue(outputs, acc, c_ptr, alpha_ptr, ws_ptr, expert, m, n, m0,
+            self._grouped_epilogue(outputs, acc, c_ptr, expert_alpha, ws_ptr, expert, m, n, m0,
                                    m_end, bx, by, splits, tid)
         elif splits == 1:
             alpha = self._alpha(alpha_ptr)
@@ -423,14 +431,13 @@ class Sm90DecodeGemm:
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
 
     @cute.jit
-    def _grouped_epilogue(self, outputs, acc, c_ptr, alpha_ptr, ws_ptr, expert, m, n, m0, m_end,
+    def _grouped_epilogue(self, outputs, acc, c_ptr, alpha, ws_ptr, expert, m, n, m0, m_end,
                           bx, by, splits, tid):
         """Grouped calls: the item's rows [m0, m_end) of the (M, N) output (one split) or of
-        the split's (M, N) workspace slice, times the expert's alpha (alpha[expert]: the
-        finalize kernel then only adds). A zero item (expert -1) writes zeros to its rows in
-        this CTA's columns, so that every row no group owns reads as zero; an invalid one
-        (-2) writes nothing."""
-        alpha = self._alpha(alpha_ptr, cutlass.max(expert, 0))
+        the split's (M, N) workspace slice, times the expert's alpha (alpha[expert], loaded
+        at the start: the finalize kernel then only adds). A zero item (expert -1) writes zeros
+        to its rows in this CTA's columns, so that every row no group owns reads as zero; an
+        invalid one (-2) writes nothing."""
         mC = cute.make_tensor(c_ptr, cute.make_layout(m * n))
         split_base = cutlass.Int64(by) * m * n
         ws_addr = ws_ptr.toint()

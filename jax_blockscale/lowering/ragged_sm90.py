@@ -98,7 +98,7 @@ class Sm90RaggedBackend:
             sa8 = sb8  # unused by the weight-only kernel; a buffer that exists costs nothing
         else:
             sa8 = lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1)  # plain or blocked as is
-        if spec.group_index:  # index mode: the kernel reads the layer index as its table
+        if spec.group_index:  # index mode: the kernel reads (and clamps) the layer index
             items, index_items = group_sizes.astype(jnp.int32).reshape(1), plan.items
         else:
             items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
@@ -107,7 +107,11 @@ class Sm90RaggedBackend:
             _plugin.RAGGED_SM90_TARGET,
             (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
              jax.ShapeDtypeStruct((plan.splits * m * n,), jnp.float32)))
-        y, _ = call(a8, b8, sa8, sb8, alpha.astype(jnp.float32), items,
+        if spec.alpha_is_one:
+            # a constant in the program: the ones of an operand are a broadcast that XLA may
+            # run as a kernel on every call (every step of a scan)
+            alpha = np.ones((groups,), np.float32)
+        y, _ = call(a8, b8, sa8, sb8, jnp.asarray(alpha, jnp.float32), items,
                     a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                     b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                     a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),
