@@ -264,6 +264,32 @@ def check_ragged(devices, case, fmt="nvfp4"):
     return check_hlo(compiled.as_text(), [w], expect, max_moved=M * max(N, K))
 
 
+# gemm(x, stack, layer=i) (ragged_gemm's index mode): (x spec (M, K), stack spec (L, N, K),
+# out dtype, how it must match the unsharded call). The stack axis itself is never split by
+# the rule (every device needs the layer it runs): a stack placed split on it is gathered.
+LAYER_INDEX_CASES = {
+    "n": (P(None, None), P(None, "d", None), jnp.bfloat16, "exact"),
+    "k": (P(None, "d"), P(None, None, "d"), jnp.float32, "f32"),
+    "m": (P("d", None), P(None, None, None), jnp.bfloat16, "exact"),
+    "stack": (P(None, None), P("d", None, None), jnp.bfloat16, "exact"),
+}
+
+
+def check_layer_index(devices, case, fmt="nvfp4"):
+    """gemm(x, stack, layer=i) with M, N, K or the stack split over 2 devices equals the
+    unsharded call, for every layer index (clamped past the end)."""
+    x_spec, w_spec, out_dtype, match = LAYER_INDEX_CASES[case]
+    mesh = mesh_of(devices)
+    x, w, _ = ragged_problem(fmt)
+    f = jax.jit(lambda x, w, i: jbs.gemm(x, w, layer=i, out_dtype=out_dtype))
+    args = (place(mesh, x, x_spec), place(mesh, w, w_spec))
+    lowered = f.lower(*args, 3)
+    assert "CustomSPMDPartitioning" in lowered.as_text()  # the package's rule decides
+    for i in (0, 5, G - 1, G + 4):
+        want = f(*jax.device_put((x, w), devices[0]), i)
+        assert_match(f(*args, i), want, match, f"gemm(layer={i}), {case} split ({fmt})")
+
+
 def check_catches_weight_gather(devices, fmt="nvfp4"):
     """The HLO check is not vacuous: a program that gathers the expert weights (a sharding
     constraint replicating them before ragged_gemm) must fail it. Returns the failure."""

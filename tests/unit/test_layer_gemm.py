@@ -105,3 +105,14 @@ def test_bad_arguments_name_themselves():
         jbs.gemm(a, w, layer=0)
     with pytest.raises(ValueError, match="unknown ragged_gemm backend"):
         jbs.gemm(x, w, layer=0, backend="nope")
+
+
+def test_example_runs():
+    """examples/scanned_layers.py: a scanned stack with layer= agrees with the unrolled one."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "scanned_layers.py")
+    spec = importlib.util.spec_from_file_location("scanned_layers_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--layers", "3", "--hidden", "128", "--ffn", "256", "--fmt", "mxfp4"])

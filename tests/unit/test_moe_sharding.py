@@ -69,6 +69,11 @@ else:
         print(f"ragged {case} {fmt}: {mmd.summary(found)}")
 
     @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("case", list(mmd.LAYER_INDEX_CASES))
+    def test_layer_index_split(case, fmt):
+        mmd.check_layer_index(DEVICES, case, fmt)
+
+    @pytest.mark.parametrize("fmt", FORMATS)
     @pytest.mark.parametrize("case", list(mmd.LAYER_CASES))
     def test_moe_layer_parallel(case, fmt):
         found = mmd.check_layer(DEVICES, case, fmt)
