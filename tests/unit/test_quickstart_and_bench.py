@@ -88,3 +88,18 @@ def test_bench_sm90_runs_and_says_why_a_forced_path_cannot(tmp_path):
     if not any(d.platform == "gpu" for d in jax.devices()):
         assert "registers" in row["errors"]  # sm90 does not run on the CPU: the row says why
     assert "default" in out
+
+
+def test_e2e_decode_writes_steps_gemms_json_and_plot(tmp_path):
+    """benchmarks/e2e_decode.py (tiny shapes, CPU): every variant's step, unrolled and scanned
+    with layer=, one row per GEMM shape, rows and variant; the outputs agree in shape."""
+    out = run("benchmarks/e2e_decode.py", "--tiny", "--scan", "--out", str(tmp_path))
+    assert "| variant | layers | batch |" in out and "| GEMM | rows | variant |" in out
+    data = json.loads((tmp_path / "e2e_decode_cpu.json").read_text())
+    steps = {(r["variant"], r["mode"], r["batch"]) for r in data["steps"]}
+    variants = ("bf16", "nvfp4", "nvfp4_w4a4", "mxfp4", "mxfp8")
+    assert {(v, "unrolled", b) for v in variants for b in (1, 2)} <= steps
+    assert {(v, "scan", b) for v in variants[1:] for b in (1, 2)} <= steps
+    assert len(data["gemms"]) == 4 * 2 * len(variants)
+    assert all(r["us"] > 0 and r["bytes"] > 0 for r in data["gemms"])
+    assert (tmp_path / "e2e_decode_cpu.png").exists()
