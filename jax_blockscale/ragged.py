@@ -273,10 +273,7 @@ def _sliced_gemm(*xs, params):
 
     lhs, rhs, sl, sr, index, alpha, _ = split_operands(xs, params["fmt_lhs"])
     index = jnp.clip(index, 0, rhs.shape[0] - 1)
-    # the barrier keeps each slice an op of its own, which XLA runs as a device copy; fused
-    # with the kernel operands' byte views, an FP4 slice became a slow elementwise kernel
-    take = lambda x: lax.optimization_barrier(  # noqa: E731
-        lax.dynamic_index_in_dim(x, index, 0, keepdims=False))
+    take = lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
     return gemm_local_p.bind(
         *join_gemm(lhs, take(rhs), sl, take(sr), take(alpha)),
         fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
