@@ -268,14 +268,23 @@ for _platform in ALL_PLATFORMS:
 
 def _sliced_gemm(*xs, params):
     """Index mode without an in-place kernel: gemm's local primitive on rhs[index] (a copy)."""
+    from .lowering.kernel_operands import element_bytes  # noqa: PLC0415
     from .primitive import gemm_local_p  # noqa: PLC0415
     from .primitive import join_operands as join_gemm  # noqa: PLC0415
 
     lhs, rhs, sl, sr, index, alpha, _ = split_operands(xs, params["fmt_lhs"])
     index = jnp.clip(index, 0, rhs.shape[0] - 1)
     take = lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
+    if rhs.dtype == jnp.float4_e2m1fn:
+        # Slice the packed bytes and view them as FP4 again: the kernels' byte view of the
+        # result cancels the view, and XLA hands a kernel the byte slice in place (a slice of
+        # the FP4 array itself is copied, inside a loop by a slow elementwise kernel).
+        rhs_layer = lax.bitcast_convert_type(take(element_bytes(rhs)), rhs.dtype)
+        rhs_layer = rhs_layer.reshape(rhs.shape[1:])
+    else:
+        rhs_layer = take(rhs)
     return gemm_local_p.bind(
-        *join_gemm(lhs, take(rhs), sl, take(sr), take(alpha)),
+        *join_gemm(lhs, rhs_layer, sl, take(sr), take(alpha)),
         fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
         layout_b=params["layout_rhs"], out_dtype=params["out_dtype"],
         backend=params["backend"], alpha_is_one=params["alpha_is_one"])
