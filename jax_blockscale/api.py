@@ -42,8 +42,8 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
       `lax.scan` / `fori_loop` over layers, pass the stack (not a scanned slice of it) and the
       loop index: a scanned slice of FP4 elements is copied before every call, this is not.
       Leading dims of a fold into M; `backend` then names a `ragged_gemm` backend. On Hopper
-      up to 64 rows run in place; larger calls slice the layer (a copy, slow for FP4 inside a
-      loop: docs/design/scanned_layers.md).
+      up to 64 rows run in place; larger calls slice the layer (in place when the index is a
+      `fori_loop` counter, else a copy: docs/design/scanned_layers.md).
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
