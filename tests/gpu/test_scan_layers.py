@@ -1,7 +1,9 @@
 """Scanned layers on the sm90 backend: `lax.scan` over a stacked weight gives each layer's result
 bit for bit as a per-layer call does; an 8-bit weight's slice reaches the kernel in place (XLA's
 dynamic-slice fusion of the custom call). FP4 slices are still copied first (XLA does not fuse
-sub-byte dynamic slices; docs/design/scanned_layers.md), which the test records.
+sub-byte dynamic slices; docs/design/scanned_layers.md), which the test records; a scan that
+passes the stack and the index to `gemm(..., layer=i)` makes no slice at all
+(tests/gpu/test_layer_gemm_sm90.py).
 """
 from __future__ import annotations
 
