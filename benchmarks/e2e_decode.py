@@ -109,10 +109,15 @@ def unrolled_step(act_fmt):
 
 
 def scanned_step(act_fmt):
+    """The layers scanned with the index in the carry (see docs/design/scanned_layers.md)."""
     def step(h, stacks):
         layers = stacks["qkv"].shape[0]
-        body = lambda h, i: (layer_step(h, stacks, act_fmt, i), None)  # noqa: E731
-        return jax.lax.scan(body, h, jnp.arange(layers))[0]
+
+        def body(carry, _):
+            h, i = carry
+            return (layer_step(h, stacks, act_fmt, i), i + 1), None
+
+        return jax.lax.scan(body, (h, jnp.int32(0)), None, length=layers)[0][0]
     return jax.jit(step)
 
 

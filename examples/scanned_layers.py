@@ -48,9 +48,10 @@ def main(argv=None):
 
     @jax.jit
     def scanned(x, w1, w2):
-        def step(x, i):  # the stacks are closed over, not scanned: only the index is
-            return block(x, w1, w2, layer=i), None
-        return jax.lax.scan(step, x, jnp.arange(L))[0]
+        def step(carry, _):  # the stacks are closed over, not scanned; the index is carried
+            x, i = carry
+            return (block(x, w1, w2, layer=i), i + 1), None
+        return jax.lax.scan(step, (x, jnp.int32(0)), None, length=L)[0][0]
 
     @jax.jit
     def unrolled(x, w1, w2):

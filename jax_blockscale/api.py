@@ -40,7 +40,8 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     layer: with b a stack of L layers' weights (L, N, K), an integer scalar (traced or not):
       multiply by b[layer] (clamped to [0, L), as indexing does) where it lies in memory. Inside
       `lax.scan` / `fori_loop` over layers, pass the stack (not a scanned slice of it) and the
-      loop index: a scanned slice of FP4 elements is copied before every call, this is not.
+      loop index (best carried as a counter, not scanned out of an arange): a scanned slice of
+      FP4 elements is copied before every call, this is not.
       Leading dims of a fold into M; `backend` then names a `ragged_gemm` backend. On Hopper
       up to 64 rows run in place; larger calls slice the layer (in place when the index is a
       `fori_loop` counter, else a copy: docs/design/scanned_layers.md).

@@ -340,14 +340,15 @@ class Llama(nnx.Module):
             in_place = nnx.Any(experts, _block_scaled_weight)
             graphdef, whole, state = nnx.split(self.layers, in_place, ...)
 
-            def step(carry, xs):
-                h, cache = carry
-                layer_state, i = xs
+            # The layer index rides in the carry (a loop counter): XLA can then hand a kernel a
+            # slice at that index in place, which it cannot for an index scanned out of an
+            # arange (docs/design/scanned_layers.md).
+            def step(carry, layer_state):
+                h, cache, i = carry
                 h, cache = nnx.merge(graphdef, whole, layer_state)(h, cache, i, pos)
-                return (h, cache), None
+                return (h, cache, i + 1), None
 
-            (h, cache), _ = lax.scan(step, (h, cache),
-                                     (state, jnp.arange(self.cfg.num_hidden_layers)))
+            (h, cache, _), _ = lax.scan(step, (h, cache, jnp.int32(0)), state)
         else:
             for i, layer in enumerate(self.layers):
                 h, cache = layer(h, cache, i, pos)
