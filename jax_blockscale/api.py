@@ -43,8 +43,9 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
       loop index (best carried as a counter, not scanned out of an arange): a scanned slice of
       FP4 elements is copied before every call, this is not.
       Leading dims of a fold into M; `backend` then names a `ragged_gemm` backend. On Hopper
-      up to 64 rows run in place; larger calls slice the layer (in place when the index is a
-      `fori_loop` counter, else a copy: docs/design/scanned_layers.md).
+      the decode kernel reads the layer in place where `gemm` would run it; elsewhere the layer
+      is sliced for gemm's kernel (in place when the index is a loop counter, else a copy:
+      docs/design/scanned_layers.md).
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "

@@ -325,20 +325,6 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
             ragged_decode_items(m, groups, nt))
 
 
-def choose_indexed_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16"):
-    """(variant, splits, items) for the grouped kernel's index mode (every row in one group: a
-    dense GEMM against one layer of a stack), or None. The problem is a dense one, so the dense
-    decode kernel's choice holds, at every row count it takes (up to DECODE_MAX_ROWS), even
-    where `gemm` would pick a wide kernel (from 64 rows at some shapes): the copy of the layer
-    that kernel would need costs more than it gains (docs/design/scanned_layers.md). Larger
-    calls slice the layer. The items are the M chunks of 8 nt rows."""
-    choice = choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out)
-    if choice is None:
-        return None
-    v, splits = choice
-    return v, splits, _ceil_div(m, 8 * v.nt)
-
-
 # ----------------------------------------------------------------------------------------------
 # The library's variant table (what the AOT build compiles and the C++ table lists)
 

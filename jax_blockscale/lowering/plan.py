@@ -354,12 +354,21 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         return "empty problem"
     if spec.k % 32:
         return f"K={spec.k} must be a multiple of 32 for the grouped decode kernel"
-    if spec.group_index:  # one layer of a stack, in place: catalog/sm90.py says why this choice
-        choice = cat90.choose_indexed_decode_variant(spec.m, spec.n, spec.k, spec.fmt_lhs,
-                                                     spec.fmt_rhs, device.sm_count, out)
-        if choice is None and spec.m > cat90.DECODE_MAX_ROWS:
-            return (f"M={spec.m} is past the decode kernels' {cat90.DECODE_MAX_ROWS} rows "
-                    "(the layer is sliced and the wide kernels run it)")
+    if spec.group_index:
+        # One layer of a stack is a dense problem: the in-place kernel runs it exactly when the
+        # dense planner would run the decode kernel, with the same variant and splits.
+        dense = plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
+                                   np.dtype(spec.lhs_dtype), np.dtype(spec.out_dtype), (), (), (),
+                                   spec.m, spec.n, spec.k, spec.alpha_is_one),
+                          device, library=library)
+        if isinstance(dense, str):
+            return dense
+        if dense.kernel != "decode" or dense.dequantize_a:
+            return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {dense.kernel} kernel"
+                    f"{' (activation dequantized first)' if dense.dequantize_a else ''}: the "
+                    "layer is sliced and that kernel runs it")
+        v = cat90.DecodeVariant(dense.a_kind, dense.b_kind, out, dense.nt)
+        choice = (v, dense.splits, -(-spec.m // (8 * v.nt)))
     else:
         choice = cat90.choose_ragged_decode_variant(spec.m, spec.n, spec.k, spec.groups,
                                                     spec.fmt_lhs, spec.fmt_rhs, device.sm_count,

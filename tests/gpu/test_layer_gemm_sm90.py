@@ -76,13 +76,18 @@ def _check(x, w, i, out="bf16"):
 @pytest.mark.parametrize("out", ["bf16", "f32"])
 def test_every_pair_and_row_count(fmt_a, fmt_b, out):
     """Every decode pair at 1 to 64 rows (each item height, split-K on and off) runs the kernel
-    in index mode and equals the reference on the sliced layer."""
+    in index mode where gemm's planner picks the decode kernel (always up to 16 rows; at more
+    the planner may pick a wide kernel, and the layer is sliced for it) and equals the
+    reference on the sliced layer."""
     layers = 5
     w = _stack(fmt_b, layers, 384, 1024)
     for m in (1, 7, 16, 20, 64):
         x = _activation(fmt_a, m, 1024)
         p = _plan(x, w, OUTS[out][0])
-        assert not isinstance(p, str), p
+        if m <= 16:
+            assert not isinstance(p, str), p
+        elif isinstance(p, str):
+            assert "the layer is sliced" in p, p
         _check(x, w, int(_rng().integers(layers)), out)
 
 
