@@ -273,8 +273,10 @@ def _sliced_gemm(*xs, params):
     from .primitive import join_operands as join_gemm  # noqa: PLC0415
 
     lhs, rhs, sl, sr, index, alpha, _ = split_operands(xs, params["fmt_lhs"])
-    index = jnp.clip(index, 0, rhs.shape[0] - 1)
-    take = lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False)  # noqa: E731
+    # XLA's dynamic slice clamps the index into [0, L) as the kernels do (-1 reads layer 0);
+    # a separate clip would be a kernel per call, JAX's negative-index wrap would differ
+    take = lambda x: lax.dynamic_index_in_dim(  # noqa: E731
+        x, index, 0, keepdims=False, allow_negative_indices=False)
     if rhs.dtype == jnp.float4_e2m1fn:
         # Slice the packed bytes and view them as FP4 again: the kernels' byte view of the
         # result cancels the view, and XLA hands a kernel the byte slice in place (a slice of
@@ -283,8 +285,13 @@ def _sliced_gemm(*xs, params):
         rhs_layer = rhs_layer.reshape(rhs.shape[1:])
     else:
         rhs_layer = take(rhs)
+    # The layer's alpha: XLA turns a bare 4-byte slice at a loop counter into an asynchronous
+    # device memcpy before each call, slower in a decode loop than the one small fusion a
+    # slice of the edge-padded vector is (same value at every clamped index; see
+    # docs/design/scanned_layers.md). XLA hands no 4-byte slice to a kernel in place.
+    alpha_layer = take(jnp.pad(alpha, (0, 1), mode="edge"))
     return gemm_local_p.bind(
-        *join_gemm(lhs, rhs_layer, sl, take(sr), take(alpha)),
+        *join_gemm(lhs, rhs_layer, sl, take(sr), alpha_layer),
         fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
         layout_b=params["layout_rhs"], out_dtype=params["out_dtype"],
         backend=params["backend"], alpha_is_one=params["alpha_is_one"])

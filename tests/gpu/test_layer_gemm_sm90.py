@@ -138,6 +138,31 @@ def test_prefill_rows_slice_the_layer_and_run_the_dense_kernels():
     _check(x, w, 1)
 
 
+def test_prefill_rows_in_a_loop_read_the_layer_in_place():
+    """Past 64 rows inside a loop with a counter index, each call's layer (its packed elements
+    and its scales) is a slice XLA hands the dense kernel in place: every slice of those stacks
+    sits in the kernel's dynamic-slice fusion, none is copied out first."""
+    layers, n, k, m = 3, 512, 1024, 200
+    w = _stack("nvfp4", layers, n, k)
+    x = _activation(None, m, k)
+
+    def body(i, acc):
+        return acc + jbs.gemm(x, w, layer=i, out_dtype=jnp.float32)
+
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, layers, body, jnp.zeros((m, n), jnp.float32)))
+    hlo = f.lower(x).compile().as_text()
+    blocks = re.split(r"\n(?=%|ENTRY)", hlo)
+    stack_slice = re.compile(r"(u8|f8e4m3fn|f4e2m1fn)\[[\d,]+\][^\n]*dynamic-slice\(")
+    slicing = [b for b in blocks if stack_slice.search(b)]
+    assert slicing, "no slice of the stacks found"
+    for b in slicing:
+        assert DENSE in b, "a slice of the stack is copied outside the kernel's fusion:\n" + b[:2000]
+    want = sum(np.asarray(jbs.gemm(x, _layer_of(w, i), out_dtype=jnp.float32,
+                                   backend="reference"), np.float64) for i in range(layers))
+    got = np.asarray(f(x), np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
 def test_batch_dims_vmap_grad_and_export():
     """Leading dims of x fold into the rows, vmap over examples shares the layer, grad with
     respect to a plain x, and a jax.export round trip all run the kernel."""
