@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
 from e2e_model import kernel_breakdown, plot, print_breakdown  # noqa: E402
-from sweep import bytes_moved, quantized_bytes, read_time_us  # noqa: E402
+from sweep import bytes_moved, copy_probe, quantized_bytes, read_time_us  # noqa: E402
 from timing import copies, device_time_us, gpu_kernel_events, rotation_count, time_us  # noqa: E402
 
 HIDDEN, FFN, QKV = 4096, 14336, 6144
@@ -131,12 +131,10 @@ def weight_bytes(variant, scale):
 
 
 def copy_bandwidth_TBps(on_gpu, timing):
-    """Device copy bandwidth (jitted x + 1 over 1 GiB: bytes read + written)."""
-    nbytes = 2**30 if on_gpu else 64 * 2**20
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    f = jax.jit(lambda x: x + 1)
+    """Copy bandwidth of sweep's `copy_probe`, in device time on a GPU."""
+    f, x, nbytes = copy_probe(on_gpu)
     us = device_time_us(f, x) if on_gpu else time_us(f, x, **timing)
-    return 2 * nbytes / us / 1e6
+    return nbytes / us / 1e6
 
 
 def time_step(f, args, on_gpu, calls, timing):

@@ -7,8 +7,9 @@ weights, per format; device time from the profiler (benchmarks/timing.py).
 
 Modes: "unrolled" (one weight per layer), "scan" (the stacked weight is the scan's xs) and, for
 block-scaled formats, "scan_in_place" (the scan runs over the layer index and each step calls
-``jbs.gemm(x, stack, layer=i)``, which reads the layer where it lies). The per-kernel breakdown (--kernels) shows where the time goes (a copy of each layer's weight slice,
-for bf16 and FP4: docs/design/scanned_layers.md).
+``jbs.gemm(x, stack, layer=i)``, which reads the layer where it lies). The per-kernel breakdown
+(--kernels) shows where the time goes (a copy of each layer's weight slice, for bf16 and FP4:
+docs/design/scanned_layers.md).
 """
 from __future__ import annotations
 

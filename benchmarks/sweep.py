@@ -88,18 +88,24 @@ def read_time_us(nbytes, cache):
     return cache[nbytes]
 
 
+def copy_probe(on_gpu):
+    """The copy-bandwidth probe: (jitted x + 1, x, bytes it reads and writes), x far beyond L2
+    (1 GiB on a GPU)."""
+    nbytes = 2**30 if on_gpu else 64 * 2**20
+    return jax.jit(lambda x: x + 1), jnp.ones(nbytes // 4, jnp.float32), 2 * nbytes
+
+
 def measure_ceilings(on_gpu, timing):
-    """Copy bandwidth (jitted x + 1 over a large array, bytes read + written) and bf16 matmul
-    peak (a square jnp.dot with f32 accumulation, bf16 output)."""
-    nbytes = 2**30 if on_gpu else 64 * 2**20  # 1 GiB: far beyond L2
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    copy_us = time_us(jax.jit(lambda x: x + 1), x, **timing)
+    """Copy bandwidth (`copy_probe`) and bf16 matmul peak (a square jnp.dot with f32
+    accumulation, bf16 output)."""
+    copy, x, copy_bytes = copy_probe(on_gpu)
+    copy_us = time_us(copy, x, **timing)
     del x
     n = 8192 if on_gpu else 512
     a = normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
     b = normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
     dot_us = time_us(dot_bf16, a, b, **timing)
-    return dict(copy_bytes=2 * nbytes, copy_us=copy_us, copy_TBps=2 * nbytes / copy_us / 1e6,
+    return dict(copy_bytes=copy_bytes, copy_us=copy_us, copy_TBps=copy_bytes / copy_us / 1e6,
                 peak_shape=[n, n, n], peak_us=dot_us,
                 bf16_peak_TFLOPs=2.0 * n ** 3 / dot_us / 1e6)
 

@@ -32,8 +32,8 @@ nonzero).
 
 Index mode (``group_index=True``, what ``jbs.gemm(x, w, layer=i)`` binds): the group_sizes
 operand is an int32 scalar, the one group that owns every row (clamped to [0, G) by whoever
-runs it): a dense GEMM
-against one matrix of a stack (a layer of a scanned model) that reads it where it lies. A
+runs it): a dense GEMM against one matrix of a stack (a layer of a scanned model) that reads it
+where it lies. A
 backend whose plan accepts it runs it in place (sm90: the grouped decode kernel, no work table);
 otherwise the lowering slices that matrix out and runs `gemm`'s local primitive on it.
 
@@ -267,7 +267,8 @@ for _platform in ALL_PLATFORMS:
 
 
 def _sliced_gemm(*xs, params):
-    """Index mode without an in-place kernel: gemm's local primitive on rhs[index] (a copy)."""
+    """Index mode without an in-place kernel: gemm's local primitive on rhs[index] (a slice XLA
+    hands the kernel in place when the index is a loop counter, else a copy)."""
     from .lowering.kernel_operands import element_bytes  # noqa: PLC0415
     from .primitive import gemm_local_p  # noqa: PLC0415
     from .primitive import join_operands as join_gemm  # noqa: PLC0415
