@@ -21,7 +21,7 @@ a profiler trace; absent on the CPU. "loop_us": median over --trials of the mean
 back-to-back calls from Python (host and dispatch cost included). Weights smaller than ~3x L2
 are rotated through copies. Each sharded row also records the compiled program's collectives and
 its largest difference to the 1-device output (0 where the math allows: expert, tensor).
-Prints a table; writes <tag>.json under --out.
+Prints a table; writes <tag>.json and <tag>.png under --out.
 """
 from __future__ import annotations
 
@@ -158,6 +158,38 @@ def print_row(row, baseline=None):
           flush=True)
 
 
+def plot(rows, path):
+    """One panel per format: time per layer call against tokens, one bar per placement."""
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fmts = list(dict.fromkeys(r["fmt"] for r in rows))
+    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    clock = "device_us" if all("device_us" in r for r in rows) else "loop_us"
+    fig, axes = plt.subplots(1, len(fmts), figsize=(4.6 * len(fmts), 3.6), squeeze=False)
+    for ax, fmt in zip(axes[0], fmts):
+        tokens = sorted({r["tokens"] for r in rows if r["fmt"] == fmt})
+        width = 0.8 / len(placements)
+        for i, name in enumerate(placements):
+            got = {r["tokens"]: r[clock] for r in rows
+                   if r["fmt"] == fmt and r["placement"] == name}
+            xs = [j + i * width for j, t in enumerate(tokens) if t in got]
+            ax.bar(xs, [got[t] for t in tokens if t in got], width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))],
+                      [f"{t} tokens" for t in tokens])
+        ax.set_title(f"QuantizedMoE layer, {fmt} experts", fontsize=9)
+        ax.set_ylabel(f"us per call ({clock})")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few calls (CPU smoke run)")
@@ -216,6 +248,7 @@ def main():
         with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {stem}.json")
+    plot(rows, stem + ".png")
 
 
 if __name__ == "__main__":

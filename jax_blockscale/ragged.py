@@ -28,7 +28,7 @@ Operands of `ragged_gemm_p`, in order: ``lhs, rhs, [lhs_scales], rhs_scales, gro
   alpha        f32 (G,): per group, the product of the global (decode) scales of lhs and rhs[g].
 Params: fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, backend, alpha_is_one (the caller
 promises alpha is all ones), group_index; the local primitive adds `shifted` (row_start may be
-nonzero).
+nonzero) and `plan_shape` (a shard's unsharded (M, N, G), whose kernel choice it keeps).
 
 Index mode (``group_index=True``, what ``jbs.gemm(x, w, layer=i)`` binds): the group_sizes
 operand is an int32 scalar, the one group that owns every row (clamped to [0, G) by whoever
@@ -163,7 +163,7 @@ def join_operands(lhs, rhs, sl, sr, *rest):
 
 
 def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, backend=None,
-                alpha_is_one=False, group_index=False, shifted=False,
+                alpha_is_one=False, group_index=False, shifted=False, plan_shape=None,
                 local=False) -> RaggedSpec:
     """Validate the operands' shapes and dtypes and describe the problem."""
     del backend
@@ -208,14 +208,15 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
         if row_start.shape != () or np.dtype(row_start.dtype) != np.int32:
             raise TypeError(f"row_start must be an int32 scalar, got "
                             f"{row_start.dtype}{list(row_start.shape)}")
-    elif rest:
-        raise TypeError(f"ragged_gemm_p takes no operands after alpha, got {len(rest)} more")
+    elif rest or shifted or plan_shape is not None:
+        raise TypeError("only ragged_gemm_local_p takes row_start, shifted and plan_shape")
     if np.dtype(out_dtype) not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
                         f"got {np.dtype(out_dtype).name}")
     return RaggedSpec(fmt_lhs, fmt_rhs, layout_lhs if fmt_lhs else None, layout_rhs,
                       np.dtype(lhs.dtype), np.dtype(out_dtype), lhs.shape[0], rhs.shape[1],
-                      lhs.shape[1], groups, bool(alpha_is_one), bool(shifted), bool(group_index))
+                      lhs.shape[1], groups, bool(alpha_is_one), bool(shifted), bool(group_index),
+                      None if plan_shape is None else tuple(int(d) for d in plan_shape))
 
 
 def _abstract_eval(*avals, local, **params):
@@ -298,11 +299,13 @@ def _sliced_gemm(*xs, params):
         backend=params["backend"], alpha_is_one=params["alpha_is_one"])
 
 
-def bind_local(operands, params, row_start=None):
-    """`ragged_gemm_local_p` on ragged_gemm_p's operands (row_start None: group 0 at row 0)."""
+def bind_local(operands, params, row_start=None, plan_shape=None):
+    """`ragged_gemm_local_p` on ragged_gemm_p's operands (row_start None: group 0 at row 0;
+    plan_shape: a shard's unsharded (M, N, G), see RaggedSpec)."""
     shifted = row_start is not None
     row_start = jnp.int32(0) if row_start is None else row_start
-    return ragged_gemm_local_p.bind(*operands, row_start, **params, shifted=shifted)
+    return ragged_gemm_local_p.bind(*operands, row_start, **params, shifted=shifted,
+                                    plan_shape=plan_shape)
 
 
 # ---------------------------------------------------------------------------------------------

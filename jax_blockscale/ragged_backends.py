@@ -64,6 +64,10 @@ class RaggedSpec:
     alpha_is_one: bool = False  # no global scales: alpha is all ones
     shifted: bool = False  # row_start may be nonzero (expert-parallel shards)
     group_index: bool = False  # group_sizes is one index: every row belongs to that group
+    # A shard of a sharded call: (M, N, G) of the unsharded problem, whose kernel choice
+    # (variant, split count) the shard keeps so that its results equal the unsharded call's bit
+    # for bit; None: the problem is its own (ragged_sharding.py sets it where K is whole).
+    plan_shape: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,13 @@ With K also sharded, the partial sums are reduced in f32 over both and rounded o
 (A token-sharded expert-parallel layer that dispatches tokens with all-to-all is a different
 program: write it with shard_map around `ragged_gemm`, which inside is the local primitive.)
 
+Where K is whole, every shard runs the kernel variant and split count that the unsharded call
+would (`plan_shape`, RaggedSpec): each output element is then summed in the same order on its
+device as on one device, so expert-, tensor- and data-parallel results equal the unsharded call
+bit for bit (a kernel planned for the smaller shard could split K differently and round
+differently). Where K is split, the partial sums differ from one device's anyway and each shard
+plans for itself.
+
 Placements the local computation cannot take are changed (XLA reshards), logged once on the
 "jax_blockscale" logger, as for `gemm`: a dim must split evenly; blocked scales split only in
 whole 128-row (M, N) and 4-column (K) tiles; K only in whole blocks; one mesh axis shards one
@@ -198,10 +205,12 @@ def _partition(pt, mesh, arg_shapes, result_shape):
             row_start, gs = _local_rows(safe, geo, plan, lhs.shape[0], rhs.shape[0])
         else:
             row_start = None
-        local_params = params
-        if plan.k:  # partial sums: reduce in f32, round once
+        local_params, plan_shape = params, (geo.m, geo.n, geo.groups)
+        if plan.k:  # partial sums: reduce in f32, round once (the shard plans for itself)
             local_params = dict(params, out_dtype=np.dtype(np.float32))
-        y = bind_local(join_operands(lhs, rhs, sl, sr, gs, alpha), local_params, row_start)
+            plan_shape = None
+        y = bind_local(join_operands(lhs, rhs, sl, sr, gs, alpha), local_params, row_start,
+                       plan_shape)
         if plan.reduce:
             if plan.scatter_dim is not None:
                 y = lax.psum_scatter(y, plan.reduce, scatter_dimension=plan.scatter_dim,

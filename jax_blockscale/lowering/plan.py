@@ -354,12 +354,15 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         return "empty problem"
     if spec.k % 32:
         return f"K={spec.k} must be a multiple of 32 for the grouped decode kernel"
+    # A shard of a sharded call keeps the unsharded call's variant and splits (RaggedSpec);
+    # its own rows and experts make its work table.
+    pm, pn, pg = spec.plan_shape or (spec.m, spec.n, spec.groups)
     if spec.group_index:
         # One layer of a stack is a dense problem: the in-place kernel runs it exactly when the
         # dense planner would run the decode kernel, with the same variant and splits.
         dense = plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
                                    np.dtype(spec.lhs_dtype), np.dtype(spec.out_dtype), (), (), (),
-                                   spec.m, spec.n, spec.k, spec.alpha_is_one),
+                                   pm, pn, spec.k, spec.alpha_is_one),
                           device, library=library)
         if isinstance(dense, str):
             return dense
@@ -370,9 +373,10 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         v = cat90.DecodeVariant(dense.a_kind, dense.b_kind, out, dense.nt)
         choice = (v, dense.splits, -(-spec.m // (8 * v.nt)))
     else:
-        choice = cat90.choose_ragged_decode_variant(spec.m, spec.n, spec.k, spec.groups,
-                                                    spec.fmt_lhs, spec.fmt_rhs, device.sm_count,
-                                                    out)
+        choice = cat90.choose_ragged_decode_variant(pm, pn, spec.k, pg, spec.fmt_lhs,
+                                                    spec.fmt_rhs, device.sm_count, out)
+        if choice is not None:
+            choice = (*choice[:2], cat90.ragged_decode_items(spec.m, spec.groups, choice[0].nt))
     if choice is None:
         return (f"the grouped decode kernel has no {spec.fmt_lhs or 'plain'} x {spec.fmt_rhs} "
                 f"variant with K={spec.k}")

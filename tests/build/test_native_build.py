@@ -401,6 +401,33 @@ def test_indexed_rejects(over, match):
     assert not ok and re.search(match, msg), msg
 
 
+def test_ragged_shards_keep_the_unsharded_plan():
+    """A shard of an expert- or N-split call (ragged_sharding.py) runs the unsharded call's
+    variant and split count over its own rows and experts, and C++ accepts that call. Planned
+    for itself, an expert shard of the 2-GPU tests' problem (M 128, N 768, K 512, 16 experts)
+    would run another item height and split count; at Qwen3-30B-A3B's gate+up the plans agree."""
+    import dataclasses
+
+    differs = 0
+    for fa, fb, (m, n, k, g) in itertools.product(
+            (None, "nvfp4"), ("nvfp4", "mxfp4"),
+            ((128, 768, 512, 16), (128, 1536, 2048, 128), (2048, 1536, 2048, 128))):
+        if fa is not None and fa != fb:
+            continue
+        whole = _ragged_spec(fa, fb, "blocked", "bfloat16", m, n, k, g)
+        p = P.plan_ragged_sm90(whole, H100)
+        for n_shard, g_shard in ((n, g // 2), (n // 2, g)):
+            own = dataclasses.replace(whole, n=n_shard, groups=g_shard, shifted=g_shard < g)
+            shard = P.plan_ragged_sm90(dataclasses.replace(own, plan_shape=(m, n, g)), H100)
+            assert (shard.variant, shard.splits) == (p.variant, p.splits)
+            assert shard.items == cat.ragged_decode_items(m, g_shard, shard.nt)
+            kw = _ragged_call_of(shard)
+            assert _plugin.check_problem(**kw)[0], kw
+            mine = P.plan_ragged_sm90(own, H100)
+            differs += (mine.variant, mine.splits) != (p.variant, p.splits)
+    assert differs
+
+
 @pytest.mark.parametrize("over,match", [
     (dict(tile_n=64), "no compiled sm90 grouped decode kernel"),
     (dict(grouped=0), "A buffer"),  # read as the dense kernel's call: L activations

@@ -47,6 +47,16 @@ def test_ragged_gemm_split_on_2_gpus(devices, case, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(mmd.LAYER_INDEX_CASES))
+def test_layer_index_split_on_2_gpus(devices, case, fmt):
+    mmd.check_layer_index(devices, case, fmt)
+
+
+def test_shards_plan_as_the_unsharded_call_on_2_gpus(devices):
+    print(mmd.check_shards_plan_as_unsharded(devices))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", list(mmd.LAYER_CASES))
 def test_moe_layer_parallel_on_2_gpus(devices, case, fmt):
     found = mmd.check_layer(devices, case, fmt)

@@ -187,3 +187,42 @@ def test_vmap_grad_and_export_run_the_kernel():
     assert target in exp.mlir_module()
     back = jax.export.deserialize(exp.serialize())
     np.testing.assert_array_equal(np.asarray(back.call(lhs, gs)), np.asarray(jax.jit(f)(lhs, gs)))
+
+
+def _shards(lhs, rhs, gs, out_dtype, split, plan_shape):
+    """The two shards of a 2-device expert (`split="experts"`) or N (`"n"`) split of this call,
+    as ragged_sharding.py runs them, here one after the other on this GPU."""
+    operands, params = ragged_mod._operands_and_params(lhs, rhs, gs, out_dtype, None)
+    params = dict(params, out_dtype=np.dtype(out_dtype))
+    x, w, sl, sr, sizes, alpha = ragged_mod.split_operands(operands, params["fmt_lhs"])
+    g, n = w.shape[0], w.shape[1]
+    outs = []
+    for j in range(2):
+        if split == "experts":
+            e = slice(j * g // 2, (j + 1) * g // 2)
+            row_start = jnp.sum(sizes[:e.start]).astype(jnp.int32)
+            ops = ragged_mod.join_operands(x, w[e], sl, sr[e], sizes[e], alpha[e])
+        else:  # N in whole 128-row scale tiles
+            cols, tiles = slice(j * n // 2, (j + 1) * n // 2), slice(j * n // 256, (j + 1) * n // 256)
+            row_start = None
+            ops = ragged_mod.join_operands(x, w[:, cols], sl, sr[:, tiles], sizes, alpha)
+        outs.append(jax.jit(lambda *o, rs: ragged_mod.bind_local(o, params, rs, plan_shape))(
+            *ops, rs=row_start))
+    return outs
+
+
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "nvfp4"), (None, "mxfp4"),
+                                             ("nvfp4", "nvfp4")])
+@pytest.mark.parametrize("split", ["experts", "n"])
+def test_shards_of_a_sharded_call_equal_it_bit_for_bit(fmt_lhs, fmt_rhs, split):
+    """Expert and N shards, planned as the unsharded call (plan_shape), give its bits: the sum of
+    the expert shards (zeros outside each one's rows), the concatenation of the N shards. At this
+    size a shard planned for itself runs another item height and split count (the build test
+    test_ragged_shards_keep_the_unsharded_plan), which differ in the last bits."""
+    sizes = [0, 9, 0, 3, 20, 1, 3, 0, 7, 0, 15, 2, 0, 31, 6, 10]  # sum 107 < M = 128
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 128, 768, 512, layout_lhs="blocked")
+    want = np.asarray(jax.jit(lambda a, b, g: jbs.ragged_gemm(a, b, g))(lhs, rhs, gs))
+    a, b = (np.asarray(y) for y in _shards(lhs, rhs, gs, jnp.bfloat16, split, (128, 768, 16)))
+    got = a + b if split == "experts" else np.concatenate([a, b], axis=1)
+    bits = lambda y: np.asarray(y, np.float32).view(np.uint32)  # noqa: E731
+    assert np.array_equal(bits(got), bits(want)), int((bits(got) != bits(want)).sum())

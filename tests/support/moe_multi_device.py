@@ -33,6 +33,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_blockscale as jbs
 from jax_blockscale import nn as jnn
+from jax_blockscale.lowering import ALL_PLATFORMS
+from jax_blockscale.ragged_backends import get_ragged_backend, register_ragged_backend
 
 # Qwen3-30B-A3B has hidden 2048, intermediate 768, 128 experts, top-8. These are small enough
 # for a CPU and keep what matters: every expert gets rows (32 tokens x top-4 over 16 experts),
@@ -162,7 +164,18 @@ def weight_shapes(*weights):
             out.add(dims)
             out.update(dims[:i] + (d // 2,) + dims[i + 1:] for i, d in enumerate(dims)
                        if d % 2 == 0)
-    return out
+    # XLA's GPU pipeline may flatten a collective's operand to one dim
+    return out | {(int(np.prod(dims)),) for dims in out}
+
+
+def _unflattened(dims, expected):
+    """`dims` as the expected 2-D shape it flattens (XLA's GPU pipeline hands NCCL 1-D buffers:
+    an all-reduce of (128, 768) reads f32[98304] there), else as it is."""
+    if len(dims) == 1:
+        for want in expected:
+            if int(np.prod(want)) == dims[0]:
+                return want
+    return dims
 
 
 def check_hlo(compiled_text, weights, expect: Expect, max_moved: int, scalar_reductions=False):
@@ -176,9 +189,9 @@ def check_hlo(compiled_text, weights, expect: Expect, max_moved: int, scalar_red
     for c in found:
         bad = [s for s in c.shapes if s[1] in wshapes]
         assert not bad, f"{c.name} moves an expert weight {bad}; collectives: {text}"
-    reductions = [r for c in found if c.name == "all-reduce" for r in c.results
-                  if r[1] or not scalar_reductions]
     want = sorted(dims for dims, _ in expect.reductions)
+    reductions = [(dt, _unflattened(dims, want)) for c in found if c.name == "all-reduce"
+                  for dt, dims in c.results if dims or not scalar_reductions]
     assert sorted(dims for _, dims in reductions) == want, \
         f"all-reduces {sorted(reductions)}, expected shapes {want}; collectives: {text}"
     for dims, dtypes in expect.reductions:
@@ -262,6 +275,47 @@ def check_ragged(devices, case, fmt="nvfp4"):
     if case == "n":  # the output keeps N split: nothing to combine
         assert tuple(got.sharding.spec)[1:2] == ("d",), got.sharding
     return check_hlo(compiled.as_text(), [w], expect, max_moved=M * max(N, K))
+
+
+class _PlanRecorder:
+    """A ragged backend that runs the reference and records each shard's RaggedSpec."""
+    name, priority = "plan_recorder", -1
+    platforms = ALL_PLATFORMS
+
+    def __init__(self):
+        self.specs = []
+
+    def plan(self, spec, platform):
+        self.specs.append(spec)
+        return get_ragged_backend("reference").plan(spec, platform)
+
+    def __call__(self, *operands, plan):
+        return get_ragged_backend("reference")(*operands, plan=plan)
+
+
+def check_shards_plan_as_unsharded(devices):
+    """Each shard of an expert-, N- or M-split ragged_gemm is planned with the unsharded
+    problem's (M, N, G) (so the kernels split K as one device would, and round the same); with K
+    split each shard plans for itself. Returns {case: plan_shape of the shards}."""
+    recorder = _PlanRecorder()
+    register_ragged_backend(recorder)
+    mesh = mesh_of(devices)
+    x, w, gs = ragged_problem("mxfp4")
+    cases = {"experts": (P(None, None), P("d", None, None), (M, N, G), (M, N, G // 2)),
+             "n": (P(None, None), P(None, "d", None), (M, N, G), (M, N // 2, G)),
+             "m": (P("d", None), P(None, None, None), (M, N, G), (M // 2, N, G)),
+             "k": (P(None, "d"), P(None, None, "d"), None, (M, N, G))}
+    found = {}
+    for case, (lhs_spec, rhs_spec, plan_shape, local) in cases.items():
+        recorder.specs.clear()
+        f = jax.jit(lambda x, w, g: jbs.ragged_gemm(x, w, g, backend=recorder.name))
+        f.lower(place(mesh, x, lhs_spec), place(mesh, w, rhs_spec), place(mesh, gs, P())
+                ).compile()
+        shards = [s for s in recorder.specs if (s.m, s.n, s.groups) == local]
+        assert shards, f"{case}: no shard of shape {local} was planned: {recorder.specs}"
+        assert {s.plan_shape for s in shards} == {plan_shape}, (case, shards)
+        found[case] = plan_shape
+    return found
 
 
 # gemm(x, stack, layer=i) (ragged_gemm's index mode): (x spec (M, K), stack spec (L, N, K),

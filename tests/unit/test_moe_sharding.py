@@ -68,6 +68,9 @@ else:
         found = mmd.check_ragged(DEVICES, case, fmt)
         print(f"ragged {case} {fmt}: {mmd.summary(found)}")
 
+    def test_shards_plan_as_the_unsharded_call():
+        print(mmd.check_shards_plan_as_unsharded(DEVICES))
+
     @pytest.mark.parametrize("fmt", FORMATS)
     @pytest.mark.parametrize("case", list(mmd.LAYER_INDEX_CASES))
     def test_layer_index_split(case, fmt):
