@@ -107,17 +107,23 @@ def register_weight_tile(m: int, n: int, l: int, sm_count: int) -> tuple[int, in
 
 # From this many rows the register-weight variants beat the decode kernel's wide variants, when
 # the weights' 64-row tiles give ~every SM one (WEIGHT_TILE_SM_FRACTION); with fewer tiles the
-# decode kernel's split-K keeps more SMs busy, and they take over from the larger count.
+# decode kernel's split-K keeps more SMs busy, and they take over from the larger count. MXFP8
+# weights (twice an FP4 tile's bytes, converted at the same cost) never do with few tiles: the
+# split-K decode kernel stays ahead up to its 64 rows (docs/design/sm90_decode.md).
 REGISTER_WEIGHT_MIN_ROWS = 17
-REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = 33
+REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = {"nvfp4": 33, "mxfp4": 33, "mxfp8": None}  # None: never
 WEIGHT_TILE_SM_FRACTION = 0.9
 
 
-def register_weight_min_rows(n: int, l: int, sm_count: int) -> int:
+def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None) -> int:
+    """Rows from which a call in the decode kernel's rows runs a register-weight variant
+    instead (past DECODE_MAX_ROWS: never the decode kernel); b_kind: the weight's kind (None:
+    one the decode kernel does not take)."""
     weight_tiles = _ceil_div(n, 64) * l
     if weight_tiles >= WEIGHT_TILE_SM_FRACTION * sm_count:
         return REGISTER_WEIGHT_MIN_ROWS
-    return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
+    few = REGISTER_WEIGHT_MIN_ROWS_FEW_TILES.get(b_kind, REGISTER_WEIGHT_MIN_ROWS_FEW_TILES["nvfp4"])
+    return DECODE_MAX_ROWS + 1 if few is None else few
 
 
 def fused_max_rows(n: int, k: int, *, weight_only: bool, register_weights: bool,
@@ -287,6 +293,13 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 # The grouped decode kernel (kernels/sm90_decode.py: Sm90RaggedDecodeGemm): `ragged_gemm`'s
 # experts, rows of each expert in work items of at most 8 nt rows (the item table is built by
 # the lowering from the group sizes), every decode pair, tile and tuning as above.
+
+# Index mode (`gemm(x, stack, layer=i)`: the table is the layer index) runs in place up to this
+# many rows. Past it the index read costs more (about 1.8 us a call at 64 rows against 0.5 us at
+# one row) than XLA's in-place slice of the layer at a loop counter, which the dense decode
+# kernel then runs (docs/design/scanned_layers.md).
+INDEX_MODE_MAX_ROWS = 32
+
 
 def ragged_decode_items(m: int, groups: int, nt: int) -> int:
     """Entries of the work table for M rows over G groups: an upper bound on the items the

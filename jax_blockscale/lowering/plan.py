@@ -247,7 +247,8 @@ class _Sm90:
 
     def register_weights_take_decode_rows(self) -> bool:
         """Whether a call in the decode kernel's rows goes to a register-weight variant."""
-        min_rows = cat90.register_weight_min_rows(self.spec.n, self.l, self.device.sm_count)
+        min_rows = cat90.register_weight_min_rows(self.spec.n, self.l, self.device.sm_count,
+                                                  cat90.KIND_OF_FORMAT.get(self.spec.fmt_b))
         return self.m >= min_rows and self.register_weights_reachable()
 
     # -- limits ------------------------------------------------------------------------------
@@ -370,6 +371,9 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
             return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {dense.kernel} kernel"
                     f"{' (activation dequantized first)' if dense.dequantize_a else ''}: the "
                     "layer is sliced and that kernel runs it")
+        if pm > cat90.INDEX_MODE_MAX_ROWS:
+            return (f"M={spec.m} is past the {cat90.INDEX_MODE_MAX_ROWS} rows index mode runs in "
+                    "place: the layer is sliced and gemm's decode kernel runs it")
         v = cat90.DecodeVariant(dense.a_kind, dense.b_kind, out, dense.nt)
         choice = (v, dense.splits, -(-spec.m // (8 * v.nt)))
     else:

@@ -358,8 +358,8 @@ def _indexed_plans():
 
 def test_every_indexed_plan_is_accepted_and_matches_the_dense_choice():
     """Index mode (gemm(..., layer=)) runs exactly where the dense planner picks the decode
-    kernel, with its item height and split count; its items cover M; the C++ validator accepts
-    it with the one-int32 table and names the variant back."""
+    kernel, up to INDEX_MODE_MAX_ROWS, with its item height and split count; its items cover M;
+    the C++ validator accepts it with the one-int32 table and names the variant back."""
     nts, refused = set(), 0
     for p in _indexed_plans():
         spec = p.spec if not isinstance(p, str) else None
@@ -370,14 +370,14 @@ def test_every_indexed_plan_is_accepted_and_matches_the_dense_choice():
         dense = P.plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs,
                                        spec.layout_rhs, spec.lhs_dtype, spec.out_dtype, (), (), (),
                                        spec.m, spec.n, spec.k), H100)
-        assert dense.kernel == "decode", (dense, p)
+        assert dense.kernel == "decode" and spec.m <= cat.INDEX_MODE_MAX_ROWS, (dense, p)
         assert (p.nt, p.splits, p.items) == (dense.nt, dense.splits,
                                              -(-spec.m // (8 * dense.nt))), p
         ok, name = _plugin.check_problem(**_ragged_call_of(p))
         assert ok and name == p.variant, (p, name)
         nts.add(p.nt)
-    assert nts == {1, 2, 4, 8}
-    assert refused  # some 64-row problems go to the wide kernels
+    assert nts == {1, 2, 4}  # 8 (33 to 64 rows): past INDEX_MODE_MAX_ROWS
+    assert refused  # past 32 rows the layer is sliced
 
 
 def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():

@@ -76,8 +76,8 @@ def _check(x, w, i, out="bf16"):
 @pytest.mark.parametrize("out", ["bf16", "f32"])
 def test_every_pair_and_row_count(fmt_a, fmt_b, out):
     """Every decode pair at 1 to 64 rows (each item height, split-K on and off) runs the kernel
-    in index mode where gemm's planner picks the decode kernel (always up to 16 rows; at more
-    the planner may pick a wide kernel, and the layer is sliced for it) and equals the
+    in index mode where gemm's planner picks the decode kernel up to 32 rows (always up to 16;
+    at more the planner may pick a wide kernel, and past 32 the layer is sliced) and equals the
     reference on the sliced layer."""
     layers = 5
     w = _stack(fmt_b, layers, 384, 1024)

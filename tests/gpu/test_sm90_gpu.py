@@ -108,7 +108,8 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
     sm_count = planner.device_for("cuda").sm_count
     bf16_activation = (rows > cat.DECODE_MAX_ROWS
                        or (fmt_a.startswith("mxfp8") and rows >= cat.DECODE_DEQUANT_MXFP8_FROM)
-                       or (rows >= cat.register_weight_min_rows(n, 1, sm_count)
+                       or (rows >= cat.register_weight_min_rows(n, 1, sm_count,
+                                                                cat.KIND_OF_FORMAT.get(fmt_b))
                            and k % cat.K_TILE == 0))
     bf16_kinds = [str(cat.KIND_CODES[kind]) for kind in ("bf16", "bf16_kperm")]
     a_kind = next(c for c in "12345" if f"a_kind = {c} : i32" in calls[0])
