@@ -25,6 +25,7 @@ from jax_blockscale.lowering import get_backend
 from jax_blockscale.lowering.plan import device_for
 from jax_blockscale.primitive import gemm_spec, join_operands
 
+from plotting import pyplot
 from timing import time_us  # the shared method (benchmarks/timing.py)
 
 SMALL = [(16, 512, 512), (128, 1024, 1024), (256, 2048, 2048)]
@@ -144,12 +145,8 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fmts = sorted({r["fmt"] for r in rows})
     fig, axes = plt.subplots(1, len(fmts), figsize=(6 * len(fmts), 4.5), squeeze=False)

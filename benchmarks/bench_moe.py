@@ -36,6 +36,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
+from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 
 MODELS = {
@@ -229,12 +230,8 @@ def print_row(row):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib  # noqa: PLC0415
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     panels = sorted({(r["model"], r["gemm"], r["fmt"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)

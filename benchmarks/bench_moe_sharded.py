@@ -40,6 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import nn as jnn  # noqa: E402
+from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden=2048, intermediate=768, experts=128, top_k=8)
@@ -160,12 +161,8 @@ def print_row(row, baseline=None):
 
 def plot(rows, path):
     """One panel per format: time per layer call against tokens, one bar per placement."""
-    try:
-        import matplotlib  # noqa: PLC0415
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fmts = list(dict.fromkeys(r["fmt"] for r in rows))
     placements = list(dict.fromkeys(r["placement"] for r in rows))

@@ -50,6 +50,7 @@ from jax_blockscale.lowering.plan import plan
 
 from bench_gemm import dot_bf16, lowering_platform, short_error, spec_of
 from sweep import format_token
+from plotting import pyplot
 from timing import copies, device_time_us, gpu_kernel_events, rotation_count, time_us
 
 _KERNELS = {"JAX_BLOCKSCALE_SM90_MAX_ROWS": "0"}
@@ -150,9 +151,9 @@ def print_row(r):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     names = list(dict.fromkeys(n for r in rows for n in r["us"]))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
     width = 0.8 / len(names)

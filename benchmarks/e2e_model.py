@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "llama"))
 from model import (EXPERT_WEIGHTS, Llama, LlamaConfig, init_cache,  # noqa: E402
                    quantize_params, random_params)
+from plotting import pyplot  # noqa: E402
 from timing import gpu_kernel_events, time_us, union_length  # noqa: E402
 
 import jax_blockscale as jbs  # noqa: E402
@@ -201,12 +202,8 @@ def print_table(rows):
 
 def plot(rows, title, path):
     """Step time per batch size, one bar per (format, layers mode)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     key = "device_us" if any("device_us" in r for r in rows) else "loop_us"
     series = list(dict.fromkeys((r["fmt"], r["mode"]) for r in rows))

@@ -34,6 +34,7 @@ from jax_blockscale.lowering.plan import plan
 # the anchors and helpers of the side-by-side bench (one definition of each)
 from bench_gemm import (dequant_dot, dot_bf16, lowering_platform, nn_scaled, short_error,
                         spec_of)
+from plotting import pyplot
 from timing import L2_BYTES, copies, device_time_us, rotation_count, time_us
 
 DEFAULT_SHAPES = [(m, nk, nk) for nk in (8192, 16384) for m in (1, 16, 128, 1024, 8192)]
@@ -251,12 +252,8 @@ def print_table(rows, ceilings, clock=""):
 def plot(rows, ceilings, title, path):
     """Per format: achieved TB/s vs M with the copy bandwidth, TFLOP/s vs M with the peaks
     (from the device times when the run has them, else the Python-loop times)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     clock = "_device" if any(m + "_device_us" in r for r in rows for m, _ in METHODS) else ""
     title += " (device time)" if clock else " (Python-loop time)"

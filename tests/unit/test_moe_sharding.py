@@ -9,8 +9,10 @@ device count once per process, so the checks run in child pytests (`JBS_MOE_SHAR
 8 host devices), one with Shardy and one with GSPMD, beside a smoke run of
 examples/moe_sharded.py; the parent's tests start the children and report their output.
 """
+import json
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -23,11 +25,14 @@ FORMATS = ("nvfp4", "mxfp4")  # NVFP4 (per-expert global scales) and one MX form
 if not CHILD:
     CHILD_PYTEST = pytest_argv(__file__)
     CHILD_ENV = {"JBS_MOE_SHARDING_CHILD": "1"}
+    BENCH_OUT = tempfile.mkdtemp(prefix="jbs_moe_sharded_")
     JOBS = {
         "shardy": (CHILD_PYTEST, dict(CHILD_ENV, JBS_PARTITIONER="shardy")),
         "gspmd": (CHILD_PYTEST, dict(CHILD_ENV, JBS_PARTITIONER="gspmd")),
         # the example forces its own 2 host devices
         "example": ([sys.executable, "examples/moe_sharded.py", "--smoke"], {"XLA_FLAGS": ""}),
+        "bench": ([sys.executable, "benchmarks/bench_moe_sharded.py", "--smoke", "--out",
+                   BENCH_OUT], {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
     }
 
     @pytest.fixture(scope="module")
@@ -52,6 +57,23 @@ if not CHILD:
         assert "all-gather" not in lines["expert parallel collectives"], out
         assert "all-reduce" in lines["tensor parallel, down on K collectives"], out
         assert out.count("expert weights moved: none") == 3, out  # one per placement
+
+    def test_moe_sharded_benchmark_smoke(children):
+        """benchmarks/bench_moe_sharded.py on 2 CPU devices: every placement's row with its
+        difference to one device (0 for expert and tensor parallel), collectives, and a plot."""
+        rc, out = finish(children["bench"])
+        assert rc == 0, out[-6000:]
+        with open(os.path.join(BENCH_OUT, "bench_moe_sharded_cpu.json")) as f:
+            rows = json.load(f)["rows"]
+        assert os.path.getsize(os.path.join(BENCH_OUT, "bench_moe_sharded_cpu.png")) > 0
+        placed = {(r["fmt"], r["tokens"], r["placement"]): r for r in rows}
+        assert len(placed) == 2 * 2 * 4, sorted(placed)
+        for (fmt, tokens, placement), r in placed.items():
+            assert r["loop_us"] > 0
+            if placement in ("expert", "tensor"):
+                assert r["max_abs_diff_vs_1_device"] == 0, r
+            if placement != "1 device":
+                assert "all-reduce" in r["collectives"] or "all-gather" in r["collectives"], r
 
 else:
     import jax
