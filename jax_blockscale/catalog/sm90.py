@@ -111,19 +111,20 @@ def register_weight_tile(m: int, n: int, l: int, sm_count: int) -> tuple[int, in
 # weights (twice an FP4 tile's bytes, converted at the same cost) never do with few tiles: the
 # split-K decode kernel stays ahead up to its 64 rows (docs/design/sm90_decode.md).
 REGISTER_WEIGHT_MIN_ROWS = 17
-REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = {"nvfp4": 33, "mxfp4": 33, "mxfp8": None}  # None: never
+REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = 33
 WEIGHT_TILE_SM_FRACTION = 0.9
+DECODE_KEEPS_FEW_TILES = frozenset({"mxfp8"})  # weight kinds the decode kernel keeps to 64 rows
 
 
 def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None) -> int:
     """Rows from which a call in the decode kernel's rows runs a register-weight variant
-    instead (past DECODE_MAX_ROWS: never the decode kernel); b_kind: the weight's kind (None:
-    one the decode kernel does not take)."""
+    instead (past DECODE_MAX_ROWS: never the decode kernel); b_kind: the weight's kind."""
     weight_tiles = _ceil_div(n, 64) * l
     if weight_tiles >= WEIGHT_TILE_SM_FRACTION * sm_count:
         return REGISTER_WEIGHT_MIN_ROWS
-    few = REGISTER_WEIGHT_MIN_ROWS_FEW_TILES.get(b_kind, REGISTER_WEIGHT_MIN_ROWS_FEW_TILES["nvfp4"])
-    return DECODE_MAX_ROWS + 1 if few is None else few
+    if b_kind in DECODE_KEEPS_FEW_TILES:
+        return DECODE_MAX_ROWS + 1
+    return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
 
 
 def fused_max_rows(n: int, k: int, *, weight_only: bool, register_weights: bool,

@@ -203,7 +203,8 @@ def _shards(lhs, rhs, gs, out_dtype, split, plan_shape):
             row_start = jnp.sum(sizes[:e.start]).astype(jnp.int32)
             ops = ragged_mod.join_operands(x, w[e], sl, sr[e], sizes[e], alpha[e])
         else:  # N in whole 128-row scale tiles
-            cols, tiles = slice(j * n // 2, (j + 1) * n // 2), slice(j * n // 256, (j + 1) * n // 256)
+            cols = slice(j * n // 2, (j + 1) * n // 2)
+            tiles = slice(j * n // 256, (j + 1) * n // 256)
             row_start = None
             ops = ragged_mod.join_operands(x, w[:, cols], sl, sr[:, tiles], sizes, alpha)
         outs.append(jax.jit(lambda *o, rs: ragged_mod.bind_local(o, params, rs, plan_shape))(
