@@ -98,7 +98,7 @@ def _check_scales(name, s, x, fmt, layout):
 
 
 def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=None,
-              alpha_is_one=False) -> GemmSpec:
+              alpha_is_one=False, plan_shape=None) -> GemmSpec:
     """Validate the operands' shapes and dtypes and describe the problem."""
     a, b, sa, sb, alpha = split_operands(avals, fmt_a)
     if fmt_b is None:
@@ -127,7 +127,13 @@ def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=Non
                          f"{tuple(b.shape[:-2])} do not broadcast") from None
     return GemmSpec(fmt_a, fmt_b, layout_a if fmt_a else None, layout_b, np.dtype(a.dtype),
                     np.dtype(out_dtype), tuple(batch), tuple(a.shape[:-2]), tuple(b.shape[:-2]),
-                    a.shape[-2], b.shape[-2], a.shape[-1], bool(alpha_is_one))
+                    a.shape[-2], b.shape[-2], a.shape[-1], bool(alpha_is_one),
+                    None if plan_shape is None else _plan_shape(plan_shape))
+
+
+def _plan_shape(plan_shape) -> tuple:
+    a_batch, b_batch, m, n = plan_shape
+    return tuple(map(int, a_batch)), tuple(map(int, b_batch)), int(m), int(n)
 
 
 def _abstract_eval(*avals, **params):

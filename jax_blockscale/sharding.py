@@ -10,9 +10,10 @@ every device. Here `gemm_p`'s lowering (its only one) wraps the per-device primi
     (the placement the local kernel takes, and the per-device function).
 
 The per-device function is `gemm_local_p.bind` on the local shards, so every backend (reference,
-sm90, sm100) runs unchanged; when K is sharded it computes a partial product in f32, reduces it with
-`psum` (or `psum_scatter` when the output is wanted sharded along M or N), then applies alpha
-and casts, once, after the reduction.
+sm90, sm100) runs unchanged; when K is whole it runs the unsharded call's plan (`plan_shape`:
+the same kernel and split count, so the same bits); when K is sharded it computes a partial
+product in f32, reduces it with `psum` (or `psum_scatter` when the output is wanted sharded
+along M or N), then applies alpha and casts, once, after the reduction.
 
 Why at lowering time and not in `jbs.gemm`: `custom_partitioning` has no batching or JVP rules,
 so wrapping the public function would break `vmap` and `grad`. `gemm_p` keeps its own rules and
@@ -219,7 +220,9 @@ def _partition(pt, mesh, arg_shapes, result_shape):
 
     def local_gemm(*operands):
         if not plan.k:  # every device owns whole dot products: no communication
-            return gemm_local_p.bind(*operands, **params)
+            # each shard runs the unsharded call's plan: the same sums, bit for bit
+            whole = (g.a_batch, g.b_batch, g.m, g.n)
+            return gemm_local_p.bind(*operands, **params, plan_shape=whole)
         # K is split: each device holds a partial sum. Reduce it in f32, then apply alpha and
         # round to the output dtype once, so the result equals the unsharded one.
         a, b, sa, sb, alpha = split_operands(operands, params["fmt_a"])

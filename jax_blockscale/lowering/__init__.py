@@ -44,6 +44,11 @@ class GemmSpec:
     # True when the caller promises alpha == 1.0 (no global scales): a backend may then let its
     # GEMM round straight to out_dtype instead of scaling an f32 result first (same value).
     alpha_is_one: bool = False
+    # A shard of a sharded call: (a_batch, b_batch, m, n) of the unsharded problem, whose plan
+    # (backend, kernel, variant, tile, split count) the shard runs so that its results equal the
+    # unsharded call's bit for bit; None: the problem is its own (sharding.py sets it where K is
+    # whole; lowering/plan.py: plan).
+    plan_shape: tuple | None = None
 
 
 _BACKENDS: dict[str, object] = {}

@@ -120,7 +120,12 @@ def device_for(platform: str) -> Device:
 
 
 def plan(spec: GemmSpec, platform: str, requested: str | None = None) -> Plan:
-    """The Plan for `spec` on `platform` (see the module docstring)."""
+    """The Plan for `spec` on `platform` (see the module docstring). A shard of a sharded call
+    (`spec.plan_shape`) runs the unsharded call's plan where the same backend takes both."""
+    if spec.plan_shape is not None:
+        own = plan(dataclasses.replace(spec, plan_shape=None), platform, requested)
+        whole = plan(unsharded(spec), platform, requested)
+        return as_shard(whole, spec) if whole.backend == own.backend else own
     device = device_for(platform)
     name = forced_backend(requested)
     if name is not None:
@@ -140,6 +145,22 @@ def plan(spec: GemmSpec, platform: str, requested: str | None = None) -> Plan:
             return dataclasses.replace(p, platform=platform)
         log_once(logging.INFO, "gemm backend %s skipped on %s: %s", backend.name, platform, p)
     raise ValueError(f"no gemm backend can run this problem on {platform!r}")
+
+
+def unsharded(spec: GemmSpec) -> GemmSpec:
+    """The unsharded problem a shard (`spec.plan_shape`) belongs to."""
+    a_batch, b_batch, m, n = spec.plan_shape
+    return dataclasses.replace(spec, a_batch=a_batch, b_batch=b_batch, m=m, n=n, plan_shape=None,
+                               batch_shape=tuple(np.broadcast_shapes(a_batch, b_batch)))
+
+
+def as_shard(whole: Plan, spec: GemmSpec) -> Plan:
+    """The unsharded call's plan `whole` run on the shard `spec`: the same kernel, variant, tile
+    and split count (so every output element is summed in the same order), over the shard's own
+    rows, batch and split-K workspace. Every kernel takes any smaller M, N and batch."""
+    m, l = kernel_rows_and_batch(spec)
+    workspace = whole.splits * l * m * spec.n if whole.kernel == "decode" else whole.workspace
+    return dataclasses.replace(whole, spec=spec, m=m, l=l, workspace=workspace)
 
 
 # ---------------------------------------------------------------------------------------------

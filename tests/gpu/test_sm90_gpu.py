@@ -476,3 +476,47 @@ def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
     assert np.isfinite(y).all()
     assert np.all(np.abs(y - want) <= 2.0 ** -8 * np.abs(want) + 1e-4 * np.abs(want).max())
     assert _rel(y, want) < 4e-3
+
+
+def _shard_gemm(a, b, plan_shape, out_dtype=jnp.bfloat16):
+    """gemm_local_p on one shard's operands, as sharding.py binds it (plan_shape: the unsharded
+    call's (a_batch, b_batch, m, n), or None: the shard plans for itself)."""
+    from jax_blockscale.api import _alpha  # noqa: PLC0415
+    from jax_blockscale.primitive import gemm_local_p, join_operands  # noqa: PLC0415
+    quantized = isinstance(a, jbs.BlockScaled)
+    operands = join_operands(a.data if quantized else a, b.data, a.scales if quantized else None,
+                             b.scales, _alpha(a, b))
+    params = dict(fmt_a=a.fmt if quantized else None, fmt_b=b.fmt,
+                  layout_a=a.layout if quantized else None, layout_b=b.layout,
+                  out_dtype=np.dtype(out_dtype), backend=None,
+                  alpha_is_one=_alpha(a, b).shape == () and b.global_scale is None)
+    return jax.jit(lambda *o: gemm_local_p.bind(*o, **params, plan_shape=plan_shape))(*operands)
+
+
+def _half(x: jbs.BlockScaled, j: int, rows: int) -> jbs.BlockScaled:
+    """Rows [j rows, (j + 1) rows) of a quantized operand (blocked scales: whole 128-row tiles)."""
+    r = slice(j * rows, (j + 1) * rows)
+    t = slice(j * rows // 128, (j + 1) * rows // 128) if x.layout == "blocked" else r
+    return jbs.BlockScaled(x.data[r], x.scales[t], x.global_scale, x.fmt, x.layout)
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b,m,n,k", [
+    (None, "nvfp4", 1, 4096, 4096), (None, "mxfp8_e4m3", 64, 2048, 4096),
+    ("nvfp4", "nvfp4", 16, 4096, 14336), (None, "mxfp4", 40, 1024, 4096)])
+def test_shards_of_a_sharded_gemm_equal_it_bit_for_bit(fmt_a, fmt_b, m, n, k):
+    """The N and M shards of a 2-device split, run with the unsharded call's plan (plan_shape,
+    what sharding.py binds), give the unsharded call's bits; planned for themselves they run
+    other split counts or kernels at these shapes (tests/unit/test_plan.py)."""
+    a, b = _operands(fmt_a, fmt_b, (), (), m, n, k, layout="blocked" if fmt_a else "plain")
+    b = jbs.to_blocked(b)
+    whole = ((), (), m, n)
+    want = np.asarray(jax.jit(lambda a, b: jbs.gemm(a, b))(a, b), np.float32).view(np.uint32)
+    n_split = np.concatenate([np.asarray(_shard_gemm(a, _half(b, j, n // 2), whole), np.float32)
+                              for j in range(2)], axis=1)
+    assert np.array_equal(n_split.view(np.uint32), want), "N shards differ from the whole"
+    if fmt_a is None and m % 2 == 0:  # (a quantized A splits M in whole 128-row scale tiles)
+        m_split = np.concatenate([np.asarray(_shard_gemm(a[j * m // 2:(j + 1) * m // 2], b,
+                                                         whole), np.float32)
+                                  for j in range(2)], axis=0)
+        assert np.array_equal(m_split.view(np.uint32), want), "M shards differ from the whole"

@@ -224,3 +224,39 @@ def test_the_planner_is_the_lowering_s_only_decision(monkeypatch):
     w = jbs.quantize(jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64) / 100, "mxfp4")
     jax.jit(lambda x, w: jbs.gemm(x, w)).lower(x, w)
     assert len(calls) == 1 and calls[0].backend == "reference"
+
+
+def test_a_shard_runs_the_unsharded_plan():
+    """A shard of a sharded gemm (sharding.py: N, M or batch split, K whole) runs the unsharded
+    call's kernel, variant, tile and split count over its own rows, batch and workspace
+    (P.as_shard); planned for itself it would differ in some of these cases (decode splits
+    sized for half the tiles, another item height, a register-weight variant)."""
+    differs = 0
+    for fmt_a, fmt_b, a_batch, b_batch, m, n, k in [
+            (None, "nvfp4", (), (), 1, 4096, 4096), (None, "mxfp4", (), (), 16, 4096, 14336),
+            (None, "mxfp8_e4m3", (), (), 64, 2048, 4096),
+            ("nvfp4", "nvfp4", (), (), 40, 8192, 4096),
+            (None, "nvfp4", (4,), (), 8, 4096, 4096), (None, "nvfp4", (4,), (4,), 32, 1024, 2048),
+            (None, "mxfp4", (), (), 512, 8192, 8192)]:
+        whole = dataclasses.replace(_w(m, n, k, fmt_a=fmt_a, fmt_b=fmt_b), a_batch=a_batch,
+                                    b_batch=b_batch,
+                                    batch_shape=tuple(np.broadcast_shapes(a_batch, b_batch)))
+        p_whole = _plan(whole)
+        halves = [dict(n=n // 2)] + ([dict(m=m // 2)] if m > 1 else [])
+        if a_batch:
+            halves.append(dict(a_batch=(a_batch[0] // 2,), b_batch=b_batch and (b_batch[0] // 2,),
+                               batch_shape=(a_batch[0] // 2,)))
+        for half in halves:
+            shard = dataclasses.replace(whole, **half, plan_shape=(a_batch, b_batch, m, n))
+            assert P.unsharded(shard) == whole
+            p = P.as_shard(p_whole, shard)
+            assert (p.backend, p.kernel, p.variant, p.tile, p.splits, p.dequantize_a) == (
+                p_whole.backend, p_whole.kernel, p_whole.variant, p_whole.tile, p_whole.splits,
+                p_whole.dequantize_a)
+            rows, batch = P.kernel_rows_and_batch(shard)
+            assert (p.spec, p.m, p.l) == (shard, rows, batch)
+            if p.kernel == "decode":
+                assert p.workspace == p.splits * batch * rows * shard.n
+            own = _plan(dataclasses.replace(shard, plan_shape=None))
+            differs += (own.kernel, own.variant, own.splits) != (p.kernel, p.variant, p.splits)
+    assert differs

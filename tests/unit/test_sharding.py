@@ -76,8 +76,8 @@ else:
     ON_GPU = PLATFORM == "gpu"
     assert len(DEVICES) >= 2, f"the sharding tests need 2 or more devices, got {DEVICES}"
 
-    # Local and global problems may run different kernels on GPUs (both within 1e-5 of the
-    # reference); on the CPU only the f32 summation order differs.
+    # Where K is split the f32 partial sums are added in another order (CPU and GPU); on GPUs
+    # a K-split shard also plans its own kernel (within 1e-5 of the reference).
     TOL = 1e-5 if ON_GPU else 1e-6
 
     def mesh_of(shape, names, kind=AxisType.Auto):
