@@ -292,11 +292,14 @@ def _sliced_gemm(*xs, params):
     # slice of the edge-padded vector is (same value at every clamped index; see
     # docs/design/scanned_layers.md). XLA hands no 4-byte slice to a kernel in place.
     alpha_layer = take(jnp.pad(alpha, (0, 1), mode="edge"))
+    # a shard of a sharded call runs the unsharded layer's plan (see RaggedSpec.plan_shape)
+    whole = params.get("plan_shape")
     return gemm_local_p.bind(
         *join_gemm(lhs, rhs_layer, sl, take(sr), alpha_layer),
         fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
         layout_b=params["layout_rhs"], out_dtype=params["out_dtype"],
-        backend=params["backend"], alpha_is_one=params["alpha_is_one"])
+        backend=params["backend"], alpha_is_one=params["alpha_is_one"],
+        plan_shape=None if whole is None else ((), (), whole[0], whole[1]))
 
 
 def bind_local(operands, params, row_start=None, plan_shape=None):

@@ -315,6 +315,18 @@ def check_shards_plan_as_unsharded(devices):
         assert shards, f"{case}: no shard of shape {local} was planned: {recorder.specs}"
         assert {s.plan_shape for s in shards} == {plan_shape}, (case, shards)
         found[case] = plan_shape
+    # gemm(x, stack, layer=i) past index mode's rows: the sliced layer's gemm keeps the plan of
+    # the unsharded layer too (lowering/plan.py: as_shard, recorded here)
+    from jax_blockscale.lowering import plan as planner  # noqa: PLC0415
+    seen, as_shard = [], planner.as_shard
+    planner.as_shard = lambda whole, spec: seen.append(spec) or as_shard(whole, spec)
+    try:
+        f = jax.jit(lambda x, w: jbs.gemm(x, w, layer=3))
+        f.lower(place(mesh, x, P(None, None)), place(mesh, w, P(None, "d", None))).compile()
+    finally:
+        planner.as_shard = as_shard
+    assert {(s.m, s.n, s.plan_shape) for s in seen} == {(M, N // 2, ((), (), M, N))}, seen
+    found["layer, n"] = ((), (), M, N)
     return found
 
 
