@@ -197,14 +197,15 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: (L, B, max_len, kv_heads, head_dim) each."""
-    k: jax.Array
-    v: jax.Array
+    """Keys and values of every layer in one array, (L, 2, B, max_len, kv_heads, head_dim): a
+    layer's keys and values are written with one update and read with one slice (two would be
+    two small kernels each per layer in a decode step)."""
+    kv: jax.Array
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    shape = (cfg.num_hidden_layers, 2, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype))
 
 
 def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> nnx.Module:
@@ -268,11 +269,9 @@ class DecoderLayer(nnx.Module):
         v = linear(x, w("v_proj"), layer).reshape(b, t, kvh, hd)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         # write this step's keys / values in place, then attend over the layer's cache
-        at = (layer, 0, pos, 0, 0)
-        ck = lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at)
-        cv = lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at)
-        keys = lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False)  # (B, S, kvh, hd)
-        values = lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False)
+        new = jnp.stack([k, v])[None].astype(cache.kv.dtype)  # (1, 2, B, T, kvh, hd)
+        kv = lax.dynamic_update_slice(cache.kv, new, (layer, 0, 0, pos, 0, 0))
+        keys, values = lax.dynamic_index_in_dim(kv, layer, 0, keepdims=False)  # (B, S, kvh, hd)
         qg = q.reshape(b, t, kvh, group, hd)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(hd)
@@ -288,9 +287,9 @@ class DecoderLayer(nnx.Module):
             # layer's are read in place, never sliced out of the stack.
             stacked = isinstance(self.mlp, jnn.QuantizedMoE) and self.mlp.router[...].ndim == 3
             y = self.mlp(x, layer=layer) if stacked else self.mlp(x)
-            return h + y.astype(h.dtype), KVCache(ck, cv)
+            return h + y.astype(h.dtype), KVCache(kv)
         mlp = jax.nn.silu(linear(x, w("gate_proj"), layer)) * linear(x, w("up_proj"), layer)
-        return h + linear(mlp, w("down_proj"), layer), KVCache(ck, cv)
+        return h + linear(mlp, w("down_proj"), layer), KVCache(kv)
 
 
 def _block_scaled_weight(path, node) -> bool:
