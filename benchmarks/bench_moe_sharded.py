@@ -19,8 +19,11 @@ Timing: benchmarks/timing.py. "device_us": the time per call during which a GPU 
 (the union of the kernel intervals on every stream of both GPUs, NCCL's kernels included), from
 a profiler trace; absent on the CPU. "loop_us": median over --trials of the mean of --iters
 back-to-back calls from Python (host and dispatch cost included). Weights smaller than ~3x L2
-are rotated through copies. Each sharded row also records the compiled program's collectives and
-its largest difference to the 1-device output (0 where the math allows: expert, tensor).
+are rotated through copies. Each sharded row also records the compiled program's collectives,
+its largest difference to the 1-device output (0 where the math allows: expert, tensor), and
+how many outputs differ: of the layer, and of its two ragged GEMMs given the same inputs in both
+programs (gate_up on the same routed rows, down on the same SwiGLU output), which tells the
+kernels' share of a difference from the share of what XLA compiles around them.
 Prints a table; writes <tag>.json and <tag>.png under --out.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import nn as jnn  # noqa: E402
+from jax_blockscale.nn_moe import route  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 
@@ -112,6 +116,30 @@ def timed(row, f, arg_sets, timing):
         row["device_us"] = dev
 
 
+def expert_gemms(graphdef, top_k):
+    """The layer's two ragged GEMMs, each on given inputs: gate_up on the rows a given routing
+    sorts, down on a given SwiGLU output (the sharded part of the layer, without the router,
+    the SwiGLU and the combine that XLA compiles)."""
+    def gate_up(state, x, order, group_sizes):
+        w = nnx.merge(graphdef, state).gate_up.get_value()
+        return jbs.ragged_gemm(x[order // top_k], w, group_sizes)
+
+    def down(state, a, group_sizes):
+        return jbs.ragged_gemm(a, nnx.merge(graphdef, state).down.get_value(), group_sizes)
+    return jax.jit(gate_up), jax.jit(down)
+
+
+def swiglu(h):
+    gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(h.dtype)
+
+
+def differing(got, want) -> int:
+    """Outputs whose bits differ."""
+    bits = lambda y: np.asarray(y, np.float32).view(np.uint32)  # noqa: E731
+    return int(np.sum(bits(got) != bits(want)))
+
+
 def bench_format(fmt, moe, shape, tokens, devices, placements, timing):
     layer = jnn.QuantizedMoE.from_float(moe, fmt)
     graphdef, state = nnx.split(layer)
@@ -129,6 +157,14 @@ def bench_format(fmt, moe, shape, tokens, devices, placements, timing):
         baseline = dict(base, placement="1 device", devices=1)
         timed(baseline, forward, [(s, x1) for s in one], timing)
         want = np.asarray(forward(one[0], x1), np.float32)
+        # the expert GEMMs on the same inputs in both programs: a difference there is the
+        # kernels'; the rest of a layer's difference is the router's, SwiGLU's or the combine's
+        order, group_sizes, _ = jax.jit(route, static_argnums=2)(x1, layer.router[...],
+                                                                 shape["top_k"])
+        gate_up, down = expert_gemms(graphdef, shape["top_k"])
+        want_h = gate_up(one[0], x1, order, group_sizes)
+        a = jax.jit(swiglu)(want_h)
+        want_down = down(one[0], a, group_sizes)
         rows.append(baseline)
         print_row(baseline)
         for name in placements:
@@ -137,6 +173,12 @@ def bench_format(fmt, moe, shape, tokens, devices, placements, timing):
             row = dict(base, placement=name, devices=2)
             got = np.asarray(forward(sharded[0], x2), np.float32)
             row["max_abs_diff_vs_1_device"] = float(np.max(np.abs(got - want)))
+            xr, order_r, sizes_r, a_r = jax.device_put((x, order, group_sizes, a),
+                                                       NamedSharding(mesh, P()))
+            row["differing_outputs"] = dict(
+                layer=differing(got, want),
+                gate_up=differing(gate_up(sharded[0], xr, order_r, sizes_r), want_h),
+                down=differing(down(sharded[0], a_r, sizes_r), want_down))
             row["collectives"] = collectives(forward.lower(sharded[0], x2).compile().as_text())
             timed(row, forward, [(s, x2) for s in sharded], timing)
             rows.append(row)
@@ -157,6 +199,8 @@ def print_row(row, baseline=None):
           f"{(f'{dev:.1f}' if dev is not None else '-'):>11}{loop:>11.1f}{speedup:>9}"
           f"{('-' if diff is None else f'{diff:.3g}'):>10}  {row.get('collectives', '')}",
           flush=True)
+    if "differing_outputs" in row:
+        print(f"{'':<25}differing outputs: {row['differing_outputs']}", flush=True)
 
 
 def plot(rows, path):

@@ -72,6 +72,7 @@ if not CHILD:
             assert r["loop_us"] > 0
             if placement in ("expert", "tensor"):
                 assert r["max_abs_diff_vs_1_device"] == 0, r
+                assert r["differing_outputs"] == dict(layer=0, gate_up=0, down=0), r
             if placement != "1 device":
                 assert "all-reduce" in r["collectives"] or "all-gather" in r["collectives"], r
 
