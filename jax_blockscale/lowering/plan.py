@@ -124,7 +124,10 @@ def plan(spec: GemmSpec, platform: str, requested: str | None = None) -> Plan:
     (`spec.plan_shape`) runs the unsharded call's plan where the same backend takes both."""
     if spec.plan_shape is not None:
         own = plan(dataclasses.replace(spec, plan_shape=None), platform, requested)
-        whole = plan(unsharded(spec), platform, requested)
+        try:
+            whole = plan(unsharded(spec), platform, requested)
+        except ValueError:  # a forced backend that cannot run the whole call still runs a shard
+            return own
         return as_shard(whole, spec) if whole.backend == own.backend else own
     device = device_for(platform)
     name = forced_backend(requested)

@@ -260,3 +260,22 @@ def test_a_shard_runs_the_unsharded_plan():
             own = _plan(dataclasses.replace(shard, plan_shape=None))
             differs += (own.kernel, own.variant, own.splits) != (p.kernel, p.variant, p.splits)
     assert differs
+
+
+def test_a_shard_the_whole_call_cannot_run_as_plans_itself(monkeypatch):
+    """plan() with a forced backend that takes the shard but not its unsharded call (say, past
+    its 32-bit indexing) gives the shard its own plan instead of failing."""
+    from jax_blockscale import lowering  # noqa: PLC0415
+
+    class SmallOnly:
+        name, platforms, priority = "small_only", ("cpu",), -1
+
+        def plan(self, spec, device):
+            return "too large" if spec.n > 1024 else P.Plan(self.name, "test", spec)
+
+    monkeypatch.setitem(lowering._BACKENDS, SmallOnly.name, SmallOnly())
+    shard = dataclasses.replace(_w(m=16, n=1024, k=256), plan_shape=((), (), 16, 2048))
+    p = P.plan(shard, "cpu", SmallOnly.name)
+    assert (p.backend, p.spec) == (SmallOnly.name, dataclasses.replace(shard, plan_shape=None))
+    with pytest.raises(ValueError, match="too large"):
+        P.plan(P.unsharded(shard), "cpu", SmallOnly.name)
