@@ -8,6 +8,7 @@
     quantize_experts(w, fmt) float experts (E, in, out) -> BlockScaled (E, out, in), once
     quantize_moe_params      a parameter pytree's "gate_up" / "down" leaves -> BlockScaled
     route(x, router, top_k)  top-k routing: expert ids, combine weights, the token sort
+    swiglu(h)                the SwiGLU of a fused gate+up output (gate columns, then up), f32
 
 The forward pass (both layers): router logits in f32, the top-k experts per token with softmax
 weights over the chosen k (renormalized, as Qwen3-MoE and gpt-oss do); the T*k (token, expert)
@@ -79,7 +80,8 @@ def _moe_forward(x, router, top_k, expert_mlp):
     return y.astype(x.dtype).reshape(*lead, -1)
 
 
-def _swiglu(h):
+def swiglu(h):
+    """silu(gate) * up in f32, for h (..., 2 * intermediate): gate columns, then up columns."""
     gate, up = jnp.split(h, 2, axis=-1)
     return jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
 
@@ -118,7 +120,7 @@ class MoE(nnx.Module):
         def experts(rows, gs):
             h = lax.ragged_dot(rows.astype(dt), self.gate_up[...].astype(dt), gs,
                                preferred_element_type=jnp.float32)
-            a = _swiglu(h).astype(dt)
+            a = swiglu(h).astype(dt)
             return lax.ragged_dot(a, self.down[...].astype(dt), gs,
                                   preferred_element_type=jnp.float32)
 
@@ -312,7 +314,7 @@ class QuantizedMoE(nnx.Module):
         def experts(rows, gs):
             gs = place(gs)
             h = ragged_gemm(activation(rows), gate_up, gs, out_dtype=dt, backend=self.backend)
-            a = _swiglu(h)
+            a = swiglu(h)
             return ragged_gemm(activation(a), down, gs, out_dtype=dt, backend=self.backend)
 
         return _moe_forward(x.astype(dt), router, self.top_k, experts)

@@ -33,9 +33,9 @@ nonzero) and `plan_shape` (a shard's unsharded (M, N, G), whose kernel choice it
 Index mode (``group_index=True``, what ``jbs.gemm(x, w, layer=i)`` binds): the group_sizes
 operand is an int32 scalar, the one group that owns every row (clamped to [0, G) by whoever
 runs it): a dense GEMM against one matrix of a stack (a layer of a scanned model) that reads it
-where it lies. A
-backend whose plan accepts it runs it in place (sm90: the grouped decode kernel, no work table);
-otherwise the lowering slices that matrix out and runs `gemm`'s local primitive on it.
+where it lies. A backend whose plan accepts it runs it in place (sm90: the grouped decode
+kernel, no work table); otherwise the lowering slices that matrix out and runs `gemm`'s local
+primitive on it.
 
 Differentiation: as `gemm` (primitive.py): quantized operands are not differentiable (a nonzero
 tangent reaching one raises); in weight-only mode the product is linear in lhs and in alpha,
@@ -293,7 +293,7 @@ def _sliced_gemm(*xs, params):
     # docs/design/scanned_layers.md). XLA hands no 4-byte slice to a kernel in place.
     alpha_layer = take(jnp.pad(alpha, (0, 1), mode="edge"))
     # a shard of a sharded call runs the unsharded layer's plan (see RaggedSpec.plan_shape)
-    whole = params.get("plan_shape")
+    whole = params["plan_shape"]
     return gemm_local_p.bind(
         *join_gemm(lhs, rhs_layer, sl, take(sr), alpha_layer),
         fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
