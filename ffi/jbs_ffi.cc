@@ -18,6 +18,19 @@
 //   attrs:    as above with g (experts) in place of l, and index_items (int64): 0 for a work
 //             table, else index mode with that many items (ceil(M / tile_m))
 //
+//   target "jax_blockscale_layer_gemm_sm90" (`jbs.gemm(x, stack, layer=i)`: one layer of a stack)
+//   operands: a, a_index (the activation as the layer's plan and as index mode read it), b (u8)
+//             [G, N, Kb], sa, sb [G, ...], alpha (f32 [G]), index (s32 [1]: the layer),
+//             probe (u8: the start of layer index's scales, a slice of sb)
+//   results:  c [M, N], ws (f32, room for either plan's split-K workspace)
+//   attrs:    the layer's plan as for gemm (l = 1), then g and index mode's plan: index_a_kind,
+//             index_nt, index_tile_m, index_tile_n, index_splits, index_items
+//   XLA hands the probe in place when the index is a loop counter (as it does the layer slices
+//   of a scanned model); its address then says which layer it is, and the layer's own plan runs
+//   on that layer's part of b, sb and alpha, as an unrolled model's gemm would (nothing waits
+//   for the index). When XLA copied the probe (an index read from an array), index mode runs
+//   instead: the grouped decode kernel reads the index on the device.
+//
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
 //              capability / SM count.
@@ -29,6 +42,7 @@
 
 #include <stdio.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -67,7 +81,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind,
                int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
-               int32_t splits, int64_t index_items = 0) {
+               int32_t splits, int64_t index_items = 0, int64_t stack = 0, int64_t layer = 0) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -95,6 +109,16 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   p.nt = nt; p.tile_m = tile_m; p.tile_n = tile_n; p.splits = splits;
   p.ws_ptr = reinterpret_cast<uint64_t>(ws->untyped_data());
   p.ws_bytes = ws->size_bytes();
+  if (stack > 0) {  // a dense call on layer `layer` of stacks of `stack` b, sb and alpha
+    if (p.b_bytes % stack || p.sb_bytes % stack || p.alpha_bytes != 4 * stack)
+      return g_state.InvalidArgument("b and sb must hold G equal layers and alpha G floats");
+    p.b_bytes /= stack;
+    p.sb_bytes /= stack;
+    p.alpha_bytes = 4;
+    p.b_ptr += layer * p.b_bytes;
+    p.sb_ptr += layer * p.sb_bytes;
+    p.alpha_ptr += 4 * layer;
+  }
   if (items) {  // a work table of (expert, first row, end row), or index mode: one int32
     p.grouped = index_items > 0 ? 2 : 1;
     p.items_ptr = reinterpret_cast<uint64_t>(items->untyped_data());
@@ -108,6 +132,9 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   if (auto err = LoadModules(); err.failure()) return err;  // no-op after instantiate
 
   auto args = jbs_ffi::GemmLaunchArgs<LaunchArgs>(a, b, sa, sb, *c, alpha, m, n, k, l);
+  args.b = reinterpret_cast<void*>(p.b_ptr);  // the layer's, for a layer of a stack
+  args.sb = reinterpret_cast<void*>(p.sb_ptr);
+  args.alpha = reinterpret_cast<void*>(p.alpha_ptr);
   args.a_e5m2 = a_e5m2; args.b_e5m2 = b_e5m2; args.max_ctas = d->sm_count;
   // the decode kernel takes the scale layout as bit 1 of a_e5m2 (ValidateProblem allows plain A
   // scales only for it)
@@ -140,6 +167,43 @@ ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          int32_t tile_n, int32_t splits, int64_t index_items) {
   return Run(stream, a, b, sa, sb, alpha, &items, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
              k, g, a_scales_plain, nt, tile_m, tile_n, splits, index_items);
+}
+
+// How often the layer target found its layer in place (0) or ran index mode (1): tests read them
+// through jbs_layer_gemm_counts.
+std::atomic<long long> g_layer_calls[2];
+
+// The layer of a stack of `layers` equal layers at [base, base + bytes) that a slice starting at
+// `at` begins: its offset is a whole number of layers. -1 when it lies outside (XLA copied it).
+int64_t LayerAt(uint64_t at, uint64_t base, uint64_t bytes, int64_t layers) {
+  if (layers < 1 || bytes % layers != 0 || at < base || at - base >= bytes) return -1;
+  const uint64_t stride = bytes / layers;
+  return (at - base) % stride == 0 ? static_cast<int64_t>((at - base) / stride) : -1;
+}
+
+ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_index,
+                        ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                        ffi::AnyBuffer alpha, ffi::AnyBuffer index, ffi::AnyBuffer probe,
+                        ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws,
+                        int32_t a_kind, int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2,
+                        int64_t m, int64_t n, int64_t k, int64_t l, int32_t a_scales_plain,
+                        int32_t nt, int32_t tile_m, int32_t tile_n, int32_t splits, int64_t g,
+                        int32_t index_a_kind, int32_t index_nt, int32_t index_tile_m,
+                        int32_t index_tile_n, int32_t index_splits, int64_t index_items) {
+  if (probe.element_type() != ffi::DataType::U8 || probe.size_bytes() < 1)
+    return g_state.InvalidArgument("the layer probe must be uint8 bytes");
+  if (l != 1) return g_state.InvalidArgument("a layer call has l = 1");
+  const int64_t layer = LayerAt(reinterpret_cast<uint64_t>(probe.untyped_data()),
+                                reinterpret_cast<uint64_t>(sb.untyped_data()), sb.size_bytes(), g);
+  if (layer >= 0) {
+    g_layer_calls[0].fetch_add(1, std::memory_order_relaxed);
+    return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m,
+               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, 0, g, layer);
+  }
+  g_layer_calls[1].fetch_add(1, std::memory_order_relaxed);
+  return Run(stream, a_index, b, sa, sb, alpha, &index, c, ws, index_a_kind, b_kind, a_e5m2,
+             b_e5m2, m, n, k, g, a_scales_plain, index_nt, index_tile_m, index_tile_n,
+             index_splits, index_items);
 }
 
 }  // namespace
@@ -198,10 +262,45 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
                            .Attr<int64_t>("index_items"),
                        {ffi::Traits::kCmdBufferCompatible});
 
+JBS_FFI_EXPORT_HANDLER(jax_blockscale_layer_gemm_sm90, jbs::ExecuteLayer,
+                       jbs::BindPlannedAttrs(
+                           ffi::Ffi::Bind()
+                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                               .Arg<ffi::AnyBuffer>()    // a (the layer's plan)
+                               .Arg<ffi::AnyBuffer>()    // a_index (index mode's)
+                               .Arg<ffi::AnyBuffer>()    // b (the stack)
+                               .Arg<ffi::AnyBuffer>()    // sa
+                               .Arg<ffi::AnyBuffer>()    // sb (the stack)
+                               .Arg<ffi::AnyBuffer>()    // alpha (one per layer)
+                               .Arg<ffi::AnyBuffer>()    // index
+                               .Arg<ffi::AnyBuffer>()    // probe
+                               .Ret<ffi::AnyBuffer>()    // c
+                               .Ret<ffi::AnyBuffer>(),   // ws
+                           "l")
+                           .Attr<int64_t>("g")
+                           .Attr<int32_t>("index_a_kind")
+                           .Attr<int32_t>("index_nt")
+                           .Attr<int32_t>("index_tile_m")
+                           .Attr<int32_t>("index_tile_n")
+                           .Attr<int32_t>("index_splits")
+                           .Attr<int64_t>("index_items"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----
 extern "C" {
 
 JBS_EXPORT int jbs_num_variants() { return kJbsNumVariants; }
+
+// The layer target's test of a probe's address (LayerAt), without a GPU.
+JBS_EXPORT long long jbs_layer_at(unsigned long long at, unsigned long long base,
+                                  unsigned long long bytes, long long layers) {
+  return jbs::LayerAt(at, base, bytes, layers);
+}
+
+// counts[0]: layer calls that found their layer in place; counts[1]: those that ran index mode.
+JBS_EXPORT void jbs_layer_gemm_counts(long long* counts) {
+  for (int i = 0; i < 2; ++i) counts[i] = jbs::g_layer_calls[i].load();
+}
 
 // vals: a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk, grouped
 JBS_EXPORT int jbs_variant_info(int i, const char** name, int* vals) {

@@ -27,6 +27,7 @@ SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), 
 # global scale
 DOT_ALPHA_TARGET = "jax_blockscale_dot_alpha"
 RAGGED_SM90_TARGET = "jax_blockscale_ragged_gemm_sm90"  # ragged_gemm's grouped decode kernel
+LAYER_SM90_TARGET = "jax_blockscale_layer_gemm_sm90"  # gemm(..., layer=i): one layer of a stack
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -116,6 +117,11 @@ def register_targets() -> bool:
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90_instantiate),
                     "execute": jax.ffi.pycapsule(lib.jax_blockscale_ragged_gemm_sm90),
                 }, platform="CUDA")
+            if has_layer_gemm(lib):
+                jax.ffi.register_ffi_target(LAYER_SM90_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_layer_gemm_sm90),
+                }, platform="CUDA")
             if has_sm100(lib):
                 jax.ffi.register_ffi_target(SM100_TARGET, {
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
@@ -198,6 +204,33 @@ def has_ragged_sm90(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has ragged_gemm's sm90 target (the grouped decode kernel)."""
     lib = lib if lib is not None else load()
     return lib is not None and hasattr(lib, "jax_blockscale_ragged_gemm_sm90")
+
+
+def has_layer_gemm(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has the layer target (gemm(..., layer=i) finding its layer)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_layer_gemm_sm90")
+
+
+def layer_gemm_counts() -> tuple[int, int]:
+    """(calls that found their layer in place, calls that ran index mode) of the layer target in
+    this process (tests read it; a CUDA graph replay does not call the handler again)."""
+    lib = load()
+    if lib is None or not hasattr(lib, "jbs_layer_gemm_counts"):
+        return (0, 0)
+    out = (ctypes.c_longlong * 2)()
+    lib.jbs_layer_gemm_counts(out)
+    return int(out[0]), int(out[1])
+
+
+def layer_at(at: int, base: int, nbytes: int, layers: int) -> int:
+    """The layer target's reading of a probe's address: the layer of a stack of `layers` at
+    [base, base + nbytes) that a slice starting at `at` begins, or -1 (tests; no GPU needed)."""
+    lib = load()
+    fn = lib.jbs_layer_at
+    fn.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_longlong]
+    fn.restype = ctypes.c_longlong
+    return int(fn(at, base, nbytes, layers))
 
 
 def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:

@@ -88,6 +88,10 @@ class RaggedPlan:
     splits: int = 0
     items: int = 0
     a_scales_plain: bool = False
+    # index mode on sm90 (`gemm(..., layer=i)`): gemm's plan for one layer (lowering/plan.py:
+    # Plan), run when the handler finds the layer in place; the fields above are then index
+    # mode's, run when XLA copied the layer's probe (lowering/ragged_sm90.py)
+    layer: object = None
 
 
 _BACKENDS: dict[str, object] = {}

@@ -295,11 +295,13 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 # experts, rows of each expert in work items of at most 8 nt rows (the item table is built by
 # the lowering from the group sizes), every decode pair, tile and tuning as above.
 
-# Index mode (`gemm(x, stack, layer=i)`: the table is the layer index) runs in place up to this
-# many rows. Past it the index read costs more (about 1.8 us a call at 64 rows against 0.5 us at
-# one row) than XLA's in-place slice of the layer at a loop counter, which the dense decode
-# kernel then runs (docs/design/scanned_layers.md).
-INDEX_MODE_MAX_ROWS = 32
+# `gemm(x, stack, layer=i)` (docs/design/scanned_layers.md): where XLA hands the layer's scales
+# in place (the index a loop counter), the layer runs gemm's own plan for it on one of these
+# kernels; where it copied them, index mode (the grouped decode kernel reading the index on the
+# device) runs instead, up to this many rows (one item height of the decode kernel). Past it, and
+# for gemm's other paths, the lowering slices the layer and gemm runs the slice.
+LAYER_KERNELS = ("decode", "fused", "register_weights")
+INDEX_MODE_MAX_ROWS = 64
 
 
 def ragged_decode_items(m: int, groups: int, nt: int) -> int:

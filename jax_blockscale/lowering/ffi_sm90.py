@@ -62,6 +62,34 @@ def permute_activation_k(a):
     return x.reshape(lead + (k,))
 
 
+def kernel_elements(x, fmt, rows, plan: Plan, spec):
+    """One operand's elements as (L, rows, K') for plan's kernel (spec: plan's problem, its
+    activation dequantized where the plan says so): K padded to the plan's K, then uint8 bytes
+    (fmt None: the bf16 activation, as it is)."""
+    x = kernel_batch_layout(x, rows, spec=spec)
+    if plan.k != spec.k:
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, plan.k - spec.k)])
+    return x if fmt is None else element_bytes(x)
+
+
+def activation_operands(a, sa, plan: Plan, spec, unused_scales):
+    """(elements, scales) of the activation as plan's kernel reads them: K-permuted for the
+    register-weight variants; plain scales for the decode kernel where it reads them so, else
+    blocked. A plain activation has no scales: `unused_scales` (a buffer that exists already;
+    a fresh zeros array would be a kernel launch per call) stands in for them."""
+    a8 = kernel_elements(a, spec.fmt_a, plan.m, plan, spec)
+    if plan.permute_k:
+        a8 = permute_activation_k(a8)
+    if spec.fmt_a is None:
+        sa8 = unused_scales
+    elif plan.a_scales_plain:
+        sa8 = kernel_plain_scale_bytes(sa, plan.m, (plan.k - spec.k) // get_format(spec.fmt_a).block,
+                                       spec=spec)
+    else:
+        sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, plan.m, spec.m, spec=spec)
+    return a8, sa8
+
+
 class Sm90Backend:
     name = "sm90"
     platforms = ("cuda",)
@@ -86,28 +114,10 @@ class Sm90Backend:
         if plan.dequantize_a:  # exact in bf16; alpha stays in the epilogue
             a = operand_values(a, sa, spec.fmt_a, spec.layout_a, jnp.bfloat16)
             sa, spec = None, with_dequantized_activation(spec)
-        M, L, N, K, Kp = plan.m, plan.l, spec.n, spec.k, plan.k
-
-        def elements(x, fmt, rows):
-            x = kernel_batch_layout(x, rows, spec=spec)
-            if Kp != K:
-                x = jnp.pad(x, [(0, 0), (0, 0), (0, Kp - K)])
-            return x if fmt is None else element_bytes(x)  # fmt None: the bf16 activation
-
-        a8 = elements(a, spec.fmt_a, M)
-        if plan.permute_k:
-            a8 = permute_activation_k(a8)
-        b8 = elements(b, spec.fmt_b, N)
+        M, L, N = plan.m, plan.l, spec.n
+        b8 = kernel_elements(b, spec.fmt_b, N, plan, spec)
         sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
-        if spec.fmt_a is None:
-            # unused by the weight-only kernels; passing a buffer that exists already saves a
-            # kernel launch per call (a fresh zeros array is one)
-            sa8 = sb8
-        elif plan.a_scales_plain:
-            sa8 = kernel_plain_scale_bytes(sa, M, (Kp - K) // get_format(spec.fmt_a).block,
-                                           spec=spec)
-        else:
-            sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, M, spec.m, spec=spec)
+        a8, sa8 = activation_operands(a, sa, plan, spec, sb8)
         call = jax.ffi.ffi_call(
             _plugin.SM90_TARGET,
             (jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
@@ -118,7 +128,7 @@ class Sm90Backend:
                     b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                     a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
                     b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
-                    m=np.int64(M), n=np.int64(N), k=np.int64(Kp), l=np.int64(L),
+                    m=np.int64(M), n=np.int64(N), k=np.int64(plan.k), l=np.int64(L),
                     a_scales_plain=np.int32(plan.a_scales_plain),
                     nt=np.int32(plan.nt), tile_m=np.int32(plan.tile[0]),
                     tile_n=np.int32(plan.tile[1]), splits=np.int32(plan.splits))

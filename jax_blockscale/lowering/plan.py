@@ -185,6 +185,10 @@ class Library:
         from .. import _plugin
         return _plugin.has_dot_alpha()
 
+    def has_layer_gemm(self) -> bool:
+        from .. import _plugin
+        return _plugin.has_layer_gemm()
+
     def has(self, variant_name: str) -> bool:
         from .. import _plugin
         return variant_name in _plugin.variant_names()
@@ -382,24 +386,43 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     # A shard of a sharded call keeps the unsharded call's variant and splits (RaggedSpec);
     # its own rows and experts make its work table.
     pm, pn, pg = spec.plan_shape or (spec.m, spec.n, spec.groups)
+    layer = None
     if spec.group_index:
-        # One layer of a stack is a dense problem: the in-place kernel runs it exactly when the
-        # dense planner would run the decode kernel, with the same variant and splits.
-        dense = plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
+        # One layer of a stack is a dense problem. Found in place (its slice of the scales'
+        # address names it), the layer runs gemm's own plan for it; copied, index mode runs the
+        # grouped decode kernel with the dense decode kernel's variant and splits where that is
+        # the plan, else with the decode kernel's choice for the layer.
+        whole = plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
                                    np.dtype(spec.lhs_dtype), np.dtype(spec.out_dtype), (), (), (),
                                    pm, pn, spec.k, spec.alpha_is_one),
                           device, library=library)
-        if isinstance(dense, str):
-            return dense
-        if dense.kernel != "decode" or dense.dequantize_a:
-            return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {dense.kernel} kernel"
-                    f"{' (activation dequantized first)' if dense.dequantize_a else ''}: the "
-                    "layer is sliced and that kernel runs it")
+        if isinstance(whole, str):
+            return whole
+        if whole.kernel not in cat90.LAYER_KERNELS or whole.dequantize_a or whole.k != spec.k:
+            return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {whole.kernel} kernel"
+                    f"{' (activation dequantized first)' if whole.dequantize_a else ''}"
+                    f"{' (K padded)' if whole.k != spec.k else ''}: the layer is sliced and "
+                    "that kernel runs it")
         if pm > cat90.INDEX_MODE_MAX_ROWS:
-            return (f"M={spec.m} is past the {cat90.INDEX_MODE_MAX_ROWS} rows index mode runs in "
-                    "place: the layer is sliced and gemm's decode kernel runs it")
-        v = cat90.DecodeVariant(dense.a_kind, dense.b_kind, out, dense.nt)
-        choice = (v, dense.splits, -(-spec.m // (8 * v.nt)))
+            return (f"M={spec.m} is past the {cat90.INDEX_MODE_MAX_ROWS} rows index mode covers: "
+                    "the layer is sliced and gemm's kernel runs it")
+        if whole.permute_k and spec.alpha_is_one:
+            # The layer target would also need the activation in K order for index mode, one
+            # more write of it per call; the sliced layer needs nothing else without a global
+            # scale (with one it needs one small XLA kernel per call for alpha, which costs more)
+            return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its register-weight kernel "
+                    "with no global scale: the layer is sliced and that kernel runs it")
+        layer = as_shard(whole, GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs,
+                                         spec.layout_rhs, np.dtype(spec.lhs_dtype),
+                                         np.dtype(spec.out_dtype), (), (), (), spec.m, spec.n,
+                                         spec.k, spec.alpha_is_one))
+        if whole.kernel == "decode":
+            choice = (cat90.DecodeVariant(whole.a_kind, whole.b_kind, out, whole.nt), whole.splits)
+        else:
+            choice = cat90.choose_decode_variant(pm, pn, spec.k, spec.fmt_lhs, spec.fmt_rhs,
+                                                 device.sm_count, out=out)
+        if choice is not None:
+            choice = (*choice, -(-spec.m // (8 * choice[0].nt)))
     else:
         choice = cat90.choose_ragged_decode_variant(pm, pn, spec.k, pg, spec.fmt_lhs,
                                                     spec.fmt_rhs, device.sm_count, out)
@@ -423,10 +446,14 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     name = cat90.ragged_decode_name(v)
     if not library.has(name):
         return f"the library has no grouped decode variant {name} (built before ragged_gemm's kernels?)"
+    a_scales_plain = spec.fmt_lhs is not None and spec.layout_lhs == "plain"
+    if layer is not None:  # index mode reads the activation's scales as the layer's plan does
+        a_scales_plain = layer.a_scales_plain
+        if not library.has_layer_gemm():
+            return "the library has no layer target (built before gemm(..., layer=) found layers)"
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
-                      items=items,
-                      a_scales_plain=spec.fmt_lhs is not None and spec.layout_lhs == "plain")
+                      items=items, a_scales_plain=a_scales_plain, layer=layer)
 
 
 def forced_sm100_tile(value: str) -> tuple[int, int, int, int]:

@@ -10,8 +10,13 @@ emits the call to the FFI target `jax_blockscale_ragged_gemm_sm90`).
     8 nt rows each, an expert's items adjacent, built on the device from the group sizes, so
     only the experts that own rows cost weight traffic; two entries with expert -1 cover the rows
     no expert owns (before `row_start`, after the last group), which the kernel writes as zeros;
-  * index mode (`spec.group_index`, `jbs.gemm(..., layer=i)`): the table is the layer index
-    itself (one int32; the kernel makes the items), so nothing runs before the kernel;
+  * index mode (`spec.group_index`, `jbs.gemm(..., layer=i)`): the call goes to the layer
+    target `jax_blockscale_layer_gemm_sm90` with the whole stacks, the index and a probe (the
+    first bytes of layer i's scales, sliced by XLA). Where XLA hands the probe in place (the index a
+    loop counter) its address names the layer and the handler runs gemm's own plan for it
+    (`plan.layer`); where XLA copied it, the grouped kernel runs with the index as its table
+    (one int32; the kernel makes the items and clamps the index). Nothing runs before the kernel
+    either way;
   * alpha: one f32 per expert (the product of the global scales), applied in the epilogue;
   * the split-K workspace (splits * M * N f32) is a second result of the call, as for `gemm`.
 """
@@ -26,6 +31,7 @@ from .. import _plugin
 from .. import layout as _layout
 from ..catalog import sm90 as cat
 from ..ragged_backends import RaggedPlan, register_ragged_backend
+from .ffi_sm90 import activation_operands
 from .kernel_operands import element_bytes
 from .plan import device_for, plan_ragged_sm90
 
@@ -98,20 +104,19 @@ class Sm90RaggedBackend:
             sa8 = sb8  # unused by the weight-only kernel; a buffer that exists costs nothing
         else:
             sa8 = lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1)  # plain or blocked as is
-        if spec.group_index:  # index mode: the kernel reads (and clamps) the layer index
-            items, index_items = group_sizes.astype(jnp.int32).reshape(1), plan.items
-        else:
-            items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
-            index_items = 0
-        call = jax.ffi.ffi_call(
-            _plugin.RAGGED_SM90_TARGET,
-            (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
-             jax.ShapeDtypeStruct((plan.splits * m * n,), jnp.float32)))
         if spec.alpha_is_one:
             # a constant in the program: the ones of an operand are a broadcast that XLA may
             # run as a kernel on every call (every step of a scan)
             alpha = np.ones((groups,), np.float32)
-        y, _ = call(a8, b8, sa8, sb8, jnp.asarray(alpha, jnp.float32), items,
+        alpha = jnp.asarray(alpha, jnp.float32)
+        if spec.group_index:
+            return _layer_call(lhs, sl, sr, b8, sb8, a8, group_sizes, alpha, plan)
+        items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
+        call = jax.ffi.ffi_call(
+            _plugin.RAGGED_SM90_TARGET,
+            (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
+             jax.ShapeDtypeStruct((plan.splits * m * n,), jnp.float32)))
+        y, _ = call(a8, b8, sa8, sb8, alpha, items,
                     a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                     b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                     a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),
@@ -119,8 +124,57 @@ class Sm90RaggedBackend:
                     m=np.int64(m), n=np.int64(n), k=np.int64(k), g=np.int64(groups),
                     a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),
                     tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
-                    splits=np.int32(plan.splits), index_items=np.int64(index_items))
+                    splits=np.int32(plan.splits), index_items=np.int64(0))
         return y
+
+
+# Bytes of the probe: one row of the blocked scales' 128 x 4 tiles. XLA hands a kernel a slice
+# of that size in place at a loop counter, as it does whole layers; a 16-byte slice it copies.
+PROBE_BYTES = 512
+
+
+def layer_probe(sr, sb8, layout: str, index):
+    """The first PROBE_BYTES of layer `index`'s scales, sliced from the stack as XLA slices a
+    scanned layer (in place at a loop counter): the layer's first tile row of the blocked
+    scales, or the same bytes of their blocked form if the lowering converted plain ones. XLA
+    clamps the index into [0, G) as index mode does; JAX's wrap of negative indices would make
+    the offset more than a function of the loop counter, and XLA would copy the slice."""
+    if layout == "blocked":  # (G, N / 128, SK / 4, 32, 4, 4): one tile is 32 x 4 x 4 bytes
+        row = lax.dynamic_slice(sr, (index,) + (0,) * 5, (1, 1, 1) + sr.shape[3:],
+                                allow_negative_indices=False)
+        return lax.bitcast_convert_type(row, jnp.uint8).reshape(-1)
+    return lax.dynamic_slice(sb8.reshape(sr.shape[0], -1), (index, 0), (1, PROBE_BYTES),
+                             allow_negative_indices=False).reshape(-1)
+
+
+def _layer_call(lhs, sl, sr, b8, sb8, a_index, index, alpha, plan: RaggedPlan):
+    """`gemm(x, stack, layer=index)`: the layer target with the layer's own plan (`plan.layer`,
+    run where the handler finds the probe in place) and index mode's (`plan`'s fields, run
+    where XLA copied it). Both read the same stacks, alpha and activation scales; the
+    activation's elements differ only where the layer's plan K-permutes them."""
+    spec, layer = plan.spec, plan.layer
+    m, n = spec.m, spec.n
+    a_layer, sa8 = activation_operands(lhs, sl, layer, layer.spec, sb8)
+    index = index.astype(jnp.int32)
+    call = jax.ffi.ffi_call(
+        _plugin.LAYER_SM90_TARGET,
+        (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
+         jax.ShapeDtypeStruct((max(layer.workspace, plan.splits * m * n),), jnp.float32)))
+    y, _ = call(a_layer, a_index, b8, sa8, sb8, alpha, index.reshape(1),
+                layer_probe(sr, sb8, spec.layout_rhs, index),
+                a_kind=np.int32(cat.KIND_CODES[layer.a_kind]),
+                b_kind=np.int32(cat.KIND_CODES[layer.b_kind]),
+                a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),
+                b_e5m2=np.int32(spec.fmt_rhs == "mxfp8_e5m2"),
+                m=np.int64(m), n=np.int64(n), k=np.int64(layer.k), l=np.int64(1),
+                a_scales_plain=np.int32(layer.a_scales_plain), nt=np.int32(layer.nt),
+                tile_m=np.int32(layer.tile[0]), tile_n=np.int32(layer.tile[1]),
+                splits=np.int32(layer.splits), g=np.int64(spec.groups),
+                index_a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
+                index_nt=np.int32(plan.nt), index_tile_m=np.int32(plan.tile[0]),
+                index_tile_n=np.int32(plan.tile[1]), index_splits=np.int32(plan.splits),
+                index_items=np.int64(plan.items))
+    return y
 
 
 register_ragged_backend(Sm90RaggedBackend())

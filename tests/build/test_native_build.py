@@ -286,11 +286,12 @@ def test_every_plan_is_accepted_and_named_back():
 
 # ---- ragged_gemm's grouped decode kernel --------------------------------------------------------
 
-def _ragged_spec(fa, fb, layout_lhs, out, m, n, k, groups, group_index=False):
+def _ragged_spec(fa, fb, layout_lhs, out, m, n, k, groups, group_index=False,
+                 alpha_is_one=False):
     from jax_blockscale.ragged_backends import RaggedSpec
     lhs_dtype = np.dtype("bfloat16") if fa is None else np.dtype(get_format(fa).storage_dtype)
     return RaggedSpec(fa, fb, layout_lhs if fa else None, "blocked", lhs_dtype, np.dtype(out),
-                      m, n, k, groups, group_index=group_index)
+                      m, n, k, groups, group_index=group_index, alpha_is_one=alpha_is_one)
 
 
 def _ragged_call_of(p) -> dict:
@@ -353,31 +354,78 @@ def _indexed_plans():
             continue
         layout_lhs = None if fa is None else "plain"
         yield P.plan_ragged_sm90(_ragged_spec(fa, fb, layout_lhs, out, m, n, k, 16,
-                                              group_index=True), H100)
+                                              group_index=True,
+                                              alpha_is_one="nvfp4" not in (fa, fb)), H100)
 
 
 def test_every_indexed_plan_is_accepted_and_matches_the_dense_choice():
-    """Index mode (gemm(..., layer=)) runs exactly where the dense planner picks the decode
-    kernel, up to INDEX_MODE_MAX_ROWS, with its item height and split count; its items cover M;
-    the C++ validator accepts it with the one-int32 table and names the variant back."""
-    nts, refused = set(), 0
+    """gemm(..., layer=) up to INDEX_MODE_MAX_ROWS: the layer's plan is gemm's own plan for one
+    layer (decode, register-weight or fused kernel), and index mode (run where XLA copied the
+    probe) keeps the dense decode kernel's item height and splits where that is the plan. The C++
+    validator accepts both calls the layer target can make and names their variants back.
+    Register-weight plans without a global scale slice the layer instead."""
+    kernels, refused = set(), 0
     for p in _indexed_plans():
-        spec = p.spec if not isinstance(p, str) else None
         if isinstance(p, str):
             assert "the layer is sliced" in p, p
             refused += 1
             continue
+        spec, layer = p.spec, p.layer
         dense = P.plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs,
                                        spec.layout_rhs, spec.lhs_dtype, spec.out_dtype, (), (), (),
-                                       spec.m, spec.n, spec.k), H100)
-        assert dense.kernel == "decode" and spec.m <= cat.INDEX_MODE_MAX_ROWS, (dense, p)
-        assert (p.nt, p.splits, p.items) == (dense.nt, dense.splits,
-                                             -(-spec.m // (8 * dense.nt))), p
+                                       spec.m, spec.n, spec.k, spec.alpha_is_one), H100)
+        assert spec.m <= cat.INDEX_MODE_MAX_ROWS, p
+        assert (layer.kernel, layer.variant, layer.tile, layer.splits) == (
+            dense.kernel, dense.variant, dense.tile, dense.splits), (layer, dense)
+        assert not (layer.permute_k and spec.alpha_is_one), p
+        if dense.kernel == "decode":
+            assert (p.nt, p.splits) == (dense.nt, dense.splits), p
+        assert p.items == -(-spec.m // (8 * p.nt)), p
+        assert p.a_scales_plain == layer.a_scales_plain
+        ok, name = _plugin.check_problem(**_call_of(layer))
+        assert ok and name == layer.variant, (layer, name)
         ok, name = _plugin.check_problem(**_ragged_call_of(p))
         assert ok and name == p.variant, (p, name)
-        nts.add(p.nt)
-    assert nts == {1, 2, 4}  # 8 (33 to 64 rows): past INDEX_MODE_MAX_ROWS
-    assert refused  # past 32 rows the layer is sliced
+        kernels.add(layer.kernel)
+    assert {"decode", "register_weights"} <= kernels, kernels
+    assert refused  # past 64 rows, and register weights without a global scale
+
+
+def test_layer_target_reads_the_layer_from_the_probe_address():
+    """The handler names the layer only from a probe that starts a layer of the scales' stack;
+    a copy (anywhere else), a start inside a layer or a stack that is not whole layers runs
+    index mode (-1)."""
+    base, stride, layers = 0x7F0000000000, 4096, 6
+    for i in range(layers):
+        assert _plugin.layer_at(base + i * stride, base, layers * stride, layers) == i
+    for at in (base - stride, base + layers * stride, base + stride + 512, 0x1000):
+        assert _plugin.layer_at(at, base, layers * stride, layers) == -1, hex(at)
+    assert _plugin.layer_at(base, base, layers * stride + 1, layers) == -1
+    assert _plugin.layer_at(base, base, layers * stride, 0) == -1
+
+
+def test_lowering_emits_the_layer_call(monkeypatch):
+    """gemm(x, stack, layer=i) in the decode rows: one call of the layer target with the whole
+    stacks, the index and a PROBE_BYTES probe sliced from the scales at i (no slice of the
+    elements), the layer's plan and index mode's as attributes; past 64 rows gemm's target on
+    the sliced layer."""
+    import jax_blockscale as jbs
+    from jax_blockscale.lowering.ragged_sm90 import PROBE_BYTES
+
+    w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(1), (3, 256, 512)), "nvfp4",
+                     layout="blocked", global_scale="per_matrix")
+    for m, target in ((16, _plugin.LAYER_SM90_TARGET), (100, _plugin.SM90_TARGET)):
+        x = jnp.ones((m, 512), jnp.bfloat16)
+        text = lower_for_cuda(monkeypatch, lambda x, i: jbs.gemm(x, w, layer=i), x, 1)
+        calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_blockscale" in ln]
+        assert len(calls) == 1 and "@" + target + "(" in calls[0], calls
+        if target == _plugin.LAYER_SM90_TARGET:
+            assert re.search(rf"tensor<{PROBE_BYTES}xui8>", calls[0]), calls[0][-900:]
+            for attr, v in dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2,
+                                index_items=1).items():
+                assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, calls[0][:900])
+            assert "f4E2M1FN" not in "".join(ln for ln in text.splitlines()
+                                              if "dynamic_slice" in ln), "elements sliced"
 
 
 def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():

@@ -1,5 +1,7 @@
-"""`gemm(x, w, layer=i)` on a Hopper GPU: one layer of a stacked weight, read in place by the
-grouped decode kernel's index mode (skipped without one).
+"""`gemm(x, w, layer=i)` on a Hopper GPU: one layer of a stacked weight, read in place (skipped
+without one). Where XLA hands the layer target its probe in place (the index a loop counter) the
+layer runs gemm's own plan for it, bit for bit as `gemm(x, w[i])`; elsewhere the grouped decode
+kernel's index mode reads the index on the device.
 
 Fresh random data every check (never zeros), the allocator filled with NaN first (an unwritten
 output shows up). Errors are relative Frobenius errors against the reference backend on the
@@ -17,13 +19,14 @@ import jax
 import jax.numpy as jnp
 
 import jax_blockscale as jbs
+from jax_blockscale import _plugin
 from jax_blockscale.lowering import plan as planner
 from jax_blockscale.ragged import _operands_and_params, ragged_spec
 from hopper import needs_sm90, poison  # tests/support/hopper.py
 
 pytestmark = [pytest.mark.gpu, needs_sm90]
 
-RAGGED = "jax_blockscale_ragged_gemm_sm90"
+LAYER = "jax_blockscale_layer_gemm_sm90"
 DENSE = "jax_blockscale_gemm_sm90"
 PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), (None, "mxfp8_e5m2"),
          ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")]
@@ -75,10 +78,10 @@ def _check(x, w, i, out="bf16"):
 @pytest.mark.parametrize("fmt_a,fmt_b", PAIRS)
 @pytest.mark.parametrize("out", ["bf16", "f32"])
 def test_every_pair_and_row_count(fmt_a, fmt_b, out):
-    """Every decode pair at 1 to 64 rows (each item height, split-K on and off) runs the kernel
-    in index mode where gemm's planner picks the decode kernel up to 32 rows (always up to 16;
-    at more the planner may pick a wide kernel, and past 32 the layer is sliced) and equals the
-    reference on the sliced layer."""
+    """Every decode pair at 1 to 64 rows (each item height, split-K on and off) runs the layer
+    target (always up to 16 rows; at more, where gemm runs the layer on another path, the
+    layer is sliced) and equals the reference on the sliced layer. The index is a jit argument
+    here, so XLA copies the probe and index mode runs."""
     layers = 5
     w = _stack(fmt_b, layers, 384, 1024)
     for m in (1, 7, 16, 20, 64):
@@ -117,7 +120,7 @@ def test_scan_reads_the_stack_in_place():
 
         f = jax.jit(lambda x: jax.lax.scan(step, x, jnp.arange(layers))[0])
         hlo = f.lower(x).compile().as_text()
-        assert RAGGED in hlo
+        assert LAYER in hlo
         element = "f4e2m1fn" if "fp4" in fmt else "f8e4m3fn"
         assert not re.search(rf"{element}\[1,{n},\d+\][^\n]*dynamic-slice\(", hlo), fmt
         want = x
@@ -134,7 +137,7 @@ def test_prefill_rows_slice_the_layer_and_run_the_dense_kernels():
     x = _activation(None, 200, 1024)
     f = jax.jit(lambda x, i: jbs.gemm(x, w, layer=i))
     hlo = f.lower(x, 1).as_text()
-    assert DENSE in hlo and RAGGED not in hlo
+    assert DENSE in hlo and LAYER not in hlo
     _check(x, w, 1)
 
 
@@ -172,11 +175,11 @@ def test_batch_dims_vmap_grad_and_export():
     def f(x, i, backend=None):
         return jbs.gemm(x, w, layer=i, out_dtype=jnp.float32, backend=backend)
 
-    assert RAGGED in jax.jit(f).lower(x, 2).as_text()
+    assert LAYER in jax.jit(f).lower(x, 2).as_text()
     want = np.asarray(f(x, 2, "reference"))
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x, 2)), want, rtol=1e-5, atol=1e-5)
     batched = jax.jit(jax.vmap(f, in_axes=(0, None)))
-    assert RAGGED in batched.lower(x, 2).as_text()
+    assert LAYER in batched.lower(x, 2).as_text()
     np.testing.assert_allclose(np.asarray(batched(x, 2)), want, rtol=1e-5, atol=1e-5)
 
     def loss(x, backend=None):
@@ -187,6 +190,51 @@ def test_batch_dims_vmap_grad_and_export():
     assert np.linalg.norm(g_got - g_want) / np.linalg.norm(g_want) < 1e-2
 
     exp = jax.export.export(jax.jit(f), disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call(RAGGED)])(x, 2)
+        jax.export.DisabledSafetyCheck.custom_call(LAYER)])(x, 2)
     back = jax.export.deserialize(exp.serialize())
     np.testing.assert_array_equal(np.asarray(back.call(x, 2)), np.asarray(jax.jit(f)(x, 2)))
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"),
+                                         ("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp8_e5m2")])
+def test_a_layer_found_in_place_runs_gemms_plan_bit_for_bit(fmt_a, fmt_b):
+    """Weights passed to jit and the index a loop counter: XLA hands the probe in place, the
+    handler names the layer from its address and runs gemm's plan for that layer (decode,
+    register-weight or fused kernel, NVFP4's per-layer alpha included), so every layer equals
+    `gemm(x, w[i])` bit for bit, and index mode never runs."""
+    layers, n, k = 4, 768, 2048
+    w = _stack(fmt_b, layers, n, k)
+    for m in (1, 16, 40, 64):
+        x = _activation(fmt_a, m, k)
+        if isinstance(_plan(x, w, jnp.float32), str):
+            continue
+
+        def run(x, w):
+            def body(i, acc):
+                return acc.at[i].set(jbs.gemm(x, w, layer=i, out_dtype=jnp.float32))
+            return jax.lax.fori_loop(0, layers, body, jnp.zeros((layers, m, n), jnp.float32))
+
+        before = _plugin.layer_gemm_counts()
+        got = np.asarray(jax.jit(run)(x, w))
+        in_place, indexed = np.subtract(_plugin.layer_gemm_counts(), before)
+        assert in_place > 0 and indexed == 0, (m, in_place, indexed)
+        for i in range(layers):
+            want = np.asarray(jax.jit(lambda x, wl: jbs.gemm(x, wl, out_dtype=jnp.float32))(
+                x, _layer_of(w, i)))
+            np.testing.assert_array_equal(got[i], want, err_msg=f"m={m} layer {i}")
+
+
+def test_a_copied_probe_runs_index_mode():
+    """An index that is no loop counter (a jit argument): XLA copies the probe, the handler
+    cannot name the layer and index mode reads the index on the device."""
+    w = _stack("nvfp4", 3, 512, 1024)
+    x = _activation(None, 16, 1024)
+    f = jax.jit(lambda x, w, i: jbs.gemm(x, w, layer=i, out_dtype=jnp.float32))
+    before = _plugin.layer_gemm_counts()
+    for i in range(3):
+        got = np.asarray(f(x, w, i), np.float64)
+        want = np.asarray(jbs.gemm(x, _layer_of(w, i), out_dtype=jnp.float32,
+                                   backend="reference"), np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    in_place, indexed = np.subtract(_plugin.layer_gemm_counts(), before)
+    assert indexed == 3 and in_place == 0, (in_place, indexed)

@@ -43,6 +43,9 @@ class FullLibrary:
     def has_dot_alpha(self):
         return True
 
+    def has_layer_gemm(self):
+        return True
+
     def has(self, name):
         return name in self.names
 
