@@ -30,6 +30,10 @@
 //   on that layer's part of b, sb and alpha, as an unrolled model's gemm would (nothing waits
 //   for the index). When XLA copied the probe (an index read from an array), index mode runs
 //   instead: the grouped decode kernel reads the index on the device.
+//   Slice mode (index_nt = 0: a plan whose activation index mode cannot read): b and sb are
+//   the layer's slices (XLA's: in place at a loop counter, else copies) and the probe is the
+//   whole stack of scales; sb's address names the layer for alpha, and where sb was copied one
+//   thread gathers alpha[clamp(index)] into the workspace's last float first.
 //
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
@@ -81,7 +85,8 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind,
                int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
-               int32_t splits, int64_t index_items = 0, int64_t stack = 0, int64_t layer = 0) {
+               int32_t splits, int64_t index_items = 0, int64_t stack = 0, int64_t layer = 0,
+               void* alpha_at = nullptr) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -118,6 +123,10 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
     p.b_ptr += layer * p.b_bytes;
     p.sb_ptr += layer * p.sb_bytes;
     p.alpha_ptr += 4 * layer;
+  }
+  if (alpha_at) {  // slice mode: alpha is the layer's float at alpha_at (see ExecuteLayer)
+    p.alpha_ptr = reinterpret_cast<uint64_t>(alpha_at);
+    p.alpha_bytes = 4;
   }
   if (items) {  // a work table of (expert, first row, end row), or index mode: one int32
     p.grouped = index_items > 0 ? 2 : 1;
@@ -169,6 +178,59 @@ ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
              k, g, a_scales_plain, nt, tile_m, tile_n, splits, index_items);
 }
 
+// out[0] = alpha[clamp(index[0], 0, count - 1)], one thread: slice mode's alpha where XLA copied
+// the layer (the index is only on the device). PTX, loaded once by the runtime's JIT (no CUDA
+// compiler in the build); ptxas checks it in tests/build/test_native_build.py.
+constexpr const char kGatherAlphaPtx[] = R"(.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry jbs_gather_alpha(.param .u64 out_param, .param .u64 alpha_param,
+                                 .param .u64 index_param, .param .s32 count_param)
+{
+  .reg .b64 %rd<6>;
+  .reg .b32 %r<4>;
+  .reg .f32 %f<2>;
+  ld.param.u64 %rd1, [out_param];
+  ld.param.u64 %rd2, [alpha_param];
+  ld.param.u64 %rd3, [index_param];
+  ld.param.s32 %r1, [count_param];
+  cvta.to.global.u64 %rd1, %rd1;
+  cvta.to.global.u64 %rd2, %rd2;
+  cvta.to.global.u64 %rd3, %rd3;
+  ld.global.s32 %r2, [%rd3];
+  add.s32 %r3, %r1, -1;
+  min.s32 %r2, %r2, %r3;
+  max.s32 %r2, %r2, 0;
+  mul.wide.s32 %rd4, %r2, 4;
+  add.s64 %rd5, %rd2, %rd4;
+  ld.global.f32 %f1, [%rd5];
+  st.global.f32 [%rd1], %f1;
+  ret;
+}
+)";
+
+std::once_flag g_gather_once;
+cudaKernel_t g_gather_kernel = nullptr;
+cudaError_t g_gather_error = cudaSuccess;
+
+ffi::Error GatherAlpha(cudaStream_t stream, void* out, const void* alpha, const void* index,
+                       int32_t count) {
+  std::call_once(g_gather_once, [] {
+    cudaLibrary_t lib = nullptr;
+    g_gather_error = cudaLibraryLoadData(&lib, kGatherAlphaPtx, nullptr, nullptr, 0, nullptr,
+                                         nullptr, 0);
+    if (g_gather_error == cudaSuccess)
+      g_gather_error = cudaLibraryGetKernel(&g_gather_kernel, lib, "jbs_gather_alpha");
+  });
+  if (g_gather_error != cudaSuccess)
+    return g_state.CudaError("loading the alpha gather kernel", g_gather_error);
+  void* args[] = {&out, &alpha, &index, &count};
+  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(g_gather_kernel), dim3(1),
+                                   dim3(1), args, 0, stream);
+  if (e != cudaSuccess) return g_state.CudaError("jbs_gather_alpha", e);
+  return ffi::Error::Success();
+}
+
 // How often the layer target found its layer in place (0) or ran index mode (1): tests read them
 // through jbs_layer_gemm_counts.
 std::atomic<long long> g_layer_calls[2];
@@ -193,6 +255,25 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
   if (probe.element_type() != ffi::DataType::U8 || probe.size_bytes() < 1)
     return g_state.InvalidArgument("the layer probe must be uint8 bytes");
   if (l != 1) return g_state.InvalidArgument("a layer call has l = 1");
+  if (index_nt == 0) {  // slice mode: b, sb are the layer's; probe is the stack of scales
+    if (alpha.element_count() != g || index.element_count() != 1 || g < 1)
+      return g_state.InvalidArgument("slice mode needs alpha of G floats and one int32 index");
+    const int64_t layer = LayerAt(reinterpret_cast<uint64_t>(sb.untyped_data()),
+                                  reinterpret_cast<uint64_t>(probe.untyped_data()),
+                                  probe.size_bytes(), g);
+    char* alpha_at = static_cast<char*>(alpha.untyped_data()) + 4 * (layer < 0 ? 0 : layer);
+    if (layer < 0) {  // copied: the layer's alpha from the device index, into ws's last float
+      if (ws->size_bytes() < 4) return g_state.InvalidArgument("slice mode needs a workspace");
+      alpha_at = static_cast<char*>(ws->untyped_data()) + ws->size_bytes() - 4;
+      if (auto err = GatherAlpha(stream, alpha_at, alpha.untyped_data(), index.untyped_data(),
+                                 static_cast<int32_t>(g));
+          err.failure())
+        return err;
+    }
+    g_layer_calls[layer < 0 ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
+    return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m,
+               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, 0, 0, 0, alpha_at);
+  }
   const int64_t layer = LayerAt(reinterpret_cast<uint64_t>(probe.untyped_data()),
                                 reinterpret_cast<uint64_t>(sb.untyped_data()), sb.size_bytes(), g);
   if (layer >= 0) {
@@ -273,7 +354,7 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_layer_gemm_sm90, jbs::ExecuteLayer,
                                .Arg<ffi::AnyBuffer>()    // sb (the stack)
                                .Arg<ffi::AnyBuffer>()    // alpha (one per layer)
                                .Arg<ffi::AnyBuffer>()    // index
-                               .Arg<ffi::AnyBuffer>()    // probe
+                               .Arg<ffi::AnyBuffer>()    // probe (slice mode: the sb stack)
                                .Ret<ffi::AnyBuffer>()    // c
                                .Ret<ffi::AnyBuffer>(),   // ws
                            "l")

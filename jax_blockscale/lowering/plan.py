@@ -403,19 +403,18 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
                     f"{' (activation dequantized first)' if whole.dequantize_a else ''}"
                     f"{' (K padded)' if whole.k != spec.k else ''}: the layer is sliced and "
                     "that kernel runs it")
-        if pm > cat90.INDEX_MODE_MAX_ROWS:
-            return (f"M={spec.m} is past the {cat90.INDEX_MODE_MAX_ROWS} rows index mode covers: "
-                    "the layer is sliced and gemm's kernel runs it")
-        if whole.permute_k and spec.alpha_is_one:
-            # The layer target would also need the activation in K order for index mode, one
-            # more write of it per call; the sliced layer needs nothing else without a global
-            # scale (with one it needs one small XLA kernel per call for alpha, which costs more)
-            return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its register-weight kernel "
-                    "with no global scale: the layer is sliced and that kernel runs it")
         layer = as_shard(whole, GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs,
                                          spec.layout_rhs, np.dtype(spec.lhs_dtype),
                                          np.dtype(spec.out_dtype), (), (), (), spec.m, spec.n,
                                          spec.k, spec.alpha_is_one))
+        if pm > cat90.INDEX_MODE_MAX_ROWS or whole.permute_k:
+            # No index mode past its rows, nor where the layer's plan K-permutes the activation
+            # (index mode would need it in K order as well: one more write of it per call).
+            if spec.alpha_is_one:  # the sliced layer needs nothing else
+                return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {whole.kernel} "
+                        "kernel with no global scale: the layer is sliced and that kernel runs it")
+            # slice mode: XLA's slices of the layer, the layer's alpha read from the stack
+            return _layer_slice_plan(spec, layer, library)
         if whole.kernel == "decode":
             choice = (cat90.DecodeVariant(whole.a_kind, whole.b_kind, out, whole.nt), whole.splits)
         else:
@@ -454,6 +453,19 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
                       items=items, a_scales_plain=a_scales_plain, layer=layer)
+
+
+def _layer_slice_plan(spec, layer: Plan, library):
+    """gemm(..., layer=i) in slice mode (lowering/ragged_sm90.py): the layer target runs
+    `layer` on XLA's slices of the layer (in place at a loop counter) with the layer's alpha
+    read from the stack of global scales, so no XLA kernel runs per call for it."""
+    from ..ragged_backends import RaggedPlan  # noqa: PLC0415
+
+    if not library.has_layer_gemm():
+        return "the library has no layer target (built before gemm(..., layer=) found layers)"
+    return RaggedPlan("sm90", "layer_slice", spec, "cuda", variant=layer.variant,
+                      a_kind=layer.a_kind, b_kind=layer.b_kind, tile=layer.tile,
+                      a_scales_plain=layer.a_scales_plain, layer=layer)
 
 
 def forced_sm100_tile(value: str) -> tuple[int, int, int, int]:

@@ -148,20 +148,34 @@ def layer_probe(sr, sb8, layout: str, index):
 
 
 def _layer_call(lhs, sl, sr, b8, sb8, a_index, index, alpha, plan: RaggedPlan):
-    """`gemm(x, stack, layer=index)`: the layer target with the layer's own plan (`plan.layer`,
-    run where the handler finds the probe in place) and index mode's (`plan`'s fields, run
-    where XLA copied it). Both read the same stacks, alpha and activation scales; the
-    activation's elements differ only where the layer's plan K-permutes them."""
+    """`gemm(x, stack, layer=index)` through the layer target. Index mode's plan (kernel
+    "ragged_decode"): the whole stacks, the layer's own plan (`plan.layer`) run where the handler
+    finds the probe in place and index mode's (`plan`'s fields) where XLA copied it; both read
+    the same stacks, alpha and activation. Slice mode ("layer_slice"): XLA's slices of the
+    layer with the whole stack of scales as the probe, the layer's alpha read from the stack
+    (gathered on the device where XLA copied the slices)."""
     spec, layer = plan.spec, plan.layer
     m, n = spec.m, spec.n
     a_layer, sa8 = activation_operands(lhs, sl, layer, layer.spec, sb8)
     index = index.astype(jnp.int32)
+    workspace = max(layer.workspace, plan.splits * m * n)
+    if plan.kernel == "layer_slice":
+        # sliced as _sliced_gemm (ragged.py) slices, so that XLA hands them over in place
+        take = lambda x: lax.dynamic_index_in_dim(  # noqa: E731
+            x, index, 0, keepdims=False, allow_negative_indices=False)
+        if spec.layout_rhs == "blocked":
+            sb_layer = lax.bitcast_convert_type(take(sr), jnp.uint8).reshape(-1)
+        else:
+            sb_layer = take(sb8.reshape(spec.groups, -1))
+        b8, probe, sb8, a_index = take(b8), sb8, sb_layer, a_layer
+        workspace = layer.workspace + 4  # + slice mode's gathered alpha, the last float
+    else:
+        probe = layer_probe(sr, sb8, spec.layout_rhs, index)
     call = jax.ffi.ffi_call(
         _plugin.LAYER_SM90_TARGET,
         (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
-         jax.ShapeDtypeStruct((max(layer.workspace, plan.splits * m * n),), jnp.float32)))
-    y, _ = call(a_layer, a_index, b8, sa8, sb8, alpha, index.reshape(1),
-                layer_probe(sr, sb8, spec.layout_rhs, index),
+         jax.ShapeDtypeStruct((workspace,), jnp.float32)))
+    y, _ = call(a_layer, a_index, b8, sa8, sb8, alpha, index.reshape(1), probe,
                 a_kind=np.int32(cat.KIND_CODES[layer.a_kind]),
                 b_kind=np.int32(cat.KIND_CODES[layer.b_kind]),
                 a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),

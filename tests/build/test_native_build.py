@@ -371,13 +371,19 @@ def test_every_indexed_plan_is_accepted_and_matches_the_dense_choice():
             refused += 1
             continue
         spec, layer = p.spec, p.layer
+        if p.kernel == "layer_slice":  # NVFP4 register-weight plans: XLA's slices, no index mode
+            assert layer.permute_k and not spec.alpha_is_one, p
+            ok, name = _plugin.check_problem(**_call_of(layer))
+            assert ok and name == layer.variant, (layer, name)
+            kernels.add("slice")
+            continue
         dense = P.plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs,
                                        spec.layout_rhs, spec.lhs_dtype, spec.out_dtype, (), (), (),
                                        spec.m, spec.n, spec.k, spec.alpha_is_one), H100)
         assert spec.m <= cat.INDEX_MODE_MAX_ROWS, p
         assert (layer.kernel, layer.variant, layer.tile, layer.splits) == (
             dense.kernel, dense.variant, dense.tile, dense.splits), (layer, dense)
-        assert not (layer.permute_k and spec.alpha_is_one), p
+        assert not layer.permute_k, p
         if dense.kernel == "decode":
             assert (p.nt, p.splits) == (dense.nt, dense.splits), p
         assert p.items == -(-spec.m // (8 * p.nt)), p
@@ -387,7 +393,7 @@ def test_every_indexed_plan_is_accepted_and_matches_the_dense_choice():
         ok, name = _plugin.check_problem(**_ragged_call_of(p))
         assert ok and name == p.variant, (p, name)
         kernels.add(layer.kernel)
-    assert {"decode", "register_weights"} <= kernels, kernels
+    assert {"decode", "slice"} <= kernels, kernels
     assert refused  # past 64 rows, and register weights without a global scale
 
 
@@ -404,34 +410,71 @@ def test_layer_target_reads_the_layer_from_the_probe_address():
     assert _plugin.layer_at(base, base, layers * stride, 0) == -1
 
 
+def test_alpha_gather_ptx_assembles(tmp_path):
+    """The layer target's one-thread alpha gather is PTX in ffi/jbs_ffi.cc, JIT-loaded at run
+    time; ptxas (CUDA toolkit) assembles it for sm_90a here, so a typo fails on CPU CI."""
+    import os
+    import shutil
+    import subprocess
+
+    ptxas = shutil.which("ptxas") or next(
+        (p for p in ("/usr/local/cuda/bin/ptxas",) if os.path.exists(p)), None)
+    if ptxas is None:
+        pytest.skip("no ptxas (CUDA toolkit) on this machine")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    src = open(os.path.join(root, "ffi", "jbs_ffi.cc")).read()
+    ptx = re.search(r'kGatherAlphaPtx\[\] = R"\((.*?)\)";', src, re.S).group(1)
+    assert ".entry jbs_gather_alpha" in ptx
+    (tmp_path / "g.ptx").write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", str(tmp_path / "g.ptx"), "-o",
+                        str(tmp_path / "g.cubin")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_lowering_emits_the_layer_call(monkeypatch):
     """gemm(x, stack, layer=i) in the decode rows: one call of the layer target with the whole
     stacks, the index and a PROBE_BYTES probe sliced from the scales at i (no slice of the
-    elements), the layer's plan and index mode's as attributes; past 64 rows gemm's target on
-    the sliced layer."""
+    elements), the layer's plan and index mode's as attributes. Past 64 rows with NVFP4's
+    per-layer alpha: slice mode (index_nt 0, the probe the whole stack of scales); without a
+    global scale, gemm's own target on the sliced layer."""
     import jax_blockscale as jbs
     from jax_blockscale.lowering.ragged_sm90 import PROBE_BYTES
 
-    w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(1), (3, 256, 512)), "nvfp4",
-                     layout="blocked", global_scale="per_matrix")
-    for m, target in ((16, _plugin.LAYER_SM90_TARGET), (100, _plugin.SM90_TARGET)):
-        x = jnp.ones((m, 512), jnp.bfloat16)
-        text = lower_for_cuda(monkeypatch, lambda x, i: jbs.gemm(x, w, layer=i), x, 1)
+    def stack(fmt):
+        kw = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
+        return jbs.quantize(jax.random.normal(jax.random.PRNGKey(1), (3, 256, 512)), fmt,
+                            layout="blocked", **kw)
+
+    scale_bytes = 3 * 2 * 32 * 512  # 3 layers x 2 row tiles x (512 / 16 / 4 = 8) k tiles x 512 B
+    for fmt, m, target, probe, attrs in (
+            ("nvfp4", 16, _plugin.LAYER_SM90_TARGET, PROBE_BYTES,
+             dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2, index_items=1)),
+            ("nvfp4", 100, _plugin.LAYER_SM90_TARGET, scale_bytes // 4,
+             dict(m=100, l=1, g=3, nt=0, splits=0, index_nt=0, index_items=0)),
+            ("mxfp4", 100, _plugin.SM90_TARGET, None, dict(m=100, l=1))):
+        w, x = stack(fmt), jnp.ones((m, 512), jnp.bfloat16)
+        text = lower_for_cuda(monkeypatch, lambda x, i, w=w: jbs.gemm(x, w, layer=i), x, 1)
         calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_blockscale" in ln]
-        assert len(calls) == 1 and "@" + target + "(" in calls[0], calls
-        if target == _plugin.LAYER_SM90_TARGET:
-            assert re.search(rf"tensor<{PROBE_BYTES}xui8>", calls[0]), calls[0][-900:]
-            for attr, v in dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2,
-                                index_items=1).items():
-                assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, calls[0][:900])
+        assert len(calls) == 1 and "@" + target + "(" in calls[0], (fmt, m, calls)
+        if probe is not None:  # the probe is the last operand
+            last = re.search(r"-> \(", calls[0]) and calls[0].split(": (")[-1].split(")")[0]
+            assert last.split(", ")[7] == f"tensor<{probe}xui8>", (fmt, m, last)
+        for attr, v in attrs.items():
+            assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (fmt, m, attr, calls[0][:900])
+        if m == 16:
             assert "f4E2M1FN" not in "".join(ln for ln in text.splitlines()
                                               if "dynamic_slice" in ln), "elements sliced"
 
 
 def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():
+    """Past 64 rows there is no index mode: without a global scale the layer is sliced (the
+    reason says so); with NVFP4's per-layer alpha, slice mode."""
     why = P.plan_ragged_sm90(_ragged_spec(None, "nvfp4", None, "bfloat16", 65, 4096, 4096, 16,
-                                          group_index=True), H100)
+                                          group_index=True, alpha_is_one=True), H100)
     assert isinstance(why, str) and "the layer is sliced" in why, why
+    p = P.plan_ragged_sm90(_ragged_spec(None, "nvfp4", None, "bfloat16", 65, 4096, 4096, 16,
+                                        group_index=True), H100)
+    assert p.kernel == "layer_slice" and p.layer.kernel == "register_weights", p
 
 
 @pytest.mark.parametrize("over,match", [

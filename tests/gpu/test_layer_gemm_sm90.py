@@ -132,13 +132,17 @@ def test_scan_reads_the_stack_in_place():
 
 
 def test_prefill_rows_slice_the_layer_and_run_the_dense_kernels():
-    """Past the decode kernels' 64 rows the layer is sliced and gemm's wide kernels run it."""
-    w = _stack("nvfp4", 3, 512, 1024)
-    x = _activation(None, 200, 1024)
-    f = jax.jit(lambda x, i: jbs.gemm(x, w, layer=i))
-    hlo = f.lower(x, 1).as_text()
-    assert DENSE in hlo and LAYER not in hlo
-    _check(x, w, 1)
+    """Past the decode kernels' 64 rows the layer is sliced and gemm's wide kernels run it:
+    through gemm's own target without a global scale, through the layer target's slice mode
+    (alpha read from the stack) with NVFP4's per-layer ones."""
+    for fmt, target in (("mxfp4", DENSE), ("nvfp4", LAYER)):
+        w = _stack(fmt, 3, 512, 1024)
+        x = _activation(None, 200, 1024)
+        f = jax.jit(lambda x, i, w=w: jbs.gemm(x, w, layer=i))
+        hlo = f.lower(x, 1).as_text()
+        assert target in hlo and ({DENSE, LAYER} - {target}).isdisjoint(
+            re.findall(r"@(jax_blockscale_\w+)", hlo)), fmt
+        _check(x, w, 1)
 
 
 def test_prefill_rows_in_a_loop_read_the_layer_in_place():
@@ -158,8 +162,8 @@ def test_prefill_rows_in_a_loop_read_the_layer_in_place():
     stack_slice = re.compile(r"(u8|f8e4m3fn|f4e2m1fn)\[[\d,]+\][^\n]*dynamic-slice\(")
     slicing = [b for b in blocks if stack_slice.search(b)]
     assert slicing, "no slice of the stacks found"
-    for b in slicing:
-        assert DENSE in b, "a slice of the stack is copied outside the kernel's fusion:\n" + b[:2000]
+    for b in slicing:  # NVFP4: the layer target's slice mode
+        assert LAYER in b, "a slice of the stack is copied outside the kernel's fusion:\n" + b[:2000]
     want = sum(np.asarray(jbs.gemm(x, _layer_of(w, i), out_dtype=jnp.float32,
                                    backend="reference"), np.float64) for i in range(layers))
     got = np.asarray(f(x), np.float64)
@@ -238,3 +242,20 @@ def test_a_copied_probe_runs_index_mode():
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     in_place, indexed = np.subtract(_plugin.layer_gemm_counts(), before)
     assert indexed == 3 and in_place == 0, (in_place, indexed)
+
+
+def test_slice_mode_gathers_alpha_where_the_layer_was_copied():
+    """NVFP4 at 64 rows (a register-weight plan: slice mode). With the index a jit argument XLA
+    copies the layer's slices; the handler cannot name the layer, gathers its alpha on the
+    device, and the result still equals `gemm(x, w[i])` bit for bit, as in place."""
+    w = _stack("nvfp4", 4, 512, 1024)
+    x = _activation(None, 64, 1024)
+    assert _plan(x, w, jnp.float32).kernel == "layer_slice"
+    f = jax.jit(lambda x, w, i: jbs.gemm(x, w, layer=i, out_dtype=jnp.float32))
+    dense = jax.jit(lambda x, wl: jbs.gemm(x, wl, out_dtype=jnp.float32))
+    before = _plugin.layer_gemm_counts()
+    for i in (0, 3, 2, 7, -1):  # out of range: clamped as the slice clamps it
+        want = dense(x, _layer_of(w, int(np.clip(i, 0, 3))))
+        np.testing.assert_array_equal(np.asarray(f(x, w, i)), np.asarray(want), err_msg=str(i))
+    in_place, gathered = np.subtract(_plugin.layer_gemm_counts(), before)
+    assert gathered == 5 and in_place == 0, (in_place, gathered)
