@@ -42,10 +42,10 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
       `lax.scan` / `fori_loop` over layers, pass the stack (not a scanned slice of it) and the
       loop index (best carried as a counter, not scanned out of an arange): a scanned slice of
       FP4 elements is copied before every call, this is not.
-      Leading dims of a fold into M; `backend` then names a `ragged_gemm` backend. On Hopper
-      the decode kernel reads the layer in place where `gemm` would run it; elsewhere the layer
-      is sliced for gemm's kernel (in place when the index is a loop counter, else a copy:
-      docs/design/scanned_layers.md).
+      Leading dims of a fold into M; `backend` then names a `ragged_gemm` backend. On Hopper,
+      with the stack passed to jit and the index a loop counter, the layer runs on gemm's own
+      plan for it, bit for bit as gemm(a, b[layer]); where XLA copies instead, the grouped
+      decode kernel reads the index on the device (docs/design/scanned_layers.md).
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "

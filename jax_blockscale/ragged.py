@@ -33,9 +33,10 @@ nonzero) and `plan_shape` (a shard's unsharded (M, N, G), whose kernel choice it
 Index mode (``group_index=True``, what ``jbs.gemm(x, w, layer=i)`` binds): the group_sizes
 operand is an int32 scalar, the one group that owns every row (clamped to [0, G) by whoever
 runs it): a dense GEMM against one matrix of a stack (a layer of a scanned model) that reads it
-where it lies. A backend whose plan accepts it runs it in place (sm90: the grouped decode
-kernel, no work table); otherwise the lowering slices that matrix out and runs `gemm`'s local
-primitive on it.
+where it lies. A backend whose plan accepts it runs it in place (sm90: the layer target, which
+runs gemm's plan on the layer it finds from an in-place probe, else the grouped decode kernel
+with no work table; lowering/ragged_sm90.py); otherwise the lowering slices that matrix out and
+runs `gemm`'s local primitive on it.
 
 Differentiation: as `gemm` (primitive.py): quantized operands are not differentiable (a nonzero
 tangent reaching one raises); in weight-only mode the product is linear in lhs and in alpha,
