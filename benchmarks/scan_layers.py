@@ -6,8 +6,10 @@ weights, per format; device time from the profiler (benchmarks/timing.py).
     python benchmarks/scan_layers.py --tiny                           # CPU smoke run
 
 Modes: "unrolled" (one weight per layer), "scan" (the stacked weight is the scan's xs) and, for
-block-scaled formats, "scan_in_place" (the scan runs over the layer index and each step calls
-``jbs.gemm(x, stack, layer=i)``, which reads the layer where it lies). The per-kernel breakdown
+block-scaled formats, "scan_in_place" (the stack stays whole, the layer index is carried as a
+counter and each step calls ``jbs.gemm(x, stack, layer=i)``, which runs the layer where it lies
+on gemm's own plan) and "scan_in_place_arange" (the same with the index scanned out of an
+arange: XLA copies the layer's probe and index mode runs). The per-kernel breakdown
 (--kernels) shows where the time goes (a copy of each layer's weight slice, for bf16 and FP4:
 docs/design/scanned_layers.md).
 """
@@ -53,13 +55,25 @@ def run_scan(x, w):
     return jax.lax.scan(lambda x, w: (layer(x, w), None), x, w)[0]
 
 
-def run_scan_in_place(x, w):
-    """The stack stays whole; each step runs its layer with gemm(..., layer=i)."""
-    def step(x, i):
-        y = jbs.gemm(x, w, layer=i)
-        return jnp.tanh(y.astype(jnp.float32)).astype(jnp.bfloat16), None
+def _in_place_layer(x, w, i):
+    y = jbs.gemm(x, w, layer=i)
+    return jnp.tanh(y.astype(jnp.float32)).astype(jnp.bfloat16)
 
-    return jax.lax.scan(step, x, jnp.arange(w.shape[0]))[0]
+
+def run_scan_in_place(x, w):
+    """The stack stays whole; each step runs its layer with gemm(..., layer=i), the index
+    carried as a counter (what XLA slices in place)."""
+    def step(carry, _):
+        x, i = carry
+        return (_in_place_layer(x, w, i), i + 1), None
+
+    return jax.lax.scan(step, (x, jnp.int32(0)), None, length=w.shape[0])[0][0]
+
+
+def run_scan_in_place_arange(x, w):
+    """As run_scan_in_place with the index scanned out of an arange."""
+    return jax.lax.scan(lambda x, i: (_in_place_layer(x, w, i), None), x,
+                        jnp.arange(w.shape[0]))[0]
 
 
 def main(argv=None):
@@ -88,6 +102,7 @@ def main(argv=None):
                  "scan": (jax.jit(run_scan), (x, w))}
         if fmt != "bf16":
             modes["scan_in_place"] = (jax.jit(run_scan_in_place), (x, w))
+            modes["scan_in_place_arange"] = (jax.jit(run_scan_in_place_arange), (x, w))
         want = np.asarray(modes["unrolled"][0](*modes["unrolled"][1]), np.float32)
         for mode, (f, a) in modes.items():
             if args.hlo:
