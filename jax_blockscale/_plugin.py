@@ -213,8 +213,9 @@ def has_layer_gemm(lib: ctypes.CDLL | None = None) -> bool:
 
 
 def layer_gemm_counts() -> tuple[int, int]:
-    """(calls that found their layer in place, calls that ran index mode) of the layer target in
-    this process (tests read it; a CUDA graph replay does not call the handler again)."""
+    """(calls that found their layer in place, calls that did not: index mode, or slice mode
+    with its alpha gathered on the device) of the layer target in this process, counted each
+    time its handler runs (tests read it)."""
     lib = load()
     if lib is None or not hasattr(lib, "jbs_layer_gemm_counts"):
         return (0, 0)

@@ -83,8 +83,8 @@ def activation_operands(a, sa, plan: Plan, spec, unused_scales):
     if spec.fmt_a is None:
         sa8 = unused_scales
     elif plan.a_scales_plain:
-        sa8 = kernel_plain_scale_bytes(sa, plan.m, (plan.k - spec.k) // get_format(spec.fmt_a).block,
-                                       spec=spec)
+        pad_blocks = (plan.k - spec.k) // get_format(spec.fmt_a).block
+        sa8 = kernel_plain_scale_bytes(sa, plan.m, pad_blocks, spec=spec)
     else:
         sa8 = kernel_scale_bytes(sa, spec.fmt_a, spec.layout_a, plan.m, spec.m, spec=spec)
     return a8, sa8
