@@ -231,8 +231,8 @@ ffi::Error GatherAlpha(cudaStream_t stream, void* out, const void* alpha, const 
   return ffi::Error::Success();
 }
 
-// How often the layer target found its layer in place (0) or ran index mode (1): tests read them
-// through jbs_layer_gemm_counts.
+// How often the layer target found its layer in place (0) or did not (1: index mode, or slice
+// mode with its alpha gathered): tests read them through jbs_layer_gemm_counts.
 std::atomic<long long> g_layer_calls[2];
 
 // The layer of a stack of `layers` equal layers at [base, base + bytes) that a slice starting at
@@ -378,7 +378,7 @@ JBS_EXPORT long long jbs_layer_at(unsigned long long at, unsigned long long base
   return jbs::LayerAt(at, base, bytes, layers);
 }
 
-// counts[0]: layer calls that found their layer in place; counts[1]: those that ran index mode.
+// counts[0]: layer calls that found their layer in place; counts[1]: those that did not.
 JBS_EXPORT void jbs_layer_gemm_counts(long long* counts) {
   for (int i = 0; i < 2; ++i) counts[i] = jbs::g_layer_calls[i].load();
 }

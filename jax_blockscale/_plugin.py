@@ -48,6 +48,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.jbs_sm90_check_problem.argtypes = [c.POINTER(c.c_int), c.POINTER(c.c_longlong),
                                            c.POINTER(c.c_ulonglong), c.c_char_p, c.c_int]
     lib.jbs_sm90_check_problem.restype = c.c_int
+    if hasattr(lib, "jbs_layer_at"):  # libraries built before the layer target lack it
+        lib.jbs_layer_at.argtypes = [c.c_ulonglong, c.c_ulonglong, c.c_ulonglong, c.c_longlong]
+        lib.jbs_layer_at.restype = c.c_longlong
     _declare_sm100(lib)
 
 
@@ -227,11 +230,7 @@ def layer_gemm_counts() -> tuple[int, int]:
 def layer_at(at: int, base: int, nbytes: int, layers: int) -> int:
     """The layer target's reading of a probe's address: the layer of a stack of `layers` at
     [base, base + nbytes) that a slice starting at `at` begins, or -1 (tests; no GPU needed)."""
-    lib = load()
-    fn = lib.jbs_layer_at
-    fn.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_longlong]
-    fn.restype = ctypes.c_longlong
-    return int(fn(at, base, nbytes, layers))
+    return int(load().jbs_layer_at(at, base, nbytes, layers))
 
 
 def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:

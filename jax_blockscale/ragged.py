@@ -271,15 +271,12 @@ for _platform in ALL_PLATFORMS:
 def _sliced_gemm(*xs, params):
     """Index mode without an in-place kernel: gemm's local primitive on rhs[index] (a slice XLA
     hands the kernel in place when the index is a loop counter, else a copy)."""
-    from .lowering.kernel_operands import element_bytes  # noqa: PLC0415
+    from .lowering.kernel_operands import element_bytes, take_layer  # noqa: PLC0415
     from .primitive import gemm_local_p  # noqa: PLC0415
     from .primitive import join_operands as join_gemm  # noqa: PLC0415
 
     lhs, rhs, sl, sr, index, alpha, _ = split_operands(xs, params["fmt_lhs"])
-    # XLA's dynamic slice clamps the index into [0, L) as the kernels do (-1 reads layer 0);
-    # a separate clip would be a kernel per call, JAX's negative-index wrap would differ
-    take = lambda x: lax.dynamic_index_in_dim(  # noqa: E731
-        x, index, 0, keepdims=False, allow_negative_indices=False)
+    take = lambda x: take_layer(x, index)  # noqa: E731
     if rhs.dtype == jnp.float4_e2m1fn:
         # Slice the packed bytes and view them as FP4 again: the kernels' byte view of the
         # result cancels the view, and XLA hands a kernel the byte slice in place (a slice of

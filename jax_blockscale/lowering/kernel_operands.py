@@ -36,6 +36,14 @@ def kernel_batch_layout(x: jax.Array, rows: int, *, spec: GemmSpec) -> jax.Array
     return jnp.broadcast_to(x, spec.batch_shape + x.shape[-2:]).reshape((L,) + x.shape[-2:])
 
 
+def take_layer(x: jax.Array, index) -> jax.Array:
+    """x[index] along the leading (layer) axis as XLA slices a scanned layer: in place at a loop
+    counter. XLA's dynamic slice clamps the index into [0, L) as the kernels do (-1 reads layer
+    0); a separate clip would be a kernel per call, and JAX's wrap of negative indices would make
+    the offset more than a function of the loop counter (XLA would copy the slice)."""
+    return lax.dynamic_index_in_dim(x, index, 0, keepdims=False, allow_negative_indices=False)
+
+
 def element_bytes(x: jax.Array) -> jax.Array:
     """Quantized elements as the uint8 the kernels read: fp4 two per byte (element 2i in the low
     nibble), 8-bit kinds bit for bit."""

@@ -392,10 +392,10 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         # address names it), the layer runs gemm's own plan for it; copied, index mode runs the
         # grouped decode kernel with the dense decode kernel's variant and splits where that is
         # the plan, else with the decode kernel's choice for the layer.
-        whole = plan_sm90(GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
-                                   np.dtype(spec.lhs_dtype), np.dtype(spec.out_dtype), (), (), (),
-                                   pm, pn, spec.k, spec.alpha_is_one),
-                          device, library=library)
+        own = GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
+                       np.dtype(spec.lhs_dtype), np.dtype(spec.out_dtype), (), (), (), spec.m,
+                       spec.n, spec.k, spec.alpha_is_one)
+        whole = plan_sm90(dataclasses.replace(own, m=pm, n=pn), device, library=library)
         if isinstance(whole, str):
             return whole
         if whole.kernel not in cat90.LAYER_KERNELS or whole.dequantize_a or whole.k != spec.k:
@@ -403,10 +403,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
                     f"{' (activation dequantized first)' if whole.dequantize_a else ''}"
                     f"{' (K padded)' if whole.k != spec.k else ''}: the layer is sliced and "
                     "that kernel runs it")
-        layer = as_shard(whole, GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs,
-                                         spec.layout_rhs, np.dtype(spec.lhs_dtype),
-                                         np.dtype(spec.out_dtype), (), (), (), spec.m, spec.n,
-                                         spec.k, spec.alpha_is_one))
+        layer = as_shard(whole, own)
         if pm > cat90.INDEX_MODE_MAX_ROWS or whole.permute_k:
             # No index mode past its rows, nor where the layer's plan K-permutes the activation
             # (index mode would need it in K order as well: one more write of it per call).

@@ -32,7 +32,7 @@ from .. import layout as _layout
 from ..catalog import sm90 as cat
 from ..ragged_backends import RaggedPlan, register_ragged_backend
 from .ffi_sm90 import activation_operands
-from .kernel_operands import element_bytes
+from .kernel_operands import element_bytes, take_layer
 from .plan import device_for, plan_ragged_sm90
 
 ZERO_ITEM = -1  # the expert of an item whose rows the kernel writes as zeros
@@ -161,8 +161,7 @@ def _layer_call(lhs, sl, sr, b8, sb8, a_index, index, alpha, plan: RaggedPlan):
     workspace = max(layer.workspace, plan.splits * m * n)
     if plan.kernel == "layer_slice":
         # sliced as _sliced_gemm (ragged.py) slices, so that XLA hands them over in place
-        take = lambda x: lax.dynamic_index_in_dim(  # noqa: E731
-            x, index, 0, keepdims=False, allow_negative_indices=False)
+        take = lambda x: take_layer(x, index)  # noqa: E731
         if spec.layout_rhs == "blocked":
             sb_layer = lax.bitcast_convert_type(take(sr), jnp.uint8).reshape(-1)
         else:
