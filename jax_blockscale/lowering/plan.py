@@ -404,6 +404,8 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
                     f"{' (K padded)' if whole.k != spec.k else ''}: the layer is sliced and "
                     "that kernel runs it")
         layer = as_shard(whole, own)
+        if not library.has_layer_gemm():  # both ways below run through the layer target
+            return "the library has no layer target (built before gemm(..., layer=) found layers)"
         if pm > cat90.INDEX_MODE_MAX_ROWS or whole.permute_k:
             # No index mode past its rows, nor where the layer's plan K-permutes the activation
             # (index mode would need it in K order as well: one more write of it per call).
@@ -411,7 +413,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
                 return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {whole.kernel} "
                         "kernel with no global scale: the layer is sliced and that kernel runs it")
             # slice mode: XLA's slices of the layer, the layer's alpha read from the stack
-            return _layer_slice_plan(spec, layer, library)
+            return _layer_slice_plan(spec, layer)
         if whole.kernel == "decode":
             choice = (cat90.DecodeVariant(whole.a_kind, whole.b_kind, out, whole.nt), whole.splits)
         else:
@@ -445,21 +447,17 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     a_scales_plain = spec.fmt_lhs is not None and spec.layout_lhs == "plain"
     if layer is not None:  # index mode reads the activation's scales as the layer's plan does
         a_scales_plain = layer.a_scales_plain
-        if not library.has_layer_gemm():
-            return "the library has no layer target (built before gemm(..., layer=) found layers)"
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
                       items=items, a_scales_plain=a_scales_plain, layer=layer)
 
 
-def _layer_slice_plan(spec, layer: Plan, library):
+def _layer_slice_plan(spec, layer: Plan):
     """gemm(..., layer=i) in slice mode (lowering/ragged_sm90.py): the layer target runs
     `layer` on XLA's slices of the layer (in place at a loop counter) with the layer's alpha
     read from the stack of global scales, so no XLA kernel runs per call for it."""
     from ..ragged_backends import RaggedPlan  # noqa: PLC0415
 
-    if not library.has_layer_gemm():
-        return "the library has no layer target (built before gemm(..., layer=) found layers)"
     return RaggedPlan("sm90", "layer_slice", spec, "cuda", variant=layer.variant,
                       a_kind=layer.a_kind, b_kind=layer.b_kind, tile=layer.tile,
                       a_scales_plain=layer.a_scales_plain, layer=layer)
