@@ -41,9 +41,13 @@ from timing import copies, device_time_us, gpu_kernel_events, rotation_count, ti
 HIDDEN, FFN, QKV = 4096, 14336, 6144
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
           "down": (HIDDEN, FFN)}  # name: (N, K), weights (out, in)
-# variant: (weight format or None for bf16, activation format or None)
+# variant: (weight format or None for bf16, activation format or None). W4A4 quantizes the
+# activation in the GEMM's call (`gemm(x, w, quantize_a="nvfp4")`); "_composed": written out,
+# `gemm(jbs.quantize(x, "nvfp4"), w)`, the same numbers (not run by default).
 VARIANTS = {"bf16": (None, None), "nvfp4": ("nvfp4", None), "nvfp4_w4a4": ("nvfp4", "nvfp4"),
-            "mxfp4": ("mxfp4", None), "mxfp8": ("mxfp8_e4m3", None)}
+            "mxfp4": ("mxfp4", None), "mxfp8": ("mxfp8_e4m3", None),
+            "nvfp4_w4a4_composed": ("nvfp4", "nvfp4:composed")}
+DEFAULT_VARIANTS = ("bf16", "nvfp4", "nvfp4_w4a4", "mxfp4", "mxfp8")
 # The step targets (H100): speedup over bf16 at batch 1 / 16 / 64 (W4A4: within x of
 # weight-only NVFP4).
 TARGETS = {"nvfp4": {1: 3.2, 16: 2.8, 64: 2.0}, "mxfp8": {1: 1.8, 16: 1.6, 64: 1.2}}
@@ -78,8 +82,10 @@ def stack(weights):
 def linear(x, w, act_fmt, layer=None):
     if not isinstance(w, jbs.BlockScaled):
         return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
-    a = x if act_fmt is None else jbs.quantize(x, act_fmt)
-    return jbs.gemm(a, w, out_dtype=x.dtype, **({} if layer is None else dict(layer=layer)))
+    kw = {} if layer is None else dict(layer=layer)
+    if act_fmt is not None and act_fmt.endswith(":composed"):
+        return jbs.gemm(jbs.quantize(x, act_fmt.split(":")[0]), w, out_dtype=x.dtype, **kw)
+    return jbs.gemm(x, w, out_dtype=x.dtype, quantize_a=act_fmt, **kw)
 
 
 def rms_norm(x):
@@ -187,7 +193,7 @@ def print_step_table(rows):
         if r["variant"] in TARGETS and r["mode"] == "unrolled":
             target = f">= {TARGETS[r['variant']][r['batch']]}x" if r["batch"] in TARGETS[
                 r["variant"]] else "-"
-        if r["variant"] == "nvfp4_w4a4":
+        if r["variant"].startswith("nvfp4_w4a4"):
             wo = by.get(("nvfp4", r["mode"], r["batch"]))
             if wo is not None and r["batch"] in W4A4_WITHIN:
                 target = (f"<= {W4A4_WITHIN[r['batch']]:.2f}x weight-only "
@@ -210,7 +216,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, of {list(VARIANTS)}")
     p.add_argument("--scan", action="store_true", help="also time scanned layers (layer=i)")
     p.add_argument("--no-per-gemm", action="store_true", help="skip the per-GEMM table")
     p.add_argument("--breakdown", type=int, default=12, help="kernels printed per step row")

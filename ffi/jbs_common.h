@@ -39,10 +39,12 @@ struct LaunchArgs {
 // (kernels/sm90_blockscaled.py, tile_m x tile_n; a_kind JBS_BF16_KPERM: its register-weight
 // variants); nt == 1, 2, 4, 8: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per
 // CTA (tile_m = 8 * nt), tile_n rows of N per CTA, k_chunk K elements per sub-chunk; grouped 1:
-// the decode kernel for ragged_gemm (experts), target jax_blockscale_ragged_gemm_sm90.
+// the decode kernel for ragged_gemm (experts), target jax_blockscale_ragged_gemm_sm90; chained 1:
+// the decode kernel launched as a programmatic dependent of the activation quantizer (target
+// jax_blockscale_quantized_act_gemm_sm90), which waits for it before reading the activation.
 struct Variant {
   const char* name;
-  int a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk, grouped;
+  int a_kind, b_kind, out, tile_m, tile_n, sm, nt, k_chunk, grouped, chained;
   void (*load)();
   int32_t (*launch)(const LaunchArgs&);
 };
@@ -70,6 +72,9 @@ struct Problem {
   int grouped;
   uint64_t items_ptr;
   int64_t items_bytes, num_items;
+  // 1: the activation comes from the quantizer launched just before in the same call (the
+  // chained decode variant runs it); 0: from XLA
+  int chained;
 };
 
 // Pure check (no CUDA): nullptr when the planned variant is in `variants` and can run `p`

@@ -87,12 +87,13 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     const Variant& c = variants[i];
     if (c.sm == 90 && c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out &&
         c.nt == p.nt && c.tile_m == p.tile_m && c.tile_n == p.tile_n &&
-        c.grouped == (p.grouped != 0))
+        c.grouped == (p.grouped != 0) && c.chained == p.chained)
       v = &c;
   }
   if (!v)
     return Fail(buf, n, "no compiled sm90 %s kernel for %s x %s with output code %d and tile "
-                "%dx%d", p.grouped ? "grouped decode" : p.nt ? "decode" : "fused",
+                "%dx%d", p.grouped ? "grouped decode" : p.chained ? "chained decode" :
+                p.nt ? "decode" : "fused",
                 KindName(p.a_kind), KindName(p.b_kind), p.out, p.tile_m, p.tile_n);
   if ((p.a_e5m2 != 0 && p.a_e5m2 != 1) || (p.b_e5m2 != 0 && p.b_e5m2 != 1))
     return Fail(buf, n, "a_e5m2/b_e5m2 must be 0 or 1");

@@ -28,6 +28,8 @@ SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), 
 DOT_ALPHA_TARGET = "jax_blockscale_dot_alpha"
 RAGGED_SM90_TARGET = "jax_blockscale_ragged_gemm_sm90"  # ragged_gemm's grouped decode kernel
 LAYER_SM90_TARGET = "jax_blockscale_layer_gemm_sm90"  # gemm(..., layer=i): one layer of a stack
+# gemm(x, w, quantize_a="nvfp4"): the activation quantized in the GEMM's call
+QUANTIZED_ACT_SM90_TARGET = "jax_blockscale_quantized_act_gemm_sm90"
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -51,6 +53,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "jbs_layer_at"):  # libraries built before the layer target lack it
         lib.jbs_layer_at.argtypes = [c.c_ulonglong, c.c_ulonglong, c.c_ulonglong, c.c_longlong]
         lib.jbs_layer_at.restype = c.c_longlong
+    if hasattr(lib, "jbs_quantized_activation_scratch"):
+        lib.jbs_quantized_activation_scratch.argtypes = [c.c_longlong, c.POINTER(c.c_longlong)]
+        lib.jbs_quantized_activation_scratch.restype = None
     _declare_sm100(lib)
 
 
@@ -125,6 +130,11 @@ def register_targets() -> bool:
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90_instantiate),
                     "execute": jax.ffi.pycapsule(lib.jax_blockscale_layer_gemm_sm90),
                 }, platform="CUDA")
+            if has_quantized_act_gemm(lib):
+                jax.ffi.register_ffi_target(QUANTIZED_ACT_SM90_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_quantized_act_gemm_sm90),
+                }, platform="CUDA")
             if has_sm100(lib):
                 jax.ffi.register_ffi_target(SM100_TARGET, {
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
@@ -139,7 +149,8 @@ def register_targets() -> bool:
     return True
 
 
-_SM90_FIELDS = ("a_kind", "b_kind", "out", "tile_m", "tile_n", "sm", "nt", "k_chunk", "grouped")
+_SM90_FIELDS = ("a_kind", "b_kind", "out", "tile_m", "tile_n", "sm", "nt", "k_chunk", "grouped",
+                "chained")
 
 
 def variants() -> list[dict]:
@@ -178,7 +189,7 @@ def manifest() -> dict | None:
 
 
 _SM90_INTS = ("a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "cc_major", "cc_minor", "sm_count",
-               "a_scales_plain", "nt", "tile_m", "tile_n", "splits", "grouped")
+               "a_scales_plain", "nt", "tile_m", "tile_n", "splits", "grouped", "chained")
 _SM90_LONGS = ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes", "c_bytes",
                "alpha_bytes", "ws_bytes", "items_bytes", "num_items")
 _SM90_PTRS = ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "ws_ptr", "items_ptr")
@@ -192,8 +203,8 @@ def check_problem(**kw) -> tuple[bool, str]:
     if lib is None:
         raise RuntimeError(unavailable_reason())
     kw = dict(dict(cc_major=9, cc_minor=0, sm_count=132, a_e5m2=0, b_e5m2=0, a_scales_plain=0,
-                   nt=0, splits=0, alpha_bytes=4, ws_bytes=0, grouped=0, items_bytes=0,
-                   num_items=0), **kw)
+                   nt=0, splits=0, alpha_bytes=4, ws_bytes=0, grouped=0, chained=0,
+                   items_bytes=0, num_items=0), **kw)
     ptrs = [kw.get(n, 0x10000 * (i + 1)) for i, n in enumerate(_SM90_PTRS)]
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_sm90_check_problem((ctypes.c_int * len(_SM90_INTS))(*(kw[n] for n in _SM90_INTS)),
@@ -213,6 +224,20 @@ def has_layer_gemm(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has the layer target (gemm(..., layer=i) finding its layer)."""
     lib = lib if lib is not None else load()
     return lib is not None and hasattr(lib, "jax_blockscale_layer_gemm_sm90")
+
+
+def has_quantized_act_gemm(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has the target that quantizes the activation in the GEMM's call."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_quantized_act_gemm_sm90")
+
+
+def quantized_activation_scratch(blocks: int) -> tuple[int, int, int]:
+    """The library's scratch layout for an activation of `blocks` NVFP4 blocks: (offset of the
+    scales, offset of alpha, bytes in all) (tests compare it with the lowering's)."""
+    out = (ctypes.c_longlong * 3)()
+    load().jbs_quantized_activation_scratch(blocks, out)
+    return int(out[0]), int(out[1]), int(out[2])
 
 
 def layer_gemm_counts() -> tuple[int, int]:

@@ -101,14 +101,15 @@ def variants_header(variants: list[cat.Variant]) -> str:
     lines += ["}  // namespace jbs_generated", "",
               "// name, a_kind, b_kind, out, tile_m, tile_n, sm, nt (0: fused; 1/2/4/8: decode),",
               "// k_chunk (decode: K elements per sub-chunk), grouped (1: ragged_gemm's grouped",
-              "// decode kernel), load, launch",
+              "// decode kernel), chained (1: the decode kernel behind the activation quantizer),",
+              "// load, launch",
               "static const jbs::Variant kJbsVariants[] = {"]
     for v in variants:
         p = v.name
         lines.append(
             f'  {{"{p}", {cat.KIND_CODES[v.a_kind]}, {cat.KIND_CODES[v.b_kind]}, '
             f'{cat.OUT_CODES[v.out]}, {v.tile_m}, {v.tile_n}, 90, {v.nt}, {v.k_chunk}, '
-            f'{int(v.kernel == "ragged_decode")}, '
+            f'{int(v.kernel == "ragged_decode")}, {int(v.chained)}, '
             f"&jbs_generated::load_{p}, &jbs_generated::launch_{p}}},")
     lines += ["};", f"static const int kJbsNumVariants = {len(variants)};"]
     return "\n".join(lines) + "\n"
@@ -122,7 +123,7 @@ def _build_one(job) -> float:
     if v.kernel in ("decode", "ragged_decode"):
         from jax_blockscale.kernels import sm90_decode
 
-        sm90_decode.export_variant(cat.DecodeVariant(v.a_kind, v.b_kind, v.out, v.nt), out_dir,
+        sm90_decode.export_variant(v.decode_variant, out_dir,
                                    function_prefix=v.name, arch="sm_90a",
                                    grouped=v.kernel == "ragged_decode")
     else:
@@ -138,7 +139,8 @@ def _build_one(job) -> float:
 
 def _record(v: cat.Variant) -> dict:
     return dict(name=v.name, kernel=v.kernel, a=v.a_kind, b=v.b_kind, out=v.out,
-                tile_m=v.tile_m, tile_n=v.tile_n, sm=90, nt=v.nt, k_chunk=v.k_chunk)
+                tile_m=v.tile_m, tile_n=v.tile_n, sm=90, nt=v.nt, k_chunk=v.k_chunk,
+                chained=v.chained)
 
 
 def main(argv=None):

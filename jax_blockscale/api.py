@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import OUT_DTYPES, can_multiply, format_for, supported_pairs
+from .formats import FORMATS, OUT_DTYPES, can_multiply, format_for, supported_pairs
 from .lowering import forced_backend
 from .primitive import gemm_p, join_operands
-from .quantize import BlockScaled, check_blockscaled
+from .quantize import BlockScaled, check_blockscaled, quantize
 
 
 def _alpha(*operands) -> jax.Array:
@@ -26,7 +26,7 @@ def _alpha(*operands) -> jax.Array:
 
 
 def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None,
-         layer=None) -> jax.Array:
+         layer=None, quantize_a: str | None = None) -> jax.Array:
     """y[..., m, n] = sum_k A[..., m, k] * B[..., n, k]  (both operands K-major, "TN").
 
     a: a `BlockScaled` (..., M, K), or a plain bf16/f16/f32 array for weight-only mode.
@@ -46,10 +46,17 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
       with the stack passed to jit and the index a loop counter, the layer runs on gemm's own
       plan for it, bit for bit as gemm(a, b[layer]); where XLA copies instead, the grouped
       decode kernel reads the index on the device (docs/design/scanned_layers.md).
+    quantize_a: a format name: `a` is a plain activation to quantize to it on every call
+      (W4A4 / W8A8 with the activation's global scale calibrated per call). The result is
+      ``gemm(jbs.quantize(a, quantize_a), b)``; on Hopper, where that runs on the decode
+      kernel (NVFP4, a bf16 `a` of up to 262,144 elements, one 2-D weight), the quantization
+      runs inside the GEMM's call, bit for bit the same (docs/design/quantized_activation.md).
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
                         "weight with jbs.quantize(w, fmt, layout='blocked')")
+    if quantize_a is not None:
+        return _quantized_activation_gemm(a, b, quantize_a, out_dtype, backend, layer)
     if layer is not None:
         return _layer_gemm(a, b, layer, out_dtype, backend)
     forced_backend(backend)  # an unknown name fails here, at trace time
@@ -76,6 +83,33 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     y = gemm_p.bind(*operands, **dict(params, out_dtype=np.dtype(np.float32)), alpha_is_one=True)
     y = y * jnp.reshape(alpha, alpha.shape + (1, 1))
     return y.astype(out_dtype)
+
+
+def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer) -> jax.Array:
+    """gemm(quantize(a, fmt), b), the quantization in the GEMM's call where it can be."""
+    from .quantized_activation import quantized_activation_gemm_call  # noqa: PLC0415
+
+    if isinstance(a, BlockScaled):
+        raise TypeError(f"with quantize_a={fmt!r}, a must be the plain activation to quantize "
+                        f"(got a BlockScaled of {a.fmt}); pass quantize_a=None to multiply it "
+                        "as it is")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ValueError(f"quantize_a must be a format name, one of {sorted(FORMATS)}; got "
+                         f"{fmt!r}")
+    a = jnp.asarray(a)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"with quantize_a, a must be a floating-point activation, got {a.dtype}")
+    check_blockscaled(b, "b")
+    if not can_multiply(fmt, b.fmt):
+        raise ValueError(f"quantize_a={fmt!r} cannot multiply b in {b.fmt}; supported pairs: "
+                         f"{supported_pairs()}")
+    forced_backend(backend)
+    if np.dtype(out_dtype) not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
+                        f"got {np.dtype(out_dtype).name}")
+    if layer is not None:
+        return gemm(quantize(a, fmt), b, out_dtype=out_dtype, backend=backend, layer=layer)
+    return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend)
 
 
 def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend) -> jax.Array:

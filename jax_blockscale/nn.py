@@ -100,8 +100,10 @@ def dense(x, kernel: BlockScaled, bias=None, *, act_fmt: str | None = None, dtyp
                          f"supported pairs: {supported_pairs()}, or act_fmt=None (weight-only)")
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)  # gemm takes (M, K); fold every leading axis into M
-    a = quantize(x2, act_fmt) if act_fmt is not None else x2.astype(out_dtype)
-    y = gemm(a, kernel, out_dtype=out_dtype, backend=backend)
+    # with act_fmt, gemm quantizes x2 itself: gemm(quantize(x2, act_fmt), kernel), in the GEMM's
+    # call where the kernel can (docs/design/quantized_activation.md)
+    a = x2 if act_fmt is not None else x2.astype(out_dtype)
+    y = gemm(a, kernel, out_dtype=out_dtype, backend=backend, quantize_a=act_fmt)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(out_dtype)
     return y.reshape(*lead, n)

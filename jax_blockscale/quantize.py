@@ -361,6 +361,18 @@ def _encode_factor(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, enc, 1.0).astype(jnp.float32)
 
 
+def _decode_factor(enc: jax.Array) -> jax.Array:
+    """The stored decode factor 1 / enc, behind an optimization barrier.
+
+    Without it XLA folds the quotient into whatever consumes the factor inside the same jit
+    (gemm's alpha = a.global_scale * b.global_scale became (b * amax) / 2688), a value one ulp
+    away from the product of the stored factors that depends on the graph around it. With it,
+    every consumer sees the stored factor, and a kernel that quantizes the activation itself
+    (gemm's quantize_a) reproduces alpha bit for bit.
+    """
+    return lax.optimization_barrier((1.0 / enc).astype(jnp.float32))
+
+
 def _quantize_nvfp4(x: jax.Array, fmt: Format, global_scale):
     xb = _blocks(x, fmt.block)  # (..., MN, SK, 16)
     finite = jnp.isfinite(xb)
@@ -370,16 +382,20 @@ def _quantize_nvfp4(x: jax.Array, fmt: Format, global_scale):
         decode = None
     elif isinstance(global_scale, str) and global_scale == "auto":  # one for the whole tensor
         enc = _encode_factor(jnp.max(fabs, initial=0.0))
-        decode = (1.0 / enc).astype(jnp.float32)
+        decode = _decode_factor(enc)
     elif isinstance(global_scale, str):  # "per_matrix": one per trailing (MN, K) matrix
         enc = _encode_factor(jnp.max(fabs, axis=(-3, -2, -1), initial=0.0))
-        decode = (1.0 / enc).astype(jnp.float32)
+        decode = _decode_factor(enc)
     else:  # a caller-chosen decode factor (checked by quantize)
         decode = jnp.asarray(global_scale, jnp.float32)
         enc = 1.0 / decode
     enc_b = jnp.reshape(enc, jnp.shape(enc) + (1, 1))  # against (..., MN, SK)
     block_amax = jnp.max(fabs, axis=-1)
-    scales = jnp.minimum(block_amax / fmt.elem_max * enc_b, _E4M3_MAX).astype(fmt.scale_dtype)
+    # amax_block / 6 * enc, written as XLA evaluates it (it rewrites the division by the
+    # constant into a product with the f32 1/6 and multiplies the scalars first), so that
+    # what runs is what is written here and in ffi/quantize_activation.cu
+    enc_per_elem_max = enc_b * jnp.float32(1.0 / fmt.elem_max)
+    scales = jnp.minimum(block_amax * enc_per_elem_max, _E4M3_MAX).astype(fmt.scale_dtype)
     # the stored (rounded) scales divide the elements; the barrier keeps XLA from removing the
     # f32 -> e4m3 -> f32 round trip, as it does in dequantize on GPUs (not seen here: defensive)
     scales_f32 = lax.optimization_barrier(scales).astype(jnp.float32)[..., None]

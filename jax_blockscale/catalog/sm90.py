@@ -254,10 +254,16 @@ class DecodeVariant:
     b_kind: str  # "nvfp4" | "mxfp4" | "mxfp8"
     out: str  # "bf16" | "f16" | "f32"
     nt: int
+    # chained: launched as a programmatic dependent of the kernel before it (the activation
+    # quantizer of `gemm(..., quantize_a=)`): its CTAs start while that kernel runs, issue their
+    # first weight copies, and wait for it (griddepcontrol.wait) before reading the activation,
+    # its scales or alpha. Only for a producer that writes nothing but those.
+    chained: bool = False
 
     @property
     def name(self) -> str:
-        return f"jbs_sm90_decode_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
+        kind = "decode_chained" if self.chained else "decode"
+        return f"jbs_sm90_{kind}_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
 
 
 DECODE_VARIANTS = tuple(DecodeVariant(a, b, out, nt) for (a, b) in DECODE_PAIRS for out in OUTS
@@ -302,6 +308,17 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 # for gemm's other paths, the lowering slices the layer and gemm runs the slice.
 LAYER_KERNELS = ("decode", "fused", "register_weights")
 INDEX_MODE_MAX_ROWS = 64
+
+# `gemm(x, w, quantize_a=fmt)` (docs/design/quantized_activation.md): where gemm would run the
+# quantized activation on the decode kernel, one kernel (ffi/quantize_activation.cu) quantizes
+# it in the same call. Its formats, and the most elements it takes: one cluster of 8 CTAs of
+# 512 threads, each holding 4 blocks of 16 in registers.
+QUANTIZE_A_FORMATS = ("nvfp4",)
+QUANTIZE_A_MAX_ELEMENTS = 8 * 512 * 4 * 16
+# The decode kernels the quantizer hands its result to: the chained twins (DecodeVariant.chained)
+# of the decode variants of each quantized pair, every output dtype and M tile.
+CHAINED_DECODE_VARIANTS = tuple(DecodeVariant(a, a, out, nt, chained=True)
+                                for a in QUANTIZE_A_FORMATS for out in OUTS for nt in DECODE_NTS)
 
 
 def ragged_decode_items(m: int, groups: int, nt: int) -> int:
@@ -362,11 +379,16 @@ class Variant:
     tile_n: int
     nt: int = 0
     k_chunk: int = 0
+    chained: bool = False  # decode only: DecodeVariant.chained
+
+    @property
+    def decode_variant(self) -> DecodeVariant:
+        return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt, self.chained)
 
     @property
     def name(self) -> str:
         if self.kernel == "decode":
-            return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt).name
+            return self.decode_variant.name
         if self.kernel == "ragged_decode":
             return ragged_decode_name(DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt))
         return f"jbs_sm90_{self.a_kind}_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
@@ -380,7 +402,7 @@ def fused_variant(a_kind: str, b_kind: str, out: str, tile_m: int, tile_n: int) 
 def decode_variant(v: DecodeVariant, kernel: str = "decode") -> Variant:
     t = tuning_for(v.nt)
     return Variant(kernel, v.a_kind, v.b_kind, v.out, 8 * v.nt, t.bn, v.nt,
-                   decode_chunk_elems(v.b_kind, v.nt, t))
+                   decode_chunk_elems(v.b_kind, v.nt, t), v.chained)
 
 
 def ragged_decode_name(v: DecodeVariant) -> str:
@@ -393,4 +415,5 @@ VARIANTS = tuple(
     + [fused_variant("bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS for out in OUTS
        for (tm, tn) in REGISTER_WEIGHT_TILES]
     + [decode_variant(v) for v in DECODE_VARIANTS]
-    + [decode_variant(v, "ragged_decode") for v in DECODE_VARIANTS])
+    + [decode_variant(v, "ragged_decode") for v in DECODE_VARIANTS]
+    + [decode_variant(v) for v in CHAINED_DECODE_VARIANTS])

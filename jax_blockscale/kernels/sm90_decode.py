@@ -109,6 +109,10 @@ class Sm90DecodeGemm:
         self.q = self.e // 8  # 8-element groups per thread per step
         self.c_dtype = OUT_DTYPES[v.out]
         self.fold = tuning.fold_scale and v.b_kind == "nvfp4"
+        # chained (DecodeVariant.chained): launched with programmatic dependent launch behind the
+        # activation's producer; waits for it after the first weight copies are issued
+        self.chained = v.chained
+        assert not self.chained or (tuning.pipeline == "tma" and not self.grouped), tuning
         # activation buffer: per step, per n8 tile, per group, 32 lanes x 16 bytes
         self.step_act_bytes = v.nt * self.q * 32 * 16
         self.buf_bytes = self.sub * self.step_act_bytes
@@ -177,6 +181,7 @@ class Sm90DecodeGemm:
             # with min_blocks > 1 the DSL wants the carveout (else it probes a GPU at build time)
             preferred_smem_carveout=100 if self.tuning.pipeline != "regs" else None,
             stream=stream,
+            use_pdl=self.chained,
         )
         if splits > 1:  # one K range: the main kernel wrote the output itself
             self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
@@ -223,9 +228,14 @@ class Sm90DecodeGemm:
         nb, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.grouped):
             alpha = cutlass.Float32(1.0)  # the main kernel applied each expert's alpha
-        else:
-            alpha = self._alpha(alpha_ptr)
+        elif cutlass.const_expr(not self.chained):
+            alpha = self._alpha(alpha_ptr)  # loaded early: its latency overlaps the wait
         cute.arch.griddepcontrol_wait()  # the main kernel's partials are complete and visible
+        if cutlass.const_expr(self.chained):
+            # the producer before the main kernel writes alpha, and this kernel may start
+            # before that producer ends: read it only once the main kernel (which waited for
+            # the producer) is complete
+            alpha = self._alpha(alpha_ptr)
         ws = ws_ptr.toint()
         c = c_ptr.toint()
         vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0) & (per_thread == 4))
@@ -596,12 +606,20 @@ class Sm90DecodeGemm:
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
-        self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid, n_sub > 0,
-                       m_end)
+        if cutlass.const_expr(not self.chained):
+            self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid,
+                           n_sub > 0, m_end)
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < n_sub:
                     self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
+        if cutlass.const_expr(self.chained):
+            # the weights are already on their way; the activation, its scales (and alpha, read
+            # in the epilogue) are the producer's: wait until it is complete and its writes
+            # are visible
+            cute.arch.griddepcontrol_wait()
+            self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid,
+                           n_sub > 0, m_end)
         for it in range(n_sub):
             kc = k_begin + it * chunk
             buf = act_base + (it % 2) * self.buf_bytes
@@ -919,14 +937,15 @@ class Sm90DecodeGemm:
                 rowc = cutlass.max(cutlass.min(row, m_end - 1), 0)
             if cutlass.const_expr(not self.a_quant):
                 addr = a_addr + (cutlass.Int64(li) * m + rowc) * k * 2 + cutlass.Int64(kk) * 2
-                x = ldg_v4(addr, ok)
+                x = ldg_v4(addr, ok, self.chained)  # chained: written by the producer grid
             else:
                 a_bits = KINDS[v.a_kind]["bits"]
                 a_blk = KINDS[v.a_kind]["block"]
                 pitch = cutlass.Int64(k * a_bits // 8)
                 addr = a_addr + (cutlass.Int64(li) * m + rowc) * pitch + cutlass.Int64(
                     kk * a_bits // 8)
-                x = [ldg_bytes(addr, ok, 4)] if a_bits == 4 else ldg_bytes(addr, ok, 8)
+                x = ([ldg_bytes(addr, ok, 4, self.chained)] if a_bits == 4
+                     else ldg_bytes(addr, ok, 8, self.chained))
                 sk4 = (k // a_blk + 3) // 4
                 mb128 = (m + 127) // 128
                 kb = kk // a_blk
@@ -934,7 +953,7 @@ class Sm90DecodeGemm:
                     (rowc % 128) // 32) * 4 + kb % 4
                 if sa_plain != 0:  # uniform across the grid: no divergence
                     soff = (li * m + rowc) * (k // a_blk) + kb
-                x = x + [ldg_bytes(sa_addr + cutlass.Int64(soff), ok, 1)]
+                x = x + [ldg_bytes(sa_addr + cutlass.Int64(soff), ok, 1, self.chained)]
             for w in cutlass.range_constexpr(W):
                 raw[j * W + w] = x[w]
 

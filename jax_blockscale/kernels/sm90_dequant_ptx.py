@@ -43,15 +43,19 @@ FOLD_FACTOR = 2.0 ** -7  # folded NVFP4 outputs: value * 2^-126 * s * 2^119
 FP8_E4M3 = (4, 0x07F007F0, BF16X2_2P120)
 FP8_E5M2 = (5, 0x0FE00FE0, BF16X2_2P112)
 
-# Scale byte ($6) -> bf16x2 `sp` (both halves the scale).
+# Scale byte ($6) -> bf16x2 `sp` (both halves the scale). A NaN scale (e4m3 0x7F, e8m0 0xFF)
+# becomes a bf16 NaN: the whole block decodes to NaN (docs/formats.md, "NaN and Inf").
 _SCALE_E8M0 = """
+    setp.eq.u32 pn, $6, 0xFF;
     shl.b32 sp, $6, 7;
     setp.eq.u32 p, $6, 0;
     selp.b32 sp, 0x40, sp, p;            // e8m0 0 is 2^-127: a bf16 subnormal
+    selp.b32 sp, 0x7FC0, sp, pn;
     prmt.b32 sp, sp, sp, 0x1010;
 """
 _SCALE_E4M3 = f"""
     and.b32 sp, $6, 0x7F;
+    setp.eq.u32 pn, sp, 0x7F;
     shl.b32 sp, sp, 4;
     and.b32 t, $6, 0x80;
     shl.b32 t, t, 8;
@@ -63,6 +67,9 @@ _SCALE_E4M3 = f"""
 _SCALE_E4M3_FOLDED = _SCALE_E4M3 + f"""
     mov.b32 t, {BF16X2_2P119:#x};
     mul.rn.bf16x2 sp, sp, t;
+"""
+_SCALE_E4M3_NAN = """
+    selp.b32 sp, 0x7FC07FC0, sp, pn;
 """
 
 
@@ -123,7 +130,7 @@ def cvt_asm(kind: str, perm: bool = False, fold: bool = False) -> str:
     fold (NVFP4 only): the outputs are the values times FOLD_FACTOR."""
     assert not fold or kind == "nvfp4", "only NVFP4 (e4m3 scales) is folded"
     if KINDS[kind]["scale"] == "e4m3":
-        scale = _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
+        scale = (_SCALE_E4M3_FOLDED if fold else _SCALE_E4M3) + _SCALE_E4M3_NAN
     else:
         scale = _SCALE_E8M0
     if KINDS[kind]["bits"] == 8:
@@ -142,7 +149,7 @@ def cvt_asm(kind: str, perm: bool = False, fold: bool = False) -> str:
                 f"mov.b32 k126, {BF16X2_2P126:#x};\n" + scale
                 + "".join(_fp4_pair_natural(j, f"${j}", fold) for j in range(4)))
         regs = ".reg .b32 sp, t, g, xl, xh, k126;"
-    return "{\n" + regs + "\n.reg .pred p;\n" + body + "}"
+    return "{\n" + regs + "\n.reg .pred p, pn;\n" + body + "}"
 
 
 def element_order(perm: bool) -> list[int]:

@@ -47,33 +47,41 @@ def _ldg_v4_ptx(qualifiers):
     """16 bytes into 4 registers, zeros if !pred ($5), with the load's cache qualifiers."""
     return ("{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
             "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-            f"@p ld.global.nc{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}")
+            f"@p ld.global{qualifiers}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}")
+
+
+def _space(coherent: bool) -> str:
+    """The load's state space: `.nc` (read-only data path) unless `coherent`. ptxas treats .nc
+    data as constant for the kernel's life and moves such loads freely, even above a
+    griddepcontrol.wait: data another grid writes while this one runs (programmatic dependent
+    launch) must be loaded coherently."""
+    return "" if coherent else ".nc"
 
 
 @dsl_user_op
 def ldg_stream_v4(addr, pred, *, loc=None, ip=None):
     """16 bytes of streamed weights (not kept in L1; 256-byte L2 prefetch); zeros if !pred."""
     return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)],
-                _ldg_v4_ptx(".L1::no_allocate.L2::256B"), ["l", "r"], loc, ip)
+                _ldg_v4_ptx(".nc.L1::no_allocate.L2::256B"), ["l", "r"], loc, ip)
 
 
 @dsl_user_op
-def ldg_v4(addr, pred, *, loc=None, ip=None):
+def ldg_v4(addr, pred, coherent=False, *, loc=None, ip=None):
     """16 bytes through L1 (activations: read by every CTA of a K range); zeros if !pred."""
-    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], _ldg_v4_ptx(""), ["l", "r"],
-                loc, ip)
+    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)],
+                _ldg_v4_ptx(_space(coherent)), ["l", "r"], loc, ip)
 
 
 @dsl_user_op
-def ldg_bytes(addr, pred, nbytes, *, loc=None, ip=None):
+def ldg_bytes(addr, pred, nbytes, coherent=False, *, loc=None, ip=None):
     """1, 2, 4 or 8 bytes (zero-extended into 1 or 2 i32) through L1; zeros if !pred."""
     if nbytes == 8:
         body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
-                "@p ld.global.nc.v2.b32 {$0, $1}, [$2];\n}")
+                f"@p ld.global{_space(coherent)}.v2.b32 {{$0, $1}}, [$2];\n}}")
         return _asm(2, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)
     ty = {1: "u8", 2: "u16", 4: "b32"}[nbytes]
     body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n"
-            f"@p ld.global.nc.{ty} $0, [$1];\n}}")
+            f"@p ld.global{_space(coherent)}.{ty} $0, [$1];\n}}")
     return _asm(1, "r", [cutlass.Int64(addr), cutlass.Int32(pred)], body, ["l", "r"], loc, ip)[0]
 
 
@@ -202,27 +210,37 @@ def mbar_wait(bar, parity, *, loc=None, ip=None):
 
 # --- scales -> bf16x2 (both halves equal) -----------------------------------------------------
 # One byte of a 32-bit word, picked by a prmt selector `sel` = SCALE_BYTE_SEL + 0x101 * i (byte i
-# into both halves, zeros above): no shift/mask per scale, one shift for both halves.
+# into both halves, zeros above): no shift/mask per scale, one shift for both halves. A NaN scale
+# (e4m3 0x7F, e8m0 0xFF: what quantize writes for a block holding a NaN or Inf) becomes a bf16
+# NaN, so the whole block decodes to NaN (docs/formats.md, "NaN and Inf"); the bit tricks alone
+# would read it as 480 (e4m3) or Inf (e8m0).
 SCALE_BYTE_SEL = 0x4040
+BF16X2_NAN = 0x7FC07FC0
 _SCALE_E4M3 = f"""{{
 .reg .b32 t, k;
+.reg .pred pn;
 prmt.b32 t, $1, 0, $2;
+and.b32 k, t, 0x7F;
+setp.eq.u32 pn, k, 0x7F;         // e4m3 NaN
 shl.b32 t, t, 4;                 // e4m3 (non-negative) bits -> bf16 bits: value * 2^-120
 mov.b32 k, {_K120:#x};
-mul.rn.bf16x2 $0, t, k;
+mul.rn.bf16x2 t, t, k;
+selp.b32 $0, {BF16X2_NAN:#x}, t, pn;
 }}"""
 # NVFP4 with the fold: the scale also carries 2^119 (the weights' 2^-126 is then undone by it)
 _SCALE_E4M3_FOLDED = _SCALE_E4M3.replace(
-    "mul.rn.bf16x2 $0, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
-    "mul.rn.bf16x2 $0, t, k;")
-_SCALE_E8M0 = """{
+    "mul.rn.bf16x2 t, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
+    "mul.rn.bf16x2 t, t, k;")
+_SCALE_E8M0 = f"""{{
 .reg .b32 t;
-.reg .pred p;
+.reg .pred p, pn;
 prmt.b32 t, $1, 0, $2;
 setp.eq.u32 p, t, 0;
+setp.eq.u32 pn, t, 0x00FF00FF;   // e8m0 NaN
 shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
-selp.b32 $0, 0x00400040, t, p;   // 2^-127 is a bf16 subnormal
-}"""
+selp.b32 t, 0x00400040, t, p;    // 2^-127 is a bf16 subnormal
+selp.b32 $0, {BF16X2_NAN:#x}, t, pn;
+}}"""
 
 
 def scale_ptx(kind: str, fold: bool = False) -> str:

@@ -137,3 +137,40 @@ class Sm90Backend:
 
 SM90 = Sm90Backend()
 register_backend(SM90)
+
+
+def quantized_activation_scratch_bytes(blocks: int) -> int:
+    """Bytes of the quantized activation (`blocks` NVFP4 blocks) at the front of the fused
+    target's workspace: its elements, then its plain scales and alpha, each 256-byte aligned
+    (ffi/jbs_ffi.cc: QuantizedActivationScratch lays it out the same way)."""
+    def up(x):
+        return -(-x // 256) * 256
+    return up(up(8 * blocks) + blocks) + 4
+
+
+def quantized_activation_gemm(x, b, sb, b_alpha, *, plan: Plan):
+    """gemm(jbs.quantize(x, "nvfp4"), B) for a bf16 x (M, K) in one call (target
+    `jax_blockscale_quantized_act_gemm_sm90`): its kernel quantizes x as jbs.quantize does,
+    then `plan` (gemm's decode plan for the quantized problem) runs. b_alpha: B's global scale
+    (1.0 without one). One f32 workspace holds the quantized activation and then, from the
+    next 256-byte boundary, the plan's split-K workspace."""
+    if not _plugin.register_targets():
+        raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
+    spec = plan.spec
+    M, N = plan.m, spec.n
+    b8 = kernel_elements(b, spec.fmt_b, N, plan, spec)
+    sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
+    front = -(-quantized_activation_scratch_bytes(M * spec.k // 16) // 256) * 64  # floats
+    call = jax.ffi.ffi_call(
+        _plugin.QUANTIZED_ACT_SM90_TARGET,
+        (jax.ShapeDtypeStruct((1, M, N), spec.out_dtype),
+         jax.ShapeDtypeStruct((front + plan.workspace,), jnp.float32)))
+    y, _ = call(x, b8, sb8, jnp.reshape(b_alpha.astype(jnp.float32), (1,)),
+                a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
+                b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
+                a_e5m2=np.int32(0), b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
+                m=np.int64(M), n=np.int64(N), k=np.int64(plan.k), l=np.int64(1),
+                a_scales_plain=np.int32(1), nt=np.int32(plan.nt),
+                tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
+                splits=np.int32(plan.splits))
+    return y.reshape(M, N)

@@ -189,6 +189,10 @@ class Library:
         from .. import _plugin
         return _plugin.has_layer_gemm()
 
+    def has_quantized_act_gemm(self) -> bool:
+        from .. import _plugin
+        return _plugin.has_quantized_act_gemm()
+
     def has(self, variant_name: str) -> bool:
         from .. import _plugin
         return variant_name in _plugin.variant_names()

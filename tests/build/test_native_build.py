@@ -44,9 +44,9 @@ def test_variant_table_is_the_catalogue():
         row = got.get(v.name)
         assert row is not None, f"{v.name} not compiled"
         assert (row["a_kind"], row["b_kind"], row["out"], row["tile_m"], row["tile_n"],
-                row["sm"], row["nt"], row["k_chunk"], row["grouped"]) == (
+                row["sm"], row["nt"], row["k_chunk"], row["grouped"], row["chained"]) == (
             KIND_CODES[v.a_kind], KIND_CODES[v.b_kind], OUT_CODES[v.out], v.tile_m, v.tile_n,
-            90, v.nt, v.k_chunk, int(v.kernel == "ragged_decode")), v.name
+            90, v.nt, v.k_chunk, int(v.kernel == "ragged_decode"), int(v.chained)), v.name
     assert set(got) == {v.name for v in cat.VARIANTS}
 
 

@@ -49,8 +49,8 @@ def scale_reg(kind, byte):
 
 def scale_value(kind, byte):
     if kind == "nvfp4":
-        return E4M3[byte]
-    return 2.0 ** (int(byte) - 127)
+        return E4M3[byte]  # NaN at 0x7F
+    return np.nan if byte == 0xFF else 2.0 ** (int(byte) - 127)
 
 
 def scale_word_reg(kind, words, col, fold=False):
@@ -66,19 +66,20 @@ FOLD = 2.0 ** 119  # what a folded NVFP4 scale register carries beside the scale
 # ---- bit tricks, every code ---------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
 def test_scale_to_bf16x2_every_code(kind):
-    codes = range(127) if kind == "nvfp4" else range(255)  # non-negative e4m3; no NaN codes
+    codes = range(128) if kind == "nvfp4" else range(256)  # non-negative e4m3, and the NaNs
     for byte in codes:
         lo, hi = halves(scale_reg(kind, byte))
-        assert lo[0] == hi[0] == scale_value(kind, byte), byte
+        np.testing.assert_array_equal([lo[0], hi[0]], [scale_value(kind, byte)] * 2, str(byte))
 
 
 @needs_dsl
 @pytest.mark.parametrize("kind,fold", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
 def test_scale_word_every_code_every_column(kind, fold):
     """The scale word path (one prmt picks the byte) on every code, in each of the 4 columns, with
-    random neighbours; folded NVFP4 scales carry exactly 2^119 and stay finite."""
+    random neighbours; folded NVFP4 scales carry exactly 2^119 and stay finite; a NaN scale
+    (e4m3 0x7F, e8m0 0xFF) reads as NaN, so its block decodes to NaN."""
     rng = np.random.default_rng(3)
-    codes = np.arange(127) if kind == "nvfp4" else np.arange(255)
+    codes = np.arange(128) if kind == "nvfp4" else np.arange(256)  # the NaN code last
     for col in range(4):
         for start in range(0, len(codes), 32):
             b = codes[np.arange(start, start + 32) % len(codes)].astype(np.uint32)
@@ -341,6 +342,44 @@ def test_export_sm90a(variant, tmp_path):
     assert "LDS.128" in main and "STG.E" in main  # partial sums: plain stores
     assert "REDG" not in main and "RED.E" not in main  # no atomics (bitwise reproducible)
     assert "LDL" not in main and "STL" not in main  # no spills to local memory
+
+
+def _finalize_kernel_sass(obj, tmp):
+    sass = _sass_of(obj, tmp)
+    fin = sass[sass.index("Function : kernel_cutlass_finalize_kernel"):]
+    return fin[:fin.index("Function", 10)] if "Function" in fin[10:] else fin
+
+
+def test_chained_variants_are_the_quantized_pairs_decode_variants():
+    """Every decode variant the quantizer can hand its activation to has a chained twin."""
+    chained = {v.name for v in cat.CHAINED_DECODE_VARIANTS}
+    assert len(chained) == len(cat.QUANTIZE_A_FORMATS) * 3 * len(cat.DECODE_NTS)
+    for v in cat.CHAINED_DECODE_VARIANTS:
+        twin = dataclasses.replace(v, chained=False)
+        assert twin in cat.DECODE_VARIANTS and twin.name != v.name and "chained" in v.name
+        assert cat.tuning_for(v.nt).pipeline == "tma"  # the wait sits in the TMA main loop
+
+
+@needs_dsl
+@pytest.mark.parametrize("nt", [1, 8])
+def test_chained_variant_waits_after_its_first_weight_copies(nt, tmp_path):
+    """The chained main kernel (launched by programmatic dependent launch behind the activation
+    quantizer) issues its first weight TMA copies, then waits for the quantizer (griddepcontrol
+    .wait: ACQBULK) before any global load of the activation, its scales or alpha; its finalize
+    kernel reads alpha only after its own wait. The plain twin never waits in its main kernel."""
+    chained = cat.DecodeVariant("nvfp4", "nvfp4", "bf16", nt, chained=True)
+    plain = dataclasses.replace(chained, chained=False)
+    _, o = dec.export_variant(chained, str(tmp_path), chained.name)
+    main = _main_kernel_sass(o, str(tmp_path))
+    wait = main.index("ACQBULK")
+    assert main.count("ACQBULK") == 1 and main.index("UTMALDG") < wait
+    global_load = re.compile(r"\sLDG\.")  # not UTMALDG (the weights' TMA copies)
+    assert not global_load.search(main[:wait]) and global_load.search(main[wait:])
+    assert ".CONSTANT" not in main[wait:main.index("HMMA")]  # the activation: coherent loads
+    fin = _finalize_kernel_sass(o, str(tmp_path))
+    assert not global_load.search(fin[:fin.index("ACQBULK")])
+    _, o = dec.export_variant(plain, str(tmp_path), plain.name)
+    assert "ACQBULK" not in _main_kernel_sass(o, str(tmp_path))
 
 
 @needs_dsl

@@ -222,6 +222,38 @@ def test_vmap():
 
 
 @needs_sm90
+@pytest.mark.parametrize("m", [3, 200])  # the decode kernel; the fused / register-weight ones
+@pytest.mark.parametrize("fmt_a,fmt_b", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"),
+                                         (None, "nvfp4"), (None, "mxfp4")])
+def test_non_finite_blocks_stay_in_their_rows_and_columns(fmt_a, fmt_b, m):
+    """A NaN or Inf in a block of A turns that block's scale into NaN (docs/formats.md): its
+    output row is NaN, as is the column of a weight block holding one; every other output
+    equals the reference's. The kernels read a NaN scale as NaN, not as a large number."""
+    ka, kb = jax.random.split(_key())
+    x = np.array(jax.random.normal(ka, (m, 256), jnp.float32))  # writable copies
+    w = np.array(jax.random.normal(kb, (136, 256), jnp.float32)) * 0.5
+    x[1, 5], x[2, 70] = np.nan, np.inf
+    w[3, 40], w[7, 200] = np.nan, -np.inf
+    a = jnp.asarray(x, jnp.bfloat16) if fmt_a is None else jbs.quantize(x, fmt_a)
+    b = jbs.quantize(w, fmt_b, layout="blocked")
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    assert "custom_call @" + _plugin.SM90_TARGET in f.lower(a, b).as_text()
+    _poison()
+    y = np.asarray(f(a, b))
+    ref = np.asarray(jbs.gemm(a, b, out_dtype=jnp.float32, backend="reference"))
+    bad = np.zeros(y.shape, bool)
+    bad[[1, 2], :] = True
+    bad[:, [3, 7]] = True
+    # the reference follows the docs (a bf16 activation keeps its Inf: row 2 is then +-Inf
+    # where the weights' column is not NaN)
+    np.testing.assert_array_equal(~np.isfinite(ref), bad)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    np.testing.assert_array_equal(y[np.isinf(ref)], ref[np.isinf(ref)])
+    assert np.isfinite(y[~bad]).all()
+    assert _rel(y[~bad], ref[~bad]) < 1e-5
+
+
+@needs_sm90
 def test_float64_oracle():
     """One check straight against float64 NumPy, independent of the reference backend."""
     from oracle import dequantize as np_dequantize  # tests/support/oracle.py

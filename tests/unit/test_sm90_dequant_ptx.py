@@ -54,10 +54,10 @@ def _codes(elem, rng):
 def _scales(scale_kind, rng):
     if scale_kind == "e8m0":
         s = rng.integers(1, 255, LANES).astype(np.uint32)
-        s[:3] = [0, 127, 254]  # 2^-127 (a bf16 subnormal), 1, 2^127
-        return s, (2.0 ** (s.astype(np.float64) - 127))
-    s = rng.integers(0, 0x7F, LANES).astype(np.uint32)  # non-negative e4m3, no NaN
-    s[:3] = [0x01, 0x38, 0x7E]  # smallest subnormal, 1.0, 448
+        s[:4] = [0, 127, 254, 255]  # 2^-127 (a bf16 subnormal), 1, 2^127, NaN
+        return s, np.where(s == 255, np.nan, 2.0 ** (s.astype(np.float64) - 127))
+    s = rng.integers(0, 0x7F, LANES).astype(np.uint32)  # non-negative e4m3
+    s[:4] = [0x01, 0x38, 0x7E, 0x7F]  # smallest subnormal, 1.0, 448, NaN
     return s, s.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
@@ -99,12 +99,14 @@ def test_dequant_chunk_is_exact(kind, elem, fold, perm):
         want = want[:, ptx.element_order(perm)]
         # exact wherever bf16 can hold the product; only products below bf16's smallest
         # subnormal (2^-133, e.g. an e4m3 subnormal times 2^-127) round, to within 2^-133
+        nan = np.isnan(want)  # a NaN scale: the whole block is NaN, whatever its codes
+        assert np.isnan(got[nan]).all() and nan[3].all()
         exact = want.astype(ml_dtypes.bfloat16).astype(np.float64) == want
-        assert exact.mean() > 0.9
+        assert exact[~nan].mean() > 0.9
         np.testing.assert_array_equal(got[exact], want[exact])
         big = np.abs(want) > float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # past bf16 (and
         assert np.all(np.isinf(got[big]) & (np.sign(got[big]) == np.sign(want[big])))  # f32)
-        tiny = ~exact & ~big
+        tiny = ~exact & ~big & ~nan
         assert np.all(np.abs(got[tiny] - want[tiny]) <= 2.0**-133)
 
 

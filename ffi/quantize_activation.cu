@@ -1,0 +1,190 @@
+// NVFP4 quantization of a bf16 activation, for `jbs.gemm(x, w, quantize_a="nvfp4")` on sm90.
+//
+// Computes, for x of `blocks` 16-element blocks laid out one after the other (an (M, K) bf16
+// array, K a multiple of 16), exactly what `jbs.quantize(x, "nvfp4")` computes in XLA
+// (jax_blockscale/quantize.py: _quantize_nvfp4, global_scale "auto"):
+//   amax   the largest finite |x| of the whole tensor (NaN and Inf ignored)
+//   enc    min(6 * 448 / amax, 2^126), 1 when amax is 0; decode = 1 / enc
+//   scale  e4m3(min(amax_block * (enc * f32(1 / 6)), 448)), rounded to nearest; NaN for a
+//          block holding a NaN or Inf (the whole block decodes to NaN)
+//   elem   e2m1(clip(x * (enc / scale), -6, 6)), rounded to nearest-even; 0 where the scale is
+//          0 or x is not finite; x * enc / scale where enc / scale overflows
+// and writes the elements packed two per byte (element 2i in the low nibble), the scales in the
+// plain layout (one byte per block, in block order) and alpha = decode * b_alpha[0], the GEMM's
+// epilogue factor. Every step is the same f32 operation XLA's GPU code performs (its divisions
+// are PTX div.full.f32, not IEEE quotients: XLA compiles with -nvptx-prec-divf32=1; XlaDiv
+// below), so the bytes are those of jbs.quantize run by XLA on the GPU
+// (tests/gpu/test_quantized_activation.py compares the GEMMs bit for bit).
+//
+// One cluster of kClusterCtas CTAs: each thread loads up to kBlocksPerThread blocks into
+// registers, the tensor's amax is reduced in each CTA and then across the cluster through
+// distributed shared memory (one launch, no atomics, no workspace to clear), and every thread
+// quantizes the blocks it holds. So it takes at most kThreads * kClusterCtas * kBlocksPerThread
+// blocks (the planner's limit, jax_blockscale/catalog/sm90.py: QUANTIZE_A_MAX_ELEMENTS). It lets
+// its dependent (the chained decode kernel, launched with programmatic dependent launch) start
+// at once: that kernel waits for this one before it reads the activation.
+//
+// The PTX the library loads is generated from this file: python ffi/gen_quantize_activation_ptx.py
+#include <cooperative_groups.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 512;
+constexpr int kClusterCtas = 8;
+constexpr int kBlocksPerThread = 4;
+constexpr int kWarps = kThreads / 32;
+
+// a / b as XLA's GPU code divides f32: div.full.f32 (at most 2 ulp from the IEEE quotient).
+__device__ __forceinline__ float XlaDiv(float a, float b) {
+  float q;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
+  return q;
+}
+
+__device__ __forceinline__ float Bf16ToFloat(uint32_t bits16) {
+  return __uint_as_float(bits16 << 16);
+}
+
+// e2m1 code (sign bit 8) of v, rounded to nearest-even; |v| <= 6 (clipped by the caller).
+__device__ __forceinline__ uint32_t E2m1Code(float v) {
+  const float m = fabsf(v);
+  // the 7 midpoints between 0, .5, 1, 1.5, 2, 3, 4, 6; a tie goes to the even code
+  const uint32_t mag = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
+                       (m >= 3.5f) + (m > 5.0f);
+  return mag | ((__float_as_uint(v) >> 28) & 8u);
+}
+
+// The 16 elements of one block (bf16 pairs) as e2m1 codes, two per byte.
+template <bool kDivide>
+__device__ __forceinline__ uint2 PackBlock(const uint32_t (&raw)[8], float scale, float ratio,
+                                           float enc, float safe) {
+  uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const uint32_t b = (raw[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
+    const float v = Bf16ToFloat(b);
+    float q = kDivide ? XlaDiv(v * enc, safe) : v * ratio;
+    if (!(scale > 0.0f) || (b & 0x7F80u) == 0x7F80u) q = 0.0f;  // no scale, or not finite
+    q = fminf(fmaxf(q, -6.0f), 6.0f);
+    packed[e / 8] |= E2m1Code(q) << (4 * (e % 8));
+  }
+  return make_uint2(packed[0], packed[1]);
+}
+
+// The rare path out of line: one copy of it, not one per block a thread holds.
+__device__ __noinline__ uint2 PackBlockDividing(uint4 lo, uint4 hi, float scale, float ratio,
+                                                float enc, float safe) {
+  const uint32_t raw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  return PackBlock<true>(raw, scale, ratio, enc, safe);
+}
+
+// The whole quantization on kCtas CTAs (1, or a cluster of kClusterCtas).
+template <int kCtas>
+__device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long long blocks,
+                                              uint2* __restrict__ elements,
+                                              uint8_t* __restrict__ scales,
+                                              float* __restrict__ alpha_out,
+                                              const float* __restrict__ b_alpha) {
+  __shared__ uint32_t warp_amax[kWarps];
+  __shared__ uint32_t cta_amax;
+  // the chained decode kernel may launch now: it streams weights, which this kernel does not
+  // write, and waits (griddepcontrol.wait) for this grid's end before it reads what it writes
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int tid = threadIdx.x;
+  const int rank = kCtas > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const long long first = 1LL * rank * kThreads + tid;
+  const long long stride = 1LL * kThreads * kCtas;
+
+  uint32_t raw[kBlocksPerThread][8];  // bf16 pairs
+  float block_amax[kBlocksPerThread];
+  bool block_finite[kBlocksPerThread];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlocksPerThread; ++i) {
+    const long long j = first + i * stride;
+    block_amax[i] = 0.0f;
+    block_finite[i] = true;
+    if (j < blocks) {
+      const uint4 lo = x[2 * j], hi = x[2 * j + 1];
+      const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        raw[i][e] = w[e];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t bits = (w[e] >> (16 * h)) & 0xFFFFu;
+          if ((bits & 0x7F80u) == 0x7F80u) {
+            block_finite[i] = false;  // NaN or Inf: ignored by every amax
+          } else {
+            block_amax[i] = fmaxf(block_amax[i], fabsf(Bf16ToFloat(bits)));
+          }
+        }
+      }
+      amax = fmaxf(amax, block_amax[i]);
+    }
+  }
+
+  // the tensor's amax: non-negative floats order as their bits
+  uint32_t bits = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(amax));
+  if (tid % 32 == 0) warp_amax[tid / 32] = bits;
+  __syncthreads();
+  if (tid < 32) {
+    bits = __reduce_max_sync(0xFFFFFFFFu, tid < kWarps ? warp_amax[tid] : 0u);
+    if (tid == 0) cta_amax = bits;
+  }
+  if constexpr (kCtas > 1) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every CTA's amax is in its shared memory
+    bits = 0;
+#pragma unroll
+    for (int r = 0; r < kCtas; ++r) bits = max(bits, *cluster.map_shared_rank(&cta_amax, r));
+  } else {
+    __syncthreads();
+    bits = cta_amax;
+  }
+  const float tensor_amax = __uint_as_float(bits);
+
+  float enc = fminf(XlaDiv(2688.0f, tensor_amax > 0.0f ? tensor_amax : 1.0f), 0x1p126f);
+  if (!(tensor_amax > 0.0f)) enc = 1.0f;
+  // alpha = decode * b_alpha, the product of the two stored decode factors: jbs.quantize puts an
+  // optimization barrier on its decode factor so that XLA multiplies exactly these two values
+  if (first == 0) alpha_out[0] = XlaDiv(1.0f, enc) * b_alpha[0];
+
+  const float enc_per_elem_max = enc * (1.0f / 6.0f);  // 1 / 6 rounded to f32 at compile time
+#pragma unroll
+  for (int i = 0; i < kBlocksPerThread; ++i) {
+    const long long j = first + i * stride;
+    if (j >= blocks) continue;
+    const float want = fminf(block_amax[i] * enc_per_elem_max, 448.0f);
+    const __nv_fp8_e4m3 scale(want);  // round to nearest, saturating (want <= 448)
+    const float s = static_cast<float>(scale);
+    const float safe = s > 0.0f ? s : 1.0f;
+    const float ratio = XlaDiv(enc, safe);
+    // x * enc / scale only where enc / scale overflows (a huge enc and a tiny block): rare
+    const uint2 packed = isfinite(ratio) ? PackBlock<false>(raw[i], s, ratio, enc, safe)
+                                         : PackBlockDividing(
+                               make_uint4(raw[i][0], raw[i][1], raw[i][2], raw[i][3]),
+                               make_uint4(raw[i][4], raw[i][5], raw[i][6], raw[i][7]), s, ratio,
+                               enc, safe);
+    elements[j] = packed;
+    scales[j] = block_finite[i] ? scale.__x : static_cast<uint8_t>(0x7F);
+  }
+  if constexpr (kCtas > 1) cg::this_cluster().sync();  // none leaves while another reads its amax
+}
+
+// Up to kThreads * kBlocksPerThread blocks: one CTA.
+extern "C" __global__ void __launch_bounds__(kThreads)
+    jbs_quantize_nvfp4_activation_cta(const uint4* x, long long blocks, uint2* elements,
+                                      uint8_t* scales, float* alpha_out, const float* b_alpha) {
+  QuantizeNvfp4<1>(x, blocks, elements, scales, alpha_out, b_alpha);
+}
+
+// Up to kClusterCtas times as many: one cluster.
+extern "C" __global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kThreads)
+    jbs_quantize_nvfp4_activation_cluster(const uint4* x, long long blocks, uint2* elements,
+                                          uint8_t* scales, float* alpha_out,
+                                          const float* b_alpha) {
+  QuantizeNvfp4<kClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
+}

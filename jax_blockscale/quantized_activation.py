@@ -1,0 +1,141 @@
+"""`jbs.gemm(x, w, quantize_a=fmt)`: the activation quantized per call, inside the GEMM's call.
+
+The result is defined as ``gemm(quantize(x, fmt), w)``: x quantized to `fmt` with its global
+scale calibrated on this call (``global_scale="auto"``, MX formats with the default rounding),
+then multiplied. What changes is where the quantization runs. Written out in JAX it is three or
+four small XLA kernels per GEMM (the tensor's amax, the block scales and elements, the product
+of the global scales): at decode sizes, as long as the GEMM itself. Where gemm runs the
+quantized problem on the sm90 decode kernel, `qact_gemm_p` lowers instead to one FFI call whose
+first kernel quantizes x exactly as `jbs.quantize` does and whose second is that same decode
+plan: bit for bit the composed result (docs/design/quantized_activation.md).
+
+`qact_gemm_p` (x, b, sb, b_alpha) -> (M, N), x a bf16 (M, K), b a 2-D weight and b_alpha its
+global scale (1.0 when it has none). Everything but that fused lowering is the composition's:
+other platforms, plans, formats and shapes lower to it; under a partitioner that will split
+the call it is lowered to it too (the tensor's amax then spans every shard, and gemm's sharding
+rules apply); vmap quantizes each mapped slice on its own, as ``vmap`` of the composition does;
+differentiation is the composition's.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .catalog import sm90 as cat
+from .lowering import ALL_PLATFORMS
+from .lowering.ffi_sm90 import quantized_activation_gemm
+from .lowering.plan import LIBRARY, plan as make_plan
+from .partitioning import needs_partitioning
+from .primitive import gemm_spec
+from .quantize import BlockScaled, quantize
+
+qact_gemm_p = Primitive("blockscale_quantized_act_gemm")
+
+
+def composed(x, b, sb, b_alpha, *, fmt, fmt_b, layout_b, b_global, out_dtype, backend):
+    """The definition: quantize x, then gemm (api.gemm validated the arguments)."""
+    from .api import gemm  # noqa: PLC0415  (api imports this module)
+
+    w = BlockScaled(b, sb, b_alpha if b_global else None, fmt_b, layout_b)
+    return gemm(quantize(x, fmt), w, out_dtype=out_dtype, backend=backend)
+
+
+def _abstract_eval(x, b, sb, b_alpha, *, out_dtype, **_):
+    return jax.core.ShapedArray((x.shape[0], b.shape[0]), np.dtype(out_dtype))
+
+
+qact_gemm_p.def_abstract_eval(_abstract_eval)
+qact_gemm_p.def_impl(lambda *args, **params: jax.jit(
+    functools.partial(qact_gemm_p.bind, **params))(*args))
+
+
+def quantized_spec(x_aval, b_aval, sb_aval, *, fmt, fmt_b, layout_b, out_dtype, backend):
+    """The GemmSpec of the composed problem: x's quantized elements and plain scales times b."""
+    m, k = x_aval.shape
+    f_elems = jax.core.ShapedArray((m, k), jnp.float4_e2m1fn)
+    f_scales = jax.core.ShapedArray((m, k // 16), jnp.float8_e4m3fn)
+    alpha = jax.core.ShapedArray((), jnp.float32)
+    return gemm_spec((f_elems, b_aval, f_scales, sb_aval, alpha), fmt_a=fmt, fmt_b=fmt_b,
+                     layout_a="plain", layout_b=layout_b, out_dtype=out_dtype, backend=backend)
+
+
+def fused_plan(spec, platform: str, backend, library=LIBRARY):
+    """gemm's plan for the composed problem `spec` when the fused target can carry it out (the
+    sm90 decode kernel reading plain NVFP4 activation scales, one matrix, K unpadded, at most
+    QUANTIZE_A_MAX_ELEMENTS activation elements), else None: the composition runs."""
+    if (platform != "cuda" or spec.fmt_a not in cat.QUANTIZE_A_FORMATS
+            or spec.m * spec.k > cat.QUANTIZE_A_MAX_ELEMENTS
+            or np.dtype(spec.a_dtype) != np.dtype(jnp.float4_e2m1fn)
+            or library.unavailable_reason() is not None or not library.has_quantized_act_gemm()):
+        return None
+    p = make_plan(spec, platform, backend)
+    fits = (p.backend == "sm90" and p.kernel == "decode" and p.a_scales_plain and p.l == 1
+            and p.k == spec.k and not p.dequantize_a and not p.permute_k
+            and library.has(chained_decode_name(p)))
+    return p if fits else None
+
+
+def chained_decode_name(p) -> str:
+    """The chained twin (DecodeVariant.chained) of the decode variant plan `p` runs: what the
+    fused target launches behind the quantizer."""
+    out = cat.OUT_OF_DTYPE[np.dtype(p.spec.out_dtype).name]
+    return cat.DecodeVariant(p.a_kind, p.b_kind, out, p.nt, chained=True).name
+
+
+def _lowering(ctx, x, b, sb, b_alpha, *, platform, **params):
+    plan = None
+    if (np.dtype(ctx.avals_in[0].dtype) == np.dtype(jnp.bfloat16)
+            and not needs_partitioning(ctx, "gemm")):
+        spec = quantized_spec(*ctx.avals_in[:3], fmt=params["fmt"], fmt_b=params["fmt_b"],
+                              layout_b=params["layout_b"], out_dtype=params["out_dtype"],
+                              backend=params["backend"])
+        plan = fused_plan(spec, platform, params["backend"])
+    if plan is None:
+        return mlir.lower_fun(functools.partial(composed, **params), multiple_results=False)(
+            ctx, x, b, sb, b_alpha)
+
+    def fused(x, b, sb, b_alpha):
+        return quantized_activation_gemm(x, b, sb, b_alpha, plan=plan)
+
+    return mlir.lower_fun(fused, multiple_results=False)(ctx, x, b, sb, b_alpha)
+
+
+for _platform in ALL_PLATFORMS:
+    mlir.register_lowering(qact_gemm_p, functools.partial(_lowering, platform=_platform),
+                           platform=_platform)
+
+
+def _batch_rule(args, dims, **params):
+    # each mapped slice is quantized on its own (its own amax), as vmap of the composition does
+    return jax.vmap(functools.partial(composed, **params), in_axes=dims)(*args), 0
+
+
+def _jvp(primals, tangents, **params):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(functools.partial(composed, **params), primals, tangents)
+
+
+batching.primitive_batchers[qact_gemm_p] = _batch_rule
+ad.primitive_jvps[qact_gemm_p] = _jvp
+
+
+def quantized_activation_gemm_call(a, b: BlockScaled, fmt: str, out_dtype, backend):
+    """gemm(quantize(a, fmt), b) for a plain `a` (..., M, K) and a 2-D `b`: through
+    `qact_gemm_p` where its fused lowering may apply (NVFP4, a bf16 activation), else the
+    composition itself."""
+    params = dict(fmt=fmt, fmt_b=b.fmt, layout_b=b.layout, b_global=b.global_scale is not None,
+                  out_dtype=np.dtype(out_dtype), backend=backend)
+    b_alpha = jnp.float32(1.0) if b.global_scale is None else jnp.asarray(b.global_scale,
+                                                                          jnp.float32)
+    if (fmt not in cat.QUANTIZE_A_FORMATS or b.ndim != 2 or a.dtype != jnp.bfloat16
+            or b_alpha.shape != ()):
+        return composed(a, b.data, b.scales, b_alpha, **params)
+    lead = a.shape[:-1]
+    x = a.reshape((-1, a.shape[-1]))  # one tensor, one amax: folding rows changes nothing
+    y = qact_gemm_p.bind(x, b.data, b.scales, b_alpha, **params)
+    return y.reshape(lead + (y.shape[-1],))

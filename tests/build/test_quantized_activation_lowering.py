@@ -1,0 +1,86 @@
+"""`gemm(x, w, quantize_a="nvfp4")` lowered for CUDA on this GPU-less machine (as if on an H100):
+one call to the fused target where gemm would run the quantized problem on the sm90 decode
+kernel, the composition (quantize, then gemm's own target) everywhere else; the workspace the
+lowering allocates is the library's layout. The numerics run in tests/gpu."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_blockscale as jbs
+from hopper import lower_for_cuda  # tests/support/hopper.py
+from jax_blockscale import _plugin
+from jax_blockscale.catalog import sm90 as cat
+from jax_blockscale.lowering.ffi_sm90 import quantized_activation_scratch_bytes
+
+if _plugin.load() is None or not _plugin.has_quantized_act_gemm():
+    pytest.skip(f"native library without the fused target: {_plugin.unavailable_reason()}",
+                allow_module_level=True)
+
+FUSED = _plugin.QUANTIZED_ACT_SM90_TARGET
+
+
+def _weight(n, k, fmt="nvfp4", lead=()):
+    w = jax.random.normal(jax.random.PRNGKey(n + k), lead + (n, k), jnp.float32)
+    kw = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
+    return jbs.quantize(w, fmt, layout="blocked", **kw)
+
+
+def _calls(text):
+    return [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_blockscale" in ln]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (4, 512, 2048)])
+def test_decode_sizes_run_in_one_fused_call(monkeypatch, m, n, k):
+    x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
+    text = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"), x, w)
+    calls = _calls(text)
+    assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
+    # no XLA quantization left around it: the activation goes in as bf16, no amax reduction
+    assert f"tensor<{m}x{k}xbf16>" in calls[0]
+    assert "stablehlo.reduce" not in text
+    workspace = re.findall(r"tensor<(\d+)xf32>", calls[0].split("->")[-1])
+    front = quantized_activation_scratch_bytes(m * k // 16)
+    assert workspace and int(workspace[-1]) * 4 >= front, (workspace, front)
+
+
+@pytest.mark.parametrize("blocks", [1, 7, 256, 2048, 2049, 16384])
+def test_scratch_layout_is_the_librarys(blocks):
+    off_scales, off_alpha, total = _plugin.quantized_activation_scratch(blocks)
+    assert off_scales >= 8 * blocks and off_scales % 256 == 0
+    assert off_alpha >= off_scales + blocks and off_alpha % 256 == 0
+    assert total == quantized_activation_scratch_bytes(blocks) == off_alpha + 4
+
+
+@pytest.mark.parametrize("case", ["f32 activation", "past the kernel's elements", "mxfp4",
+                                  "weight stack", "many rows"])
+def test_everything_else_is_the_composition(monkeypatch, case):
+    m, k, fmt, w = 2, 2048, "nvfp4", _weight(512, 2048)
+    dtype = jnp.bfloat16
+    if case == "f32 activation":
+        dtype = jnp.float32
+    elif case == "past the kernel's elements":
+        m = cat.QUANTIZE_A_MAX_ELEMENTS // k + 1
+    elif case == "mxfp4":
+        fmt, w = "mxfp4", _weight(512, 2048, "mxfp4")
+    elif case == "weight stack":
+        w = _weight(512, 2048, lead=(2,))
+    else:
+        m = 100  # past the decode kernel's rows
+    x = jnp.ones((2, m, k) if case == "weight stack" else (m, k), dtype)
+    text = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a=fmt), x, w)
+    assert FUSED not in text
+    assert "stablehlo.reduce" in text, "the composition quantizes x in XLA (its amax)"
+    assert _calls(text), "the composition's gemm still runs on a kernel"
+
+
+def test_under_vmap_each_slice_is_the_composition(monkeypatch):
+    w = _weight(512, 2048)
+    xs = jnp.ones((3, 2, 2048), jnp.bfloat16)
+    f = jax.vmap(lambda x: jbs.gemm(x, w, quantize_a="nvfp4"))
+    text = lower_for_cuda(monkeypatch, f, xs)
+    assert FUSED not in text and _calls(text)

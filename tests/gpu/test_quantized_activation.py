@@ -1,0 +1,149 @@
+"""`gemm(x, w, quantize_a="nvfp4")` on a Hopper GPU (skipped without one): where gemm runs the
+quantized problem on the decode kernel, the activation is quantized in the GEMM's own call
+(target jax_blockscale_quantized_act_gemm_sm90), and the result equals
+``gemm(jbs.quantize(x, "nvfp4"), w)`` bit for bit: the kernel's amax, block scales, elements and
+alpha are those of jbs.quantize, and the same decode plan multiplies them.
+
+Fresh random data every check (never zeros), the allocator filled with NaN first (an unwritten
+output shows up); values spread over many magnitudes so that block scales, ties and the e2m1
+rounding all vary; NaN, Inf, zero blocks, tiny and huge tensors.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jax_blockscale as jbs
+from jax_blockscale.catalog import sm90 as cat
+from hopper import needs_sm90, poison  # tests/support/hopper.py
+
+pytestmark = [pytest.mark.gpu, needs_sm90]
+
+FUSED = "jax_blockscale_quantized_act_gemm_sm90"
+_seed = [7000]
+
+
+def _rng():
+    _seed[0] += 1
+    return np.random.default_rng(_seed[0])
+
+
+def _activation(m, k, rng, spread=3.0):
+    """bf16 values whose magnitudes vary per block (log-uniform over `spread` decades)."""
+    base = rng.standard_normal((m, k))
+    block_mag = 10.0 ** rng.uniform(-spread / 2, spread / 2, size=(m, k // 16, 1))
+    return (base.reshape(m, k // 16, 16) * block_mag).reshape(m, k).astype(np.float32)
+
+
+def _weight(n, k, rng, global_scale="per_matrix"):
+    w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+    return jbs.quantize(w, "nvfp4", global_scale=global_scale, layout="blocked")
+
+
+def _fused(out_dtype=jnp.bfloat16):
+    return jax.jit(lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=out_dtype))
+
+
+def _composed(out_dtype=jnp.bfloat16):
+    return jax.jit(lambda x, w: jbs.gemm(jbs.quantize(x, "nvfp4"), w, out_dtype=out_dtype))
+
+
+def _targets(f, *args):
+    return {t for t in (FUSED, "jax_blockscale_gemm_sm90")
+            if t in f.lower(*args).compile().as_text()}
+
+
+def _check(x, w, out_dtype=jnp.bfloat16, fused=True):
+    x = jnp.asarray(x, jnp.bfloat16)
+    f = _fused(out_dtype)
+    assert (FUSED in _targets(f, x, w)) == fused
+    poison()
+    got = np.asarray(f(x, w).astype(jnp.float32))
+    want = np.asarray(_composed(out_dtype)(x, w).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)  # NaN where NaN, every other bit equal
+    return got
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1, 4096, 14336), (2, 512, 2048),
+                                   (7, 1000, 1024), (16, 3072, 4096), (16, 4096, 16384),
+                                   (5, 256, 64), (32, 512, 8192)])
+def test_equals_quantize_then_gemm(m, n, k):
+    rng = _rng()
+    x, w = _activation(m, k, rng), _weight(n, k, rng)
+    got = _check(x, w, jnp.float32)
+    ref = np.asarray(jbs.gemm(jbs.quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4"), w,
+                              out_dtype=jnp.float32, backend="reference"))
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 1e-5, err  # the same quantized values; only the f32 summation order differs
+
+
+def test_bf16_output_and_weights_without_global_scale():
+    rng = _rng()
+    x = _activation(3, 2048, rng)
+    _check(x, _weight(768, 2048, rng), jnp.bfloat16)
+    _check(x, _weight(768, 2048, rng, global_scale=None), jnp.bfloat16)
+
+
+def test_non_finite_values_stay_in_their_block():
+    rng = _rng()
+    x = _activation(4, 1024, rng)
+    x[0, 5] = np.nan  # block 0 of row 0
+    x[1, 40] = np.inf  # block 2 of row 1
+    x[2, 100] = -np.inf
+    x[3, 16:32] = 0.0  # a zero block
+    got = _check(x, _weight(256, 1024, rng), jnp.float32)
+    assert np.isnan(got[:3]).all() and np.isfinite(got[3]).all()
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1e-38, 3e38])
+def test_extreme_tensors(scale):
+    """All zeros (enc = 1), tiny tensors (enc clamped to 2^126, scales underflow, the dividing
+    path) and huge ones: the kernel's arithmetic follows jbs.quantize's in every case."""
+    rng = _rng()
+    x = _activation(2, 512, rng, spread=1.0) * scale
+    if scale == 0.0:
+        x[:] = 0.0
+    _check(x, _weight(384, 512, rng), jnp.float32)
+
+
+def test_mixed_magnitudes_reach_every_scale_and_tie():
+    """Blocks whose values sit exactly on e2m1 midpoints after scaling (ties to even), blocks
+    with scales that round, and blocks across 12 decades."""
+    rng = _rng()
+    m, k = 8, 2048
+    x = _activation(m, k, rng, spread=12.0)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, np.float32)
+    x[0, :16] = ties * rng.choice([-1, 1], 16)  # amax 6: scale e4m3(1 * enc)
+    x[1, :16] = ties / 6.0 * 448.0
+    _check(x, _weight(640, k, rng), jnp.float32)
+
+
+def test_past_the_kernel_limit_the_composition_runs():
+    rng = _rng()
+    k = 16384
+    m = cat.QUANTIZE_A_MAX_ELEMENTS // k  # 16 rows: the limit itself is fused
+    _check(_activation(m, k, rng), _weight(512, k, rng), fused=True)
+    _check(_activation(m + 1, k, rng), _weight(512, k, rng), fused=False)
+
+
+def test_in_a_loop_with_changing_activations():
+    """Repeated calls in one program (as in a decoder step) each see their own activation."""
+    rng = _rng()
+    xs = jnp.asarray(_activation(6 * 1, 4096, rng).reshape(6, 1, 4096), jnp.bfloat16)
+    w = _weight(1024, 4096, rng)
+
+    def run(quantized_in_call):
+        def body(acc, x):
+            a = x + (0 * acc.sum()).astype(x.dtype)  # depends on the carry
+            y = (jbs.gemm(a, w, quantize_a="nvfp4", out_dtype=jnp.float32) if quantized_in_call
+                 else jbs.gemm(jbs.quantize(a, "nvfp4"), w, out_dtype=jnp.float32))
+            return acc + y[:, :1024], y
+        return jax.jit(lambda xs: lax.scan(body, jnp.zeros((1, 1024), jnp.float32), xs))(xs)
+
+    (acc1, ys1), (acc2, ys2) = run(True), run(False)
+    np.testing.assert_array_equal(np.asarray(ys1), np.asarray(ys2))
+    np.testing.assert_array_equal(np.asarray(acc1), np.asarray(acc2))

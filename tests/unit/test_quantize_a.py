@@ -1,0 +1,84 @@
+"""`jbs.gemm(x, w, quantize_a=fmt)` on the CPU: it is gemm(quantize(x, fmt), w) (bit for bit on
+the reference backend), with the composition's transforms, and bad arguments are refused at trace
+time naming quantize_a or a. The fused sm90 lowering is checked in
+tests/build/test_quantized_activation_lowering.py and on the GPU in
+tests/gpu/test_quantized_activation.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_blockscale as jbs
+
+
+def _data(m, n, k, seed, w_fmt="nvfp4"):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-1, 1, (m, 1))).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+    kw = dict(global_scale="per_matrix") if w_fmt == "nvfp4" else {}
+    return jnp.asarray(x, jnp.bfloat16), jbs.quantize(w, w_fmt, layout="blocked", **kw)
+
+
+@pytest.mark.parametrize("fmt,w_fmt,m,n,k", [("nvfp4", "nvfp4", 1, 48, 64),
+                                             ("nvfp4", "nvfp4", 5, 33, 256),
+                                             ("mxfp4", "mxfp4", 3, 40, 128),
+                                             ("mxfp8_e4m3", "mxfp4", 2, 24, 96)])
+def test_equals_the_composition(fmt, w_fmt, m, n, k):
+    x, w = _data(m, n, k, m * 1000 + n, w_fmt)
+    got = jax.jit(lambda x, w: jbs.gemm(x, w, quantize_a=fmt, out_dtype=jnp.float32))(x, w)
+    want = jax.jit(lambda x, w: jbs.gemm(jbs.quantize(x, fmt), w, out_dtype=jnp.float32))(x, w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # and it is a GEMM of the quantized values (a float64 check of the composition)
+    q = jbs.quantize(x, fmt)
+    xv = np.asarray(jbs.dequantize(q, jnp.float32), np.float64)
+    wv = np.asarray(jbs.dequantize(w, jnp.float32), np.float64)
+    ref = xv @ wv.T
+    assert np.linalg.norm(np.asarray(got) - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def test_leading_dims_share_one_amax():
+    """(B, T, K) activations are one tensor: one global scale over every row, as quantize does."""
+    x, w = _data(6, 32, 64, 7)
+    x3 = x.reshape(2, 3, 64)
+    got = jbs.gemm(x3, w, quantize_a="nvfp4", out_dtype=jnp.float32)
+    want = jbs.gemm(jbs.quantize(x3, "nvfp4"), w, out_dtype=jnp.float32)
+    assert got.shape == (2, 3, 32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_vmap_quantizes_each_slice_on_its_own():
+    x, w = _data(8, 32, 64, 11)
+    xs = x.reshape(4, 2, 64) * jnp.asarray([1, 10, 100, 1000], jnp.bfloat16)[:, None, None]
+    got = jax.vmap(lambda x: jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=jnp.float32))(xs)
+    want = jnp.stack([jbs.gemm(jbs.quantize(xi, "nvfp4"), w, out_dtype=jnp.float32) for xi in xs])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_differentiation_is_the_compositions():
+    """gemm is not differentiable through a quantized A, so neither is the composition: both
+    refuse the same way (quantize has no straight-through gradient)."""
+    x, w = _data(3, 16, 64, 13)
+    fused = lambda x: jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=jnp.float32).sum()  # noqa: E731
+    composed = lambda x: jbs.gemm(jbs.quantize(x, "nvfp4"), w,  # noqa: E731
+                                  out_dtype=jnp.float32).sum()
+    for f in (fused, composed):
+        with pytest.raises(TypeError, match="not differentiable with respect to quantized"):
+            jax.grad(f)(x.astype(jnp.float32).astype(jnp.bfloat16))
+
+
+def test_bad_arguments_name_themselves():
+    x, w = _data(2, 16, 64, 17)
+    with pytest.raises(ValueError, match="quantize_a"):
+        jbs.gemm(x, w, quantize_a="fp4")
+    with pytest.raises(ValueError, match="quantize_a"):
+        jbs.gemm(x, w, quantize_a=4)
+    with pytest.raises(TypeError, match="quantize_a"):
+        jbs.gemm(jbs.quantize(x, "nvfp4"), w, quantize_a="nvfp4")
+    with pytest.raises(TypeError, match="floating-point"):
+        jbs.gemm(jnp.ones((2, 64), jnp.int32), w, quantize_a="nvfp4")
+    with pytest.raises(ValueError, match="cannot multiply"):
+        jbs.gemm(x, w, quantize_a="mxfp8_e4m3")  # mxfp8 x nvfp4 is not a supported pair
+    with pytest.raises(TypeError, match="out_dtype"):
+        jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=jnp.int8)
