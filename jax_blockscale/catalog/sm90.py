@@ -13,10 +13,14 @@ Three kernels share one FFI target (`jax_blockscale_gemm_sm90`):
   * **decode**: kernels/sm90_decode.py, split-K weight streaming for M <= DECODE_MAX_ROWS, an f32
     workspace of one L*M*N slice per split; pairs DECODE_PAIRS.
 
-and a fourth has its own target (`jax_blockscale_ragged_gemm_sm90`, `ragged_gemm`):
+and two more have their own targets:
 
-  * **ragged_decode**: the decode kernel over a mixture's experts (Sm90RaggedDecodeGemm), rows
-    from a work table of (expert, first row, end row); the same pairs, tiles and tunings.
+  * **ragged_decode** (`jax_blockscale_ragged_gemm_sm90`, `ragged_gemm`): the decode kernel over
+    a mixture's experts (Sm90RaggedDecodeGemm), rows from a work table of (expert, first row,
+    end row); the same pairs, tiles and tunings.
+  * **chained decode** (`jax_blockscale_quantized_act_gemm_sm90`, `gemm(..., quantize_a=)`):
+    the decode kernel launched behind the activation quantizer, CHAINED_DECODE_VARIANTS
+    (docs/design/quantized_activation.md).
 """
 from __future__ import annotations
 

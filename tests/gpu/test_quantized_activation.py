@@ -147,3 +147,15 @@ def test_in_a_loop_with_changing_activations():
     (acc1, ys1), (acc2, ys2) = run(True), run(False)
     np.testing.assert_array_equal(np.asarray(ys1), np.asarray(ys2))
     np.testing.assert_array_equal(np.asarray(acc1), np.asarray(acc2))
+
+
+def test_fused_calls_pass_memcheck():
+    """The quantizer (one CTA and a cluster) and the chained decode kernel (one K range and split
+    K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
+    still equals the composition (tests/support/quantized_activation_calls_for_memcheck.py)."""
+    from sanitizer import run_under_memcheck  # tests/support/sanitizer.py
+
+    out = run_under_memcheck("quantized_activation_calls_for_memcheck.py")
+    calls = [ln for ln in out.splitlines() if ln.startswith("call ")]
+    assert len(calls) == 5, out[-2000:]
+    assert all("fused=True equal=True" in ln for ln in calls), calls
