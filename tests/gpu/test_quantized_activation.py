@@ -68,9 +68,12 @@ def _check(x, w, out_dtype=jnp.bfloat16, fused=True):
     return got
 
 
+# the quantizer on one CTA up to 2,048 blocks (8 x 4096 would be its limit), on a cluster past
+# it (16 x 4096, 1 x 65536, 3 x 21856) up to 16,384 (16 x 16384, 32 x 8192)
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1, 4096, 14336), (2, 512, 2048),
                                    (7, 1000, 1024), (16, 3072, 4096), (16, 4096, 16384),
-                                   (5, 256, 64), (32, 512, 8192)])
+                                   (5, 256, 64), (32, 512, 8192), (1, 256, 65536),
+                                   (3, 256, 21856)])
 def test_equals_quantize_then_gemm(m, n, k):
     rng = _rng()
     x, w = _activation(m, k, rng), _weight(n, k, rng)
