@@ -9,7 +9,7 @@ import pytest
 from hopper import needs_sm90  # tests/support/hopper.py
 from sanitizer import run_under_memcheck  # tests/support/sanitizer.py
 
-pytestmark = [pytest.mark.gpu, needs_sm90]
+pytestmark = [pytest.mark.gpu, pytest.mark.memcheck, needs_sm90]
 
 
 def test_layer_calls_pass_memcheck():

@@ -152,6 +152,7 @@ def test_in_a_loop_with_changing_activations():
     np.testing.assert_array_equal(np.asarray(acc1), np.asarray(acc2))
 
 
+@pytest.mark.memcheck
 def test_fused_calls_pass_memcheck():
     """The quantizer (one CTA and a cluster) and the chained decode kernel (one K range and split
     K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
