@@ -1,5 +1,12 @@
 // XLA FFI handler for the Blackwell (sm_100a / sm_103a) block-scaled GEMM.
 //
+//   target "jax_blockscale_ragged_gemm_sm100" (ragged_gemm, the contiguous grouped kernel)
+//   operands: a [M, K packed] (each group's rows padded to whole tile_m tiles:
+//             lowering/ragged_sm100.py), b [G, N, K packed], sa, sb (blocked, flat),
+//             alpha (f32 [G]), table (s32 [M / tile_m]: each M tile's group, -1 for none)
+//   result:   c [M, N] (rows of tiles with no group are left unwritten)
+//   attrs:    fmt_a, fmt_b, m, n, k, g, tile_m, tile_n (a 1-CTA grouped variant)
+//
 //   target "jax_blockscale_gemm_sm100"
 //   operands: a (u8) [L, M, K packed], b (u8) [L, N, K packed] (fp4: two per byte, low nibble
 //             first; fp6: four in three bytes; fp8: one per byte), sa, sb (u8, blocked scales,
@@ -67,10 +74,12 @@ ffi::Error Instantiate() {
   return LoadModules(*d);
 }
 
-ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
-                   ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
-                   int32_t fmt_a, int32_t fmt_b, int64_t m, int64_t n, int64_t k, int64_t l,
-                   int32_t tile_m, int32_t tile_n, int32_t cluster_m, int32_t cluster_n) {
+// One call of the dense kernel, or (table != nullptr) of the grouped one.
+ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
+               ffi::AnyBuffer sb, ffi::AnyBuffer alpha, const ffi::AnyBuffer* table,
+               ffi::Result<ffi::AnyBuffer> c, int32_t fmt_a, int32_t fmt_b, int64_t m, int64_t n,
+               int64_t k, int64_t l, int32_t tile_m, int32_t tile_n, int32_t cluster_m,
+               int32_t cluster_n) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
   if (ArchFor(d->cc_major, d->cc_minor) == 0) return NotBlackwell(*d);
@@ -85,6 +94,13 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
                                            JBS100_OUT_F32),
                        m, n, k, l, a, b, sa, sb, *c, alpha, *d);
   p.tile_m = tile_m; p.tile_n = tile_n; p.cluster_m = cluster_m; p.cluster_n = cluster_n;
+  if (table) {
+    if (table->element_type() != ffi::DataType::S32)
+      return g_state.InvalidArgument("the tile table must be int32");
+    p.grouped = 1;
+    p.table_ptr = reinterpret_cast<uint64_t>(table->untyped_data());
+    p.table_bytes = static_cast<int64_t>(table->size_bytes());
+  }
   char msg[512];
   const Variant* v = nullptr;
   bool empty = false;
@@ -102,7 +118,25 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
 
   auto args = jbs_ffi::GemmLaunchArgs<LaunchArgs>(a, b, sa, sb, *c, alpha, m, n, k, l);
   args.sm_count = d->sm_count; args.stream = stream;
+  args.table = table ? table->untyped_data() : nullptr;
   return g_state.Launch(*v, args);
+}
+
+ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
+                   ffi::AnyBuffer sb, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
+                   int32_t fmt_a, int32_t fmt_b, int64_t m, int64_t n, int64_t k, int64_t l,
+                   int32_t tile_m, int32_t tile_n, int32_t cluster_m, int32_t cluster_n) {
+  return Run(stream, a, b, sa, sb, alpha, nullptr, c, fmt_a, fmt_b, m, n, k, l, tile_m, tile_n,
+             cluster_m, cluster_n);
+}
+
+ffi::Error ExecuteGrouped(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                          ffi::AnyBuffer sa, ffi::AnyBuffer sb, ffi::AnyBuffer alpha,
+                          ffi::AnyBuffer table, ffi::Result<ffi::AnyBuffer> c, int32_t fmt_a,
+                          int32_t fmt_b, int64_t m, int64_t n, int64_t k, int64_t g,
+                          int32_t tile_m, int32_t tile_n) {
+  return Run(stream, a, b, sa, sb, alpha, &table, c, fmt_a, fmt_b, m, n, k, g, tile_m, tile_n,
+             1, 1);
 }
 
 }  // namespace
@@ -128,34 +162,58 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm100, jbs_sm100::Execute,
                            .Attr<int32_t>("cluster_n"),
                        {ffi::Traits::kCmdBufferCompatible});
 
+JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm100, jbs_sm100::ExecuteGrouped,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()  // a: the padded activation [M, K packed]
+                           .Arg<ffi::AnyBuffer>()  // b [G, N, K packed]
+                           .Arg<ffi::AnyBuffer>()  // sa: a's blocked scales
+                           .Arg<ffi::AnyBuffer>()  // sb: b's blocked scales
+                           .Arg<ffi::AnyBuffer>()  // alpha (f32 [G])
+                           .Arg<ffi::AnyBuffer>()  // table (s32 [M / tile_m])
+                           .Ret<ffi::AnyBuffer>()  // c [M, N]
+                           .Attr<int32_t>("fmt_a")
+                           .Attr<int32_t>("fmt_b")
+                           .Attr<int64_t>("m")
+                           .Attr<int64_t>("n")
+                           .Attr<int64_t>("k")
+                           .Attr<int64_t>("g")
+                           .Attr<int32_t>("tile_m")
+                           .Attr<int32_t>("tile_n"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
 // ---- plain C entry points (ctypes): introspection, validation and tile choice, no GPU ----
 extern "C" {
 
 JBS_EXPORT int jbs_sm100_num_variants() { return kJbsSm100NumVariants; }
 
-// vals: sm, fmt_a, fmt_b, out, tile_m, tile_n, cluster_m, cluster_n, k_align, n_align
+// vals: sm, fmt_a, fmt_b, out, tile_m, tile_n, cluster_m, cluster_n, k_align, n_align, grouped
 JBS_EXPORT int jbs_sm100_variant_info(int i, const char** name, int* vals) {
   if (i < 0 || i >= kJbsSm100NumVariants) return 1;
   const jbs_sm100::Variant& v = kJbsSm100Variants[i];
   *name = v.name;
-  const int x[10] = {v.sm, v.fmt_a, v.fmt_b, v.out, v.tile_m, v.tile_n,
-                     v.cluster_m, v.cluster_n, v.k_align, v.n_align};
-  for (int j = 0; j < 10; ++j) vals[j] = x[j];
+  const int x[11] = {v.sm, v.fmt_a, v.fmt_b, v.out, v.tile_m, v.tile_n,
+                     v.cluster_m, v.cluster_n, v.k_align, v.n_align, v.grouped};
+  for (int j = 0; j < 11; ++j) vals[j] = x[j];
   return 0;
 }
 
-// The C++ heuristic's choice (index into the table) for arch `sm` (100 or 103), or -1.
+// The execute stage's validation (ValidateProblem), without a GPU. ints: fmt_a, fmt_b, out,
+// cc_major, cc_minor, sm_count, tile_m, tile_n, cluster_m, cluster_n, grouped; longs: m, n, k,
+// l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes, table_bytes; ptrs: a, b, sa,
+// sb, c, alpha, table. Returns 0 with the variant's name (or "empty") in msg, or 1 and why.
 JBS_EXPORT int jbs_sm100_check_problem(const int* ints, const long long* longs,
                                        const unsigned long long* ptrs, char* msg, int msg_len) {
   jbs_sm100::Problem p{};
   p.fmt_a = ints[0]; p.fmt_b = ints[1]; p.out = ints[2];
   p.cc_major = ints[3]; p.cc_minor = ints[4]; p.sm_count = ints[5];
   p.tile_m = ints[6]; p.tile_n = ints[7]; p.cluster_m = ints[8]; p.cluster_n = ints[9];
+  p.grouped = ints[10];
   p.m = longs[0]; p.n = longs[1]; p.k = longs[2]; p.l = longs[3];
   p.a_bytes = longs[4]; p.b_bytes = longs[5]; p.sa_bytes = longs[6]; p.sb_bytes = longs[7];
-  p.c_bytes = longs[8]; p.alpha_bytes = longs[9];
+  p.c_bytes = longs[8]; p.alpha_bytes = longs[9]; p.table_bytes = longs[10];
   p.a_ptr = ptrs[0]; p.b_ptr = ptrs[1]; p.sa_ptr = ptrs[2]; p.sb_ptr = ptrs[3];
-  p.c_ptr = ptrs[4]; p.alpha_ptr = ptrs[5];
+  p.c_ptr = ptrs[4]; p.alpha_ptr = ptrs[5]; p.table_ptr = ptrs[6];
   char buf[512];
   const jbs_sm100::Variant* v = nullptr;
   bool empty = false;

@@ -33,11 +33,15 @@ struct LaunchArgs {
   void *a, *b, *sa, *sb, *c, *alpha;
   int32_t m, n, k, l, sm_count;
   cudaStream_t stream;
+  void* table;  // grouped only: int32 [M / tile_m], each M tile's group (l = G groups)
 };
+// grouped 1: ragged_gemm's contiguous grouped kernel (target jax_blockscale_ragged_gemm_sm100):
+// A (M, K) and C (M, N) one matrix whose groups fill whole tile_m tiles, B (G, N, K), alpha
+// one float per group and an int32 table of each M tile's group.
 struct Variant {
   const char* name;
   int sm;  // 100 (sm_100a cubin) or 103 (sm_103a cubin)
-  int fmt_a, fmt_b, out, tile_m, tile_n, cluster_m, cluster_n, k_align, n_align;
+  int fmt_a, fmt_b, out, tile_m, tile_n, cluster_m, cluster_n, k_align, n_align, grouped;
   void (*load)();
   int32_t (*launch)(const LaunchArgs&);
 };
@@ -52,6 +56,11 @@ struct Problem {
   int64_t a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes;
   int cc_major, cc_minor, sm_count;
   int tile_m, tile_n, cluster_m, cluster_n;
+  // grouped (ragged_gemm): l counts B's groups, A and C are one matrix, alpha holds l floats
+  // and the table (table_bytes) one int32 per M tile
+  int grouped;
+  uint64_t table_ptr;
+  int64_t table_bytes;
 };
 
 // The arch code (100 or 103) whose cubins run on this compute capability, or 0.

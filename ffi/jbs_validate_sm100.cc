@@ -47,9 +47,15 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     return Fail(buf, n, "negative extents (M=%lld N=%lld K=%lld)", p.m, p.n, p.k);
   if (p.m > kInt32Max || p.n > kInt32Max || p.k > kInt32Max || p.l > kInt32Max)
     return Fail(buf, n, "M, N, K and L must fit in int32");
-  if (p.c_bytes != p.l * p.m * p.n * ob)
+  const int64_t la = p.grouped ? 1 : p.l;  // batch of A and C (grouped: one matrix)
+  if (p.c_bytes != la * p.m * p.n * ob)
     return Fail(buf, n, "output buffer is %lld bytes, expected L*M*N*%lld = %lld", p.c_bytes, ob,
-                p.l * p.m * p.n * ob);
+                la * p.m * p.n * ob);
+  if (p.grouped && (p.tile_m < 1 || p.m % p.tile_m != 0))
+    return Fail(buf, n, "grouped: M=%lld must be whole tiles of %lld rows", p.m, p.tile_m);
+  if (p.grouped && p.table_bytes != 4 * (p.m / p.tile_m))
+    return Fail(buf, n, "grouped: the tile table is %lld bytes, expected one int32 per M tile "
+                "(%lld)", p.table_bytes, 4 * (p.m / p.tile_m));
   if (p.m == 0 || p.n == 0 || p.l == 0 || p.k == 0) {  // nothing to launch
     *empty = true;
     return nullptr;
@@ -62,15 +68,17 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     if (ptrs[i] % 16 != 0)
       return Fail(buf, n, "operand %lld (a, b, sfa, sfb, out) is not 16-byte aligned", i);
   if (p.alpha_ptr % 4 != 0) return Fail(buf, n, "alpha is not 4-byte aligned");
-  if (p.alpha_bytes < 4) return Fail(buf, n, "alpha must hold one float32");
-  if (p.a_bytes != p.l * p.m * p.k * ba / 8)
+  if (p.alpha_bytes < (p.grouped ? 4 * p.l : 4))
+    return Fail(buf, n, "alpha must hold one float32 (grouped: one per group)");
+  if (p.grouped && p.table_ptr % 4 != 0) return Fail(buf, n, "the tile table is not 4-byte aligned");
+  if (p.a_bytes != la * p.m * p.k * ba / 8)
     return Fail(buf, n, "A is %lld bytes, expected %lld (L*M*K packed)", p.a_bytes,
-                p.l * p.m * p.k * ba / 8);
+                la * p.m * p.k * ba / 8);
   if (p.b_bytes != p.l * p.n * p.k * bb / 8)
     return Fail(buf, n, "B is %lld bytes, expected %lld (L*N*K packed)", p.b_bytes,
                 p.l * p.n * p.k * bb / 8);
   int64_t sk4 = CeilDiv(p.k / Block(p.fmt_a), 4);
-  int64_t sa_need = p.l * CeilDiv(p.m, 128) * sk4 * 512, sb_need = p.l * CeilDiv(p.n, 128) * sk4 * 512;
+  int64_t sa_need = la * CeilDiv(p.m, 128) * sk4 * 512, sb_need = p.l * CeilDiv(p.n, 128) * sk4 * 512;
   if (p.sa_bytes < sa_need)
     return Fail(buf, n, "blocked A scales are %lld bytes, need %lld (padded atoms)", p.sa_bytes, sa_need);
   if (p.sb_bytes < sb_need)
@@ -81,9 +89,12 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     const Variant& c = variants[i];
     if (c.sm == sm && c.fmt_a == p.fmt_a && c.fmt_b == p.fmt_b && c.out == p.out &&
         c.tile_m == p.tile_m && c.tile_n == p.tile_n && c.cluster_m == p.cluster_m &&
-        c.cluster_n == p.cluster_n)
+        c.cluster_n == p.cluster_n && c.grouped == p.grouped)
       v = &c;
   }
+  if (!v && p.grouped)
+    return Fail(buf, n, "no compiled grouped variant with tile %lldx%lld for this pair/output",
+                p.tile_m, p.tile_n);
   if (!v)
     return Fail(buf, n, "no compiled variant with tile %lldx%lld for this pair/output (cluster %lld)",
                 p.tile_m, p.tile_n, p.cluster_m * 10 + p.cluster_n);

@@ -23,6 +23,7 @@ from . import config as _config
 LIB_NAME = "libjax_blockscale.so"
 SM90_TARGET = "jax_blockscale_gemm_sm90"
 SM100_TARGET = "jax_blockscale_gemm_sm100"  # Blackwell (ffi/jbs_ffi_sm100.cc), same library
+RAGGED_SM100_TARGET = "jax_blockscale_ragged_gemm_sm100"  # ragged_gemm's grouped sm100 kernel
 # cuBLASLt GEMM with alpha in its epilogue (ffi/jbs_dot_alpha.cc): the sm90 large-M path with a
 # global scale
 DOT_ALPHA_TARGET = "jax_blockscale_dot_alpha"
@@ -139,6 +140,11 @@ def register_targets() -> bool:
                 jax.ffi.register_ffi_target(SM100_TARGET, {
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
                     "execute": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100),
+                }, platform="CUDA")
+            if has_ragged_sm100(lib):
+                jax.ffi.register_ffi_target(RAGGED_SM100_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_ragged_gemm_sm100),
                 }, platform="CUDA")
             if has_dot_alpha(lib):
                 jax.ffi.register_ffi_target(DOT_ALPHA_TARGET, {
@@ -266,6 +272,12 @@ def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:
 
 # ---- Blackwell (sm100) part of the library ----
 
+def has_ragged_sm100(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has ragged_gemm's grouped Blackwell kernels and their FFI target."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_ragged_gemm_sm100")
+
+
 def has_sm100(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library was built with the Blackwell kernels and their FFI target."""
     lib = lib if lib is not None else load()
@@ -283,7 +295,7 @@ def sm100_unavailable_reason() -> str | None:
 
 
 _SM100_FIELDS = ("sm", "fmt_a", "fmt_b", "out", "tile_m", "tile_n", "cluster_m", "cluster_n",
-                 "k_align", "n_align")
+                 "k_align", "n_align", "grouped")
 
 
 def sm100_variants() -> list[dict]:
@@ -312,14 +324,15 @@ def sm100_check_problem(**kw) -> tuple[bool, str]:
     lib = load()
     if not has_sm100(lib):
         raise RuntimeError(sm100_unavailable_reason())
-    kw = dict(dict(cc_major=10, cc_minor=0, sm_count=148, alpha_bytes=4), **kw)
+    kw = dict(dict(cc_major=10, cc_minor=0, sm_count=148, alpha_bytes=4, grouped=0,
+                   table_bytes=0), **kw)
     ints = [kw[n] for n in ("fmt_a", "fmt_b", "out", "cc_major", "cc_minor", "sm_count",
-                            "tile_m", "tile_n", "cluster_m", "cluster_n")]
+                            "tile_m", "tile_n", "cluster_m", "cluster_n", "grouped")]
     longs = [kw[n] for n in ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes",
-                             "c_bytes", "alpha_bytes")]
+                             "c_bytes", "alpha_bytes", "table_bytes")]
     ptrs = [kw.get(n, 0x10000 * (i + 1)) for i, n in enumerate(
-        ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr"))]
+        ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "table_ptr"))]
     buf = ctypes.create_string_buffer(512)
-    rc = lib.jbs_sm100_check_problem((ctypes.c_int * 10)(*ints), (ctypes.c_longlong * 10)(*longs),
-                                     (ctypes.c_ulonglong * 6)(*ptrs), buf, len(buf))
+    rc = lib.jbs_sm100_check_problem((ctypes.c_int * 11)(*ints), (ctypes.c_longlong * 11)(*longs),
+                                     (ctypes.c_ulonglong * 7)(*ptrs), buf, len(buf))
     return rc == 0, buf.value.decode()

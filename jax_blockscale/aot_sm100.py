@@ -2,7 +2,8 @@
 
     python -m jax_blockscale.aot_sm100 --out-dir DIR [--jobs N] [--only PATTERN]
 
-For every arch in ``SM100_ARCHS`` and every variant in ``kernels.sm100_blockscaled.VARIANTS`` it
+For every arch in ``SM100_ARCHS`` and every variant in ``VARIANTS`` and ``GROUPED_VARIANTS``
+(jax_blockscale/catalog/sm100.py) it
 runs ``export_variant`` with the unique prefix ``default_function_prefix(variant, arch)``
 (``<prefix>.h`` + ``<prefix>.o``), then writes
 
@@ -23,8 +24,9 @@ import os
 import sys
 import time
 
-from jax_blockscale.catalog.sm100 import (ARCH_SM, FMT_CODES, FORMATS, OUT_CODES, SM100_ARCHS,
-                                          VARIANTS, default_function_prefix)
+from jax_blockscale.catalog.sm100 import (ARCH_SM, FMT_CODES, FORMATS, GROUPED_VARIANTS,
+                                          OUT_CODES, SM100_ARCHS, VARIANTS,
+                                          default_function_prefix)
 
 
 def codes_header() -> str:
@@ -58,7 +60,7 @@ def codes_header() -> str:
 
 
 def _matrix(only="*"):
-    return [(v, arch) for arch in SM100_ARCHS for v in VARIANTS
+    return [(v, arch) for arch in SM100_ARCHS for v in VARIANTS + GROUPED_VARIANTS
             if fnmatch.fnmatch(default_function_prefix(v, arch), only)]
 
 
@@ -73,7 +75,7 @@ def _build_one(job):
     info = dict(name=name, arch=arch, sm=ARCH_SM[arch], fmt_a=v.fmt_a, fmt_b=v.fmt_b,
                 out=v.out_dtype, tile_m=v.tile_m, tile_n=v.tile_n, cluster_m=v.cluster_m,
                 cluster_n=v.cluster_n, k_align=v.k_align, n_align=v.n_align, kind=v.kind,
-                block=v.block)
+                block=v.block, grouped=int(v.grouped))
     return info, time.time() - t0
 
 
@@ -96,8 +98,11 @@ def header(variants) -> str:
             f"static void load_{p}() {{ {p}_Kernel_Module_Load(&g_{p}); }}",
             f"static int32_t launch_{p}(const jbs_sm100::LaunchArgs& a) {{",
             f"  int32_t clusters = a.sm_count / {clusters};",
-            f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.m, a.n,",
-            "                               a.k, a.l, clusters < 1 ? 1 : clusters, a.stream);",
+            # grouped: + the tile table (l is then the number of groups)
+            f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha,"
+            + (" a.table," if v["grouped"] else ""),
+            "                               a.m, a.n, a.k, a.l, clusters < 1 ? 1 : clusters,",
+            "                               a.stream);",
             "}",
         ]
     lines += ["}  // namespace jbs_sm100_generated", "",
@@ -107,7 +112,7 @@ def header(variants) -> str:
         lines.append(
             f'  {{"{p}", {v["sm"]}, {FMT_CODES[v["fmt_a"]]}, {FMT_CODES[v["fmt_b"]]}, '
             f'{OUT_CODES[v["out"]]}, {v["tile_m"]}, {v["tile_n"]}, {v["cluster_m"]}, '
-            f'{v["cluster_n"]}, {v["k_align"]}, {v["n_align"]}, '
+            f'{v["cluster_n"]}, {v["k_align"]}, {v["n_align"]}, {v["grouped"]}, '
             f"&jbs_sm100_generated::load_{p}, &jbs_sm100_generated::launch_{p}}},")
     lines += ["};", f"static const int kJbsSm100NumVariants = {len(variants)};"]
     return "\n".join(lines) + "\n"

@@ -102,6 +102,10 @@ class Sm100Variant:
     tile_n: int  # 64 | 128 | 192 | 256
     cluster_m: int = 1
     cluster_n: int = 1
+    # grouped: ragged_gemm's contiguous grouped kernel (A's rows padded per group to whole
+    # tile_m tiles, B holding the groups as its L, one group per M tile from a table; see
+    # GROUPED_VARIANTS)
+    grouped: bool = False
 
     def __post_init__(self):
         check_format_pair(self.fmt_a, self.fmt_b)
@@ -116,6 +120,8 @@ class Sm100Variant:
                 raise ValueError("cluster dims must be 1 or 2 (up to 2x2)")
         if self.two_cta and self.cluster_m % 2:
             raise ValueError("a 256-row tile (2-CTA MMA) needs cluster_m == 2")
+        if self.grouped and (self.two_cta or self.cluster_m * self.cluster_n != 1):
+            raise ValueError("the grouped kernel runs 1-CTA tiles without clusters")
 
     @property
     def two_cta(self) -> bool:
@@ -142,7 +148,7 @@ class Sm100Variant:
     def name(self) -> str:
         out = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[self.out_dtype]
         return (
-            f"{self.fmt_a}_x_{self.fmt_b}_{out}_"
+            f"{'grouped_' if self.grouped else ''}{self.fmt_a}_x_{self.fmt_b}_{out}_"
             f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
         )
 
@@ -199,6 +205,37 @@ VARIANTS: Tuple[Sm100Variant, ...] = tuple(
     + _family_variants("mxfp6_e3m2", "mxfp6_e3m2", (_T_PAIR,), ("bfloat16", "float32"))
     + _family_variants("mxfp8_e4m3", "mxfp4", (_T_PAIR_192,), ("bfloat16", "float32"))
 )
+
+
+# ragged_gemm on Blackwell (lowering/ragged_sm100.py): the "contiguous grouped" form of the
+# kernel. The lowering pads each group's rows of A to whole GROUPED_TILE_M-row tiles, so that
+# every M tile belongs to one group, and passes an int32 table with the group of each M tile
+# (-1: a tile no group owns: its loads and MMAs are skipped, its output rows are never read).
+# B is (G, N, K) with the groups as the kernel's L, alpha one f32 per group. Same-width pairs,
+# one 128 x 128 tile, every output dtype.
+GROUPED_TILE_M = 128
+GROUPED_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"))
+GROUPED_VARIANTS: Tuple[Sm100Variant, ...] = tuple(
+    Sm100Variant(a, b, o, GROUPED_TILE_M, 128, grouped=True)
+    for a, b in GROUPED_PAIRS for o in _ALL_OUT)
+
+
+def grouped_padded_rows(m: int, groups: int, tile_m: int = GROUPED_TILE_M) -> int:
+    """Rows of the padded activation for M rows in G groups: each group that has rows takes
+    ceil(rows / tile_m) whole tiles, so at most ceil(M / tile_m) + min(G, M) tiles in all
+    (a static bound; the group sizes are only known on the device)."""
+    return (_ceil_div(m, tile_m) + min(groups, m)) * tile_m
+
+
+def choose_grouped_variant(fmt_a: str, fmt_b: str, out_dtype: str, n: int, k: int
+                           ) -> Optional[Sm100Variant]:
+    """The grouped variant for the pair, or None where there is none or K / N break its
+    alignment rules."""
+    for v in GROUPED_VARIANTS:
+        if ((v.fmt_a, v.fmt_b, v.out_dtype) == (fmt_a, fmt_b, out_dtype)
+                and k % v.k_align == 0 and n % v.n_align == 0):
+            return v
+    return None
 
 
 def variants_for(fmt_a: str, fmt_b: str, out_dtype: str,

@@ -120,6 +120,8 @@ class Sm100BlockScaledGemm:
         self.c_layout = cutlass.tensor_utils.LayoutEnum.ROW_MAJOR
         self.k_align = variant.k_align
         self.n_align = variant.n_align
+        # ragged_gemm's contiguous grouped form (Sm100GroupedBlockScaledGemm)
+        self.grouped = variant.grouped
 
         self.epi_barrier = pipeline.NamedBarrier(
             barrier_id=1, num_threads=32 * len(self.EPI_WARPS))
@@ -243,6 +245,16 @@ class Sm100BlockScaledGemm:
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        # the dense kernel has no tile table: alpha stands in for it, unread
+        self._launch(a_ptr, b_ptr, sfa_ptr, sfb_ptr, out_ptr, alpha_ptr, alpha_ptr, m, n, k, l,
+                     max_active_clusters, stream)
+
+    @cute.jit
+    def _launch(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, out_ptr, alpha_ptr, table_ptr, m, n, k, l,
+                max_active_clusters, stream):
+        """Build the TMA descriptors for the runtime problem and launch `kernel`. Grouped:
+        A and C are one (M, K) / (M, N) matrix (M the padded rows), B holds l = G groups,
+        alpha one float per group and table_ptr the group of each M tile."""
         mma, mma_sfb = self._tiled_mmas()
         self._configure(mma, mma_sfb)
 
@@ -252,9 +264,12 @@ class Sm100BlockScaledGemm:
         # FFI handler checks before launching.
         k_hint = cute.assume(k, divby=self.k_align)
         n_hint = cute.assume(n, divby=self.n_align)
-        mA = cute.make_tensor(a_ptr, cute.make_ordered_layout((m, k_hint, l), order=(1, 0, 2)))
+        la = l  # batch of A and C: one matrix when grouped (B's L counts the groups)
+        if cutlass.const_expr(self.grouped):
+            la = 1
+        mA = cute.make_tensor(a_ptr, cute.make_ordered_layout((m, k_hint, la), order=(1, 0, 2)))
         mB = cute.make_tensor(b_ptr, cute.make_ordered_layout((n, k_hint, l), order=(1, 0, 2)))
-        mC = cute.make_tensor(out_ptr, cute.make_ordered_layout((m, n_hint, l), order=(1, 0, 2)))
+        mC = cute.make_tensor(out_ptr, cute.make_ordered_layout((m, n_hint, la), order=(1, 0, 2)))
         # Scales: the blocked (L, MN/128, SK/4, 32, 4, 4) buffer is exactly the
         # DSL's scale atom tiled over (MN, K, L), K-tiles fastest.
         mSFA = cute.make_tensor(sfa_ptr, blocked_scale_layout(mA.shape, self.sf_vec))
@@ -262,6 +277,11 @@ class Sm100BlockScaledGemm:
         # alpha is an XLA operand (f32[1] in device memory): the epilogue reads
         # it, so launching never waits on the host.
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(1))
+        mTable = mAlpha  # dense: unread
+        if cutlass.const_expr(self.grouped):
+            # one alpha per group; the group of each M tile (-1: no group's rows)
+            mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(l))
+            mTable = cute.make_tensor(table_ptr, cute.make_layout(m // self.variant.tile_m))
 
         a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
         b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
@@ -322,7 +342,7 @@ class Sm100BlockScaledGemm:
             self.cluster_vmnk, self.cluster_sfb_vmnk,
             self.a_smem_staged, self.b_smem_staged,
             self.sfa_smem_staged, self.sfb_smem_staged, self.c_smem_staged,
-            self.epi_tile, sched_params, mAlpha,
+            self.epi_tile, sched_params, mAlpha, mTable,
         ).launch(
             grid=grid,
             block=[self.THREADS, 1, 1],
@@ -398,6 +418,7 @@ class Sm100BlockScaledGemm:
         epi_tile: cute.Tile,
         sched_params: utils.PersistentTileSchedulerParams,
         mAlpha: cute.Tensor,
+        mTable: cute.Tensor,
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -527,20 +548,26 @@ class Sm100BlockScaledGemm:
                 tm = work.tile_idx[0] // cta_per_mma
                 tn = work.tile_idx[1]
                 tl = work.tile_idx[2]
+                tl_b = tl  # B's batch index: the tile's group when grouped
+                k_trips = k_tiles
+                if cutlass.const_expr(self.grouped):
+                    group = self._tile_group(mTable, mAlpha, tm)
+                    tl_b = cutlass.max(group, 0)
+                    k_trips = k_tiles * cutlass.Int32(group >= 0)  # no group: nothing to load
                 gA_t = tAgA[(None, tm, None, tl)]
-                gB_t = tBgB[(None, tn, None, tl)]
+                gB_t = tBgB[(None, tn, None, tl_b)]
                 gSFA_t = tAgSFA[(None, tm, None, tl)]
                 sfb_n = tn
                 if cutlass.const_expr(self.cta_tile[1] == 64):
                     # Two 64-wide tiles share one 128-row SFB atom.
                     sfb_n = tn // 2
-                gSFB_t = tBgSFB[(None, sfb_n, None, tl)]
+                gSFB_t = tBgSFB[(None, sfb_n, None, tl_b)]
 
                 prod.reset_count()
                 ready = cutlass.Boolean(1)
-                if prod.count < k_tiles:
+                if prod.count < k_trips:
                     ready = ab_pipe.producer_try_acquire(prod)
-                for _kt in cutlass.range(0, k_tiles, 1, unroll=1):
+                for _kt in cutlass.range(0, k_trips, 1, unroll=1):
                     ab_pipe.producer_acquire(prod, ready)
                     bar = ab_pipe.producer_get_barrier(prod)
                     kt, st = prod.count, prod.index
@@ -550,7 +577,7 @@ class Sm100BlockScaledGemm:
                     cute.copy(tma_sfb, gSFB_t[(None, kt)], tBsSFB[(None, st)], tma_bar_ptr=bar, mcast_mask=mask_sfb)
                     prod.advance()
                     ready = cutlass.Boolean(1)
-                    if prod.count < k_tiles:
+                    if prod.count < k_trips:
                         ready = ab_pipe.producer_try_acquire(prod)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
@@ -582,6 +609,12 @@ class Sm100BlockScaledGemm:
             acc_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.acc_stages)
             while work.is_valid_tile:
                 tn = work.tile_idx[1]
+                k_trips = k_tiles
+                if cutlass.const_expr(self.grouped):
+                    # a tile no group owns: no MMAs (its accumulator is committed as it is and
+                    # its output rows are never read)
+                    group = self._tile_group(mTable, mAlpha, work.tile_idx[0] // cta_per_mma)
+                    k_trips = k_tiles * cutlass.Int32(group >= 0)
                 if cutlass.const_expr(self.overlap_acc):
                     acc_buf = acc_prod.phase ^ 1
                 else:
@@ -590,7 +623,7 @@ class Sm100BlockScaledGemm:
 
                 cons.reset_count()
                 full = cutlass.Boolean(1)
-                if cons.count < k_tiles and is_leader:
+                if cons.count < k_trips and is_leader:
                     full = ab_pipe.consumer_try_wait(cons)
                 if is_leader:
                     acc_pipe.producer_acquire(acc_prod)
@@ -605,7 +638,7 @@ class Sm100BlockScaledGemm:
                                         dtype=self.sf_dtype),
                         sfb_tmem_layout)
 
-                for kt in range(k_tiles):
+                for kt in range(k_trips):
                     if is_leader:
                         ab_pipe.consumer_wait(cons, full)
                         # tcgen05.cp and tcgen05.mma execute in issue order,
@@ -620,7 +653,7 @@ class Sm100BlockScaledGemm:
                         ab_pipe.consumer_release(cons)
                     cons.advance()
                     full = cutlass.Boolean(1)
-                    if cons.count < k_tiles:
+                    if cons.count < k_trips:
                         if is_leader:
                             full = ab_pipe.consumer_try_wait(cons)
 
@@ -656,6 +689,11 @@ class Sm100BlockScaledGemm:
             while work.is_valid_tile:
                 tile_mnl = (work.tile_idx[0] // cta_per_mma, work.tile_idx[1], work.tile_idx[2])
                 bSG_gC = bSG_gC_all[(None, None, None, *tile_mnl)]
+                owned = cutlass.Boolean(1)
+                if cutlass.const_expr(self.grouped):
+                    group = self._tile_group(mTable, mAlpha, tile_mnl[0])
+                    alpha = mAlpha[cutlass.max(group, 0)]  # the group's global scales
+                    owned = group >= 0  # else: nothing computed, nothing stored
                 reverse = False
                 if cutlass.const_expr(self.overlap_acc):
                     acc_buf = acc_cons.phase
@@ -694,7 +732,8 @@ class Sm100BlockScaledGemm:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epi_barrier.arrive_and_wait()
                     if warp == self.EPI_WARPS[0]:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, real_sub)])
+                        if owned:
+                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, real_sub)])
                         c_pipe.producer_commit()
                         c_pipe.producer_acquire()
                     self.epi_barrier.arrive_and_wait()
@@ -709,6 +748,14 @@ class Sm100BlockScaledGemm:
             self.epi_barrier.arrive_and_wait()
             tmem.free(acc_base)
             c_pipe.producer_tail()
+
+    @cute.jit
+    def _tile_group(self, mTable, mAlpha, tm):
+        """Grouped: the group whose rows M tile `tm` holds, from the table; -1 for a tile no
+        group owns, and for an entry past the groups (G = alpha's length): such a table can
+        make the kernel skip work, never read or write out of bounds."""
+        group = mTable[tm]
+        return group - (group + 1) * cutlass.Int32(group >= cute.size(mAlpha))
 
     # -- partition helpers (trace-time only, no control flow) -----------------
 
@@ -751,6 +798,38 @@ class Sm100BlockScaledGemm:
         return bSG_sC, bSG_gC
 
 
+class Sm100GroupedBlockScaledGemm(Sm100BlockScaledGemm):
+    """ragged_gemm's contiguous grouped GEMM (a `grouped` Sm100Variant): the dense kernel with
+    A (M, K) and C (M, N) one matrix whose rows each group fills in whole tile_m tiles (the
+    lowering pads them: lowering/ragged_sm100.py), B (G, N, K) with the groups as its L, and
+    per M tile the group from an int32 table (-1: skipped). Its load warp reads the tile's
+    group's B and SFB, the epilogue applies the group's alpha.
+
+        out[m, n] = alpha[g] * sum_k A[m, k] * sfa(m, k) * B[g, n, k] * sfb(g, n, k),
+        g = table[m // tile_m] (tiles with g = -1: output rows left unwritten)
+    """
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        g: cutlass.Int32,
+        max_active_clusters: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(a_ptr, b_ptr, sfa_ptr, sfb_ptr, out_ptr, alpha_ptr, table_ptr, m, n, k, g,
+                     max_active_clusters, stream)
+
+
 def compile_variant(variant: Sm100Variant, arch: str = "sm_100a"):
     """cute.compile one variant for `arch` on any machine (no GPU needed)."""
     return compile_variant_with_plan(variant, arch)[0]
@@ -761,7 +840,7 @@ def compile_variant_with_plan(variant: Sm100Variant, arch: str = "sm_100a"):
     tracing computed (stage counts, TMEM columns, shared-storage type)."""
     if arch not in ("sm_100a", "sm_103a", "sm_100f", "sm_103f"):
         raise ValueError(f"unsupported Blackwell arch {arch!r}")
-    gemm = Sm100BlockScaledGemm(variant)
+    gemm = (Sm100GroupedBlockScaledGemm if variant.grouped else Sm100BlockScaledGemm)(variant)
     fa, fb = FORMATS[variant.fmt_a], FORMATS[variant.fmt_b]
     gmem = cute.AddressSpace.gmem
     # Placeholder pointers: only their element type and alignment are traced;
@@ -772,9 +851,11 @@ def compile_variant_with_plan(variant: Sm100Variant, arch: str = "sm_100a"):
     sfb = make_ptr(getattr(cutlass, fb.scale), 0, gmem, assumed_align=16)
     out = make_ptr(getattr(cutlass, OUT_DTYPES[variant.out_dtype]), 0, gmem, assumed_align=16)
     alpha = make_ptr(cutlass.Float32, 0, gmem, assumed_align=4)
+    # grouped: + the int32 table of each M tile's group
+    table = [make_ptr(cutlass.Int32, 0, gmem, assumed_align=4)] if variant.grouped else []
     i32 = cutlass.Int32
     compiled = cute.compile(
-        gemm, a, b, sfa, sfb, out, alpha,
+        gemm, a, b, sfa, sfb, out, alpha, *table,
         i32(1), i32(1), i32(1), i32(1), i32(1), cuda.CUstream(0),
         options=f"--gpu-arch {arch}",
     )

@@ -82,3 +82,11 @@ def kernel_plain_scale_bytes(s: jax.Array, rows: int, pad_blocks: int, *,
     if pad_blocks:
         bits = jnp.pad(bits, [(0, 0), (0, 0), (0, pad_blocks)])
     return bits.reshape(-1)
+
+
+def blocked_scale_bytes(s: jax.Array, layout: str) -> jax.Array:
+    """Scales (..., rows, K/block), plain or already blocked -> flat uint8 in the blocked
+    layout (the grouped kernels' experts)."""
+    if layout == "plain":
+        s = _layout.to_blocked_scales(s)
+    return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)

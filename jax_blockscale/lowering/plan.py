@@ -185,6 +185,10 @@ class Library:
         from .. import _plugin
         return _plugin.has_dot_alpha()
 
+    def has_ragged_sm100(self) -> bool:
+        from .. import _plugin
+        return _plugin.has_ragged_sm100()
+
     def has_layer_gemm(self) -> bool:
         from .. import _plugin
         return _plugin.has_layer_gemm()
@@ -500,6 +504,40 @@ def sm100_unsupported_reason(spec: GemmSpec, device: Device, library=LIBRARY) ->
         return device.reason or ("the sm100 kernels need compute capability 10.0 or 10.3 "
                                  f"(B200/GB200, B300/GB300), this device is {device.arch}")
     return library.sm100_unavailable_reason()
+
+
+def plan_ragged_sm100(spec, device: Device, *, library=LIBRARY):
+    """The sm100 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec): the contiguous grouped
+    kernel (catalog/sm100.py: GROUPED_VARIANTS) over the activation padded to whole tiles per
+    group (`items` M tiles, a static bound), or why it cannot run it."""
+    from ..ragged_backends import RaggedPlan  # noqa: PLC0415  (ragged_backends imports lowering)
+
+    if spec.fmt_lhs is None:
+        return ("weight-only (plain activation x quantized experts) has no block-scaled MMA on "
+                "Blackwell; it runs on `reference`")
+    if spec.group_index:
+        return "one layer of a stack (layer=) runs on the dense sm100 kernel's path, not grouped"
+    if min(spec.m, spec.n, spec.k, spec.groups) < 1:
+        return "empty problem"
+    out = np.dtype(spec.out_dtype).name
+    v = cat100.choose_grouped_variant(spec.fmt_lhs, spec.fmt_rhs, out, spec.n, spec.k)
+    if v is None:
+        return (f"the grouped sm100 kernel takes {cat100.GROUPED_PAIRS} with K and N aligned "
+                f"(got {spec.fmt_lhs} x {spec.fmt_rhs} -> {out}, K={spec.k}, N={spec.n})")
+    rows = cat100.grouped_padded_rows(spec.m, spec.groups, v.tile_m)
+    if max(rows * spec.k, spec.n * spec.k, rows * spec.n) > _INT32_MAX:
+        return "problem too large for the kernel's 32-bit indexing"
+    if device.arch != "sm100":
+        return device.reason or ("the grouped sm100 kernel needs compute capability 10.0 or "
+                                 f"10.3, this device is {device.arch}")
+    why = library.sm100_unavailable_reason()
+    if why is None and not library.has_ragged_sm100():
+        why = "the library was built without the grouped sm100 kernels"
+    if why is not None:
+        return why
+    return RaggedPlan("sm100", "grouped", spec, "cuda", variant=v.name,
+                      a_kind=spec.fmt_lhs, b_kind=spec.fmt_rhs, tile=(v.tile_m, v.tile_n),
+                      items=rows // v.tile_m)
 
 
 def plan_sm100(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> Plan | str:

@@ -28,11 +28,10 @@ import numpy as np
 from jax import lax
 
 from .. import _plugin
-from .. import layout as _layout
 from ..catalog import sm90 as cat
 from ..ragged_backends import RaggedPlan, register_ragged_backend
 from .ffi_sm90 import activation_operands
-from .kernel_operands import element_bytes, take_layer
+from .kernel_operands import blocked_scale_bytes, element_bytes, take_layer
 from .plan import device_for, plan_ragged_sm90
 
 ZERO_ITEM = -1  # the expert of an item whose rows the kernel writes as zeros
@@ -77,13 +76,6 @@ def work_items(group_sizes, row_start, m: int, rows_per_item: int, num_items: in
     return jnp.concatenate([jnp.stack([expert, r0, r1], axis=1), zero.astype(jnp.int32)])
 
 
-def _blocked_scale_bytes(s, layout: str):
-    """Scales (..., rows, K/block) plain or already blocked -> flat uint8, blocked layout."""
-    if layout == "plain":
-        s = _layout.to_blocked_scales(s)
-    return lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
-
-
 class Sm90RaggedBackend:
     name = "sm90"
     platforms = ("cuda",)
@@ -99,7 +91,7 @@ class Sm90RaggedBackend:
         m, n, k, groups = spec.m, spec.n, spec.k, spec.groups
         a8 = lhs if spec.fmt_lhs is None else element_bytes(lhs)
         b8 = element_bytes(rhs)
-        sb8 = _blocked_scale_bytes(sr, spec.layout_rhs)
+        sb8 = blocked_scale_bytes(sr, spec.layout_rhs)
         if spec.fmt_lhs is None:
             sa8 = sb8  # unused by the weight-only kernel; a buffer that exists costs nothing
         else:

@@ -16,6 +16,7 @@ import re
 import pytest
 
 import cubins as _cubins  # tests/support/cubins.py
+from jax_blockscale.catalog import sm100 as cat100
 from jax_blockscale.catalog.sm100 import ARCH_SM
 
 sm100 = pytest.importorskip(
@@ -49,6 +50,15 @@ PROTOTYPE = re.compile(
     r"cudaStream_t stream\)")
 
 
+# ragged_gemm's grouped variants: + the tile table, and the number of groups in place of L
+GROUPED_PROTOTYPE = re.compile(
+    r"static inline int32_t cute_dsl_(?P<prefix>\w+)_wrapper\("
+    r"(?P=prefix)_Kernel_Module_t \*module, void \*a_ptr, void \*b_ptr, "
+    r"void \*sfa_ptr, void \*sfb_ptr, void \*out_ptr, void \*alpha_ptr, void \*table_ptr, "
+    r"int32_t m, int32_t n, int32_t k, int32_t g, int32_t max_active_clusters, "
+    r"cudaStream_t stream\)")
+
+
 def _export(variant, arch, tmp_path):
     prefix = sm100.default_function_prefix(variant, arch)
     h, o = sm100.export_variant(variant, str(tmp_path), prefix, arch)
@@ -59,7 +69,7 @@ def _check_export(variant, arch, tmp_path):
     prefix, h, o = _export(variant, arch, tmp_path)
     assert os.path.getsize(o) > 0
     header = open(h).read()
-    m = PROTOTYPE.search(header)
+    m = (GROUPED_PROTOTYPE if variant.grouped else PROTOTYPE).search(header)
     assert m, f"launcher prototype changed:\n{header}"
     assert m.group("prefix") == prefix
 
@@ -118,10 +128,27 @@ def test_fast_subset_is_in_the_matrix_or_a_valid_config():
     assert kinds <= {(v.kind, v.two_cta) for v in FAST}
 
 
+@pytest.mark.parametrize("arch", sorted(ARCH_SM))
+@pytest.mark.parametrize("variant", [v for v in cat100.GROUPED_VARIANTS
+                                     if v.out_dtype == "bfloat16"], ids=lambda v: v.name)
+def test_grouped_variants_export(variant, arch, tmp_path):
+    """ragged_gemm's grouped kernel: the launcher takes the tile table and G; one cubin for the
+    arch with the pair's block-scaled MMA, the scale copies to TMEM, TMA loads and stores, and
+    global loads of the table (each role reads its tile's group) and of the group's alpha."""
+    _check_export(variant, arch, tmp_path)
+    missing = _cubins.sass_tools_missing()
+    if missing:
+        pytest.skip(missing)
+    (sass,) = _cubins.sass_of_object(str(tmp_path / (cat100.default_function_prefix(
+        variant, arch) + ".o")), str(tmp_path / "cubins2"))
+    assert sum(op.startswith("LDG") for op in re.findall(r"\b(LDG\S*)", sass)) >= 3
+
+
 def test_variant_names_and_prefixes_are_unique():
-    names = [v.name for v in sm100.VARIANTS]
+    every = sm100.VARIANTS + cat100.GROUPED_VARIANTS
+    names = [v.name for v in every]
     assert len(names) == len(set(names))
-    prefixes = {sm100.default_function_prefix(v, a) for v in sm100.VARIANTS for a in sm100.SM100_ARCHS}
+    prefixes = {sm100.default_function_prefix(v, a) for v in every for a in sm100.SM100_ARCHS}
     assert len(prefixes) == len(names) * len(sm100.SM100_ARCHS)
     assert all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in prefixes)
 

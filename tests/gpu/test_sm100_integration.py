@@ -96,12 +96,13 @@ def test_variant_table_is_the_kernel_matrix_for_both_archs():
     names = [v["name"] for v in table]
     assert len(names) == len(set(names))
     got = {(v["sm"], v["fmt_a"], v["fmt_b"], v["out"], v["tile_m"], v["tile_n"],
-            v["cluster_m"], v["cluster_n"], v["k_align"], v["n_align"]) for v in table}
+            v["cluster_m"], v["cluster_n"], v["k_align"], v["n_align"], v["grouped"])
+           for v in table}
     want = {(ARCH_SM[arch], FMT_CODES[v.fmt_a], FMT_CODES[v.fmt_b], OUT_CODES[v.out_dtype],
-             v.tile_m, v.tile_n, v.cluster_m, v.cluster_n, v.k_align, v.n_align)
-            for arch in k.SM100_ARCHS for v in k.VARIANTS}
+             v.tile_m, v.tile_n, v.cluster_m, v.cluster_n, v.k_align, v.n_align, int(v.grouped))
+            for arch in k.SM100_ARCHS for v in k.VARIANTS + k.GROUPED_VARIANTS}
     assert got == want
-    assert len(table) == len(k.SM100_ARCHS) * len(k.VARIANTS)
+    assert len(table) == len(k.SM100_ARCHS) * (len(k.VARIANTS) + len(k.GROUPED_VARIANTS))
     # every served pair has the 128x128 tile for every output on both archs, and the library
     # serves exactly the catalogue's pairs
     assert {(v["fmt_a"], v["fmt_b"]) for v in table} == {(FMT_CODES[a], FMT_CODES[b])
@@ -120,7 +121,7 @@ def test_library_holds_sm100a_and_sm103a_cubins_with_blackwell_sass(tmp_path):
     by_sm = {}
     for c in cubins:
         by_sm.setdefault(c.sm, []).append(c)
-    n = len(cat100.VARIANTS)
+    n = len(cat100.VARIANTS) + len(cat100.GROUPED_VARIANTS)
     assert len(by_sm.get(100, [])) == n, {k: len(v) for k, v in by_sm.items()}
     assert len(by_sm.get(103, [])) == n, {k: len(v) for k, v in by_sm.items()}
     missing = _cubins.sass_tools_missing()
@@ -221,6 +222,44 @@ def test_validation_accepts(case):
 ])
 def test_validation_rejects(case, why):
     ok, msg = _check(**case)
+    assert not ok and why in msg, msg
+
+
+def _grouped(fmt="nvfp4", out="bfloat16", m=512, n=256, k=512, g=8, **kw):
+    """The grouped handler's view of one ragged_gemm call: A (m, K) one padded matrix, B (g, N, K),
+    alpha one float per group, the table one int32 per 128-row tile."""
+    p = _problem(fmt, fmt, out, m=m, n=n, k=k, l=g, tile_m=128, tile_n=128, cluster_m=1,
+                 cluster_n=1, grouped=1, table_bytes=4 * (m // 128), alpha_bytes=4 * g)
+    bits = 4 if fmt in ("nvfp4", "mxfp4") else 8
+    block = 16 if fmt == "nvfp4" else 32
+    p.update(a_bytes=m * k * bits // 8, sa_bytes=(m // 128) * -(-(k // block) // 4) * 512,
+             c_bytes=m * n * (4 if out == "float32" else 2))
+    p.update(kw)
+    return p
+
+
+@needs_lib
+@pytest.mark.parametrize("case", [dict(), dict(fmt="mxfp4", out="float32"),
+                                  dict(fmt="mxfp8_e4m3", out="float16", g=1), dict(cc_minor=3)])
+def test_grouped_validation_accepts(case):
+    ok, msg = _plugin.sm100_check_problem(**_grouped(**case))
+    assert ok and "_grouped_" in msg, msg
+
+
+@needs_lib
+@pytest.mark.parametrize("case,why", [
+    (dict(m=500), "whole tiles"),
+    (dict(table_bytes=4), "tile table"),
+    (dict(alpha_bytes=4), "one per group"),
+    (dict(table_ptr=0x10002), "4-byte"),
+    (dict(fmt="mxfp8_e5m2"), "no compiled grouped variant"),
+    (dict(tile_n=256), "no compiled grouped variant"),
+    (dict(a_bytes=1), "A is"),
+    (dict(c_bytes=2), "output buffer"),
+    (dict(grouped=0), "output buffer"),  # a dense call of these buffers has L batches of C
+])
+def test_grouped_validation_rejects(case, why):
+    ok, msg = _plugin.sm100_check_problem(**_grouped(**case))
     assert not ok and why in msg, msg
 
 
@@ -415,6 +454,36 @@ def test_lowering_emits_the_sm100_custom_call(monkeypatch, case):
     for attr in ("tile_m", "tile_n", "cluster_m", "cluster_n"):  # never 0 ("handler chooses")
         assert not re.search(rf"\b{attr} = 0 : i32", calls[0]), (attr, calls[0][:600])
     assert "jax_blockscale_gemm_sm90" not in text
+
+
+@needs_lib
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8_e4m3"])
+def test_ragged_gemm_lowers_to_the_grouped_sm100_kernel(monkeypatch, fmt):
+    """ragged_gemm on a (mocked) B200: one call of the grouped target with the activation
+    padded to whole 128-row tiles per group (the static bound), the tile table and one alpha
+    per expert; the grouped variant's tile as attributes. Weight-only and `layer=` calls are
+    declined (they run on the reference)."""
+    assert _plugin.has_ragged_sm100()
+    g, m, n, k = 8, 40, 64, 256
+    x = _q((m, k), fmt)
+    w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(2), (g, n, k)), fmt, layout="blocked",
+                     **(dict(global_scale="per_matrix") if fmt == "nvfp4" else {}))
+    gs = jnp.asarray([5, 0, 10, 0, 20, 5, 0, 0], jnp.int32)
+    text = _lower_for_blackwell(monkeypatch, lambda x, w, gs: jbs.ragged_gemm(x, w, gs), x, w, gs)
+    calls = [ln for ln in text.splitlines() if "custom_call @" + _plugin.RAGGED_SM100_TARGET in ln]
+    assert len(calls) == 1, text[-2000:]
+    rows = cat100.grouped_padded_rows(m, g)
+    bytes_per_row = k // 2 if fmt == "nvfp4" else k
+    for s in (f"tensor<{rows}x{bytes_per_row}xui8>", f"tensor<{g}xf32>",
+              f"tensor<{rows // 128}xi32>", f"tensor<{rows}x{n}xbf16>"):
+        assert s in calls[0], (s, calls[0][:800])
+    for attr, v in dict(m=rows, n=n, k=k, g=g, tile_m=128, tile_n=128,
+                        fmt_a=FMT_CODES[fmt], fmt_b=FMT_CODES[fmt]).items():
+        assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, v, calls[0][:800])
+    xw = jax.random.normal(jax.random.PRNGKey(3), (m, k)).astype(jnp.bfloat16)
+    text = _lower_for_blackwell(monkeypatch, lambda x, w, gs: jbs.ragged_gemm(x, w, gs), xw, w,
+                                gs)
+    assert "custom_call @jax_blockscale_ragged" not in text  # weight-only: the reference
 
 
 @needs_lib

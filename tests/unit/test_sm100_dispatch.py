@@ -104,3 +104,20 @@ def test_every_served_pair_and_output_has_a_kernel():
     for (a, b), out in itertools.product(sm100.PAIRS, ["bfloat16", "float16", "float32"]):
         v = choose(256, 256, 512, a, b, out_dtype=out)
         assert v is not None and (v.fmt_a, v.fmt_b, v.out_dtype) == (a, b, out)
+
+
+def test_grouped_variants():
+    """The grouped kernel: same-width pairs, 1-CTA 128 x 128 tiles, every output; a 2-CTA or
+    clustered grouped variant is refused (a tile must hold one group)."""
+    assert {(v.fmt_a, v.fmt_b) for v in sm100.GROUPED_VARIANTS} == set(sm100.GROUPED_PAIRS)
+    assert all(v.grouped and (v.tile_m, v.tile_n, v.cluster_m, v.cluster_n) == (128, 128, 1, 1)
+               for v in sm100.GROUPED_VARIANTS)
+    assert not set(sm100.GROUPED_VARIANTS) & set(sm100.VARIANTS)
+    with pytest.raises(ValueError, match="1-CTA"):
+        sm100.Sm100Variant("nvfp4", "nvfp4", "bfloat16", 256, 128, 2, 1, grouped=True)
+    assert sm100.choose_grouped_variant("nvfp4", "nvfp4", "float32", 64, 256).grouped
+    assert sm100.choose_grouped_variant("nvfp4", "nvfp4", "bfloat16", 60, 256) is None  # N % 8
+    assert sm100.choose_grouped_variant("mxfp8_e4m3", "mxfp4", "bfloat16", 64, 256) is None
+    # the padded rows bound: every group that has rows may add one partial tile
+    assert sm100.grouped_padded_rows(1, 128) == 2 * 128
+    assert sm100.grouped_padded_rows(300, 4) == (3 + 4) * 128
