@@ -559,3 +559,34 @@ def test_gpu_cases_lower_to_sm100_on_cpu(monkeypatch, fa, fb, sa, sb):
     text = _lower_for_blackwell(
         monkeypatch, lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm100"), a, b)
     assert text.count("custom_call @" + _plugin.SM100_TARGET) == 1
+
+
+_RAGGED_E2E = [("nvfp4", 37, 256, 512, [10, 0, 20, 7, 0, 0, 0, 0]),  # empty experts
+               ("mxfp4", 300, 128, 256, [0, 299, 1]),  # one expert holds (almost) every row
+               ("mxfp8_e4m3", 200, 64, 128, [50, 0, 60])]  # rows past the groups are zero
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,m,n,k,sizes", _RAGGED_E2E, ids=[c[0] for c in _RAGGED_E2E])
+def test_gpu_blackwell_ragged_matches_reference(fmt, m, n, k, sizes):
+    """ragged_gemm on the grouped sm100 kernel (a Blackwell GPU) against the reference backend,
+    f32 output; the allocator is handed NaN first so a row read from an unwritten tile shows."""
+    ccs = {str(getattr(d, "compute_capability", "?")) for d in jax.devices("gpu")}
+    if not ccs <= {"10.0", "10.3"}:
+        pytest.skip(f"needs a Blackwell GPU (10.0 / 10.3), found {sorted(ccs)}")
+    P._gpu_device.cache_clear()
+    g = len(sizes)
+    x = _q((m, k), fmt, seed=4)
+    w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(5), (g, n, k)), fmt, layout="blocked",
+                     **(dict(global_scale="per_matrix") if fmt == "nvfp4" else {}))
+    gs = jnp.asarray(sizes, jnp.int32)
+    f = jax.jit(lambda x, w, gs: jbs.ragged_gemm(x, w, gs, out_dtype=jnp.float32,
+                                                 backend="sm100"))
+    assert _plugin.RAGGED_SM100_TARGET in f.lower(x, w, gs).as_text()
+    jnp.full((1 << 26,), jnp.nan, jnp.float32).block_until_ready()  # NaN in freed memory
+    got = np.asarray(f(x, w, gs), np.float64)
+    want = np.asarray(jbs.ragged_gemm(x, w, gs, out_dtype=jnp.float32, backend="reference"),
+                      np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got == 0, want == 0)
+    assert np.linalg.norm(got - want) <= 1e-5 * max(np.linalg.norm(want), 1e-30)
