@@ -13,7 +13,7 @@ from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of
 from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper; library loads lazily)
 from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
 from .lowering import ragged_sm90 as _ragged_sm90_backend  # noqa: F401,E402  (ragged_gemm on Hopper)
-from .lowering import ragged_sm100 as _ragged_sm100_backend  # noqa: F401,E402  (ragged_gemm on Blackwell)
+from .lowering import ragged_sm100 as _ragged_sm100_backend  # noqa: F401,E402  (Blackwell)
 from . import quantized_activation as _quantized_activation  # noqa: F401,E402  (gemm(quantize_a=))
 from .quantize import (BlockScaled, check_blockscaled, dequantize, pack_fp4, quantize, to_blocked,
                        to_plain, unpack_fp4)
