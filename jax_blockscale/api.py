@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import FORMATS, OUT_DTYPES, can_multiply, format_for, supported_pairs
+from .formats import FORMATS, can_multiply, check_out_dtype, format_for, supported_pairs
 from .lowering import forced_backend
 from .primitive import gemm_p, join_operands
 from .quantize import BlockScaled, check_blockscaled, quantize
@@ -60,9 +60,7 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     if layer is not None:
         return _layer_gemm(a, b, layer, out_dtype, backend)
     forced_backend(backend)  # an unknown name fails here, at trace time
-    if np.dtype(out_dtype) not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
-                        f"got {np.dtype(out_dtype).name}")
+    check_out_dtype(out_dtype)
     check_blockscaled(b, "b")
     if isinstance(a, BlockScaled):
         check_blockscaled(a, "a")
@@ -104,9 +102,7 @@ def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer) -> jax.Arra
         raise ValueError(f"quantize_a={fmt!r} cannot multiply b in {b.fmt}; supported pairs: "
                          f"{supported_pairs()}")
     forced_backend(backend)
-    if np.dtype(out_dtype) not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
-                        f"got {np.dtype(out_dtype).name}")
+    check_out_dtype(out_dtype)
     if layer is not None:
         return gemm(quantize(a, fmt), b, out_dtype=out_dtype, backend=backend, layer=layer)
     return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend)

@@ -70,6 +70,13 @@ OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float3
 _MX_NAMES = frozenset(n for n in FORMATS if n.startswith("mx"))
 
 
+def check_out_dtype(out_dtype) -> None:
+    """Raise TypeError (at trace time) unless `out_dtype` is one gemm can produce."""
+    if np.dtype(out_dtype) not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
+                        f"got {np.dtype(out_dtype).name}")
+
+
 def get_format(name: str | Format) -> Format:
     """Look a format up by name, with an error that lists the valid names."""
     if isinstance(name, Format):

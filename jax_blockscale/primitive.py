@@ -36,7 +36,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import layout as _layout
-from .formats import OUT_DTYPES, PLAIN_DTYPES, can_multiply, get_format, supported_pairs
+from .formats import (PLAIN_DTYPES, can_multiply, check_out_dtype, get_format,
+                      supported_pairs)
 from .lowering import ALL_PLATFORMS, GemmSpec, get_backend
 from .lowering.plan import plan as make_plan
 from .lowering.reference import operand_values
@@ -117,9 +118,7 @@ def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=Non
     _check_scales("b scales", sb, b, fmt_b, layout_b)
     if alpha.shape != () or np.dtype(alpha.dtype) != np.float32:
         raise TypeError(f"alpha must be an f32 scalar, got {alpha.dtype}{list(alpha.shape)}")
-    if np.dtype(out_dtype) not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
-                        f"got {np.dtype(out_dtype).name}")
+    check_out_dtype(out_dtype)
     try:
         batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
     except ValueError:

@@ -59,7 +59,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .formats import OUT_DTYPES, can_multiply, supported_pairs
+from .formats import can_multiply, check_out_dtype, supported_pairs
 from .lowering import ALL_PLATFORMS
 from .primitive import _check_elements, _check_scales
 from .quantize import BlockScaled, check_blockscaled
@@ -211,9 +211,7 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
                             f"{row_start.dtype}{list(row_start.shape)}")
     elif rest or shifted or plan_shape is not None:
         raise TypeError("only ragged_gemm_local_p takes row_start, shifted and plan_shape")
-    if np.dtype(out_dtype) not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[d.name for d in OUT_DTYPES]}, "
-                        f"got {np.dtype(out_dtype).name}")
+    check_out_dtype(out_dtype)
     return RaggedSpec(fmt_lhs, fmt_rhs, layout_lhs if fmt_lhs else None, layout_rhs,
                       np.dtype(lhs.dtype), np.dtype(out_dtype), lhs.shape[0], rhs.shape[1],
                       lhs.shape[1], groups, bool(alpha_is_one), bool(shifted), bool(group_index),
