@@ -29,11 +29,13 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "quantize_activation_launch.h"  // kThreads, kClusterCtas, kBlocksPerThread
+
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 512;
-constexpr int kClusterCtas = 8;
-constexpr int kBlocksPerThread = 4;
+using jbs_quantize::kBlocksPerThread;
+using jbs_quantize::kClusterCtas;
+using jbs_quantize::kThreads;
 constexpr int kWarps = kThreads / 32;
 
 // a / b as XLA's GPU code divides f32: div.full.f32 (at most 2 ulp from the IEEE quotient).

@@ -4,6 +4,7 @@ kernel, the composition (quantize, then gemm's own target) everywhere else; the 
 lowering allocates is the library's layout. The numerics run in tests/gpu."""
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -54,6 +55,18 @@ def test_scratch_layout_is_the_librarys(blocks):
     assert off_scales >= 8 * blocks and off_scales % 256 == 0
     assert off_alpha >= off_scales + blocks and off_alpha % 256 == 0
     assert total == quantized_activation_scratch_bytes(blocks) == off_alpha + 4
+
+
+def test_planner_limit_is_the_quantizers_capacity():
+    """QUANTIZE_A_MAX_ELEMENTS (the planner's side) is what one cluster of the quantizer holds
+    (ffi/quantize_activation_launch.h, the kernel's and its launch's side)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    header = open(os.path.join(repo, "ffi", "quantize_activation_launch.h")).read()
+    shape = {name: int(value) for name, value in re.findall(
+        r"constexpr int (k\w+) = (\d+);", header)}
+    assert set(shape) == {"kThreads", "kClusterCtas", "kBlocksPerThread"}, shape
+    assert cat.QUANTIZE_A_MAX_ELEMENTS == (shape["kThreads"] * shape["kClusterCtas"]
+                                           * shape["kBlocksPerThread"] * 16)
 
 
 @pytest.mark.parametrize("case", ["f32 activation", "past the kernel's elements", "mxfp4",
