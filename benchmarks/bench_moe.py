@@ -8,6 +8,9 @@ For each model's expert GEMMs (gate+up and down), token count and format, in one
   ours              `jbs.ragged_gemm`, bf16 activations x block-scaled experts (weight-only)
   ours_qact         `jbs.ragged_gemm` with the activation quantized too (W4A4 / W8A8), the
                     activation quantized once outside the timed call
+  ours_decode       with --compare-kernels: `ours` with the sm90 grouped decode kernel forced
+  ours_prefill      ... and with the grouped register-weight (prefill) kernel forced
+                    (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL), to place the planner's threshold
 Routing: each token picks top_k distinct experts uniformly at random (seeded), the T * top_k
 rows sorted by expert; `experts_hit` counts the experts with rows and `hit_bytes` their
 quantized bytes (elements + scales), the floor for a kernel that streams only the hit experts;
@@ -16,6 +19,7 @@ quantized bytes (elements + scales), the floor for a kernel that streams only th
     python benchmarks/bench_moe.py --tiny --out /tmp/moe      # CPU smoke run, tiny shapes
     python benchmarks/bench_moe.py --out benchmarks/results/moe_h100   # GPU: the full matrix
     python benchmarks/bench_moe.py --models qwen3-30b-a3b --gemms gate_up --tokens 16,256
+    python benchmarks/bench_moe.py --tokens 64,256,1024,4096 --compare-kernels --out /tmp/k
 
 Timing: benchmarks/timing.py, as sweep.py: "<method>_us" is the Python-loop time (median of
 --trials x --iters jitted calls), "<method>_device_us" the GPU's kernel time per call from a
@@ -36,6 +40,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale import config as jbs_config  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 
@@ -50,6 +55,7 @@ TINY_TOKENS = (1, 16, 64)
 GEMMS = ("gate_up", "down")
 FORMATS = ("mxfp4", "nvfp4")
 METHODS = ("bf16_ragged_dot", "deq_ragged_dot", "tokamax_int4", "ours", "ours_qact")
+KERNEL_METHODS = ("ours_decode", "ours_prefill")
 
 quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
 normal = jax.jit(jax.random.normal, static_argnames=("shape", "dtype"))
@@ -101,6 +107,26 @@ def deq_ragged_dot(x, q, gs):
 @jax.jit
 def ours(x, q, gs):
     return jbs.ragged_gemm(x, q, gs)
+
+
+def forced_kernel(kernel):
+    """`ours` with the sm90 grouped kernel `kernel` ("decode" / "prefill") forced while it is
+    traced (the planner reads the variable then; the jitted function keeps its plan)."""
+    f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+
+    def call(*args):
+        old = os.environ.get("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL")
+        os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = kernel
+        jbs_config.reload()
+        try:
+            return f(*args)
+        finally:
+            if old is None:
+                del os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"]
+            else:
+                os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = old
+            jbs_config.reload()
+    return call
 
 
 @jax.jit
@@ -158,7 +184,8 @@ def timed(row, key, f, arg_sets, timing):
         row[key + "_err"] = short_error(e)
 
 
-def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax):
+def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax,
+               compare_kernels=False):
     g, n, k = gemm_shape(model, gemm)
     kw, kx, kr = jax.random.split(key, 3)
     w_f32 = normal(kw, (g, n, k), jnp.float32) / np.sqrt(k)
@@ -206,6 +233,10 @@ def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax):
             timed(row, "ours_qact", ours, [(xq, q, gs) for q in qb_sets], timing)
             row["ours_qact_path"] = ours_path(xq, q_blocked, gs)
             row["ours_qact_rel_err"] = rel_error(xq, q_blocked, gs)
+            if compare_kernels:
+                for method in KERNEL_METHODS:
+                    timed(row, method, forced_kernel(method.split("_")[1]),
+                          [(x, q, gs) for q in qb_sets], timing)
             for clock in ("_device_us", "_us"):
                 if "ours" + clock in row:
                     row["hit_TBps" + clock.replace("_us", "")] = \
@@ -225,8 +256,9 @@ def print_row(row):
             return "-"
         return f"{dev:.0f}/{loop:.0f}" if dev is not None else f"{loop:.0f}"
 
+    methods = METHODS + tuple(m for m in KERNEL_METHODS if m + "_us" in row or m + "_err" in row)
     print(f"{row['model']:<14}{row['gemm']:<8}{row['fmt']:<7}{row['tokens']:>5}"
-          f"{row['experts_hit']:>5}" + "".join(f"{cell(m):>18}" for m in METHODS), flush=True)
+          f"{row['experts_hit']:>5}" + "".join(f"{cell(m):>18}" for m in methods), flush=True)
 
 
 def plot(rows, path):
@@ -238,7 +270,7 @@ def plot(rows, path):
     for ax, (model, gemm, fmt) in zip(axes[0], panels):
         sel = sorted((r for r in rows if (r["model"], r["gemm"], r["fmt"]) == (model, gemm, fmt)),
                      key=lambda r: r["tokens"])
-        for method in METHODS:
+        for method in METHODS + KERNEL_METHODS:
             pts = [(r["tokens"], r.get(method + "_device_us", r.get(method + "_us")))
                    for r in sel]
             pts = [(t, v) for t, v in pts if v is not None]
@@ -266,6 +298,8 @@ def main():
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out", default="bench_moe", help="output path prefix (.json, .png)")
+    p.add_argument("--compare-kernels", action="store_true",
+                   help="also time ours with each sm90 grouped kernel forced")
     args = p.parse_args()
     models = (args.models.split(",") if args.models else
               list(TINY_MODELS) if args.tiny else list(MODELS))
@@ -286,7 +320,8 @@ def main():
         top_k = (MODELS.get(model) or TINY_MODELS[model])["top_k"]
         for gemm in args.gemms.split(","):
             key, sub = jax.random.split(key)
-            rows += bench_gemm(model, gemm, fmts, tokens, top_k, timing, sub, tk)
+            rows += bench_gemm(model, gemm, fmts, tokens, top_k, timing, sub, tk,
+                               args.compare_kernels)
     out = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,

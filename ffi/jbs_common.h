@@ -32,14 +32,15 @@ struct LaunchArgs {
   cudaStream_t stream;
   void* ws;        // decode kernel only: f32 workspace, one L*M*N slice per split
   int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
-  void* items;        // grouped decode only: int32 work table [num_items, 3]
+  void* items;        // grouped kernels only: int32 work table [num_items, 3]
   int32_t num_items;  // (l is then the number of experts G)
 };
 // One compiled kernel (a row of the generated table). nt == 0: the fused GEMM
 // (kernels/sm90_blockscaled.py, tile_m x tile_n; a_kind JBS_BF16_KPERM: its register-weight
 // variants); nt == 1, 2, 4, 8: the decode kernel (kernels/sm90_decode.py), nt n8 tiles of M per
 // CTA (tile_m = 8 * nt), tile_n rows of N per CTA, k_chunk K elements per sub-chunk; grouped 1:
-// the decode kernel for ragged_gemm (experts), target jax_blockscale_ragged_gemm_sm90; chained 1:
+// a kernel for ragged_gemm (experts), target jax_blockscale_ragged_gemm_sm90: the decode kernel
+// (nt > 0) or the register-weight kernel (nt == 0, prefill sizes); chained 1:
 // the decode kernel launched as a programmatic dependent of the activation quantizer (target
 // jax_blockscale_quantized_act_gemm_sm90), which waits for it before reading the activation.
 struct Variant {

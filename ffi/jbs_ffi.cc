@@ -9,7 +9,8 @@
 //   attrs:    a_kind, b_kind, a_e5m2, b_e5m2, a_scales_plain (int32), m, n, k, l (int64), and
 //             the planned variant: nt (0: fused; 1/2/4/8: decode), tile_m, tile_n, splits (int32)
 //
-//   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel)
+//   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel, or at
+//   prefill sizes the grouped register-weight kernel: nt = 0, a bf16_kperm activation, splits 0)
 //   operands: a [M, Ka] (as above, one activation, rows sorted by expert), b (u8) [G, N, Kb],
 //             sa, sb (as above; sb [G, ...]), alpha (f32 [G]: one per expert),
 //             items (s32 [num_items, 3]: expert, first row, end row; expert -1 = zero rows;

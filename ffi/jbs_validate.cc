@@ -25,6 +25,30 @@ int OutBytes(int out) {
 }
 const char* KindName(int kind) { return KnownKind(kind) ? jbs_catalog::kKindName[kind] : "unknown"; }
 
+// A grouped kernel's work table: entries (expert, first row, end row), one tile (decode: one
+// CTA) per entry and tile of N; or, for the grouped decode kernel's index mode, one int32 (the
+// expert) and items of tile_m rows covering M.
+const char* CheckWorkTable(const Problem& p, const Variant& v, char* buf, size_t n) {
+  if (p.num_items < 1 || p.num_items > kInt32Max / CeilDiv(p.n, v.tile_n))
+    return Fail(buf, n, "grouped work table of %lld items out of range", (long long)p.num_items);
+  if (p.grouped == 2) {
+    if (!v.nt) return Fail(buf, n, "index mode needs the grouped decode kernel, not %s", v.name);
+    if (p.items_bytes != 4)
+      return Fail(buf, n, "the group index has %lld bytes, expected 4 (one int32)",
+                  (long long)p.items_bytes);
+    if (p.num_items != CeilDiv(p.m, v.tile_m))
+      return Fail(buf, n, "index mode needs ceil(M / %d) = %lld items, got %lld", v.tile_m,
+                  (long long)CeilDiv(p.m, v.tile_m), (long long)p.num_items);
+    return nullptr;
+  }
+  if (p.grouped != 1) return Fail(buf, n, "grouped mode %d unknown", p.grouped);
+  if (p.items_bytes != p.num_items * 12)
+    return Fail(buf, n, "grouped work table has %lld bytes, expected %lld (%lld items of 3 "
+                "int32)", (long long)p.items_bytes, (long long)(p.num_items * 12),
+                (long long)p.num_items);
+  return nullptr;
+}
+
 // The decode kernel's own limits: the workspace, the split count and the launch grid (grouped:
 // the work table too).
 const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n) {
@@ -45,26 +69,7 @@ const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n)
   if (p.ws_ptr % 16)
     return Fail(buf, n, "workspace pointer 0x%llx is not 16-byte aligned",
                 (unsigned long long)p.ws_ptr);
-  if (p.grouped) {
-    // grid (ceil(N / rows per CTA) * items, splits, 1); entries (expert, first row, end row)
-    if (p.num_items < 1 || p.num_items > kInt32Max / CeilDiv(p.n, v.tile_n))
-      return Fail(buf, n, "grouped work table of %lld items out of range", (long long)p.num_items);
-    if (p.grouped == 2) {  // index mode: one int32 (the expert), items of tile_m rows cover M
-      if (p.items_bytes != 4)
-        return Fail(buf, n, "the group index has %lld bytes, expected 4 (one int32)",
-                    (long long)p.items_bytes);
-      if (p.num_items != CeilDiv(p.m, v.tile_m))
-        return Fail(buf, n, "index mode needs ceil(M / %d) = %lld items, got %lld", v.tile_m,
-                    (long long)CeilDiv(p.m, v.tile_m), (long long)p.num_items);
-      return nullptr;
-    }
-    if (p.grouped != 1) return Fail(buf, n, "grouped mode %d unknown", p.grouped);
-    if (p.items_bytes != p.num_items * 12)
-      return Fail(buf, n, "grouped work table has %lld bytes, expected %lld (%lld items of 3 "
-                  "int32)", (long long)p.items_bytes, (long long)(p.num_items * 12),
-                  (long long)p.num_items);
-    return nullptr;
-  }
+  if (p.grouped) return CheckWorkTable(p, v, buf, n);
   if (p.l > 65535 || CeilDiv(p.n, v.tile_n) * CeilDiv(p.m, v.tile_m) > kInt32Max)
     return Fail(buf, n, "decode grid too large (L=%lld, M=%lld)", (long long)p.l, (long long)p.m);
   return nullptr;
@@ -92,7 +97,8 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   }
   if (!v)
     return Fail(buf, n, "no compiled sm90 %s kernel for %s x %s with output code %d and tile "
-                "%dx%d", p.grouped ? "grouped decode" : p.chained ? "chained decode" :
+                "%dx%d", p.grouped ? (p.nt ? "grouped decode" : "grouped register-weight")
+                             : p.chained ? "chained decode" :
                 p.nt ? "decode" : "fused",
                 KindName(p.a_kind), KindName(p.b_kind), p.out, p.tile_m, p.tile_n);
   if ((p.a_e5m2 != 0 && p.a_e5m2 != 1) || (p.b_e5m2 != 0 && p.b_e5m2 != 1))
@@ -163,6 +169,8 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
     if (const char* why = CheckDecode(p, *v, buf, n)) return why;
   } else if (p.splits != 0) {
     return Fail(buf, n, "a split count (%d) for the fused variant %s", p.splits, v->name);
+  } else if (p.grouped) {  // the grouped register-weight kernel
+    if (const char* why = CheckWorkTable(p, *v, buf, n)) return why;
   }
   if (found) *found = v;
   return nullptr;

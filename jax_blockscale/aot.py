@@ -86,6 +86,12 @@ def variants_header(variants: list[cat.Variant]) -> str:
                 "                               a.items, a.m, a.n, a.k, a.l, a.num_items,",
                 "                               a.a_e5m2, a.b_e5m2, a.splits, a.stream);",
             ]
+        elif v.kernel == "ragged_prefill":  # + the work table and its length; l = G experts
+            lines += [
+                f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.items,",
+                "                               a.m, a.n, a.k, a.l, a.num_items, a.a_e5m2,",
+                "                               a.b_e5m2, a.max_ctas, a.stream);",
+            ]
         elif v.kernel == "decode":  # f32 workspace + split-K count
             lines += [
                 f"  return cute_dsl_{p}_wrapper(&g_{p}, a.a, a.b, a.sa, a.sb, a.c, a.alpha, a.ws,",
@@ -100,8 +106,9 @@ def variants_header(variants: list[cat.Variant]) -> str:
         lines.append("}")
     lines += ["}  // namespace jbs_generated", "",
               "// name, a_kind, b_kind, out, tile_m, tile_n, sm, nt (0: fused; 1/2/4/8: decode),",
-              "// k_chunk (decode: K elements per sub-chunk), grouped (1: ragged_gemm's grouped",
-              "// decode kernel), chained (1: the decode kernel behind the activation quantizer),",
+              "// k_chunk (decode: K elements per sub-chunk), grouped (1: a ragged_gemm kernel,",
+              "// grouped decode or grouped register-weight), chained (1: the decode kernel",
+              "// behind the activation quantizer),",
               "// load, launch",
               "static const jbs::Variant kJbsVariants[] = {"]
     for v in variants:
@@ -109,7 +116,7 @@ def variants_header(variants: list[cat.Variant]) -> str:
         lines.append(
             f'  {{"{p}", {cat.KIND_CODES[v.a_kind]}, {cat.KIND_CODES[v.b_kind]}, '
             f'{cat.OUT_CODES[v.out]}, {v.tile_m}, {v.tile_n}, 90, {v.nt}, {v.k_chunk}, '
-            f'{int(v.kernel == "ragged_decode")}, {int(v.chained)}, '
+            f'{int(v.grouped)}, {int(v.chained)}, '
             f"&jbs_generated::load_{p}, &jbs_generated::launch_{p}}},")
     lines += ["};", f"static const int kJbsNumVariants = {len(variants)};"]
     return "\n".join(lines) + "\n"
@@ -130,9 +137,10 @@ def _build_one(job) -> float:
         from jax_blockscale.kernels.export import export_compiled
         from jax_blockscale.kernels.sm90_blockscaled import compile_variant
 
-        a_kind = "bf16" if v.kernel == "register_weights" else v.a_kind
-        compiled = compile_variant(a_kind, v.b_kind, v.out, (v.tile_m, v.tile_n),
-                                   weights_in_registers=v.kernel == "register_weights")
+        reg_w = v.kernel in ("register_weights", "ragged_prefill")
+        compiled = compile_variant("bf16" if reg_w else v.a_kind, v.b_kind, v.out,
+                                   (v.tile_m, v.tile_n), weights_in_registers=reg_w,
+                                   grouped=v.kernel == "ragged_prefill")
         export_compiled(compiled, out_dir, v.name)
     return time.time() - t0
 

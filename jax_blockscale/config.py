@@ -57,6 +57,10 @@ class Config:
     sm90_dot_alpha: bool = True
     # JAX_BLOCKSCALE_SM90_TILE_N: force the fused kernel's tile N (64, 128, 256; tuning aid)
     sm90_tile_n: int | None = None
+    # JAX_BLOCKSCALE_SM90_RAGGED_KERNEL: ragged_gemm's sm90 kernel ("decode": the grouped decode
+    # kernel, "prefill": the grouped register-weight kernel where it can run; "auto" or unset:
+    # the catalogue's choice by rows per expert; tuning and testing aid)
+    sm90_ragged_kernel: str = "auto"
     # JAX_BLOCKSCALE_SM100_TILE: force one Blackwell variant ("128x64", "256x128c2x1"; tuning aid)
     sm100_tile: str | None = None
     # JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES: cuBLASLt algorithms the dot_alpha GEMM times on its
@@ -80,6 +84,8 @@ def _read() -> Config:
         sm90_register_weights=os.environ.get("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS") != "0",
         sm90_dot_alpha=os.environ.get("JAX_BLOCKSCALE_SM90_DOT_ALPHA") != "0",
         sm90_tile_n=tile_n,
+        sm90_ragged_kernel=_choice("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL",
+                                   ("auto", "decode", "prefill"), "auto"),
         sm100_tile=os.environ.get("JAX_BLOCKSCALE_SM100_TILE", "").strip() or None,
         dot_alpha_candidates=max(1, min(32, candidates if candidates is not None else 8)),
     )

@@ -18,6 +18,9 @@ and two more have their own targets:
   * **ragged_decode** (`jax_blockscale_ragged_gemm_sm90`, `ragged_gemm`): the decode kernel over
     a mixture's experts (Sm90RaggedDecodeGemm), rows from a work table of (expert, first row,
     end row); the same pairs, tiles and tunings.
+  * **ragged_prefill** (the same target, `ragged_gemm` at prefill sizes): the register-weight
+    kernel over a mixture's experts (Sm90RaggedRegisterWeightGemm), one expert's rows per tile
+    from a work table like the decode kernel's; RAGGED_PREFILL_VARIANTS.
   * **chained decode** (`jax_blockscale_quantized_act_gemm_sm90`, `gemm(..., quantize_a=)`):
     the decode kernel launched behind the activation quantizer, CHAINED_DECODE_VARIANTS
     (docs/design/quantized_activation.md).
@@ -326,11 +329,8 @@ CHAINED_DECODE_VARIANTS = tuple(DecodeVariant(a, a, out, nt, chained=True)
 
 
 def ragged_decode_items(m: int, groups: int, nt: int) -> int:
-    """Entries of the work table for M rows over G groups: an upper bound on the items the
-    groups need (at most min(G, M) groups have rows, and sum over them of ceil(size / 8 nt) <=
-    M / 8 nt + their count), plus the two zero items (the rows before the first group and after
-    the last). Every entry is a CTA per tile of N, so the bound is kept tight."""
-    return _ceil_div(m, 8 * nt) + min(groups, m) + 2
+    """Entries of the grouped decode kernel's work table (items of at most 8 nt rows)."""
+    return ragged_items(m, groups, 8 * nt)
 
 
 def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16"):
@@ -363,6 +363,47 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
 
 
 # ----------------------------------------------------------------------------------------------
+# The grouped register-weight kernel (kernels/sm90_blockscaled.py: Sm90RaggedRegisterWeightGemm):
+# `ragged_gemm` at prefill sizes, where an expert's rows are many enough for the tensor cores.
+# Each work item is at most tile_m rows of one expert; a quantized activation is dequantized to
+# bf16 first (exact), as gemm does past the decode kernel's rows.
+
+# (activation rows, weight rows) per tile: 64-row items while experts average fewer than 128
+# rows (a 128-row tile would be half empty), 128-row items past that
+RAGGED_PREFILL_TILES = ((64, 128), (128, 128))
+# rows per expert on average from which this kernel takes over from the grouped decode kernel
+# (docs/design/sm90_ragged_prefill.md)
+RAGGED_PREFILL_MIN_ROWS = 32
+
+
+def ragged_items(m: int, groups: int, rows_per_item: int) -> int:
+    """Entries of a work table for M rows over G groups in items of at most `rows_per_item`
+    rows: an upper bound on the items the groups need (at most min(G, M) groups have rows, and
+    sum over them of ceil(size / rows) <= M / rows + their count), plus the two zero items (the
+    rows before the first group and after the last). Every entry costs a tile per tile of N, so
+    the bound is kept tight."""
+    return _ceil_div(m, rows_per_item) + min(groups, m) + 2
+
+
+def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", force=False):
+    """(variant, items) of the grouped register-weight kernel for a grouped call of M rows over
+    `groups` experts of (N, K), or None where it cannot run it or (unless `force`) the grouped
+    decode kernel is faster (fewer than RAGGED_PREFILL_MIN_ROWS rows per expert on average)."""
+    a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
+    b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
+    if a_kind is None or b_kind not in REGISTER_WEIGHT_KINDS or out not in OUTS:
+        return None
+    if m < 1 or n < 1 or groups < 1 or k < K_TILE or k % K_TILE:
+        return None
+    avg = _ceil_div(m, groups)
+    if avg < RAGGED_PREFILL_MIN_ROWS and not force:
+        return None
+    tile_m, tile_n = RAGGED_PREFILL_TILES[0] if avg < 128 else RAGGED_PREFILL_TILES[1]
+    return (Variant("ragged_prefill", "bf16_kperm", b_kind, out, tile_m, tile_n),
+            ragged_items(m, groups, tile_m))
+
+
+# ----------------------------------------------------------------------------------------------
 # The library's variant table (what the AOT build compiles and the C++ table lists)
 
 
@@ -371,7 +412,7 @@ class Variant:
     """One compiled sm90 kernel as the FFI handler's table knows it.
 
     kernel: "fused" | "register_weights" | "decode" | "ragged_decode" (the grouped decode
-    kernel); nt: 0 for the fused kernels, else the decode kernel's n8 tiles of M per CTA
+    kernel) | "ragged_prefill" (the grouped register-weight kernel); nt: 0 for the fused kernels, else the decode kernel's n8 tiles of M per CTA
     (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its tuning's bn); k_chunk: decode only,
     K elements per sub-chunk (a split's unit)."""
 
@@ -386,6 +427,11 @@ class Variant:
     chained: bool = False  # decode only: DecodeVariant.chained
 
     @property
+    def grouped(self) -> bool:
+        """A kernel of `ragged_gemm`'s target (a work table of experts' rows)."""
+        return self.kernel in ("ragged_decode", "ragged_prefill")
+
+    @property
     def decode_variant(self) -> DecodeVariant:
         return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt, self.chained)
 
@@ -395,6 +441,8 @@ class Variant:
             return self.decode_variant.name
         if self.kernel == "ragged_decode":
             return ragged_decode_name(DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt))
+        if self.kernel == "ragged_prefill":
+            return f"jbs_sm90_ragged_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
         return f"jbs_sm90_{self.a_kind}_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
 
 
@@ -420,4 +468,6 @@ VARIANTS = tuple(
        for (tm, tn) in REGISTER_WEIGHT_TILES]
     + [decode_variant(v) for v in DECODE_VARIANTS]
     + [decode_variant(v, "ragged_decode") for v in DECODE_VARIANTS]
-    + [decode_variant(v) for v in CHAINED_DECODE_VARIANTS])
+    + [decode_variant(v) for v in CHAINED_DECODE_VARIANTS]
+    + [Variant("ragged_prefill", "bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS
+       for out in OUTS for (tm, tn) in RAGGED_PREFILL_TILES])

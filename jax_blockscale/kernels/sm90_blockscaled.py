@@ -231,6 +231,8 @@ def _produce(pipe, slot, copies):
 class Sm90BlockScaledGemm:
     """One compiled variant: operand kinds, output dtype and tile shape are compile time."""
 
+    grouped = False  # Sm90RaggedRegisterWeightGemm: tiles of rows come from a work table
+
     def __init__(self, a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
                  weights_in_registers: bool = False):
         assert (a_kind, b_kind) in PAIRS, (a_kind, b_kind)
@@ -299,7 +301,17 @@ class Sm90BlockScaledGemm:
         max_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        self._launch(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, m, n, k, l, a_e5m2, b_e5m2,
+                     max_ctas, stream)
+
+    @cute.jit
+    def _launch(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, m, n, k, l, a_e5m2,
+                b_e5m2, max_ctas, stream, work=None):
+        """Host side of a launch (plain Python, traced inline into the jit function): global
+        tensors, TMA atoms, the persistent schedule. work = (items pointer, num_items) for the
+        grouped kernel, whose L counts B's experts while A and C are one (M, K) / (M, N)."""
         bm, bn = self.bm, self.bn
+        la = 1 if self.grouped else l  # batch of A and C
         # --- global tensors -------------------------------------------------------------------
         if cutlass.const_expr(self.a_quant):
             a_cols = k * KINDS[self.a_kind]["bits"] // 8
@@ -309,19 +321,20 @@ class Sm90BlockScaledGemm:
         a_cols = cute.assume(a_cols, divby=16)
         b_cols = cute.assume(b_cols, divby=16)
         mA = cute.make_tensor(
-            a_ptr, cute.make_layout((m, a_cols, l), stride=(a_cols, 1, m * a_cols))
+            a_ptr, cute.make_layout((m, a_cols, la), stride=(a_cols, 1, m * a_cols))
         )
         mB = cute.make_tensor(
             b_ptr, cute.make_layout((n, b_cols, l), stride=(b_cols, 1, n * b_cols))
         )
-        mC = cute.make_tensor(c_ptr, cute.make_layout((m, n, l), stride=(n, 1, m * n)))
-        # alpha lives in device memory (an XLA operand): read it in the epilogue, no host sync
-        mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(1))
+        mC = cute.make_tensor(c_ptr, cute.make_layout((m, n, la), stride=(n, 1, m * n)))
+        # alpha lives in device memory (an XLA operand): read it in the epilogue, no host sync;
+        # grouped: one per expert
+        mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(l if self.grouped else 1))
         # blocked scales viewed as rows of 128 bytes; one (4 x 128) box is one 128x4 scale tile
         sb_rows = 4 * ((n + 127) // 128) * ((k // KINDS[self.b_kind]["block"] + 3) // 4) * l
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((sb_rows, 128), stride=(128, 1)))
         if cutlass.const_expr(self.a_quant):
-            sa_rows = 4 * ((m + 127) // 128) * ((k // KINDS[self.a_kind]["block"] + 3) // 4) * l
+            sa_rows = 4 * ((m + 127) // 128) * ((k // KINDS[self.a_kind]["block"] + 3) // 4) * la
         else:
             sa_rows = 4
         mSA = cute.make_tensor(sa_ptr, cute.make_layout((sa_rows, 128), stride=(128, 1)))
@@ -358,6 +371,10 @@ class Sm90BlockScaledGemm:
 
         # --- persistent schedule ---------------------------------------------------------------
         tiles_mnl = ((m + bm - 1) // bm, (n + bn - 1) // bn, l)
+        if cutlass.const_expr(self.grouped):
+            # (tiles of N, work items): N fastest, so the CTAs that run at once share an item's
+            # activation rows and its expert's weights (both from L2 after the first)
+            tiles_mnl = ((n + bn - 1) // bn, work[1], 1)
         sched = utils.PersistentTileSchedulerParams(tiles_mnl, (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_ctas)
 
@@ -390,10 +407,16 @@ class Sm90BlockScaledGemm:
 
         self.storage = Storage
 
-        self.kernel(
-            tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2, b_e5m2,
-            self.tiled_mma, sched,
-        ).launch(grid=grid, block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+        if cutlass.const_expr(self.grouped):
+            mItems = cute.make_tensor(work[0], cute.make_layout((work[1], 3), stride=(3, 1)))
+            kern = self.kernel_grouped(
+                tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
+                b_e5m2, self.tiled_mma, sched, mItems, l)
+        else:
+            kern = self.kernel(
+                tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
+                b_e5m2, self.tiled_mma, sched)
+        kern.launch(grid=grid, block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     def _make_smem_layouts(self):
         """Shared-memory layouts; built where they are used (host for TMA atoms, kernel for
@@ -442,6 +465,13 @@ class Sm90BlockScaledGemm:
         tiled_mma: cute.TiledMma,
         sched: utils.PersistentTileSchedulerParams,
     ):
+        self._body(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
+                   b_e5m2, tiled_mma, sched)
+
+    @cute.jit
+    def _body(self, tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
+              b_e5m2, tiled_mma, sched, table=None):
+        """The kernel (traced inline). table = (the work table, G) for the grouped kernel."""
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -525,12 +555,24 @@ class Sm90BlockScaledGemm:
                 ps1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ring)
                 while work.is_valid_tile:
                     tm, tn, tl = work.tile_idx
-                    for kt in range(k_tiles):
+                    tile_k_tiles = k_tiles
+                    a_tiles, a_l = tAg, tl
+                    if cutlass.const_expr(self.grouped):
+                        # tile (N tile, item): B's batch is the item's expert; A's bm rows from
+                        # the item's first row (rows past M arrive as zeros)
+                        tl, first, _, tile_k_tiles = self._work_item(table, tn, m, k_tiles)
+                        tn, tm, a_l = tm, 0, 0
+                        g_item = cute.local_tile(cute.domain_offset((first, 0, 0), tA),
+                                                 (bm, a_tile_k), (None, None, None))
+                        _, a_tiles = cute.nvgpu.cpasync.tma_partition(
+                            tma_a, 0, one, cute.group_modes(sA_raw, 0, 2),
+                            cute.group_modes(g_item, 0, 2))
+                    for kt in range(tile_k_tiles):
                         # the 128x4 scale tile(s) of B holding this k-tile's blocks (one per
                         # 128 rows of the tile) and, for a quantized A, A's
                         row_b = (tl * scale_tiles_n + (tn * bn) // 128) * sk4_b + (
                             kt * BK // b_blk) // 4
-                        copies = [(tma_a, tAg[(None, tm, kt, tl)], tAs, 1, 0),
+                        copies = [(tma_a, a_tiles[(None, tm, kt, a_l)], tAs, 1, 0),
                                   (tma_b, tBg[(None, tn, kt, tl)], tBs, 1, 0)]
                         for j in cutlass.range_constexpr(self.nsb):
                             copies.append((tma_sb, tSBg[(None, row_b + j * sk4_b)], tSBs,
@@ -560,7 +602,8 @@ class Sm90BlockScaledGemm:
                         ps1.advance()
         elif cutlass.const_expr(self.reg_w):
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched)
+            self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
+                                           table=table)
         else:
             # ============================ consumers ===========================================
             cute.arch.setmaxregister_increase(232)
@@ -706,16 +749,34 @@ class Sm90BlockScaledGemm:
                 sch.advance_to_next_work()
                 work = sch.get_current_work()
 
-    def _epilogue_alpha(self, mAlpha):
-        """alpha from device memory, times the NVFP4 fold's correction (plain Python, traced
-        inline into the kernel)."""
-        alpha = mAlpha[0]
+    def _epilogue_alpha(self, mAlpha, expert=0):
+        """alpha from device memory (grouped: the expert's), times the NVFP4 fold's correction
+        (plain Python, traced inline into the kernel)."""
+        alpha = mAlpha[expert if self.grouped else 0]
         if self.alpha_fix != 1.0:
             alpha = alpha * cutlass.Float32(self.alpha_fix)
         return alpha
 
+    def _work_item(self, work, item, m, k_tiles):
+        """(expert, first row, end row, k-tiles) of entry `item` of the grouped kernel's work
+        table (plain Python, traced inline; the producer and the consumers read it alike).
+        Clamped so that no table can make the kernel read or write out of bounds: rows to
+        [0, M), an expert's item to bm rows. Expert -1: rows no group owns, written as zeros
+        (no k-tiles; any number of rows); any other expert outside [0, G): no rows. The expert
+        returned is clamped into [0, G) (a valid batch index for B and alpha)."""
+        table, groups = work
+        expert = table[item, 0]
+        first = cutlass.min(cutlass.max(table[item, 1], 0), m)
+        end = cutlass.min(cutlass.max(table[item, 2], first), m)
+        real = cutlass.Int32(expert >= 0) * cutlass.Int32(expert < groups)
+        end = end - real * cutlass.max(end - first - self.bm, 0)
+        end = first + (end - first) * (real + cutlass.Int32(expert == -1))
+        tiles = k_tiles * real * cutlass.Int32(end > first)
+        return cutlass.max(cutlass.min(expert, groups - 1), 0), first, end, tiles
+
     @cute.jit
-    def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched):
+    def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
+                                  table=None):
         """Consumers of the register-weight mode. Thread (k-group kg, warp group wg of it, warp
         wq, lane = 4 g + t) owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's bn
         and the accumulator of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2),
@@ -766,6 +827,12 @@ class Sm90BlockScaledGemm:
         own_k_tiles = (k_tiles - kg + kgs - 1) // kgs
         while work.is_valid_tile:
             tm, tn, tl = work.tile_idx
+            tile_k_tiles = own_k_tiles
+            m0, m_end, c_l = tm * bm, m, tl  # the tile's first row, rows end, C's batch
+            if cutlass.const_expr(self.grouped):  # tile (N tile, item), see _work_item
+                tl, m0, m_end, item_k_tiles = self._work_item(table, tn, m, k_tiles)
+                tn, c_l = tm, 0
+                tile_k_tiles = (item_k_tiles - kg + kgs - 1) // kgs
             acc.fill(0.0)
             # the rows' scale words inside the stage's 128-row scale tile (a 64-row tile may
             # be its second half)
@@ -775,7 +842,7 @@ class Sm90BlockScaledGemm:
             # registers, so the registers a k-tile's MMAs still read are never the ones the next
             # k-tile is converted into. (A loop over single k-tiles rewrites one set each pass;
             # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
-            for kp in range(own_k_tiles // 2):
+            for kp in range(tile_k_tiles // 2):
                 self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
                                              kg + kgs * (2 * kp))
                 rs.advance()
@@ -787,17 +854,17 @@ class Sm90BlockScaledGemm:
                 rs.advance()
                 pipe.consumer_release(self._slot(rel, ring_base))  # this pair's first k-tile
                 rel.advance()
-            if own_k_tiles % 2 == 1:
+            if tile_k_tiles % 2 == 1:
                 self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kg + kgs * (own_k_tiles - 1))
+                                             kg + kgs * (tile_k_tiles - 1))
                 rs.advance()
-                if own_k_tiles > 1:
+                if tile_k_tiles > 1:
                     pipe.consumer_release(self._slot(rel, ring_base))
                     rel.advance()
             res = _rw_wait_all([acc[i] for i in range(n_acc)])
             for i in cutlass.range_constexpr(n_acc):
                 acc[i] = res[i]
-            if own_k_tiles > 0:  # the last k-tile
+            if tile_k_tiles > 0:  # the last k-tile
                 pipe.consumer_release(self._slot(rel, ring_base))
                 rel.advance()
             if cutlass.const_expr(kgs > 1):
@@ -814,14 +881,24 @@ class Sm90BlockScaledGemm:
                         acc[i] = acc[i] + red[i, gtid]
                 sums_read.arrive_and_wait()
             # epilogue (k-group 0): C[l, m, n] = alpha * C^T[n, m], predicated for the M / N tails
-            m0 = tm * bm
             n0 = tn * bn
-            alpha = self._epilogue_alpha(mAlpha)
+            alpha = self._epilogue_alpha(mAlpha, tl)
+            if cutlass.const_expr(self.grouped):
+                if item_k_tiles == 0:  # a zero item (or none): zeros, whatever alpha holds
+                    alpha = cutlass.Float32(0.0)
             for i in cutlass.range_constexpr(n_acc):
                 row = n0 + r0 + 8 * ((i % 4) // 2)
                 col = m0 + 8 * (i // 4) + 2 * t + i % 2
-                if col < m and row < n and kg == 0:
-                    mC[col, row, tl] = self.c_dtype(acc[i] * alpha)
+                if col < m_end and row < n and kg == 0:
+                    mC[col, row, c_l] = self.c_dtype(acc[i] * alpha)
+            if cutlass.const_expr(self.grouped):
+                # a zero item's rows past the tile's first bm (only zero items have more)
+                for base in range(m0 + bm, m_end, bm):
+                    for i in cutlass.range_constexpr(n_acc):
+                        row = n0 + r0 + 8 * ((i % 4) // 2)
+                        col = base + 8 * (i // 4) + 2 * t + i % 2
+                        if col < m_end and row < n and kg == 0:
+                            mC[col, row, 0] = self.c_dtype(0.0)
             sch.advance_to_next_work()
             work = sch.get_current_work()
 
@@ -873,22 +950,93 @@ class Sm90BlockScaledGemm:
             acc[i] = res[i]
 
 
+class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
+    """The register-weight kernel for grouped GEMMs at prefill sizes (`jbs.ragged_gemm`):
+
+        y[m, n] = alpha[e] * sum_k A[m, k] * B[e, n, k]   for the rows m of expert e
+
+    A is one bf16 (M, K) activation in the K order of activation_k_order, rows sorted by
+    expert; B holds G experts' weights (G, N, K) with blocked scales; alpha one f32 per expert;
+    C is (M, N). The rows come as a work table (`items`, int32 [num_items, 3]: expert, first
+    row, end row; at most bm rows per item, built by the caller; see _work_item for how every
+    entry is clamped). The persistent tiles are (tile of N, item), N fastest. A tile loads the
+    bm activation rows from the item's first row with TMA (rows of the next expert compute
+    values that are not stored; rows past M arrive as zeros), streams its expert's weight tile
+    and scales, and stores the item's rows only. Expert -1 items write zeros. Everything else
+    (ring, conversion, MMAs) is the dense register-weight kernel's."""
+
+    grouped = True
+
+    def __init__(self, b_kind: str, out: str, tile_mn=(128, 128)):
+        super().__init__("bf16", b_kind, out, tile_mn, weights_in_registers=True)
+        assert self.k_groups == 1, tile_mn  # the k-split tiles are the decode kernel's rows
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        items_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        g: cutlass.Int32,
+        num_items: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        max_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, m, n, k, g, a_e5m2, b_e5m2,
+                     max_ctas, stream, work=(items_ptr, num_items))
+
+    @cute.kernel
+    def kernel_grouped(
+        self,
+        tma_a: cute.CopyAtom,
+        tA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        tB: cute.Tensor,
+        tma_sa: cute.CopyAtom,
+        tSA: cute.Tensor,
+        tma_sb: cute.CopyAtom,
+        tSB: cute.Tensor,
+        mC: cute.Tensor,
+        mAlpha: cute.Tensor,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        a_e5m2: cutlass.Int32,
+        b_e5m2: cutlass.Int32,
+        tiled_mma: cute.TiledMma,
+        sched: utils.PersistentTileSchedulerParams,
+        mItems: cute.Tensor,
+        groups: cutlass.Int32,
+    ):
+        self._body(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
+                   b_e5m2, tiled_mma, sched, table=(mItems, groups))
+
+
 def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
-                    weights_in_registers: bool = False, arch: str = "sm_90a"):
-    """cute.compile one variant for `arch` with placeholder pointers."""
-    gemm = Sm90BlockScaledGemm(a_kind, b_kind, out, tile_mn, weights_in_registers)
+                    weights_in_registers: bool = False, arch: str = "sm_90a",
+                    grouped: bool = False):
+    """cute.compile one variant for `arch` with placeholder pointers (`grouped`: the
+    register-weight kernel's Sm90RaggedRegisterWeightGemm, bf16 activations)."""
     a_t = cutlass.BFloat16 if a_kind == "bf16" else cutlass.Uint8
-    args = (
-        placeholder_ptr(a_t),
-        placeholder_ptr(cutlass.Uint8),
-        placeholder_ptr(cutlass.Uint8),
-        placeholder_ptr(cutlass.Uint8),
-        placeholder_ptr(OUT_DTYPES[out]),
-        placeholder_ptr(cutlass.Float32, align=4),
-        *(cutlass.Int32(1) for _ in range(4)),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cutlass.Int32(132),
-        cuda.CUstream(0),
-    )
+    ptrs = [placeholder_ptr(a_t), placeholder_ptr(cutlass.Uint8), placeholder_ptr(cutlass.Uint8),
+            placeholder_ptr(cutlass.Uint8), placeholder_ptr(OUT_DTYPES[out]),
+            placeholder_ptr(cutlass.Float32, align=4)]
+    if grouped:  # + items; m, n, k, g, num_items
+        gemm = Sm90RaggedRegisterWeightGemm(b_kind, out, tile_mn)
+        ptrs.append(placeholder_ptr(cutlass.Int32, align=4))
+        sizes = [cutlass.Int32(1) for _ in range(5)]
+    else:
+        gemm = Sm90BlockScaledGemm(a_kind, b_kind, out, tile_mn, weights_in_registers)
+        sizes = [cutlass.Int32(1) for _ in range(4)]
+    args = (*ptrs, *sizes, cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(132),
+            cuda.CUstream(0))
     return compile_for_arch(gemm, args, arch)

@@ -375,10 +375,11 @@ def plan_sm90(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> P
 
 
 def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
-    """The sm90 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec), or why the grouped decode
-    kernel cannot run it: its operand pairs, K a multiple of 32 and of the blocks, 32-bit
-    offsets; the variant, item height and split count from the catalogue (catalog/sm90.py:
-    choose_ragged_decode_variant)."""
+    """The sm90 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec), or why no grouped kernel
+    can run it: the grouped register-weight kernel at prefill sizes (catalog/sm90.py:
+    choose_ragged_prefill_variant), else the grouped decode kernel (its operand pairs, K a
+    multiple of 32 and of the blocks, 32-bit offsets; the variant, item height and split count
+    from choose_ragged_decode_variant)."""
     from ..ragged_backends import RaggedPlan  # noqa: PLC0415  (ragged_backends imports lowering)
 
     out = cat90.OUT_OF_DTYPE.get(np.dtype(spec.out_dtype).name)
@@ -430,6 +431,11 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         if choice is not None:
             choice = (*choice, -(-spec.m // (8 * choice[0].nt)))
     else:
+        mode = _config.get().sm90_ragged_kernel
+        prefill = None if mode == "decode" else cat90.choose_ragged_prefill_variant(
+            pm, pn, spec.k, pg, spec.fmt_lhs, spec.fmt_rhs, out, force=mode == "prefill")
+        if prefill is not None:
+            return _ragged_prefill_plan(spec, prefill[0], device, library)
         choice = cat90.choose_ragged_decode_variant(pm, pn, spec.k, pg, spec.fmt_lhs,
                                                     spec.fmt_rhs, device.sm_count, out)
         if choice is not None:
@@ -458,6 +464,29 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
                       items=items, a_scales_plain=a_scales_plain, layer=layer)
+
+
+def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):
+    """The sm90 RaggedPlan of the grouped register-weight kernel (prefill sizes; the catalogue
+    chose variant v): the activation dequantized to bf16 first where it is quantized (exact),
+    K-permuted; its own work table of at most tile_m rows per item."""
+    from ..ragged_backends import RaggedPlan  # noqa: PLC0415
+
+    b_row = spec.k * cat90.KINDS[v.b_kind]["bits"] // 8
+    if max(spec.m * spec.n, spec.m * 2 * spec.k, spec.groups * spec.n * b_row) > _INT32_MAX:
+        return "problem too large for the kernel's 32-bit indexing"
+    if device.arch != "sm90":
+        return device.reason or ("the sm90 kernels need compute capability 9.0, this device is "
+                                 f"{device.arch}")
+    why = library.unavailable_reason()
+    if why is not None:
+        return why
+    if not library.has(v.name):
+        return (f"the library has no grouped register-weight variant {v.name} (built before "
+                "ragged_gemm's prefill kernel?)")
+    return RaggedPlan("sm90", "ragged_prefill", spec, "cuda", variant=v.name, a_kind=v.a_kind,
+                      b_kind=v.b_kind, tile=(v.tile_m, v.tile_n),
+                      items=cat90.ragged_items(spec.m, spec.groups, v.tile_m))
 
 
 def _layer_slice_plan(spec, layer: Plan):

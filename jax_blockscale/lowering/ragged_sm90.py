@@ -1,13 +1,17 @@
-"""The `sm90` backend of `ragged_gemm`: carries out a RaggedPlan of the grouped decode kernel
-(lowering/plan.py: plan_ragged_sm90 decides; this module prepares what the kernel reads and
-emits the call to the FFI target `jax_blockscale_ragged_gemm_sm90`).
+"""The `sm90` backend of `ragged_gemm`: carries out a RaggedPlan of the grouped decode kernel or,
+at prefill sizes, of the grouped register-weight kernel (lowering/plan.py: plan_ragged_sm90
+decides; this module prepares what the kernel reads and emits the call to the FFI target
+`jax_blockscale_ragged_gemm_sm90`).
 
   * elements -> uint8 bytes (fp4 two per byte, low nibble first; fp8 bitcast); a bf16
     activation passes through; the experts' weights (G, N, K) keep G as the kernel's L;
   * scales -> raw bytes: the experts' in the blocked layout (plain ones are tiled here), the
     activation's as they are (plain: the kernel reads them directly; blocked: one (M, K) tile set);
+  * the grouped register-weight kernel ("ragged_prefill") reads a bf16 activation in the K order
+    of catalog/sm90.py: activation_k_order (a quantized one dequantized first: exact, its global
+    scale is in alpha); no split-K workspace;
   * the work table (`work_items`): int32 (items, 3) rows of (expert, first row, end row), at most
-    8 nt rows each, an expert's items adjacent, built on the device from the group sizes, so
+    8 nt rows (prefill: tile_m rows) each, an expert's items adjacent, built on the device from the group sizes, so
     only the experts that own rows cost weight traffic; two entries with expert -1 cover the rows
     no expert owns (before `row_start`, after the last group), which the kernel writes as zeros;
   * index mode (`spec.group_index`, `jbs.gemm(..., layer=i)`): the call goes to the layer
@@ -30,9 +34,10 @@ from jax import lax
 from .. import _plugin
 from ..catalog import sm90 as cat
 from ..ragged_backends import RaggedPlan, register_ragged_backend
-from .ffi_sm90 import activation_operands
+from .ffi_sm90 import activation_operands, permute_activation_k
 from .kernel_operands import blocked_scale_bytes, element_bytes, take_layer
 from .plan import device_for, plan_ragged_sm90
+from .reference import operand_values
 
 ZERO_ITEM = -1  # the expert of an item whose rows the kernel writes as zeros
 
@@ -103,7 +108,15 @@ class Sm90RaggedBackend:
         alpha = jnp.asarray(alpha, jnp.float32)
         if spec.group_index:
             return _layer_call(lhs, sl, sr, b8, sb8, a8, group_sizes, alpha, plan)
-        items = work_items(group_sizes, row_start, m, 8 * plan.nt, plan.items)
+        if plan.kernel == "ragged_prefill":
+            # the register-weight kernel reads a bf16 activation in its K order: a quantized
+            # one is dequantized first (exact; its global scale is in alpha), the permutation
+            # fuses into that pass
+            x = operand_values(lhs, sl, spec.fmt_lhs, spec.layout_lhs, jnp.bfloat16)
+            a8, sa8 = permute_activation_k(x), sb8
+        a_e5m2 = spec.fmt_lhs == "mxfp8_e5m2" and plan.kernel != "ragged_prefill"
+        items = work_items(group_sizes, row_start, m, plan.tile[0] if plan.nt == 0
+                           else 8 * plan.nt, plan.items)
         call = jax.ffi.ffi_call(
             _plugin.RAGGED_SM90_TARGET,
             (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
@@ -111,7 +124,7 @@ class Sm90RaggedBackend:
         y, _ = call(a8, b8, sa8, sb8, alpha, items,
                     a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                     b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
-                    a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),
+                    a_e5m2=np.int32(a_e5m2),
                     b_e5m2=np.int32(spec.fmt_rhs == "mxfp8_e5m2"),
                     m=np.int64(m), n=np.int64(n), k=np.int64(k), g=np.int64(groups),
                     a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),

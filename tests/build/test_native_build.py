@@ -46,7 +46,7 @@ def test_variant_table_is_the_catalogue():
         assert (row["a_kind"], row["b_kind"], row["out"], row["tile_m"], row["tile_n"],
                 row["sm"], row["nt"], row["k_chunk"], row["grouped"], row["chained"]) == (
             KIND_CODES[v.a_kind], KIND_CODES[v.b_kind], OUT_CODES[v.out], v.tile_m, v.tile_n,
-            90, v.nt, v.k_chunk, int(v.kernel == "ragged_decode"), int(v.chained)), v.name
+            90, v.nt, v.k_chunk, int(v.grouped), int(v.chained)), v.name
     assert set(got) == {v.name for v in cat.VARIANTS}
 
 
@@ -305,9 +305,12 @@ def _ragged_call_of(p) -> dict:
         sa = m * (k // get_format(spec.fmt_lhs).block)
     else:
         sa = _scale_bytes(1, m, k, get_format(spec.fmt_lhs).block)
+    if p.kernel == "ragged_prefill":  # a dequantized activation; B's scales stand in for its
+        sa = _scale_bytes(g, n, k, bb)
     out = cat.OUT_OF_DTYPE[np.dtype(spec.out_dtype).name]
+    a_e5m2 = spec.fmt_lhs == "mxfp8_e5m2" and p.kernel != "ragged_prefill"
     return dict(a_kind=KIND_CODES[p.a_kind], b_kind=KIND_CODES[p.b_kind], out=OUT_CODES[out],
-                a_e5m2=int(spec.fmt_lhs == "mxfp8_e5m2"), b_e5m2=int(spec.fmt_rhs == "mxfp8_e5m2"),
+                a_e5m2=int(a_e5m2), b_e5m2=int(spec.fmt_rhs == "mxfp8_e5m2"),
                 m=m, n=n, k=k, l=g, a_bytes=m * _row_bytes(p.a_kind, k),
                 b_bytes=g * n * _row_bytes(p.b_kind, k), sa_bytes=sa,
                 sb_bytes=_scale_bytes(g, n, k, bb), alpha_bytes=4 * g,
@@ -326,7 +329,8 @@ def _ragged_plans():
     pairs = _RAGGED_PAIRS
     for (fa, fb), layout_lhs, out, (m, g), (n, k) in itertools.product(
             pairs, ["plain", "blocked"], ["bfloat16", "float32", "float16"],
-            [(1, 8), (16, 128), (128, 128), (600, 128), (300, 32), (2048, 128), (64, 1)],
+            [(1, 8), (16, 128), (128, 128), (600, 128), (300, 32), (2048, 128), (64, 1),
+             (8192, 128), (32768, 128), (3000, 16)],
             [(1536, 2048), (2048, 768), (5760, 2880), (200, 96)]):
         if k % get_format(fb).block or (fa is None and layout_lhs == "blocked"):
             continue
@@ -337,13 +341,33 @@ def _ragged_plans():
 
 def test_every_ragged_plan_is_accepted_and_named_back():
     """Python and C++ agree on ragged_gemm's grouped decode calls: the validator accepts exactly
-    the planned variant and names it back, for every pair, layout, output and item height."""
-    nts = set()
+    the planned variant and names it back, for every pair, layout, output and item height, and
+    for the grouped register-weight kernel at prefill sizes (every weight kind, both tiles)."""
+    nts, prefill = set(), set()
     for p in _ragged_plans():
         ok, name = _plugin.check_problem(**_ragged_call_of(p))
         assert ok and name == p.variant, (p, name)
-        nts.add(p.nt)
+        if p.kernel == "ragged_prefill":
+            prefill.add((p.b_kind, p.tile))
+        else:
+            nts.add(p.nt)
     assert nts == {1, 2, 4, 8}
+    assert prefill == {(b, t) for b in cat.REGISTER_WEIGHT_KINDS
+                       for t in cat.RAGGED_PREFILL_TILES}, prefill
+
+
+def test_grouped_register_weight_calls_are_validated():
+    """The handler refuses what the grouped register-weight kernel cannot run: a split count,
+    index mode, a work table of the wrong size, a quantized activation."""
+    p = next(p for p in _ragged_plans() if p.kernel == "ragged_prefill")
+    call = _ragged_call_of(p)
+    for change, why in [(dict(splits=1), "split count"),
+                        (dict(grouped=2, items_bytes=4), "index mode"),
+                        (dict(items_bytes=call["items_bytes"] - 12), "work table"),
+                        (dict(num_items=0), "work table"),
+                        (dict(a_kind=KIND_CODES["nvfp4"]), "no compiled sm90")]:
+        ok, msg = _plugin.check_problem(**dict(call, **change))
+        assert not ok and why in msg, (change, msg)
 
 
 def _indexed_plans():

@@ -14,25 +14,33 @@ import pytest
 import cubins as _cubins
 from wgmma_hazards import register_a_hazards
 
+from jax_blockscale.catalog import sm90 as cat
+
 aot = pytest.importorskip("jax_blockscale.aot")
 kern = pytest.importorskip("jax_blockscale.kernels.sm90_blockscaled",
                            reason="needs nvidia-cutlass-dsl (build-time dependency)")
 
 
-def _sass(tmp_path, b_kind, tile):
+def _sass(tmp_path, b_kind, tile, kernel="register_weights"):
     missing = _cubins.sass_tools_missing()
     if missing:
         pytest.skip(f"SASS not checked: {missing}")
-    info, _ = aot._build_one((str(tmp_path), "bf16_kperm", b_kind, "bf16", *tile))
-    (sass,) = _cubins.sass_of_object(str(tmp_path / f"{info['name']}.o"),
-                                     str(tmp_path / "cubins"))
+    v = cat.Variant(kernel, "bf16_kperm", b_kind, "bf16", *tile)
+    aot._build_one((str(tmp_path), v))
+    (sass,) = _cubins.sass_of_object(str(tmp_path / f"{v.name}.o"), str(tmp_path / "cubins"))
     return sass
 
 
 @pytest.mark.parametrize("b_kind", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("tile", [(16, 128), (32, 128), (64, 64), (128, 128)])
-def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile):
-    sass = _sass(tmp_path, b_kind, tile)
+@pytest.mark.parametrize("tile,kernel", [((16, 128), "register_weights"),
+                                         ((32, 128), "register_weights"),
+                                         ((64, 64), "register_weights"),
+                                         ((128, 128), "register_weights"),
+                                         ((64, 128), "ragged_prefill"),
+                                         ((128, 128), "ragged_prefill")])
+def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
+    """The dense register-weight variants and the grouped (ragged_gemm prefill) ones."""
+    sass = _sass(tmp_path, b_kind, tile, kernel)
     groups, hazards = register_a_hazards(sass)
     assert groups >= 2, "expected the k-tile pair's HGMMA groups"
     assert not hazards, "\n".join(hazards[:20])

@@ -1,5 +1,7 @@
-"""`ragged_gemm` on a Hopper GPU: the grouped decode kernel equals the reference backend
-(skipped without one).
+"""`ragged_gemm` on a Hopper GPU: both grouped kernels, the decode kernel and the register-weight
+(prefill) kernel, equal the reference backend (skipped without one). Most tests run once per
+kernel (the `kernel` fixture forces it with JAX_BLOCKSCALE_SM90_RAGGED_KERNEL; where the prefill
+kernel cannot run a problem, K % 64 != 0, the decode kernel must).
 
 Fresh random data every check (never zeros); the allocator is filled with NaN first, so a row the
 kernel fails to write (including the zero rows past the groups) shows up. Errors are relative
@@ -18,6 +20,8 @@ import jax_blockscale as jbs
 from jax_blockscale import ragged as ragged_mod
 from jax_blockscale.ragged import ragged_gemm_spec
 from jax_blockscale.lowering import plan as planner
+from jax_blockscale.catalog import sm90 as cat
+from configure import set_env  # tests/support/configure.py
 from hopper import needs_sm90, poison  # tests/support/hopper.py
 
 pytestmark = [pytest.mark.gpu, needs_sm90]
@@ -47,16 +51,33 @@ def _problem(fmt_lhs, fmt_rhs, sizes, m, n, k, *, layout_lhs="plain", per_expert
     return lhs, rhs, jnp.asarray(np.asarray(sizes, np.int32))
 
 
+@pytest.fixture(params=["decode", "prefill"])
+def kernel(request, monkeypatch):
+    """The grouped kernel the planner is told to take for this test."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL=request.param)
+    return request.param
+
+
+def _expected_kernel(mode, rhs, k):
+    """The RaggedPlan kernel a forced mode gives: prefill where its variants can run."""
+    if mode == "prefill" and k % cat.K_TILE == 0 and (
+            cat.KIND_OF_FORMAT[rhs.fmt] in cat.REGISTER_WEIGHT_KINDS):
+        return "ragged_prefill"
+    return "ragged_decode"
+
+
 def _plan_of(lhs, rhs, gs, out_dtype):
     """The plan the sm90 ragged backend makes for this call (the kernel must be what runs)."""
     spec = ragged_gemm_spec(lhs, rhs, gs, out_dtype=out_dtype)
     return planner.plan_ragged_sm90(spec, planner.device_for("cuda"))
 
 
-def _compare(lhs, rhs, gs, out="bf16"):
+def _compare(lhs, rhs, gs, out="bf16", mode=None):
     dtype, tol = OUTS[out]
     p = _plan_of(lhs, rhs, gs, dtype)
     assert not isinstance(p, str), p
+    if mode is not None:
+        assert p.kernel == _expected_kernel(mode, rhs, rhs.shape[-1]), p
     poison()
     got = jax.jit(lambda a, b, g: jbs.ragged_gemm(a, b, g, out_dtype=dtype))(lhs, rhs, gs)
     want = jax.jit(lambda a, b, g: jbs.ragged_gemm(a, b, g, out_dtype=dtype,
@@ -73,10 +94,10 @@ def _compare(lhs, rhs, gs, out="bf16"):
 
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs", PAIRS)
 @pytest.mark.parametrize("out", ["bf16", "f32"])
-def test_every_pair(fmt_lhs, fmt_rhs, out):
+def test_every_pair(fmt_lhs, fmt_rhs, out, kernel):
     sizes = [3, 0, 9, 1, 0, 17, 2, 5]  # empty experts, one past a 16-row item, sum 37 < M
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 48, 384, 512)
-    _compare(lhs, rhs, gs, out)
+    _compare(lhs, rhs, gs, out, kernel)
 
 
 @pytest.mark.parametrize("m,g,n,k,sizes", [
@@ -89,7 +110,7 @@ def test_every_pair(fmt_lhs, fmt_rhs, out):
     (1000, 16, 256, 128, "heavy"),  # 62 rows per expert on average: 64-row items (nt = 8)
     (4096, 8, 256, 256, "random"),  # 512 rows per expert: eight 64-row items each (prefill)
 ])
-def test_shapes_and_routings(m, g, n, k, sizes):
+def test_shapes_and_routings(m, g, n, k, sizes, kernel):
     rng = _rng()
     if sizes == "one":
         s = np.zeros(g, np.int64)
@@ -103,31 +124,52 @@ def test_shapes_and_routings(m, g, n, k, sizes):
         s = np.bincount(rng.integers(0, g, m - 7), minlength=g)  # 7 rows past the sum
     for fmt in ("mxfp4", "nvfp4"):
         lhs, rhs, gs = _problem(None, fmt, s.tolist(), m, n, k)
-        _compare(lhs, rhs, gs, "f32")
+        _compare(lhs, rhs, gs, "f32", kernel)
 
 
-def test_out_of_range_group_sizes_are_clamped():
+def test_out_of_range_group_sizes_are_clamped(kernel):
     """Negative sizes count as 0, a group running past M is cut there, later groups get no rows:
     what the reference computes, no read or write out of bounds (the NaN-filled memory and the
     shapes around the buffers would show it)."""
     for sizes in ([5, -3, 40, 9, 2, 0, 1, 1], [70, 10, 0, 0, 0, 0, 0, 3], [-1] * 8,
                   [2**30, 2**30, 5, 0, 0, 0, 0, 1]):
         lhs, rhs, gs = _problem(None, "nvfp4", sizes, 64, 256, 256)
-        _compare(lhs, rhs, gs, "f32")
+        _compare(lhs, rhs, gs, "f32", kernel)
 
 
-def test_blocked_activation_scales_and_f16_output():
+def test_blocked_activation_scales_and_f16_output(kernel):
     lhs, rhs, gs = _problem("mxfp4", "mxfp4", [10, 0, 100, 20, 0, 1], 200, 512, 256,
                             layout_lhs="blocked")
-    _compare(lhs, rhs, gs, "f16")
+    _compare(lhs, rhs, gs, "f16", kernel)
 
 
-def test_scalar_global_scale_and_plain_weight_scales():
+def test_scalar_global_scale_and_plain_weight_scales(kernel):
     lhs, rhs, gs = _problem("nvfp4", "nvfp4", [7, 0, 9, 16], 40, 256, 512,
                             per_expert_scale=False)
-    _compare(lhs, rhs, gs, "bf16")
+    _compare(lhs, rhs, gs, "bf16", kernel)
     rhs_plain = jbs.to_plain(rhs)
-    _compare(lhs, rhs_plain, gs, "bf16")
+    _compare(lhs, rhs_plain, gs, "bf16", kernel)
+
+
+def test_rows_past_the_groups_span_several_tiles(kernel):
+    """The zero item after the last group covers more rows than any tile (293 of 300 here): the
+    kernels write all of them (the NaN-filled memory would show a row left out)."""
+    lhs, rhs, gs = _problem(None, "mxfp8_e4m3", [3, 0, 4], 300, 320, 192)
+    _compare(lhs, rhs, gs, "bf16", kernel)
+
+
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
+                                             ("mxfp8_e4m3", "mxfp8_e4m3")])
+def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
+    """With no forcing, the planner gives many rows per expert to the grouped register-weight
+    kernel (here ~190 per expert: 128-row items, several per expert, and uneven routing)."""
+    rng = _rng()
+    m, g = 3000, 16
+    s = np.bincount(rng.integers(0, g, m - 11), minlength=g)
+    s[2] = 0  # an expert with no rows
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, s.tolist(), m, 640, 1024)
+    p = _compare(lhs, rhs, gs, "bf16")
+    assert p.kernel == "ragged_prefill" and p.tile[0] == 128, p
 
 
 def test_split_k_is_planned_and_correct():
@@ -137,7 +179,7 @@ def test_split_k_is_planned_and_correct():
     assert p.splits > 1, p
 
 
-def test_expert_parallel_row_start():
+def test_expert_parallel_row_start(kernel):
     """The local primitive with a shifted first row (the expert-parallel rule's per-device
     call): rows before row_start and past the groups are zero."""
     lhs, rhs, gs = _problem(None, "nvfp4", [3, 0, 5, 2], 24, 256, 256)
@@ -157,7 +199,7 @@ def test_expert_parallel_row_start():
 
 
 
-def test_vmap_grad_and_export_run_the_kernel():
+def test_vmap_grad_and_export_run_the_kernel(kernel):
     """vmap over sequences sharing experts (one merged grouped call), grad with respect to a
     plain activation, and a jax.export round trip: the kernel's custom call is in the program
     and the values equal the reference's."""
@@ -215,7 +257,7 @@ def _shards(lhs, rhs, gs, out_dtype, split, plan_shape):
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "nvfp4"), (None, "mxfp4"),
                                              ("nvfp4", "nvfp4")])
 @pytest.mark.parametrize("split", ["experts", "n"])
-def test_shards_of_a_sharded_call_equal_it_bit_for_bit(fmt_lhs, fmt_rhs, split):
+def test_shards_of_a_sharded_call_equal_it_bit_for_bit(fmt_lhs, fmt_rhs, split, kernel):
     """Expert and N shards, planned as the unsharded call (plan_shape), give its bits: the sum of
     the expert shards (zeros outside each one's rows), the concatenation of the N shards. At this
     size a shard planned for itself runs another item height and split count (the build test

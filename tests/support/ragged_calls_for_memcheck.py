@@ -1,0 +1,40 @@
+"""ragged_gemm calls on both sm90 grouped kernels (the decode kernel and the register-weight
+prefill kernel), small, for compute-sanitizer (tests/gpu/test_ragged_memcheck.py runs this file
+under it): group sizes that are negative, that run past M or that leave rows to no group, a
+shifted first row (an expert-parallel shard), quantized and plain activations. Prints one line
+per call."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_blockscale as jbs
+from jax_blockscale import config
+from jax_blockscale import ragged as ragged_mod
+
+rng = np.random.default_rng(0)
+SIZES = ([5, -3, 40, 9, 2, 0, 1, 1], [2**30, 2**30, 5, 0, 0, 0, 0, 1], [1, 2, 3, 0, 0, 0, 0, 0])
+# one problem per kernel (each call compiles and runs slowly under the sanitizer): the decode
+# kernel with a plain activation, the prefill kernel with a quantized one (dequantized first)
+for mode, (fmt, act, m, n, k) in [("decode", ("nvfp4", None, 64, 256, 256)),
+                                  ("prefill", ("mxfp4", "mxfp4", 200, 320, 192))]:
+    os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = mode
+    config.reload()
+    kw = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
+    w = jbs.quantize(rng.standard_normal((8, n, k)).astype(np.float32), fmt,
+                     layout="blocked", **kw)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    a = jnp.asarray(x, jnp.bfloat16) if act is None else jbs.quantize(x, act)
+    f = jax.jit(lambda a, w, g: jbs.ragged_gemm(a, w, g))  # traced under this mode
+    for sizes in SIZES:
+        gs = jnp.asarray(sizes, jnp.int32)
+        y = f(a, w, gs)
+        print(mode, fmt, act, m, sizes, float(jnp.abs(y.astype(jnp.float32)).sum()),
+              flush=True)
+    # an expert-parallel shard's call: rows before row_start belong to other devices
+    operands, params = ragged_mod._operands_and_params(a, w, gs, jnp.bfloat16, None)
+    params = dict(params, out_dtype=np.dtype(jnp.bfloat16))
+    y = jax.jit(lambda *o: ragged_mod.bind_local(o, params, jnp.int32(m // 3)))(*operands)
+    print(mode, fmt, act, m, "row_start", float(jnp.abs(y.astype(jnp.float32)).sum()),
+          flush=True)
