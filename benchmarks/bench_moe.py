@@ -9,8 +9,10 @@ For each model's expert GEMMs (gate+up and down), token count and format, in one
   ours_qact         `jbs.ragged_gemm` with the activation quantized too (W4A4 / W8A8), the
                     activation quantized once outside the timed call
   ours_decode       with --compare-kernels: `ours` with the sm90 grouped decode kernel forced
-  ours_prefill      ... and with the grouped register-weight (prefill) kernel forced
-                    (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL), to place the planner's threshold
+  ours_prefill      ... with the grouped register-weight (prefill) kernel forced
+  ours_prefill64    ... the same with 64 / 128 rows per item forced
+  ours_prefill128   (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL / _TILE_M): where the planner's
+                    threshold and tile choice come from
 Routing: each token picks top_k distinct experts uniformly at random (seeded), the T * top_k
 rows sorted by expert; `experts_hit` counts the experts with rows and `hit_bytes` their
 quantized bytes (elements + scales), the floor for a kernel that streams only the hit experts;
@@ -55,7 +57,9 @@ TINY_TOKENS = (1, 16, 64)
 GEMMS = ("gate_up", "down")
 FORMATS = ("mxfp4", "nvfp4")
 METHODS = ("bf16_ragged_dot", "deq_ragged_dot", "tokamax_int4", "ours", "ours_qact")
-KERNEL_METHODS = ("ours_decode", "ours_prefill")
+# method -> (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL, JAX_BLOCKSCALE_SM90_RAGGED_TILE_M)
+KERNEL_METHODS = {"ours_decode": ("decode", None), "ours_prefill": ("prefill", None),
+                  "ours_prefill64": ("prefill", "64"), "ours_prefill128": ("prefill", "128")}
 
 quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
 normal = jax.jit(jax.random.normal, static_argnames=("shape", "dtype"))
@@ -109,22 +113,28 @@ def ours(x, q, gs):
     return jbs.ragged_gemm(x, q, gs)
 
 
-def forced_kernel(kernel):
-    """`ours` with the sm90 grouped kernel `kernel` ("decode" / "prefill") forced while it is
-    traced (the planner reads the variable then; the jitted function keeps its plan)."""
+def forced_kernel(kernel, tile_m=None):
+    """`ours` with the sm90 grouped kernel `kernel` ("decode" / "prefill", and the prefill
+    kernel's rows per item `tile_m`) forced while it is traced (the planner reads the variables
+    then; the jitted function keeps its plan)."""
     f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+    forced = {"JAX_BLOCKSCALE_SM90_RAGGED_KERNEL": kernel,
+              "JAX_BLOCKSCALE_SM90_RAGGED_TILE_M": tile_m}
 
     def call(*args):
-        old = os.environ.get("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL")
-        os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = kernel
+        old = {name: os.environ.get(name) for name in forced}
+        for name, value in forced.items():
+            if value is not None:
+                os.environ[name] = value
         jbs_config.reload()
         try:
             return f(*args)
         finally:
-            if old is None:
-                del os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"]
-            else:
-                os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = old
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             jbs_config.reload()
     return call
 
@@ -185,7 +195,7 @@ def timed(row, key, f, arg_sets, timing):
 
 
 def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax,
-               compare_kernels=False):
+               compare_kernels=()):
     g, n, k = gemm_shape(model, gemm)
     kw, kx, kr = jax.random.split(key, 3)
     w_f32 = normal(kw, (g, n, k), jnp.float32) / np.sqrt(k)
@@ -234,8 +244,8 @@ def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax,
             row["ours_qact_path"] = ours_path(xq, q_blocked, gs)
             row["ours_qact_rel_err"] = rel_error(xq, q_blocked, gs)
             if compare_kernels:
-                for method in KERNEL_METHODS:
-                    timed(row, method, forced_kernel(method.split("_")[1]),
+                for method in compare_kernels:
+                    timed(row, method, forced_kernel(*KERNEL_METHODS[method]),
                           [(x, q, gs) for q in qb_sets], timing)
             for clock in ("_device_us", "_us"):
                 if "ours" + clock in row:
@@ -270,7 +280,7 @@ def plot(rows, path):
     for ax, (model, gemm, fmt) in zip(axes[0], panels):
         sel = sorted((r for r in rows if (r["model"], r["gemm"], r["fmt"]) == (model, gemm, fmt)),
                      key=lambda r: r["tokens"])
-        for method in METHODS + KERNEL_METHODS:
+        for method in METHODS + tuple(KERNEL_METHODS):
             pts = [(r["tokens"], r.get(method + "_device_us", r.get(method + "_us")))
                    for r in sel]
             pts = [(t, v) for t, v in pts if v is not None]
@@ -298,8 +308,9 @@ def main():
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out", default="bench_moe", help="output path prefix (.json, .png)")
-    p.add_argument("--compare-kernels", action="store_true",
-                   help="also time ours with each sm90 grouped kernel forced")
+    p.add_argument("--compare-kernels", nargs="?", const="ours_decode,ours_prefill", default="",
+                   help="also time ours with sm90 grouped kernels forced: comma-separated "
+                        f"from {list(KERNEL_METHODS)} (no value: decode and prefill)")
     args = p.parse_args()
     models = (args.models.split(",") if args.models else
               list(TINY_MODELS) if args.tiny else list(MODELS))
@@ -308,6 +319,10 @@ def main():
     timing = dict(iters=args.iters or (2 if args.tiny else 20),
                   trials=args.trials or (1 if args.tiny else 5))
     fmts = args.formats.split(",")
+    compare = tuple(m for m in args.compare_kernels.split(",") if m)
+    unknown = [m for m in compare if m not in KERNEL_METHODS]
+    if unknown:
+        p.error(f"--compare-kernels: unknown {unknown}, choose from {list(KERNEL_METHODS)}")
     tk = tokamax_method()
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; "
@@ -321,7 +336,7 @@ def main():
         for gemm in args.gemms.split(","):
             key, sub = jax.random.split(key)
             rows += bench_gemm(model, gemm, fmts, tokens, top_k, timing, sub, tk,
-                               args.compare_kernels)
+                               compare)
     out = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,

@@ -61,6 +61,9 @@ class Config:
     # kernel, "prefill": the grouped register-weight kernel where it can run; "auto" or unset:
     # the catalogue's choice by rows per expert; tuning and testing aid)
     sm90_ragged_kernel: str = "auto"
+    # JAX_BLOCKSCALE_SM90_RAGGED_TILE_M: force the grouped register-weight kernel's rows per item
+    # (64 or 128; tuning aid)
+    sm90_ragged_tile_m: int | None = None
     # JAX_BLOCKSCALE_SM100_TILE: force one Blackwell variant ("128x64", "256x128c2x1"; tuning aid)
     sm100_tile: str | None = None
     # JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES: cuBLASLt algorithms the dot_alpha GEMM times on its
@@ -73,6 +76,9 @@ def _read() -> Config:
     tile_n = _int("JAX_BLOCKSCALE_SM90_TILE_N")
     if tile_n is not None and tile_n not in (64, 128, 256):
         raise ValueError(f"JAX_BLOCKSCALE_SM90_TILE_N={tile_n} must be 64, 128 or 256")
+    ragged_tile_m = _int("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M")
+    if ragged_tile_m is not None and ragged_tile_m not in (64, 128):
+        raise ValueError(f"JAX_BLOCKSCALE_SM90_RAGGED_TILE_M={ragged_tile_m} must be 64 or 128")
     candidates = _int("JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES")
     return Config(
         backend=None if backend == "auto" else backend,
@@ -86,6 +92,7 @@ def _read() -> Config:
         sm90_tile_n=tile_n,
         sm90_ragged_kernel=_choice("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL",
                                    ("auto", "decode", "prefill"), "auto"),
+        sm90_ragged_tile_m=ragged_tile_m,
         sm100_tile=os.environ.get("JAX_BLOCKSCALE_SM100_TILE", "").strip() or None,
         dot_alpha_candidates=max(1, min(32, candidates if candidates is not None else 8)),
     )

@@ -368,9 +368,11 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
 # Each work item is at most tile_m rows of one expert; a quantized activation is dequantized to
 # bf16 first (exact), as gemm does past the decode kernel's rows.
 
-# (activation rows, weight rows) per tile: 64-row items while experts average fewer than 128
-# rows (a 128-row tile would be half empty), 128-row items past that
+# (activation rows, weight rows) per tile: 64-row items while experts average fewer than
+# RAGGED_PREFILL_WIDE_ROWS rows, 128-row items from there (their wgmmas are twice as wide per
+# converted weight, which wins once most experts fill more than half of one)
 RAGGED_PREFILL_TILES = ((64, 128), (128, 128))
+RAGGED_PREFILL_WIDE_ROWS = 64
 # rows per expert on average from which this kernel takes over from the grouped decode kernel
 # (docs/design/sm90_ragged_prefill.md)
 RAGGED_PREFILL_MIN_ROWS = 32
@@ -385,10 +387,12 @@ def ragged_items(m: int, groups: int, rows_per_item: int) -> int:
     return _ceil_div(m, rows_per_item) + min(groups, m) + 2
 
 
-def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", force=False):
+def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", force=False,
+                                  tile_m=None):
     """(variant, items) of the grouped register-weight kernel for a grouped call of M rows over
     `groups` experts of (N, K), or None where it cannot run it or (unless `force`) the grouped
-    decode kernel is faster (fewer than RAGGED_PREFILL_MIN_ROWS rows per expert on average)."""
+    decode kernel is faster (fewer than RAGGED_PREFILL_MIN_ROWS rows per expert on average).
+    tile_m: force the rows per item (a tile of RAGGED_PREFILL_TILES)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if a_kind is None or b_kind not in REGISTER_WEIGHT_KINDS or out not in OUTS:
@@ -398,7 +402,10 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", for
     avg = _ceil_div(m, groups)
     if avg < RAGGED_PREFILL_MIN_ROWS and not force:
         return None
-    tile_m, tile_n = RAGGED_PREFILL_TILES[0] if avg < 128 else RAGGED_PREFILL_TILES[1]
+    tiles = dict(RAGGED_PREFILL_TILES)
+    if tile_m is None:
+        tile_m = RAGGED_PREFILL_TILES[0 if avg < RAGGED_PREFILL_WIDE_ROWS else 1][0]
+    tile_n = tiles[tile_m]
     return (Variant("ragged_prefill", "bf16_kperm", b_kind, out, tile_m, tile_n),
             ragged_items(m, groups, tile_m))
 
