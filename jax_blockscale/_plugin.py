@@ -27,7 +27,7 @@ RAGGED_SM100_TARGET = "jax_blockscale_ragged_gemm_sm100"  # ragged_gemm's groupe
 # cuBLASLt GEMM with alpha in its epilogue (ffi/jbs_dot_alpha.cc): the sm90 large-M path with a
 # global scale
 DOT_ALPHA_TARGET = "jax_blockscale_dot_alpha"
-RAGGED_SM90_TARGET = "jax_blockscale_ragged_gemm_sm90"  # ragged_gemm's grouped decode kernel
+RAGGED_SM90_TARGET = "jax_blockscale_ragged_gemm_sm90"  # ragged_gemm's grouped sm90 kernels
 LAYER_SM90_TARGET = "jax_blockscale_layer_gemm_sm90"  # gemm(..., layer=i): one layer of a stack
 # gemm(x, w, quantize_a="nvfp4"): the activation quantized in the GEMM's call
 QUANTIZED_ACT_SM90_TARGET = "jax_blockscale_quantized_act_gemm_sm90"
@@ -221,7 +221,8 @@ def check_problem(**kw) -> tuple[bool, str]:
 
 
 def has_ragged_sm90(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the library has ragged_gemm's sm90 target (the grouped decode kernel)."""
+    """Whether the library has ragged_gemm's sm90 target (the grouped decode and register-weight
+    kernels)."""
     lib = lib if lib is not None else load()
     return lib is not None and hasattr(lib, "jax_blockscale_ragged_gemm_sm90")
 

@@ -330,8 +330,9 @@ def test_gpu_custom_call_export_needs_the_documented_allowance():
 
 @pytest.mark.gpu
 def test_exported_layer_on_hopper_holds_the_sm90_call():
-    """On an H100 with the library: the export carries our FFI target, needs the allowance, and
-    the deserialized artifact runs (targets registered in this process) and matches."""
+    """On an H100 with the library: the export carries our FFI target (a W4A4 layer at 16 rows:
+    the target that quantizes the activation in the GEMM's call), needs the allowance, and the
+    deserialized artifact runs (targets registered in this process) and matches."""
     from jax_blockscale import _plugin
     from jax_blockscale.lowering import ffi_sm90  # noqa: F401  (registers the sm90 backend)
 
@@ -345,9 +346,13 @@ def test_exported_layer_on_hopper_holds_the_sm90_call():
     x = normal(50, (16, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="custom calls"):
         jax.export.export(fn)(x)
-    allow = [jax.export.DisabledSafetyCheck.custom_call(_plugin.SM90_TARGET)]
+    target = _plugin.QUANTIZED_ACT_SM90_TARGET
+    with pytest.raises(ValueError, match="custom calls"):  # another target's allowance
+        jax.export.export(fn, disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(_plugin.SM90_TARGET)])(x)
+    allow = [jax.export.DisabledSafetyCheck.custom_call(target)]
     exp = jax.export.export(fn, disabled_checks=allow)(x)
-    assert _plugin.SM90_TARGET in exp.mlir_module()
+    assert target in exp.mlir_module()
     assert _plugin.register_targets()
     y = jax.export.deserialize(exp.serialize()).call(x)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(fn(x), np.float32),
