@@ -33,23 +33,13 @@ from jax import lax
 
 from .. import _plugin
 from ..catalog import sm90 as cat
-from ..ragged_backends import RaggedPlan, register_ragged_backend
+from ..ragged_backends import RaggedPlan, prefix_sum, register_ragged_backend
 from .ffi_sm90 import activation_operands, permute_activation_k
 from .kernel_operands import blocked_scale_bytes, element_bytes, take_layer
 from .plan import device_for, plan_ragged_sm90
 from .reference import operand_values
 
 ZERO_ITEM = -1  # the expert of an item whose rows the kernel writes as zeros
-
-
-def _cumsum(x):
-    """Inclusive cumulative sum of a short vector as one reduction (XLA's cumsum is a
-    reduce-window kernel, and every small kernel here costs microseconds of the call)."""
-    n = x.shape[0]
-    if n > 2048:
-        return jnp.cumsum(x)
-    tri = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
-    return jnp.sum(jnp.where(tri, x[None, :], 0), axis=1)
 
 
 def work_items(group_sizes, row_start, m: int, rows_per_item: int, num_items: int):
@@ -59,26 +49,27 @@ def work_items(group_sizes, row_start, m: int, rows_per_item: int, num_items: in
     [start_g, end_g) are cut into ceil(size_g / rows_per_item) items, in expert order; entries
     past the last item have no rows (expert -2: the kernel writes nothing). The last two
     entries are the zero items: rows [0, row_start) and [row_start + sum, M). Built from
-    comparisons and sums only (no sort or search loop), so XLA makes a few small fusions of it.
+    comparisons and sums only (no sort, search loop or concatenation), so XLA makes few small
+    fusions of it: at decode sizes each is a visible part of the call.
     """
     gs = group_sizes.astype(jnp.int32)
     groups = gs.shape[0]
-    ends = row_start + _cumsum(gs)
-    starts = ends - gs
+    ends = row_start + prefix_sum(gs)
     per_group = (gs + rows_per_item - 1) // rows_per_item
-    last_item = _cumsum(per_group)  # one past each expert's last item
-    i = jnp.arange(num_items - 2, dtype=jnp.int32)
+    last_item = prefix_sum(per_group)  # one past each expert's last item
+    i = jnp.arange(num_items, dtype=jnp.int32)
     # the expert of item i: how many experts end at or before it
     g = jnp.minimum(jnp.sum(last_item[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
                     groups - 1)
-    first = starts[g] + (i - (last_item[g] - per_group[g])) * rows_per_item
+    first = ends[g] - gs[g] + (i - (last_item[g] - per_group[g])) * rows_per_item
     valid = i < last_item[-1]
-    r0 = jnp.where(valid, first, 0)
-    r1 = jnp.where(valid, jnp.minimum(first + rows_per_item, ends[g]), 0)
-    expert = jnp.where(valid, g, -2)
-    zero = jnp.stack([jnp.stack([jnp.int32(ZERO_ITEM), jnp.int32(0), row_start]),
-                      jnp.stack([jnp.int32(ZERO_ITEM), ends[-1], jnp.int32(m)])])
-    return jnp.concatenate([jnp.stack([expert, r0, r1], axis=1), zero.astype(jnp.int32)])
+    # the two zero items take the last two entries (the bound leaves them free)
+    lead, tail = i == num_items - 2, i == num_items - 1
+    expert = jnp.where(lead | tail, ZERO_ITEM, jnp.where(valid, g, -2))
+    r0 = jnp.where(tail, ends[-1], jnp.where(valid, first, 0))
+    r1 = jnp.where(lead, row_start, jnp.where(tail, m, jnp.where(
+        valid, jnp.minimum(first + rows_per_item, ends[g]), 0)))
+    return jnp.stack([expert, r0, r1], axis=1).astype(jnp.int32)
 
 
 class Sm90RaggedBackend:

@@ -1,0 +1,107 @@
+"""`jbs.ragged_gemm` at decode sizes on the sm90 grouped decode kernel: the whole call's device
+time, its share of the copy bandwidth on the hit experts' bytes, and the call's kernels by time
+(the kernel itself and the small XLA kernels that build its work table). `--sweep` also forces
+every item height (nt) and split count the kernel has, to check the catalogue's choice.
+
+    python benchmarks/ragged_decode_probe.py --out /tmp/probe            # the planner's plans
+    python benchmarks/ragged_decode_probe.py --sweep --out /tmp/probe    # every nt x splits
+
+Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (gate+up, mxfp4),
+its routing and weight rotation. Writes <out>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_moe as bm  # noqa: E402
+import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale.catalog import sm90 as cat  # noqa: E402
+from jax_blockscale.lowering import plan  # noqa: E402
+from timing import device_time_us, gpu_kernel_events  # noqa: E402
+
+COPY_TBPS = 2.93  # the H100's measured copy bandwidth (benchmarks/README.md)
+CASES = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("gpt-oss-20b", 16), ("qwen3-30b-a3b", 64))
+
+
+def forced(nt, splits):
+    """choose_ragged_decode_variant with the item height and split count forced."""
+    choose = cat.choose_ragged_decode_variant
+
+    def pick(m, n, k, groups, *args, **kw):
+        v, _, _ = choose(m, n, k, groups, *args, **kw)
+        return dataclasses.replace(v, nt=nt), splits, cat.ragged_decode_items(m, groups, nt)
+    return pick
+
+
+def measure(x, weights, gs, hit_bytes):
+    f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+    sets = [(x, q, gs) for q in weights]
+    jax.block_until_ready(f(*sets[0]))
+    us = device_time_us(f, arg_sets=sets)
+    per = collections.defaultdict(float)
+    for name, s, e in gpu_kernel_events(f, arg_sets=sets, calls=4):
+        per[name[:48]] += (e - s) / 4e3
+    return dict(device_us=us, copy_bw_share=hit_bytes / us / 1e6 / COPY_TBPS,
+                kernels_us=dict(sorted(per.items(), key=lambda kv: -kv[1])))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", action="store_true", help="also every nt x splits")
+    p.add_argument("--out", default="ragged_decode_probe", help="output path prefix (.json)")
+    args = p.parse_args()
+    rows = []
+    choose = cat.choose_ragged_decode_variant
+    sm_count = plan.device_for("cuda").sm_count
+    for model, tokens in CASES:
+        g, n, k = bm.gemm_shape(model, "gate_up")
+        top_k = bm.MODELS[model]["top_k"]
+        key = jax.random.PRNGKey(0)
+        q = bm.quantize(bm.normal(key, (g, n, k), jnp.float32) / np.sqrt(k), "mxfp4",
+                        layout="blocked")
+        weights = bm.copies(q, bm.rotation_count(bm.quantized_bytes("mxfp4", g * n, k)))
+        m = tokens * top_k
+        gs = bm.routing(jax.random.fold_in(key, tokens), tokens, g, top_k)
+        x = bm.normal(jax.random.fold_in(key, 7), (m, k), jnp.bfloat16)
+        hit_bytes = int(jnp.sum(gs > 0)) * bm.quantized_bytes("mxfp4", n, k)
+        v, splits, _ = choose(m, n, k, g, None, "mxfp4", sm_count, "bf16")
+        configs = [(v.nt, splits, True)]
+        if args.sweep:
+            configs += [(nt, s, False) for nt in cat.DECODE_NTS for s in (1, 2, 4)
+                        if (nt, s) != (v.nt, splits)]
+        for nt, s, planned in configs:
+            row = dict(model=model, tokens=tokens, nt=nt, splits=s, planned=planned,
+                       hit_bytes=hit_bytes)
+            cat.choose_ragged_decode_variant = forced(nt, s)
+            try:
+                row.update(measure(x, weights, gs, hit_bytes))
+            except Exception as e:  # noqa: BLE001  (a split count the problem cannot take)
+                row["err"] = bm.short_error(e)
+            finally:
+                cat.choose_ragged_decode_variant = choose
+            rows.append(row)
+            top = "  ".join(f"{kn}: {t:.1f}" for kn, t in
+                            list(row.get("kernels_us", {}).items())[:5])
+            print(f"{model:<14}{tokens:>4}  nt={nt} splits={s}{' (plan)' if planned else '':<7}"
+                  + (f"{row['device_us']:8.1f} us {row['copy_bw_share']:6.1%}  {top}"
+                     if "device_us" in row else f"  error: {row['err']}"), flush=True)
+    out = os.path.splitext(args.out)[0] + ".json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f,
+                  indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The grouped sm90 kernels' work table (lowering/ragged_sm90.py: work_items) and the clamped
+group sizes it is built from (ragged_backends.clamp_group_sizes), against plain Python loops on
+random sizes: empty groups, one group holding every row, sizes past M, negative sizes and a
+shifted first row (an expert-parallel shard)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_blockscale.catalog import sm90 as cat
+from jax_blockscale.lowering.ragged_sm90 import ZERO_ITEM, work_items
+from jax_blockscale.ragged_backends import clamp_group_sizes, prefix_sum
+
+
+def _clamped(sizes, m, row_start):
+    out, at = [], min(max(row_start, 0), m)
+    for s in sizes:
+        take = min(max(s, 0), m - at)
+        out.append(take)
+        at += take
+    return out
+
+
+def _table(sizes, row_start, m, rows, num_items):
+    """What the kernels expect: each expert's rows in items of at most `rows`, in order, then
+    entries with no rows (expert -2), then the two zero items."""
+    entries, at = [], row_start
+    for g, s in enumerate(sizes):
+        for r0 in range(at, at + s, rows):
+            entries.append((g, r0, min(r0 + rows, at + s)))
+        at += s
+    assert len(entries) <= num_items - 2
+    entries += [(-2, 0, 0)] * (num_items - 2 - len(entries))
+    return entries + [(ZERO_ITEM, 0, row_start), (ZERO_ITEM, at, m)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_work_table_matches_a_loop(seed):
+    rng = np.random.default_rng(seed)
+    groups = int(rng.choice([1, 3, 8, 32, 128]))
+    m = int(rng.integers(1, 700))
+    rows = int(rng.choice([8, 16, 32, 64, 128]))
+    kind = seed % 4
+    if kind == 0:  # random routing, some rows past the sum
+        sizes = np.bincount(rng.integers(0, groups, max(m - 5, 0)), minlength=groups)
+    elif kind == 1:  # one group holds every row
+        sizes = np.zeros(groups, np.int64)
+        sizes[rng.integers(groups)] = m
+    elif kind == 2:  # out of range: negative, past M
+        sizes = rng.integers(-m, 2 * m, groups)
+    else:  # empty
+        sizes = np.zeros(groups, np.int64)
+    row_start = int(rng.integers(0, m)) if seed % 3 == 0 else 0
+    safe = _clamped(sizes.tolist(), m, row_start)
+    got_safe = clamp_group_sizes(jnp.asarray(sizes, jnp.int32), m, row_start)
+    np.testing.assert_array_equal(np.asarray(got_safe), safe)
+    num_items = cat.ragged_items(m, groups, rows)
+    got = jax.jit(work_items, static_argnums=(2, 3, 4))(
+        got_safe, jnp.int32(row_start), m, rows, num_items)
+    assert got.dtype == jnp.int32 and got.shape == (num_items, 3)
+    np.testing.assert_array_equal(np.asarray(got), _table(safe, row_start, m, rows, num_items))
+
+
+def test_prefix_sum():
+    x = jnp.asarray(np.random.default_rng(0).integers(-5, 50, 300), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(prefix_sum(x)), np.cumsum(np.asarray(x)))
+    big = jnp.ones((3000,), jnp.int32)  # the long form
+    np.testing.assert_array_equal(np.asarray(prefix_sum(big)), np.arange(1, 3001))
