@@ -307,8 +307,8 @@ class Sm90BlockScaledGemm:
     @cute.jit
     def _launch(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, m, n, k, l, a_e5m2,
                 b_e5m2, max_ctas, stream, work=None):
-        """Host side of a launch (plain Python, traced inline into the jit function): global
-        tensors, TMA atoms, the persistent schedule. work = (items pointer, num_items) for the
+        """Host side of a launch (traced inline into the calling jit function): global tensors,
+        TMA atoms, the persistent schedule. work = (items pointer, num_items) for the
         grouped kernel, whose L counts B's experts while A and C are one (M, K) / (M, N)."""
         bm, bn = self.bm, self.bn
         la = 1 if self.grouped else l  # batch of A and C
@@ -757,17 +757,17 @@ class Sm90BlockScaledGemm:
             alpha = alpha * cutlass.Float32(self.alpha_fix)
         return alpha
 
-    def _work_item(self, work, item, m, k_tiles):
+    def _work_item(self, table, item, m, k_tiles):
         """(expert, first row, end row, k-tiles) of entry `item` of the grouped kernel's work
         table (plain Python, traced inline; the producer and the consumers read it alike).
         Clamped so that no table can make the kernel read or write out of bounds: rows to
         [0, M), an expert's item to bm rows. Expert -1: rows no group owns, written as zeros
         (no k-tiles; any number of rows); any other expert outside [0, G): no rows. The expert
         returned is clamped into [0, G) (a valid batch index for B and alpha)."""
-        table, groups = work
-        expert = table[item, 0]
-        first = cutlass.min(cutlass.max(table[item, 1], 0), m)
-        end = cutlass.min(cutlass.max(table[item, 2], first), m)
+        items, groups = table
+        expert = items[item, 0]
+        first = cutlass.min(cutlass.max(items[item, 1], 0), m)
+        end = cutlass.min(cutlass.max(items[item, 2], first), m)
         real = cutlass.Int32(expert >= 0) * cutlass.Int32(expert < groups)
         end = end - real * cutlass.max(end - first - self.bm, 0)
         end = first + (end - first) * (real + cutlass.Int32(expert == -1))
