@@ -6,7 +6,7 @@ every item height (nt) and split count the kernel has, to check the catalogue's 
     python benchmarks/ragged_decode_probe.py --out /tmp/probe            # the planner's plans
     python benchmarks/ragged_decode_probe.py --sweep --out /tmp/probe    # every nt x splits
 
-Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (gate+up, mxfp4),
+Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (mxfp4; --cases),
 its routing and weight rotation. Writes <out>.json.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from jax_blockscale.lowering import plan  # noqa: E402
 from timing import device_time_us, gpu_kernel_events  # noqa: E402
 
 COPY_TBPS = 2.93  # the H100's measured copy bandwidth (benchmarks/README.md)
-CASES = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("gpt-oss-20b", 16), ("qwen3-30b-a3b", 64))
+CASES = (("qwen3-30b-a3b", "gate_up", 1), ("qwen3-30b-a3b", "gate_up", 16),
+         ("gpt-oss-20b", "gate_up", 16), ("qwen3-30b-a3b", "gate_up", 64))
 
 
 def forced(nt, splits):
@@ -58,13 +59,19 @@ def measure(x, weights, gs, hit_bytes):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="also every nt x splits")
+    p.add_argument("--cases", help="model:gemm:tokens,... (default: "
+                   + ",".join(":".join(map(str, c)) for c in CASES) + ")")
+    p.add_argument("--nts", help="with --sweep: only these item heights (comma-separated nt)")
     p.add_argument("--out", default="ragged_decode_probe", help="output path prefix (.json)")
     args = p.parse_args()
     rows = []
     choose = cat.choose_ragged_decode_variant
     sm_count = plan.device_for("cuda").sm_count
-    for model, tokens in CASES:
-        g, n, k = bm.gemm_shape(model, "gate_up")
+    cases = CASES if not args.cases else [
+        (c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.cases.split(",")]
+    nts = [int(x) for x in args.nts.split(",")] if args.nts else cat.DECODE_NTS
+    for model, gemm, tokens in cases:
+        g, n, k = bm.gemm_shape(model, gemm)
         top_k = bm.MODELS[model]["top_k"]
         key = jax.random.PRNGKey(0)
         q = bm.quantize(bm.normal(key, (g, n, k), jnp.float32) / np.sqrt(k), "mxfp4",
@@ -77,10 +84,10 @@ def main():
         v, splits, _ = choose(m, n, k, g, None, "mxfp4", sm_count, "bf16")
         configs = [(v.nt, splits, True)]
         if args.sweep:
-            configs += [(nt, s, False) for nt in cat.DECODE_NTS for s in (1, 2, 4)
+            configs += [(nt, s, False) for nt in nts for s in (1, 2, 4)
                         if (nt, s) != (v.nt, splits)]
         for nt, s, planned in configs:
-            row = dict(model=model, tokens=tokens, nt=nt, splits=s, planned=planned,
+            row = dict(model=model, gemm=gemm, tokens=tokens, nt=nt, splits=s, planned=planned,
                        hit_bytes=hit_bytes)
             cat.choose_ragged_decode_variant = forced(nt, s)
             try:
@@ -92,7 +99,7 @@ def main():
             rows.append(row)
             top = "  ".join(f"{kn}: {t:.1f}" for kn, t in
                             list(row.get("kernels_us", {}).items())[:5])
-            print(f"{model:<14}{tokens:>4}  nt={nt} splits={s}{' (plan)' if planned else '':<7}"
+            print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s}{' (plan)' if planned else '':<7}"
                   + (f"{row['device_us']:8.1f} us {row['copy_bw_share']:6.1%}  {top}"
                      if "device_us" in row else f"  error: {row['err']}"), flush=True)
     out = os.path.splitext(args.out)[0] + ".json"
