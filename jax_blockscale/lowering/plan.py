@@ -250,10 +250,7 @@ class _Sm90:
             return "empty problem"
         if not fits_32bit_indexing(spec):
             return "problem too large for the kernel's 32-bit indexing"
-        if self.device.arch != "sm90":
-            return self.device.reason or ("the sm90 kernels need compute capability 9.0, this "
-                                          f"device is {self.device.arch}")
-        return self.lib.unavailable_reason()
+        return sm90_unavailable(self.device, self.lib)
 
     # -- the register-weight variants --------------------------------------------------------
     def register_weights_available(self, spec: GemmSpec) -> bool:
@@ -374,6 +371,20 @@ def plan_sm90(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> P
 # sm100
 
 
+def sm90_unavailable(device: Device, library, variant: str | None = None,
+                     what: str = "variant") -> str | None:
+    """Why the sm90 kernels cannot run here (None: they can): the device is not compute
+    capability 9.0, the library is not loaded, or it lacks `variant` (a `what`, for the
+    message; a library built before that kernel existed)."""
+    if device.arch != "sm90":
+        return device.reason or ("the sm90 kernels need compute capability 9.0, this device is "
+                                 f"{device.arch}")
+    why = library.unavailable_reason()
+    if why is None and variant is not None and not library.has(variant):
+        why = f"the library has no {what} {variant} (built before that kernel existed?)"
+    return why
+
+
 def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     """The sm90 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec), or why no grouped kernel
     can run it: the grouped register-weight kernel at prefill sizes (catalog/sm90.py:
@@ -451,15 +462,10 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     b_row = spec.k * cat90.KINDS[kb]["bits"] // 8
     if max(splits * spec.m * spec.n, spec.m * a_row, spec.groups * spec.n * b_row) > _INT32_MAX:
         return "problem too large for the kernel's 32-bit indexing"
-    if device.arch != "sm90":
-        return device.reason or ("the sm90 kernels need compute capability 9.0, this device is "
-                                 f"{device.arch}")
-    why = library.unavailable_reason()
+    name = cat90.ragged_decode_name(v)
+    why = sm90_unavailable(device, library, name, "grouped decode variant")
     if why is not None:
         return why
-    name = cat90.ragged_decode_name(v)
-    if not library.has(name):
-        return f"the library has no grouped decode variant {name} (built before ragged_gemm's kernels?)"
     a_scales_plain = spec.fmt_lhs is not None and spec.layout_lhs == "plain"
     if layer is not None:  # index mode reads the activation's scales as the layer's plan does
         a_scales_plain = layer.a_scales_plain
@@ -477,15 +483,9 @@ def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):
     b_row = spec.k * cat90.KINDS[v.b_kind]["bits"] // 8
     if max(spec.m * spec.n, spec.m * 2 * spec.k, spec.groups * spec.n * b_row) > _INT32_MAX:
         return "problem too large for the kernel's 32-bit indexing"
-    if device.arch != "sm90":
-        return device.reason or ("the sm90 kernels need compute capability 9.0, this device is "
-                                 f"{device.arch}")
-    why = library.unavailable_reason()
+    why = sm90_unavailable(device, library, v.name, "grouped register-weight variant")
     if why is not None:
         return why
-    if not library.has(v.name):
-        return (f"the library has no grouped register-weight variant {v.name} (built before "
-                "ragged_gemm's prefill kernel?)")
     return RaggedPlan("sm90", "ragged_prefill", spec, "cuda", variant=v.name, a_kind=v.a_kind,
                       b_kind=v.b_kind, tile=(v.tile_m, v.tile_n),
                       items=cat90.ragged_items(spec.m, spec.groups, v.tile_m))

@@ -85,13 +85,9 @@ class Sm90RaggedBackend:
             raise RuntimeError(f"jax_blockscale sm90 ragged_gemm: {_plugin.unavailable_reason()}")
         spec = plan.spec
         m, n, k, groups = spec.m, spec.n, spec.k, spec.groups
-        a8 = lhs if spec.fmt_lhs is None else element_bytes(lhs)
         b8 = element_bytes(rhs)
         sb8 = blocked_scale_bytes(sr, spec.layout_rhs)
-        if spec.fmt_lhs is None:
-            sa8 = sb8  # unused by the weight-only kernel; a buffer that exists costs nothing
-        else:
-            sa8 = lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1)  # plain or blocked as is
+        a8, sa8, a_e5m2 = _activation(lhs, sl, sb8, plan)
         if spec.alpha_is_one:
             # a constant in the program: the ones of an operand are a broadcast that XLA may
             # run as a kernel on every call (every step of a scan)
@@ -99,15 +95,7 @@ class Sm90RaggedBackend:
         alpha = jnp.asarray(alpha, jnp.float32)
         if spec.group_index:
             return _layer_call(lhs, sl, sr, b8, sb8, a8, group_sizes, alpha, plan)
-        if plan.kernel == "ragged_prefill":
-            # the register-weight kernel reads a bf16 activation in its K order: a quantized
-            # one is dequantized first (exact; its global scale is in alpha), the permutation
-            # fuses into that pass
-            x = operand_values(lhs, sl, spec.fmt_lhs, spec.layout_lhs, jnp.bfloat16)
-            a8, sa8 = permute_activation_k(x), sb8
-        a_e5m2 = spec.fmt_lhs == "mxfp8_e5m2" and plan.kernel != "ragged_prefill"
-        items = work_items(group_sizes, row_start, m, plan.tile[0] if plan.nt == 0
-                           else 8 * plan.nt, plan.items)
+        items = work_items(group_sizes, row_start, m, plan.tile[0], plan.items)
         call = jax.ffi.ffi_call(
             _plugin.RAGGED_SM90_TARGET,
             (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
@@ -122,6 +110,23 @@ class Sm90RaggedBackend:
                     tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
                     splits=np.int32(plan.splits), index_items=np.int64(0))
         return y
+
+
+def _activation(lhs, sl, sb8, plan: RaggedPlan):
+    """(elements, scales, e5m2 flag) of the activation as plan's kernel reads them. The grouped
+    register-weight kernel reads a bf16 activation in its K order: a quantized one is
+    dequantized first (exact; its global scale is in alpha) and the permutation fuses into that
+    pass. The decode kernel reads a quantized activation's bytes and scales (plain or blocked)
+    as they are. A plain activation has no scales: B's (sb8, a buffer that exists already)
+    stand in for them."""
+    spec = plan.spec
+    if plan.kernel == "ragged_prefill":
+        x = operand_values(lhs, sl, spec.fmt_lhs, spec.layout_lhs, jnp.bfloat16)
+        return permute_activation_k(x), sb8, False
+    if spec.fmt_lhs is None:
+        return lhs, sb8, False
+    return (element_bytes(lhs), lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1),
+            spec.fmt_lhs == "mxfp8_e5m2")
 
 
 # Bytes of the probe: one row of the blocked scales' 128 x 4 tiles. XLA hands a kernel a slice
