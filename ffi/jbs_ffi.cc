@@ -12,12 +12,14 @@
 //   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel, or at
 //   prefill sizes the grouped register-weight kernel: nt = 0, a bf16_kperm activation, splits 0)
 //   operands: a [M, Ka] (as above, one activation, rows sorted by expert), b (u8) [G, N, Kb],
-//             sa, sb (as above; sb [G, ...]), alpha (f32 [G]: one per expert),
+//             sa, sb (as above; sb [G, ...]), alpha (f32 [G]: one per expert; the grouped
+//             decode kernel also takes f32 [1] or a scalar: one for every expert),
 //             items (s32 [num_items, 3]: expert, first row, end row; expert -1 = zero rows;
-//             or, in index mode, s32 [1]: the expert that owns every row)
+//             or, in sizes mode, s32 [G]: the raw group sizes, groups from row 0)
 //   results:  c [M, N], ws (f32, splits*M*N floats when splits > 1)
-//   attrs:    as above with g (experts) in place of l, and index_items (int64): 0 for a work
-//             table, else index mode with that many items (ceil(M / tile_m))
+//   attrs:    as above with g (experts) in place of l, and sizes_items (int64): 0 for a work
+//             table, else sizes mode (grouped decode kernel only) with that many items (at
+//             least ceil(M / tile_m) + min(G, M) + 2)
 //
 //   target "jax_blockscale_layer_gemm_sm90" (`jbs.gemm(x, stack, layer=i)`: one layer of a stack)
 //   operands: a, a_index (the activation as the layer's plan and as index mode read it), b (u8)
@@ -101,7 +103,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
                int32_t splits, int64_t index_items = 0, int64_t stack = 0, int64_t layer = 0,
-               void* alpha_at = nullptr, bool chained = false) {
+               void* alpha_at = nullptr, bool chained = false, int64_t sizes_items = 0) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -143,11 +145,14 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
     p.alpha_ptr = reinterpret_cast<uint64_t>(alpha_at);
     p.alpha_bytes = 4;
   }
-  if (items) {  // a work table of (expert, first row, end row), or index mode: one int32
-    p.grouped = index_items > 0 ? 2 : 1;
+  if (items) {  // a work table of (expert, first row, end row); index mode: one int32; sizes
+                // mode: the G group sizes
+    p.grouped = index_items > 0 ? 2 : sizes_items > 0 ? 3 : 1;
     p.items_ptr = reinterpret_cast<uint64_t>(items->untyped_data());
     p.items_bytes = items->size_bytes();
-    p.num_items = index_items > 0 ? index_items : static_cast<int64_t>(items->element_count() / 3);
+    p.num_items = index_items > 0   ? index_items
+                  : sizes_items > 0 ? sizes_items
+                                    : static_cast<int64_t>(items->element_count() / 3);
   }
   p.chained = chained ? 1 : 0;
   char msg[512];
@@ -169,6 +174,8 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
     args.items = items->untyped_data();
     args.num_items = static_cast<int32_t>(p.num_items);
     if (p.grouped == 2) args.a_e5m2 |= 4;  // the grouped kernel's index mode
+    if (p.grouped == 3) args.a_e5m2 |= 8;  // its sizes mode
+    if (v->nt && p.alpha_bytes == 4) args.a_e5m2 |= 16;  // one alpha for every expert
   }
   return g_state.Launch(*v, args);
 }
@@ -189,9 +196,10 @@ ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
                          int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                          int64_t g, int32_t a_scales_plain, int32_t nt, int32_t tile_m,
-                         int32_t tile_n, int32_t splits, int64_t index_items) {
+                         int32_t tile_n, int32_t splits, int64_t sizes_items) {
   return Run(stream, a, b, sa, sb, alpha, &items, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
-             k, g, a_scales_plain, nt, tile_m, tile_n, splits, index_items);
+             k, g, a_scales_plain, nt, tile_m, tile_n, splits, /*index_items=*/0, /*stack=*/0,
+             /*layer=*/0, /*alpha_at=*/nullptr, /*chained=*/false, sizes_items);
 }
 
 // out[0] = alpha[clamp(index[0], 0, count - 1)], one thread: slice mode's alpha where XLA copied
@@ -456,8 +464,9 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
                                .Ret<ffi::AnyBuffer>()    // c
                                .Ret<ffi::AnyBuffer>(),   // ws
                            "g")
-                           // 0: items is a work table; > 0: index mode, this many items
-                           .Attr<int64_t>("index_items"),
+                           // 0: items is a work table; > 0: items holds the G group sizes
+                           // (groups from row 0) and the kernel makes this many items
+                           .Attr<int64_t>("sizes_items"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_layer_gemm_sm90, jbs::ExecuteLayer,

@@ -27,7 +27,8 @@ const char* KindName(int kind) { return KnownKind(kind) ? jbs_catalog::kKindName
 
 // A grouped kernel's work table: entries (expert, first row, end row), one tile (decode: one
 // CTA) per entry and tile of N; or, for the grouped decode kernel's index mode, one int32 (the
-// expert) and items of tile_m rows covering M.
+// expert) and items of tile_m rows covering M; or, for its sizes mode, the G group sizes from
+// which the kernel makes num_items entries.
 const char* CheckWorkTable(const Problem& p, const Variant& v, char* buf, size_t n) {
   if (p.num_items < 1 || p.num_items > kInt32Max / CeilDiv(p.n, v.tile_n))
     return Fail(buf, n, "grouped work table of %lld items out of range", (long long)p.num_items);
@@ -39,6 +40,18 @@ const char* CheckWorkTable(const Problem& p, const Variant& v, char* buf, size_t
     if (p.num_items != CeilDiv(p.m, v.tile_m))
       return Fail(buf, n, "index mode needs ceil(M / %d) = %lld items, got %lld", v.tile_m,
                   (long long)CeilDiv(p.m, v.tile_m), (long long)p.num_items);
+    return nullptr;
+  }
+  if (p.grouped == 3) {  // sizes mode: the G raw group sizes; the kernel makes the entries
+    if (!v.nt) return Fail(buf, n, "sizes mode needs the grouped decode kernel, not %s", v.name);
+    if (p.items_bytes != 4 * p.l)
+      return Fail(buf, n, "the group sizes have %lld bytes, expected %lld (G = %lld int32)",
+                  (long long)p.items_bytes, (long long)(4 * p.l), (long long)p.l);
+    // every real item, the lead and the zero item: at most ceil(M / tile_m) + min(G, M) + 2
+    const int64_t bound = CeilDiv(p.m, v.tile_m) + (p.l < p.m ? p.l : p.m) + 2;
+    if (p.num_items < bound)
+      return Fail(buf, n, "sizes mode needs at least ceil(M / %d) + min(G, M) + 2 = %lld items, "
+                  "got %lld", v.tile_m, (long long)bound, (long long)p.num_items);
     return nullptr;
   }
   if (p.grouped != 1) return Fail(buf, n, "grouped mode %d unknown", p.grouped);
@@ -152,7 +165,8 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.c_bytes != la * p.m * p.n * OutBytes(p.out))
     return Fail(buf, n, "output buffer has %lld bytes, expected %lld", (long long)p.c_bytes,
                 (long long)(la * p.m * p.n * OutBytes(p.out)));
-  if (p.alpha_bytes != (p.grouped ? 4 * p.l : 4))
+  // a grouped call: one float32 per expert, or (the grouped decode kernel) one for all
+  if (p.alpha_bytes != (p.grouped ? 4 * p.l : 4) && !(p.grouped && v->nt && p.alpha_bytes == 4))
     return Fail(buf, n, "alpha must be %s, got %lld bytes",
                 p.grouped ? "one float32 per expert" : "one float32", (long long)p.alpha_bytes);
   if (BlockedScaleBytes(p.l, p.n, p.k, bb) / 128 > kInt32Max ||

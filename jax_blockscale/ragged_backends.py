@@ -19,6 +19,8 @@ What the lowering (ragged.py) hands `__call__`, once per lowering of `ragged_gem
     rhs_scales   (G, N, K/block) plain or (G, ceil(N/128), ceil(SK/4), 32, 4, 4) blocked
     group_sizes  int32 (G,), already made safe: every size >= 0 and
                  ``row_start + sum(group_sizes) <= M`` (see `clamp_group_sizes`); or, when
+                 the plan says ``raw_sizes``, as the caller passed them (row_start is then 0
+                 and the backend applies `clamp_group_sizes`'s semantics itself); or, when
                  ``spec.group_index`` (a backend's plan may accept it), an int32 scalar: the
                  group that owns every row, which the backend clamps to [0, G)
                  (`index_group_sizes`)
@@ -88,6 +90,10 @@ class RaggedPlan:
     splits: int = 0
     items: int = 0
     a_scales_plain: bool = False
+    # the kernel makes its work items from the raw group sizes (groups from row 0): the lowering
+    # hands the backend the sizes as they are (no clamping kernels before the call) and the
+    # kernel applies `clamp_group_sizes`'s semantics itself (kernels/grouped_work.py)
+    raw_sizes: bool = False
     # index mode on sm90 (`gemm(..., layer=i)`): gemm's plan for one layer (lowering/plan.py:
     # Plan), run when the handler finds the layer in place; the fields above are then index
     # mode's, run when XLA copied the layer's probe (lowering/ragged_sm90.py)

@@ -58,7 +58,9 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
         plain [L, M, SK] instead when bit 1 of a_e5m2 is set)
   c   : out dtype [L, M, N];  alpha : f32 [1] in device memory;  ws : f32 [splits, L, M, N]
   a_e5m2, b_e5m2 : bit 0 = e5m2 fp8 elements (else e4m3); a_e5m2 bit 1 = plain A scales;
-        a_e5m2 bit 2 (grouped kernel only) = index mode: the work table is one int32
+        a_e5m2 bit 2 (grouped kernel only) = index mode: the work table is one int32;
+        bit 3 (grouped kernel only) = sizes mode: the work table is the G raw group sizes;
+        bit 4 (grouped kernel only) = alpha is one float for every expert
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
 """
@@ -75,6 +77,7 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
     steps_elems, tuning_for)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
+from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
 from jax_blockscale.kernels.sm90_ptx import (
     FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, SCALE_BYTE_SEL, cp_async, cp_async_commit,
@@ -329,23 +332,42 @@ class Sm90DecodeGemm:
             # belongs to (a layer of a stack), clamped to [0, G); item i is rows
             # [8 nt i, 8 nt (i + 1)). Selected arithmetically: no branch, no read past the
             # one-int32 buffer.
+            # Sizes mode (bit 3): the table is the G raw group sizes (groups from row 0) and
+            # every warp makes its CTA's entry from them (kernels/grouped_work.py).
+            # Index mode keeps an item's CTAs of N adjacent (items fastest: the items of a
+            # layer share its weight tiles, read from L2 by the second); the other modes put
+            # N tiles fastest, so that the entries past the real items, which exit at once,
+            # run last instead of between real ones.
             items_ptr, groups = work
             indexed = (a_e5m2 >> 2) & 1
-            item = bxm % mchunks
+            tiles = (n + self.BN - 1) // self.BN
+            item = bxm // tiles
+            bx = bxm % tiles
+            if indexed == 1:
+                item = bxm % mchunks
+                bx = bxm // mchunks
             entry = items_ptr.toint() + cutlass.Int64(item * (1 - indexed)) * 12
-            expert = ldg_bytes(entry, 1, 4)
-            expert = expert + indexed * (cutlass.min(cutlass.max(expert, 0), groups - 1) - expert)
-            first = ldg_bytes(entry + 4, 1 - indexed, 4) + indexed * (item * (8 * nt))
-            end = ldg_bytes(entry + 8, 1 - indexed, 4) + indexed * ((item + 1) * (8 * nt))
+            expert = cutlass.Int32(0)
+            first = cutlass.Int32(0)
+            end = cutlass.Int32(0)
+            if ((a_e5m2 >> 3) & 1) == 1:
+                expert, first, end = item_from_sizes(items_ptr.toint(), groups, m, 8 * nt,
+                                                     item, mchunks, lane)
+            else:
+                expert = ldg_bytes(entry, 1, 4)
+                expert = expert + indexed * (
+                    cutlass.min(cutlass.max(expert, 0), groups - 1) - expert)
+                first = ldg_bytes(entry + 4, 1 - indexed, 4) + indexed * (item * (8 * nt))
+                end = ldg_bytes(entry + 8, 1 - indexed, 4) + indexed * ((item + 1) * (8 * nt))
             m0 = cutlass.min(cutlass.max(first, 0), m)
             m_end = cutlass.min(cutlass.max(end, m0), m)
             m_end = m_end - cutlass.Int32(expert >= 0) * cutlass.max(0, m_end - m0 - 8 * nt)
             expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
             li = cutlass.max(expert, 0)
             rows = (cutlass.Int32(0), m_end)
-            # the expert's alpha, loaded now: its latency hides behind the main loop instead of
-            # adding to the epilogue
-            expert_alpha = self._alpha(alpha_ptr, li)
+            # the expert's alpha (bit 4: one alpha for every expert), loaded now: its latency
+            # hides behind the main loop instead of adding to the epilogue
+            expert_alpha = self._alpha(alpha_ptr, li * (1 - ((a_e5m2 >> 4) & 1)))
 
         smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
@@ -985,13 +1007,17 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
     expert. The rows come as a work table built by the caller (`items`, int32 [num_items, 3]):
     (expert, first row, end row), at most 8 nt rows per item, an expert's items adjacent.
     Expert -1 marks rows no expert owns (before the first group, after the last): those items
-    write zeros. Items with no rows exit after reading their entry. Index mode (bit 2 of
-    a_e5m2): `items` is a single int32, the expert that owns every row (clamped to [0, G)),
+    write zeros. Items with no rows exit after reading their entry. Sizes mode (bit 3 of
+    a_e5m2): `items` is the G raw group sizes (groups from row 0) and every warp makes its CTA's
+    entry from them (kernels/grouped_work.py): no table is built before the call. Index mode
+    (bit 2): `items` is a single int32, the expert that owns every row (clamped to [0, G)),
     and item i is rows [8 nt i, 8 nt (i + 1)): a dense GEMM against one layer of a stacked
     weight, read in place, with no table to build (`jbs.gemm(..., layer=i)`).
 
-    Grid (ceil(N / BN) * num_items, splits, 1), items fastest: the items of one expert stream
-    the same weight tile together (the second one reads it from L2). Everything else is the
+    Grid (ceil(N / BN) * num_items, splits, 1). Tiles of N fastest, so the entries past the real
+    items (which exit at once) run last; an expert's items are then ceil(N / BN) CTAs apart,
+    close enough to share its weight tiles in L2. Index mode puts items fastest (a layer's
+    items all share its weight tiles). Everything else is the
     dense decode kernel (same main loop, dequantization and MMAs): only the rows an item reads
     and writes, the weights' batch index (its expert) and the alpha it applies differ. With
     splits > 1 each split stores alpha[e] times its partial sums and the finalize kernel adds

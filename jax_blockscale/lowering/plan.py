@@ -469,9 +469,14 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     a_scales_plain = spec.fmt_lhs is not None and spec.layout_lhs == "plain"
     if layer is not None:  # index mode reads the activation's scales as the layer's plan does
         a_scales_plain = layer.a_scales_plain
+    # Groups from row 0 (not an expert-parallel shard): the kernel makes its items from the raw
+    # sizes, so the call is one kernel (kernels/grouped_work.py). A shard's table, built by XLA,
+    # carries its row_start.
+    raw_sizes = layer is None and not spec.shifted
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
-                      items=items, a_scales_plain=a_scales_plain, layer=layer)
+                      items=items, a_scales_plain=a_scales_plain, raw_sizes=raw_sizes,
+                      layer=layer)
 
 
 def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):

@@ -13,7 +13,9 @@ decides; this module prepares what the kernel reads and emits the call to the FF
   * the work table (`work_items`): int32 (items, 3) rows of (expert, first row, end row), at most
     8 nt rows (prefill: tile_m rows) each, an expert's items adjacent, built on the device from the group sizes, so
     only the experts that own rows cost weight traffic; two entries with expert -1 cover the rows
-    no expert owns (before `row_start`, after the last group), which the kernel writes as zeros;
+    no expert owns (before `row_start`, after the last group), which the kernel writes as zeros.
+    The decode kernel's sizes mode (`plan.raw_sizes`: groups from row 0) needs no table: it
+    reads the raw group sizes and makes the same entries itself (kernels/grouped_work.py);
   * index mode (`spec.group_index`, `jbs.gemm(..., layer=i)`): the call goes to the layer
     target `jax_blockscale_layer_gemm_sm90` with the whole stacks, the index and a probe (the
     first bytes of layer i's scales, sliced by XLA). Where XLA hands the probe in place (the index a
@@ -90,12 +92,17 @@ class Sm90RaggedBackend:
         a8, sa8, a_e5m2 = _activation(lhs, sl, sb8, plan)
         if spec.alpha_is_one:
             # a constant in the program: the ones of an operand are a broadcast that XLA may
-            # run as a kernel on every call (every step of a scan)
-            alpha = np.ones((groups,), np.float32)
+            # run as a kernel on every call (every step of a scan), and so is a constant (G,)
+            # of ones (XLA turns a splat constant into a broadcast). The grouped decode kernel
+            # takes one alpha for every expert: a scalar constant, which stays a constant.
+            one = plan.kernel == "ragged_decode" and not spec.group_index
+            alpha = np.ones(() if one else (groups,), np.float32)
         alpha = jnp.asarray(alpha, jnp.float32)
         if spec.group_index:
             return _layer_call(lhs, sl, sr, b8, sb8, a8, group_sizes, alpha, plan)
-        items = work_items(group_sizes, row_start, m, plan.tile[0], plan.items)
+        # the raw sizes (the kernel makes its items: sizes mode) or XLA's work table
+        items = group_sizes if plan.raw_sizes else work_items(group_sizes, row_start, m,
+                                                              plan.tile[0], plan.items)
         call = jax.ffi.ffi_call(
             _plugin.RAGGED_SM90_TARGET,
             (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
@@ -108,7 +115,8 @@ class Sm90RaggedBackend:
                     m=np.int64(m), n=np.int64(n), k=np.int64(k), g=np.int64(groups),
                     a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),
                     tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
-                    splits=np.int32(plan.splits), index_items=np.int64(0))
+                    splits=np.int32(plan.splits),
+                    sizes_items=np.int64(plan.items if plan.raw_sizes else 0))
         return y
 
 

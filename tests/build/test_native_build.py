@@ -317,8 +317,8 @@ def _ragged_call_of(p) -> dict:
                 c_bytes=m * n * np.dtype(spec.out_dtype).itemsize,
                 a_scales_plain=int(p.a_scales_plain), nt=p.nt, tile_m=p.tile[0],
                 tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.splits * m * n,
-                grouped=2 if spec.group_index else 1, num_items=p.items,
-                items_bytes=4 if spec.group_index else 12 * p.items)
+                grouped=2 if spec.group_index else 3 if p.raw_sizes else 1, num_items=p.items,
+                items_bytes=4 if spec.group_index else 4 * g if p.raw_sizes else 12 * p.items)
 
 
 _RAGGED_PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4"),
@@ -504,7 +504,7 @@ def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():
 @pytest.mark.parametrize("over,match", [
     (dict(items_bytes=12), "group index has 12 bytes"),
     (dict(num_items=3), r"index mode needs ceil\(M / 32\) = 1 items, got 3"),
-    (dict(grouped=3), "grouped mode 3 unknown"),
+    (dict(grouped=4), "grouped mode 4 unknown"),
 ])
 def test_indexed_rejects(over, match):
     p = P.plan_ragged_sm90(_ragged_spec(None, "nvfp4", None, "bfloat16", 20, 4096, 4096, 16,
@@ -554,13 +554,82 @@ def test_ragged_shards_keep_the_unsharded_plan():
     (dict(c_bytes=2 * 2048 * 1536 * 8), "output buffer"),
 ])
 def test_ragged_rejects(over, match):
-    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 1024, 8),
-                           H100)
+    import dataclasses
+
+    # an expert-parallel shard (rows from row_start): a work table built by XLA
+    spec = _ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 1024, 8)
+    p = P.plan_ragged_sm90(dataclasses.replace(spec, shifted=True), H100)
+    assert not p.raw_sizes
     kw = _ragged_call_of(p)
     assert _plugin.check_problem(**kw)[0]
     kw.update(over)
     ok, msg = _plugin.check_problem(**kw)
     assert not ok and re.search(match, msg), msg
+
+
+def test_sizes_mode_is_planned_where_groups_start_at_row_0():
+    """The grouped decode kernel makes its items from the raw sizes unless the call is an
+    expert-parallel shard (row_start from the sharding rule: XLA's table carries it); the
+    grouped register-weight kernel always reads a table."""
+    import dataclasses
+
+    spec = _ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 2048, 128)
+    assert P.plan_ragged_sm90(spec, H100).raw_sizes
+    assert not P.plan_ragged_sm90(dataclasses.replace(spec, shifted=True), H100).raw_sizes
+    prefill = P.plan_ragged_sm90(dataclasses.replace(spec, m=8192), H100)
+    assert prefill.kernel == "ragged_prefill" and not prefill.raw_sizes
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(items_bytes=4 * 7), r"group sizes have 28 bytes, expected 32 \(G = 8 int32\)"),
+    (dict(num_items=4 + 8 + 1), r"at least ceil\(M / 32\) \+ min\(G, M\) \+ 2 = 14 items, got 13"),
+    (dict(items_ptr=0), "work table pointer is null"),
+])
+def test_sizes_mode_rejects(over, match):
+    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 1024, 8),
+                           H100)
+    assert p.raw_sizes and p.tile[0] == 32
+    kw = _ragged_call_of(p)
+    assert kw["grouped"] == 3 and _plugin.check_problem(**kw)[0]
+    kw.update(over)
+    ok, msg = _plugin.check_problem(**kw)
+    assert not ok and re.search(match, msg), msg
+
+
+def test_sizes_mode_needs_the_decode_kernel():
+    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 8192, 1536, 2048, 128),
+                           H100)
+    assert p.kernel == "ragged_prefill"
+    kw = _ragged_call_of(p)
+    kw.update(grouped=3, items_bytes=4 * 128)
+    ok, msg = _plugin.check_problem(**kw)
+    assert not ok and "sizes mode needs the grouped decode kernel" in msg, msg
+
+
+def test_ragged_lowering_hands_the_kernel_the_raw_sizes(monkeypatch):
+    """At decode sizes the program is the kernel's call alone: the raw group sizes go in as they
+    are (sizes mode, sizes_items = the plan's items) and nothing is computed before it (no
+    clamp, prefix sum or table: each would be a kernel launch). At prefill sizes XLA builds the
+    (items, 3) table and sizes_items is 0."""
+    import jax_blockscale as jbs
+
+    w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(2), (16, 256, 512)), "mxfp4",
+                     layout="blocked")
+    for m, mode, table in ((32, "sizes", None), (4096, "table", "x3xi32")):
+        x, gs = jnp.ones((m, 512), jnp.bfloat16), jnp.full((16,), m // 16, jnp.int32)
+        text = lower_for_cuda(monkeypatch, lambda x, g: jbs.ragged_gemm(x, w, g), x, gs)
+        calls = [ln for ln in text.splitlines()
+                 if "stablehlo.custom_call @" + _plugin.RAGGED_SM90_TARGET in ln]
+        assert len(calls) == 1, (m, calls)
+        items = re.search(r"sizes_items = (\d+) : i64", calls[0])
+        assert items, calls[0][:900]
+        if mode == "sizes":
+            assert int(items.group(1)) == cat.ragged_decode_items(m, 16, 1), calls[0][:900]
+            assert "tensor<16xi32>" in calls[0].split("->")[0]
+            assert not re.search(r"stablehlo\.(reduce|compare|add|clamp|concatenate)\b", text), \
+                "work done before the kernel"
+        else:
+            assert int(items.group(1)) == 0 and table in calls[0].split("->")[0]
 
 
 # ---- the backend on a machine without a Hopper GPU, and its lowering --------------------------

@@ -1,0 +1,132 @@
+"""A grouped kernel's work item, made on the device from the raw group sizes.
+
+The device twin of the lowering's work table (`lowering/ragged_sm90.py: work_items`) for calls
+whose groups start at row 0: where a CTA would read its (expert, first row, end row) entry from
+a table that small XLA kernels built before the call, it reads the G group sizes and derives
+its own entry. At decode sizes those small kernels are a visible part of a grouped call; this
+makes the call one kernel.
+
+The sizes are made safe exactly as `ragged_backends.clamp_group_sizes` does (a negative size
+counts as 0; a group running past row M is cut at M, later ones get no rows), with additions
+that saturate at M so that no input can overflow. Items are cut as `work_items` cuts them:
+expert g's rows in ceil(size_g / rows_per_item) items of at most rows_per_item rows, in
+expert order; of the `num_items` entries (a bound the planner made), the last one is the zero
+item (rows past the last group, expert ZERO_ITEM) and the one before it the empty lead (rows
+before row 0); the rest past the real items have expert NO_ITEM.
+
+Every warp computes the entry by itself (no shared memory, no CTA barrier). The experts go in
+chunks of 128, four consecutive ones per lane, held in registers. A first pass counts the rows
+and the experts with rows: from them an upper bound on the real items, so that the entries past
+it (most of the grid at decode sizes) stop there. The others scan the lanes' rows and items
+(two five-step warp scans per chunk) to place the item.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from jax_blockscale.kernels.sm90_ptx import ldg_bytes
+
+ZERO_ITEM = -1  # rows no group owns: the kernel writes zeros
+NO_ITEM = -2  # an entry past the real items: the kernel writes nothing
+PER_LANE = 4  # experts per lane in a chunk
+CHUNK = 32 * PER_LANE
+
+
+@cute.jit
+def _scan(v, lane, cap):
+    """Inclusive scan of v over the warp's lanes, additions saturating at cap (v >= 0)."""
+    for d in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(v, 1 << d)
+        v = cutlass.min(v + up * cutlass.Int32(lane >= (1 << d)), cap)
+    return v
+
+
+@cute.jit
+def _exclusive(incl, lane):
+    """The exclusive scan from an inclusive one: lane l gets lane l - 1's value (lane 0: 0)."""
+    return cute.arch.shuffle_sync_up(incl, 1) * cutlass.Int32(lane > 0)
+
+
+@cute.jit
+def _lane_sizes(sizes_addr, chunk, groups, m, lane):
+    """The lane's PER_LANE sizes of `chunk`, each clipped to [0, M] (0 past G)."""
+    sizes = []
+    for i in cutlass.range_constexpr(PER_LANE):
+        e = chunk * CHUNK + lane * PER_LANE + i
+        s = cutlass.Int32(ldg_bytes(sizes_addr + cutlass.Int64(e) * 4, e < groups, 4))
+        sizes.append(cutlass.min(cutlass.max(s, 0), m))
+    return sizes
+
+
+@cute.jit
+def item_from_sizes(sizes_addr, groups, m, rows_per_item: int, item, num_items, lane):
+    """(expert, first row, end row) of work item `item` from the int32 group sizes at
+    sizes_addr (G of them, raw: any int32). Called by every lane of a warp (lane = its lane)."""
+    h = rows_per_item
+    chunks = (groups + CHUNK - 1) // CHUNK
+    # pass 1: rows (cut at M) and experts with rows: the real items are at most
+    # (rows + experts * (h - 1)) // h, since each expert's last item may be short
+    lane_rows = cutlass.Int32(0)
+    lane_nonzero = cutlass.Int32(0)
+    for c in range(chunks):
+        for s in _lane_sizes(sizes_addr, c, groups, m, lane):
+            lane_rows = cutlass.min(lane_rows + s, m)
+            lane_nonzero = lane_nonzero + cutlass.Int32(s > 0)
+    # each lane's rows are at most M, so the sum fits (the kernel's M * K is below 2^31)
+    last_row = cutlass.min(cute.arch.warp_redux_sync(lane_rows, "add"), m)
+    nonzero = cute.arch.warp_redux_sync(lane_nonzero, "add")
+    bound = (last_row + nonzero * (h - 1)) // h
+    expert = cutlass.Int32(NO_ITEM)
+    first = cutlass.Int32(0)
+    end = cutlass.Int32(0)
+    if item < bound:
+        # pass 2: the lane that owns `item` (one in the warp) makes its entry
+        row_carry = cutlass.Int32(0)
+        item_carry = cutlass.Int32(0)
+        found = cutlass.Int32(0)
+        owner = cutlass.Int32(0)
+        for c in range(chunks):
+            sizes = _lane_sizes(sizes_addr, c, groups, m, lane)
+            rows = cutlass.Int32(0)
+            for s in sizes:
+                rows = cutlass.min(rows + s, m)
+            rows_incl = _scan(rows, lane, m)
+            t = cutlass.min(row_carry + _exclusive(rows_incl, lane), m)
+            bounds = [t]  # the lane's experts' first rows, then one past the last's rows
+            counts = []
+            for s in sizes:
+                t = cutlass.min(t + s, m)
+                counts.append((t - bounds[-1] + h - 1) // h)
+                bounds.append(t)
+            items = cutlass.Int32(0)
+            for cnt in counts:
+                items = items + cnt
+            items_incl = _scan(items, lane, cutlass.Int32(0x7FFFFFFF))
+            i0 = item_carry + _exclusive(items_incl, lane)
+            for i in cutlass.range_constexpr(PER_LANE):
+                mine = (item >= i0) & (item < i0 + counts[i])
+                if mine:
+                    found = cutlass.Int32(1)
+                    owner = c * CHUNK + lane * PER_LANE + i
+                    first = bounds[i] + (item - i0) * h
+                    end = cutlass.min(first + h, bounds[i + 1])
+                i0 = i0 + counts[i]
+            row_carry = cutlass.min(row_carry + cute.arch.shuffle_sync(rows_incl, 31), m)
+            item_carry = item_carry + cute.arch.shuffle_sync(items_incl, 31)
+        # the owner's entry to every lane (the others add zeros)
+        found = cute.arch.warp_redux_sync(found, "add")
+        owner = cute.arch.warp_redux_sync(owner, "add")
+        first = cute.arch.warp_redux_sync(first, "add")
+        end = cute.arch.warp_redux_sync(end, "add")
+        expert = found * owner + (1 - found) * NO_ITEM
+    # the zero item: rows [last_row, M); the lead (rows before row 0): nothing
+    if item == num_items - 1:
+        expert = cutlass.Int32(ZERO_ITEM)
+        first = last_row
+        end = m
+    if item == num_items - 2:
+        expert = cutlass.Int32(NO_ITEM)
+        first = cutlass.Int32(0)
+        end = cutlass.Int32(0)
+    return expert, first, end
