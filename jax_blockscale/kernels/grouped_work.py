@@ -14,11 +14,13 @@ expert order; of the `num_items` entries (a bound the planner made), the last on
 item (rows past the last group, expert ZERO_ITEM) and the one before it the empty lead (rows
 before row 0); the rest past the real items have expert NO_ITEM.
 
-Every warp computes the entry by itself (no shared memory, no CTA barrier). The experts go in
-chunks of 128, four consecutive ones per lane, held in registers. A first pass counts the rows
-and the experts with rows: from them an upper bound on the real items, so that the entries past
-it (most of the grid at decode sizes) stop there. The others scan the lanes' rows and items
-(two five-step warp scans per chunk) to place the item.
+Every warp computes the entry by itself (no shared memory, no CTA barrier): it is on every
+CTA's critical path (the weights' copies wait for the expert), so the chain is kept short. The
+experts go in chunks of 128, four consecutive ones per lane, held in registers. Up to 128
+experts and with no group cut at M (the common case), one warp scan of the lanes' item counts
+places the item while a second one, beside it, places the rows. Otherwise a first pass over the
+chunks counts the rows and the experts with rows (an upper bound on the real items, so that
+the entries past it stop there) and a second one scans rows, then items, chunk by chunk.
 """
 from __future__ import annotations
 
@@ -60,10 +62,86 @@ def _lane_sizes(sizes_addr, chunk, groups, m, lane):
 
 
 @cute.jit
+def _owner(item, i0, counts, bounds, base, h):
+    """(found, expert, first, end) of `item` among the lane's experts base, base + 1, ...: their
+    items start at item i0 (counts[i] each), their rows at bounds[i] (bounds[i + 1] one past)."""
+    found = cutlass.Int32(0)
+    owner = cutlass.Int32(0)
+    first = cutlass.Int32(0)
+    end = cutlass.Int32(0)
+    for i in cutlass.range_constexpr(PER_LANE):
+        if (item >= i0) & (item < i0 + counts[i]):
+            found = cutlass.Int32(1)
+            owner = base + i
+            first = bounds[i] + (item - i0) * h
+            end = cutlass.min(first + h, bounds[i + 1])
+        i0 = i0 + counts[i]
+    return found, owner, first, end
+
+
+@cute.jit
+def _lane_items(sizes, t, m, h):
+    """The lane's experts' row bounds from row t (each cut at M) and their item counts."""
+    bounds = [t]
+    counts = []
+    for s in sizes:
+        t = cutlass.min(t + s, m)
+        counts.append((t - bounds[-1] + h - 1) // h)
+        bounds.append(t)
+    return bounds, counts
+
+
+@cute.jit
+def _broadcast(found, owner, first, end):
+    """The owner lane's entry to every lane (the others hold zeros): (found, owner, first, end)."""
+    return (cute.arch.warp_redux_sync(found, "add"), cute.arch.warp_redux_sync(owner, "add"),
+            cute.arch.warp_redux_sync(first, "add"), cute.arch.warp_redux_sync(end, "add"))
+
+
+@cute.jit
 def item_from_sizes(sizes_addr, groups, m, rows_per_item: int, item, num_items, lane):
     """(expert, first row, end row) of work item `item` from the int32 group sizes at
     sizes_addr (G of them, raw: any int32). Called by every lane of a warp (lane = its lane)."""
     h = rows_per_item
+    expert = cutlass.Int32(NO_ITEM)
+    first = cutlass.Int32(0)
+    end = cutlass.Int32(0)
+    last_row = cutlass.Int32(0)
+    done = cutlass.Int32(0)
+    if groups <= CHUNK:
+        # The common case, on a short chain: one chunk and no group cut at M. The item counts
+        # then need no row prefix, so the rows' and the items' scans run side by side.
+        sizes = _lane_sizes(sizes_addr, 0, groups, m, lane)
+        rows = cutlass.Int32(0)
+        items = cutlass.Int32(0)
+        for s in sizes:
+            rows = rows + s  # at most 4 M: no overflow (M * K < 2^31)
+            items = items + (s + h - 1) // h
+        rows_incl = _scan(cutlass.min(rows, m + 1), lane, m + 1)
+        items_incl = _scan(items, lane, cutlass.Int32(0x7FFFFFFF))
+        last_row = cute.arch.shuffle_sync(rows_incl, 31)
+        bounds, counts = _lane_items(sizes, _exclusive(rows_incl, lane), m, h)
+        found, owner, first, end = _broadcast(*_owner(
+            item, _exclusive(items_incl, lane), counts, bounds, lane * PER_LANE, h))
+        expert = found * owner + (1 - found) * NO_ITEM
+        done = cutlass.Int32(last_row <= m)
+    if done == 0:
+        expert, first, end, last_row = _any_sizes(sizes_addr, groups, m, h, item, lane)
+    # the zero item: rows [last_row, M); the lead (rows before row 0): nothing
+    if item == num_items - 1:
+        expert = cutlass.Int32(ZERO_ITEM)
+        first = last_row
+        end = m
+    if item == num_items - 2:
+        expert = cutlass.Int32(NO_ITEM)
+        first = cutlass.Int32(0)
+        end = cutlass.Int32(0)
+    return expert, first, end
+
+
+@cute.jit
+def _any_sizes(sizes_addr, groups, m, h, item, lane):
+    """item_from_sizes for any G and sizes (groups cut at M): (expert, first, end, last_row)."""
     chunks = (groups + CHUNK - 1) // CHUNK
     # pass 1: rows (cut at M) and experts with rows: the real items are at most
     # (rows + experts * (h - 1)) // h, since each expert's last item may be short
@@ -76,11 +154,10 @@ def item_from_sizes(sizes_addr, groups, m, rows_per_item: int, item, num_items, 
     # each lane's rows are at most M, so the sum fits (the kernel's M * K is below 2^31)
     last_row = cutlass.min(cute.arch.warp_redux_sync(lane_rows, "add"), m)
     nonzero = cute.arch.warp_redux_sync(lane_nonzero, "add")
-    bound = (last_row + nonzero * (h - 1)) // h
     expert = cutlass.Int32(NO_ITEM)
     first = cutlass.Int32(0)
     end = cutlass.Int32(0)
-    if item < bound:
+    if item < (last_row + nonzero * (h - 1)) // h:
         # pass 2: the lane that owns `item` (one in the warp) makes its entry
         row_carry = cutlass.Int32(0)
         item_carry = cutlass.Int32(0)
@@ -92,41 +169,18 @@ def item_from_sizes(sizes_addr, groups, m, rows_per_item: int, item, num_items, 
             for s in sizes:
                 rows = cutlass.min(rows + s, m)
             rows_incl = _scan(rows, lane, m)
-            t = cutlass.min(row_carry + _exclusive(rows_incl, lane), m)
-            bounds = [t]  # the lane's experts' first rows, then one past the last's rows
-            counts = []
-            for s in sizes:
-                t = cutlass.min(t + s, m)
-                counts.append((t - bounds[-1] + h - 1) // h)
-                bounds.append(t)
+            bounds, counts = _lane_items(
+                sizes, cutlass.min(row_carry + _exclusive(rows_incl, lane), m), m, h)
             items = cutlass.Int32(0)
             for cnt in counts:
                 items = items + cnt
             items_incl = _scan(items, lane, cutlass.Int32(0x7FFFFFFF))
-            i0 = item_carry + _exclusive(items_incl, lane)
-            for i in cutlass.range_constexpr(PER_LANE):
-                mine = (item >= i0) & (item < i0 + counts[i])
-                if mine:
-                    found = cutlass.Int32(1)
-                    owner = c * CHUNK + lane * PER_LANE + i
-                    first = bounds[i] + (item - i0) * h
-                    end = cutlass.min(first + h, bounds[i + 1])
-                i0 = i0 + counts[i]
+            f, o, a, b = _owner(item, item_carry + _exclusive(items_incl, lane), counts, bounds,
+                                c * CHUNK + lane * PER_LANE, h)
+            if f == 1:
+                found, owner, first, end = f, o, a, b
             row_carry = cutlass.min(row_carry + cute.arch.shuffle_sync(rows_incl, 31), m)
             item_carry = item_carry + cute.arch.shuffle_sync(items_incl, 31)
-        # the owner's entry to every lane (the others add zeros)
-        found = cute.arch.warp_redux_sync(found, "add")
-        owner = cute.arch.warp_redux_sync(owner, "add")
-        first = cute.arch.warp_redux_sync(first, "add")
-        end = cute.arch.warp_redux_sync(end, "add")
+        found, owner, first, end = _broadcast(found, owner, first, end)
         expert = found * owner + (1 - found) * NO_ITEM
-    # the zero item: rows [last_row, M); the lead (rows before row 0): nothing
-    if item == num_items - 1:
-        expert = cutlass.Int32(ZERO_ITEM)
-        first = last_row
-        end = m
-    if item == num_items - 2:
-        expert = cutlass.Int32(NO_ITEM)
-        first = cutlass.Int32(0)
-        end = cutlass.Int32(0)
-    return expert, first, end
+    return expert, first, end, last_row

@@ -548,7 +548,7 @@ def test_ragged_shards_keep_the_unsharded_plan():
     (dict(grouped=0), "A buffer"),  # read as the dense kernel's call: L activations
     (dict(items_bytes=12 * 7), "work table has 84 bytes"),
     (dict(num_items=0, items_bytes=0), "work table of 0 items"),
-    (dict(alpha_bytes=4), "one float32 per expert"),
+    (dict(alpha_bytes=8), "one float32 per expert"),
     (dict(items_ptr=0), "work table pointer is null"),
     (dict(a_bytes=2 * 1024 * 129), "A buffer"),
     (dict(c_bytes=2 * 2048 * 1536 * 8), "output buffer"),
@@ -596,6 +596,21 @@ def test_sizes_mode_rejects(over, match):
     assert not ok and re.search(match, msg), msg
 
 
+def test_one_alpha_for_every_expert_is_the_decode_kernels():
+    """The grouped decode kernel takes one float32 for every expert (no global scale); the
+    grouped register-weight kernel needs one per expert."""
+    for m, ok_one in ((128, True), (8192, False)):
+        p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, 1536, 2048, 128),
+                               H100)
+        assert (p.kernel == "ragged_decode") == ok_one, p
+        kw = _ragged_call_of(p)
+        assert _plugin.check_problem(**kw)[0]
+        ok, msg = _plugin.check_problem(**dict(kw, alpha_bytes=4))
+        assert ok == ok_one and (ok or "one float32 per expert" in msg), msg
+        ok, msg = _plugin.check_problem(**dict(kw, alpha_bytes=8))
+        assert not ok and "one float32 per expert" in msg, msg
+
+
 def test_sizes_mode_needs_the_decode_kernel():
     p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 8192, 1536, 2048, 128),
                            H100)
@@ -625,7 +640,9 @@ def test_ragged_lowering_hands_the_kernel_the_raw_sizes(monkeypatch):
         assert items, calls[0][:900]
         if mode == "sizes":
             assert int(items.group(1)) == cat.ragged_decode_items(m, 16, 1), calls[0][:900]
-            assert "tensor<16xi32>" in calls[0].split("->")[0]
+            # the raw sizes, and one alpha for every expert: a scalar constant (a splat (G,)
+            # constant becomes a broadcast kernel in XLA)
+            assert calls[0].split("->")[0].split(": (")[-1].endswith("tensor<f32>, tensor<16xi32>)")
             assert not re.search(r"stablehlo\.(reduce|compare|add|clamp|concatenate)\b", text), \
                 "work done before the kernel"
         else:
