@@ -14,8 +14,8 @@ expert order; of the `num_items` entries (a bound the planner made), the last on
 item (rows past the last group, expert ZERO_ITEM) and the one before it the empty lead (rows
 before row 0); the rest past the real items have expert NO_ITEM.
 
-Every warp computes the entry by itself (no shared memory, no CTA barrier): it is on every
-CTA's critical path (the weights' copies wait for the expert), so the chain is kept short. The
+One warp computes the entry (the kernel hands it to the others in shared memory): it is on
+every CTA's critical path (the weights' copies wait for the expert), so the chain is kept short. The
 experts go in chunks of 128, four consecutive ones per lane, held in registers. Up to 128
 experts and with no group cut at M (the common case), one warp scan of the lanes' item counts
 places the item while a second one, beside it, places the rows. Otherwise a first pass over the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from jax_blockscale.kernels.sm90_ptx import ldg_bytes
+from jax_blockscale.kernels.sm90_ptx import ldg_bytes, ldg_v4
 
 ZERO_ITEM = -1  # rows no group owns: the kernel writes zeros
 NO_ITEM = -2  # an entry past the real items: the kernel writes nothing
@@ -52,11 +52,16 @@ def _exclusive(incl, lane):
 
 @cute.jit
 def _lane_sizes(sizes_addr, chunk, groups, m, lane):
-    """The lane's PER_LANE sizes of `chunk`, each clipped to [0, M] (0 past G)."""
+    """The lane's PER_LANE sizes of `chunk`, each clipped to [0, M] (0 past G): one 16-byte
+    load where they are aligned and all below G, else one load each."""
+    e0 = chunk * CHUNK + lane * PER_LANE
+    addr = sizes_addr + cutlass.Int64(e0) * 4
+    whole = cutlass.Int32((sizes_addr % 16 == 0) & (e0 + PER_LANE <= groups))
+    vec = ldg_v4(addr, whole)
     sizes = []
     for i in cutlass.range_constexpr(PER_LANE):
-        e = chunk * CHUNK + lane * PER_LANE + i
-        s = cutlass.Int32(ldg_bytes(sizes_addr + cutlass.Int64(e) * 4, e < groups, 4))
+        one = ldg_bytes(addr + 4 * i, (1 - whole) * cutlass.Int32(e0 + i < groups), 4)
+        s = cutlass.Int32(vec[i]) + cutlass.Int32(one)  # one of the two is zero
         sizes.append(cutlass.min(cutlass.max(s, 0), m))
     return sizes
 

@@ -322,6 +322,7 @@ class Sm90DecodeGemm:
         li = bz
         m0 = (bxm % mchunks) * (8 * nt)
         rows = None  # grouped: (the activation's batch entry, end row) of the CTA's rows
+        smem = cutlass.memory.SmemAllocator()
         if cutlass.const_expr(self.grouped):
             # work item (expert, first row, end row) of the table: rows of the (M, K) activation
             # and of the (M, N) output; expert -1: rows no group owns, written as zeros. The
@@ -332,8 +333,10 @@ class Sm90DecodeGemm:
             # belongs to (a layer of a stack), clamped to [0, G); item i is rows
             # [8 nt i, 8 nt (i + 1)). Selected arithmetically: no branch, no read past the
             # one-int32 buffer.
-            # Sizes mode (bit 3): the table is the G raw group sizes (groups from row 0) and
-            # every warp makes its CTA's entry from them (kernels/grouped_work.py).
+            # Sizes mode (bit 3): the table is the G raw group sizes (groups from row 0); warp 0
+            # makes the CTA's entry from them (kernels/grouped_work.py) and hands it over in
+            # shared memory: every CTA of the grid reads the same few lines of the sizes, and
+            # one warp's reads per CTA instead of eight keep those lines' L2 slices free.
             # Index mode keeps an item's CTAs of N adjacent (items fastest: the items of a
             # layer share its weight tiles, read from L2 by the second); the other modes put
             # N tiles fastest, so that the entries past the real items, which exit at once,
@@ -350,9 +353,15 @@ class Sm90DecodeGemm:
             expert = cutlass.Int32(0)
             first = cutlass.Int32(0)
             end = cutlass.Int32(0)
+            entry_slot = smem.allocate_array(cutlass.Int32, 4, byte_alignment=16).toint()
             if ((a_e5m2 >> 3) & 1) == 1:
-                expert, first, end = item_from_sizes(items_ptr.toint(), groups, m, 8 * nt,
-                                                     item, mchunks, lane)
+                if warp == 0:
+                    made = item_from_sizes(items_ptr.toint(), groups, m, 8 * nt, item, mchunks,
+                                           lane)
+                    if lane == 0:
+                        sts_v4(entry_slot, [*made, cutlass.Int32(0)])
+                cute.arch.sync_threads()
+                expert, first, end, _ = lds_v4(entry_slot)
             else:
                 expert = ldg_bytes(entry, 1, 4)
                 expert = expert + indexed * (
@@ -369,7 +378,6 @@ class Sm90DecodeGemm:
             # hides behind the main loop instead of adding to the epilogue
             expert_alpha = self._alpha(alpha_ptr, li * (1 - ((a_e5m2 >> 4) & 1)))
 
-        smem = cutlass.memory.SmemAllocator()
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
                                  byte_alignment=128).toint()
 
