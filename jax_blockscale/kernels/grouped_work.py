@@ -14,7 +14,7 @@ expert order; of the `num_items` entries (a bound the planner made), the last on
 item (rows past the last group, expert ZERO_ITEM) and the one before it the empty lead (rows
 before row 0); the rest past the real items have expert NO_ITEM.
 
-One warp computes the entry (the kernel hands it to the others in shared memory): it is on
+One warp computes the entry and the lane that finds it stores it for the CTA: it is on
 every CTA's critical path (the weights' copies wait for the expert), so the chain is kept short. The
 experts go in chunks of 128, four consecutive ones per lane, held in registers. Up to 128
 experts and with no group cut at M (the common case), one warp scan of the lanes' item counts
@@ -27,7 +27,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from jax_blockscale.kernels.sm90_ptx import ldg_bytes, ldg_v4
+from jax_blockscale.kernels.sm90_ptx import ldg_bytes, ldg_keep_v4
 
 ZERO_ITEM = -1  # rows no group owns: the kernel writes zeros
 NO_ITEM = -2  # an entry past the real items: the kernel writes nothing
@@ -57,7 +57,7 @@ def _lane_sizes(sizes_addr, chunk, groups, m, lane):
     e0 = chunk * CHUNK + lane * PER_LANE
     addr = sizes_addr + cutlass.Int64(e0) * 4
     whole = cutlass.Int32((sizes_addr % 16 == 0) & (e0 + PER_LANE <= groups))
-    vec = ldg_v4(addr, whole)
+    vec = ldg_keep_v4(addr, whole)
     sizes = []
     for i in cutlass.range_constexpr(PER_LANE):
         one = ldg_bytes(addr + 4 * i, (1 - whole) * cutlass.Int32(e0 + i < groups), 4)
@@ -97,18 +97,14 @@ def _lane_items(sizes, t, m, h):
 
 
 @cute.jit
-def _broadcast(found, owner, first, end):
-    """The owner lane's entry to every lane (the others hold zeros): (found, owner, first, end)."""
-    return (cute.arch.warp_redux_sync(found, "add"), cute.arch.warp_redux_sync(owner, "add"),
-            cute.arch.warp_redux_sync(first, "add"), cute.arch.warp_redux_sync(end, "add"))
-
-
-@cute.jit
 def item_from_sizes(sizes_addr, groups, m, rows_per_item: int, item, num_items, lane):
-    """(expert, first row, end row) of work item `item` from the int32 group sizes at
-    sizes_addr (G of them, raw: any int32). Called by every lane of a warp (lane = its lane)."""
+    """(expert, first row, end row, writes) of work item `item` from the int32 group sizes at
+    sizes_addr (G of them, raw: any int32). Called by every lane of a warp (lane = its lane);
+    the entry is right in the one lane with `writes` set (the lane that found the item, else
+    lane 0), which stores it for the CTA."""
     h = rows_per_item
-    expert = cutlass.Int32(NO_ITEM)
+    found = cutlass.Int32(0)
+    owner = cutlass.Int32(0)
     first = cutlass.Int32(0)
     end = cutlass.Int32(0)
     last_row = cutlass.Int32(0)
@@ -126,27 +122,32 @@ def item_from_sizes(sizes_addr, groups, m, rows_per_item: int, item, num_items, 
         items_incl = _scan(items, lane, cutlass.Int32(0x7FFFFFFF))
         last_row = cute.arch.shuffle_sync(rows_incl, 31)
         bounds, counts = _lane_items(sizes, _exclusive(rows_incl, lane), m, h)
-        found, owner, first, end = _broadcast(*_owner(
-            item, _exclusive(items_incl, lane), counts, bounds, lane * PER_LANE, h))
-        expert = found * owner + (1 - found) * NO_ITEM
+        found, owner, first, end = _owner(item, _exclusive(items_incl, lane), counts, bounds,
+                                          lane * PER_LANE, h)
         done = cutlass.Int32(last_row <= m)
     if done == 0:
-        expert, first, end, last_row = _any_sizes(sizes_addr, groups, m, h, item, lane)
+        found, owner, first, end, last_row = _any_sizes(sizes_addr, groups, m, h, item, lane)
+    nobody = cutlass.Int32(cute.arch.vote_ballot_sync(found == 1) == 0)
+    expert = found * owner + (1 - found) * NO_ITEM
+    writes = found | (nobody * cutlass.Int32(lane == 0))
     # the zero item: rows [last_row, M); the lead (rows before row 0): nothing
     if item == num_items - 1:
         expert = cutlass.Int32(ZERO_ITEM)
         first = last_row
         end = m
+        writes = cutlass.Int32(lane == 0)
     if item == num_items - 2:
         expert = cutlass.Int32(NO_ITEM)
         first = cutlass.Int32(0)
         end = cutlass.Int32(0)
-    return expert, first, end
+        writes = cutlass.Int32(lane == 0)
+    return expert, first, end, writes
 
 
 @cute.jit
 def _any_sizes(sizes_addr, groups, m, h, item, lane):
-    """item_from_sizes for any G and sizes (groups cut at M): (expert, first, end, last_row)."""
+    """item_from_sizes for any G and sizes (groups cut at M): the lane's (found, expert, first,
+    end) and last_row."""
     chunks = (groups + CHUNK - 1) // CHUNK
     # pass 1: rows (cut at M) and experts with rows: the real items are at most
     # (rows + experts * (h - 1)) // h, since each expert's last item may be short
@@ -159,15 +160,14 @@ def _any_sizes(sizes_addr, groups, m, h, item, lane):
     # each lane's rows are at most M, so the sum fits (the kernel's M * K is below 2^31)
     last_row = cutlass.min(cute.arch.warp_redux_sync(lane_rows, "add"), m)
     nonzero = cute.arch.warp_redux_sync(lane_nonzero, "add")
-    expert = cutlass.Int32(NO_ITEM)
+    found = cutlass.Int32(0)
+    owner = cutlass.Int32(0)
     first = cutlass.Int32(0)
     end = cutlass.Int32(0)
     if item < (last_row + nonzero * (h - 1)) // h:
         # pass 2: the lane that owns `item` (one in the warp) makes its entry
         row_carry = cutlass.Int32(0)
         item_carry = cutlass.Int32(0)
-        found = cutlass.Int32(0)
-        owner = cutlass.Int32(0)
         for c in range(chunks):
             sizes = _lane_sizes(sizes_addr, c, groups, m, lane)
             rows = cutlass.Int32(0)
@@ -186,6 +186,4 @@ def _any_sizes(sizes_addr, groups, m, h, item, lane):
                 found, owner, first, end = f, o, a, b
             row_carry = cutlass.min(row_carry + cute.arch.shuffle_sync(rows_incl, 31), m)
             item_carry = item_carry + cute.arch.shuffle_sync(items_incl, 31)
-        found, owner, first, end = _broadcast(found, owner, first, end)
-        expert = found * owner + (1 - found) * NO_ITEM
-    return expert, first, end, last_row
+    return found, owner, first, end, last_row

@@ -356,10 +356,10 @@ class Sm90DecodeGemm:
             entry_slot = smem.allocate_array(cutlass.Int32, 4, byte_alignment=16).toint()
             if ((a_e5m2 >> 3) & 1) == 1:
                 if warp == 0:
-                    made = item_from_sizes(items_ptr.toint(), groups, m, 8 * nt, item, mchunks,
-                                           lane)
-                    if lane == 0:
-                        sts_v4(entry_slot, [*made, cutlass.Int32(0)])
+                    e, f, en, writes = item_from_sizes(items_ptr.toint(), groups, m, 8 * nt,
+                                                       item, mchunks, lane)
+                    if writes == 1:
+                        sts_v4(entry_slot, [e, f, en, cutlass.Int32(0)])
                 cute.arch.sync_threads()
                 expert, first, end, _ = lds_v4(entry_slot)
             else:

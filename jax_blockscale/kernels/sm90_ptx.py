@@ -66,6 +66,14 @@ def ldg_stream_v4(addr, pred, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ldg_keep_v4(addr, pred, *, loc=None, ip=None):
+    """16 bytes that every CTA of the grid reads (a grouped kernel's group sizes), kept in L1
+    for the SM's later CTAs; zeros if !pred."""
+    return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)],
+                _ldg_v4_ptx(".nc.L1::evict_last"), ["l", "r"], loc, ip)
+
+
+@dsl_user_op
 def ldg_v4(addr, pred, coherent=False, *, loc=None, ip=None):
     """16 bytes through L1 (activations: read by every CTA of a K range); zeros if !pred."""
     return _asm(4, "r", [cutlass.Int64(addr), cutlass.Int32(pred)],

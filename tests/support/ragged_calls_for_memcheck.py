@@ -1,6 +1,7 @@
 """ragged_gemm calls on both sm90 grouped kernels (the decode kernel and the register-weight
 prefill kernel), small, for compute-sanitizer (tests/gpu/test_ragged_memcheck.py runs this file
-under it): group sizes that are negative, that run past M or that leave rows to no group, a
+under it): group sizes that are negative, that run past M (up to int32's extremes) or that
+leave rows to no group (the decode kernel reads them raw and makes them safe itself), a
 shifted first row (an expert-parallel shard), quantized and plain activations. Prints one line
 per call."""
 import os
@@ -14,7 +15,8 @@ from jax_blockscale import config
 from jax_blockscale import ragged as ragged_mod
 
 rng = np.random.default_rng(0)
-SIZES = ([5, -3, 40, 9, 2, 0, 1, 1], [2**30, 2**30, 5, 0, 0, 0, 0, 1], [1, 2, 3, 0, 0, 0, 0, 0])
+SIZES = ([5, -3, 40, 9, 2, 0, 1, 1], [2**30, 2**30, 5, 0, 0, 0, 0, 1], [1, 2, 3, 0, 0, 0, 0, 0],
+         [2**31 - 1, -2**31, 7, 0, 0, 0, 0, 2**31 - 1])  # int32 extremes: sums saturate
 # one problem per kernel (each call compiles and runs slowly under the sanitizer): the decode
 # kernel with a plain activation, the prefill kernel with a quantized one (dequantized first)
 for mode, (fmt, act, m, n, k) in [("decode", ("nvfp4", None, 64, 256, 256)),
