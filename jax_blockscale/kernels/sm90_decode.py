@@ -353,27 +353,14 @@ class Sm90DecodeGemm:
             expert = cutlass.Int32(0)
             first = cutlass.Int32(0)
             end = cutlass.Int32(0)
-            # The TMA ring is set up before the entry is known, so that in sizes mode warp 0
-            # issues the first copies as soon as it has made the entry, before the CTA barrier.
             entry_slot = smem.allocate_array(cutlass.Int32, 4, byte_alignment=16).toint()
-            nb128 = (n + 127) // 128
-            ring = self._tma_ring(smem, tma, tid, warp)
-            views = self._tma_views(tma, ring, bx, nb128)
-            issued = cutlass.Int32(0)
             if ((a_e5m2 >> 3) & 1) == 1:
                 if warp == 0:
                     e, f, en, writes = item_from_sizes(items_ptr.toint(), groups, m, 8 * nt,
                                                        item, mchunks, lane)
                     if writes == 1:
                         sts_v4(entry_slot, [e, f, en, cutlass.Int32(0)])
-                    cute.arch.sync_warp()
-                    e, f, en, _ = lds_v4(entry_slot)
-                    e, li0, r0, r1 = self._clamp_entry(e, f, en, m, groups)
-                    k0, _, ns = self._k_range(k, by, splits)
-                    self._tma_prologue(views, k0, bx, li0, nb128, lane,
-                                       ns * cutlass.Int32((r1 > r0) & (e >= 0)))
-                issued = cutlass.Int32(1)
-                cute.arch.sync_threads()  # the entry, and the ring's barriers, for everyone
+                cute.arch.sync_threads()
                 expert, first, end, _ = lds_v4(entry_slot)
             else:
                 expert = ldg_bytes(entry, 1, 4)
@@ -381,8 +368,11 @@ class Sm90DecodeGemm:
                     cutlass.min(cutlass.max(expert, 0), groups - 1) - expert)
                 first = ldg_bytes(entry + 4, 1 - indexed, 4) + indexed * (item * (8 * nt))
                 end = ldg_bytes(entry + 8, 1 - indexed, 4) + indexed * ((item + 1) * (8 * nt))
-                cute.arch.sync_threads()  # the ring's barriers are initialized
-            expert, li, m0, m_end = self._clamp_entry(expert, first, end, m, groups)
+            m0 = cutlass.min(cutlass.max(first, 0), m)
+            m_end = cutlass.min(cutlass.max(end, m0), m)
+            m_end = m_end - cutlass.Int32(expert >= 0) * cutlass.max(0, m_end - m0 - 8 * nt)
+            expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
+            li = cutlass.max(expert, 0)
             rows = (cutlass.Int32(0), m_end)
             # the expert's alpha (bit 4: one alpha for every expert), loaded now: its latency
             # hides behind the main loop instead of adding to the epilogue
@@ -397,7 +387,13 @@ class Sm90DecodeGemm:
         sb_addr = sb_ptr.toint()
         ws_addr = ws_ptr.toint()
 
-        k_begin, k_end, n_sub = self._k_range(k, by, splits)
+        # ---- K range of this CTA (whole sub-chunks; only the last range may be short) -------
+        chunk = self.sub * se
+        k_chunks = (k + chunk - 1) // chunk
+        per = (k_chunks + splits - 1) // splits
+        k_begin = by * per * chunk
+        k_end = cutlass.min(k, k_begin + per * chunk)
+        n_sub = cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
         if cutlass.const_expr(self.grouped):
             # empty item: no K loop. Index mode's items are never empty of an expert, and its
             # activation loads (predicated on n_sub) need not wait for the index to arrive.
@@ -436,8 +432,7 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(self.tuning.pipeline == "tma"):
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                                a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8,
-                               b_fp8, rows=rows,
-                               early=(ring, views, issued) if self.grouped else None)
+                               b_fp8, rows=rows)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
@@ -474,27 +469,6 @@ class Sm90DecodeGemm:
             for row, mm, j in outputs:
                 addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
-
-    @cute.jit
-    def _k_range(self, k, split, splits):
-        """(first K, end K, sub-chunks) of split `split`: whole sub-chunks, only the last range
-        may be short."""
-        chunk = self.sub * self.se
-        k_chunks = (k + chunk - 1) // chunk
-        per = (k_chunks + splits - 1) // splits
-        k_begin = split * per * chunk
-        k_end = cutlass.min(k, k_begin + per * chunk)
-        return k_begin, k_end, cutlass.max(0, (k_end - k_begin + chunk - 1) // chunk)
-
-    @cute.jit
-    def _clamp_entry(self, expert, first, end, m, groups):
-        """A work table entry made safe: rows to [0, M), a computed item (expert >= 0) to 8 nt
-        rows, an expert past G to -2 (computes nothing). (expert, its weights' L, m0, m_end)."""
-        m0 = cutlass.min(cutlass.max(first, 0), m)
-        m_end = cutlass.min(cutlass.max(end, m0), m)
-        m_end = m_end - cutlass.Int32(expert >= 0) * cutlass.max(0, m_end - m0 - 8 * self.v.nt)
-        expert = expert - cutlass.Int32(expert >= groups) * (expert + 2)  # past G: -2
-        return expert, cutlass.max(expert, 0), m0, m_end
 
     @cute.jit
     def _grouped_epilogue(self, outputs, acc, c_ptr, alpha, ws_ptr, expert, m, n, m0, m_end,
@@ -619,12 +593,21 @@ class Sm90DecodeGemm:
         cp_async_wait(0)
 
     @cute.jit
-    def _tma_ring(self, smem, tma, tid, warp):
-        """The TMA ring's shared memory (weights, scale tiles, one mbarrier per stage), the
-        barriers initialized by thread 0 (a CTA barrier must follow before others wait on
-        them): (ring_w, ring_s, bars)."""
-        tma_w, _, tma_s, _ = tma
+    def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
+                      a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8,
+                      rows=None):
+        """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
+        box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
+        stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
+        thread and step. The CTA barrier that stages the activations also tells that the slot
+        being refilled has been read by everyone. (Rows of 128 / 256 bytes cost a 2-way bank
+        conflict in the 16-byte reads; the longer row segments more than pay for it.)
+        rows = (the activation's batch entry, end row) when they are not (li, m): grouped."""
+        tma_w, tW, tma_s, tS = tma
+        li_a, m_end = rows if rows is not None else (li, None)
         S = self.tuning.stages
+        T = self.scale_tiles
+        chunk = self.sub * self.se
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
@@ -635,16 +618,8 @@ class Sm90DecodeGemm:
             for j in cutlass.range_constexpr(S):
                 mbar_init(bars.toint() + 8 * j, 1)  # thread 0's arrival + the bytes
             mbar_init_fence()
-        return ring_w, ring_s, bars
-
-    @cute.jit
-    def _tma_views(self, tma, ring, bx, nb128):
-        """What _issue_tma needs for tile bx of N: the TMA partitions of the ring and of the
-        weights ((box, tiles of N, steps of K, L)) and scales ((box, scale tiles))."""
-        tma_w, tW, tma_s, tS = tma
-        ring_w, ring_s, bars = ring
-        S = self.tuning.stages
-        T = self.scale_tiles
+        cute.arch.sync_threads()
+        # TMA views: (box, tiles of N, steps of K, L) and (box, scale tiles)
         one = cute.make_layout(1)
         sW = cute.make_tensor(ring_w, cute.make_layout(
             (self.BN, self.box_bytes, S * self.boxes),
@@ -658,48 +633,16 @@ class Sm90DecodeGemm:
         tSs, tSg = cute.nvgpu.cpasync.tma_partition(
             tma_s, 0, one, cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
         groups = [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
-        return (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
 
-    @cute.jit
-    def _tma_prologue(self, views, k_begin, bx, li, nb128, lane, n_sub):
-        """Warp 0: the ring's first S - 1 sub-chunks (those below n_sub)."""
-        for j in cutlass.range_constexpr(self.tuning.stages - 1):
-            if j < n_sub:
-                self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
-
-    @cute.jit
-    def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
-                      a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8,
-                      rows=None, early=None):
-        """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
-        box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
-        stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
-        thread and step. The CTA barrier that stages the activations also tells that the slot
-        being refilled has been read by everyone. (Rows of 128 / 256 bytes cost a 2-way bank
-        conflict in the 16-byte reads; the longer row segments more than pay for it.)
-        rows = (the activation's batch entry, end row) when they are not (li, m): grouped.
-        early = (ring, views, issued): the grouped kernel set the ring up before its entry was
-        known (the barrier after the barriers' initialization is behind it), and warp 0 has
-        already issued the prologue's copies where `issued` is 1."""
-        li_a, m_end = rows if rows is not None else (li, None)
-        S = self.tuning.stages
-        chunk = self.sub * self.se
-        if cutlass.const_expr(early is None):
-            ring_w, ring_s, bars = self._tma_ring(smem, tma, tid, warp)
-            cute.arch.sync_threads()
-            views = self._tma_views(tma, (ring_w, ring_s, bars), bx, nb128)
-        else:
-            (ring_w, ring_s, bars), views, issued = early
+        views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
         if cutlass.const_expr(not self.chained):
             self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid,
                            n_sub > 0, m_end)
-        # the DSL's TMA copy elects one lane itself: the whole warp issues it
-        if cutlass.const_expr(early is None):
-            if warp == 0:
-                self._tma_prologue(views, k_begin, bx, li, nb128, lane, n_sub)
-        elif (warp == 0) & (issued == 0):
-            self._tma_prologue(views, k_begin, bx, li, nb128, lane, n_sub)
+        if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
+            for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
+                if j < n_sub:
+                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
         if cutlass.const_expr(self.chained):
             # the weights are already on their way; the activation, its scales (and alpha, read
             # in the epilogue) are the producer's: wait until it is complete and its writes
