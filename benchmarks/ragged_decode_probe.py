@@ -1,10 +1,13 @@
 """`jbs.ragged_gemm` at decode sizes on the sm90 grouped decode kernel: the whole call's device
 time, its share of the copy bandwidth on the hit experts' bytes, and the call's kernels by time
-(the kernel itself and the small XLA kernels that build its work table). `--sweep` also forces
-every item height (nt) and split count the kernel has, to check the catalogue's choice.
+(the kernel itself, and the small XLA kernels that build a work table where the kernel does not
+make its items from the raw sizes). `--sweep` also forces every item height (nt) and split count
+the kernel has, to check the catalogue's choice; `--table` also runs each plan with the work
+table built by XLA (what an expert-parallel shard runs) instead of the kernel's sizes mode.
 
     python benchmarks/ragged_decode_probe.py --out /tmp/probe            # the planner's plans
     python benchmarks/ragged_decode_probe.py --sweep --out /tmp/probe    # every nt x splits
+    python benchmarks/ragged_decode_probe.py --table --out /tmp/probe    # sizes mode vs table
 
 Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (mxfp4; --cases),
 its routing and weight rotation. Writes <out>.json.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -26,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe as bm  # noqa: E402
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale.catalog import sm90 as cat  # noqa: E402
-from jax_blockscale.lowering import plan  # noqa: E402
+from jax_blockscale.lowering import plan, ragged_sm90  # noqa: E402
 from timing import device_time_us, gpu_kernel_events  # noqa: E402
 
 COPY_TBPS = 2.93  # the H100's measured copy bandwidth (benchmarks/README.md)
@@ -41,6 +45,14 @@ def forced(nt, splits):
     def pick(m, n, k, groups, *args, **kw):
         v, _, _ = choose(m, n, k, groups, *args, **kw)
         return dataclasses.replace(v, nt=nt), splits, cat.ragged_decode_items(m, groups, nt)
+    return pick
+
+
+def table_mode(planner):
+    """plan_ragged_sm90 with the kernel reading XLA's work table instead of the raw sizes."""
+    def pick(*args, **kw):
+        p = planner(*args, **kw)
+        return p if isinstance(p, str) else dataclasses.replace(p, raw_sizes=False)
     return pick
 
 
@@ -62,6 +74,8 @@ def main():
     p.add_argument("--cases", help="model:gemm:tokens,... (default: "
                    + ",".join(":".join(map(str, c)) for c in CASES) + ")")
     p.add_argument("--nts", help="with --sweep: only these item heights (comma-separated nt)")
+    p.add_argument("--table", action="store_true",
+                   help="also each configuration with XLA's work table (no sizes mode)")
     p.add_argument("--out", default="ragged_decode_probe", help="output path prefix (.json)")
     args = p.parse_args()
     rows = []
@@ -86,20 +100,26 @@ def main():
         if args.sweep:
             configs += [(nt, s, False) for nt in nts for s in (1, 2, 4)
                         if (nt, s) != (v.nt, splits)]
-        for nt, s, planned in configs:
+        planner = ragged_sm90.plan_ragged_sm90
+        for (nt, s, planned), work in itertools.product(
+                configs, ("sizes", "table") if args.table else ("sizes",)):
             row = dict(model=model, gemm=gemm, tokens=tokens, nt=nt, splits=s, planned=planned,
-                       hit_bytes=hit_bytes)
+                       work=work, hit_bytes=hit_bytes)
             cat.choose_ragged_decode_variant = forced(nt, s)
+            if work == "table":
+                ragged_sm90.plan_ragged_sm90 = table_mode(planner)
             try:
                 row.update(measure(x, weights, gs, hit_bytes))
             except Exception as e:  # noqa: BLE001  (a split count the problem cannot take)
                 row["err"] = bm.short_error(e)
             finally:
                 cat.choose_ragged_decode_variant = choose
+                ragged_sm90.plan_ragged_sm90 = planner
             rows.append(row)
             top = "  ".join(f"{kn}: {t:.1f}" for kn, t in
                             list(row.get("kernels_us", {}).items())[:5])
-            print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s}{' (plan)' if planned else '':<7}"
+            print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s} {work:<5}"
+                  f"{' (plan)' if planned else '':<7}"
                   + (f"{row['device_us']:8.1f} us {row['copy_bw_share']:6.1%}  {top}"
                      if "device_us" in row else f"  error: {row['err']}"), flush=True)
     out = os.path.splitext(args.out)[0] + ".json"

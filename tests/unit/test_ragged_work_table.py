@@ -1,7 +1,9 @@
 """The grouped sm90 kernels' work table (lowering/ragged_sm90.py: work_items) and the clamped
 group sizes it is built from (ragged_backends.clamp_group_sizes), against plain Python loops on
 random sizes: empty groups, one group holding every row, sizes past M, negative sizes and a
-shifted first row (an expert-parallel shard)."""
+shifted first row (an expert-parallel shard). The grouped decode kernel makes the same entries
+from the raw sizes on the device (kernels/grouped_work.py); tests/gpu/test_ragged_sm90.py checks
+its results against the reference on such sizes."""
 from __future__ import annotations
 
 import numpy as np
