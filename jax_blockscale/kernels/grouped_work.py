@@ -14,13 +14,14 @@ expert order; of the `num_items` entries (a bound the planner made), the last on
 item (rows past the last group, expert ZERO_ITEM) and the one before it the empty lead (rows
 before row 0); the rest past the real items have expert NO_ITEM.
 
-One warp computes the entry and the lane that finds it stores it for the CTA: it is on
-every CTA's critical path (the weights' copies wait for the expert), so the chain is kept short. The
-experts go in chunks of 128, four consecutive ones per lane, held in registers. Up to 128
-experts and with no group cut at M (the common case), one warp scan of the lanes' item counts
-places the item while a second one, beside it, places the rows. Otherwise a first pass over the
-chunks counts the rows and the experts with rows (an upper bound on the real items, so that
-the entries past it stop there) and a second one scans rows, then items, chunk by chunk.
+One warp computes the entry and the lane that finds it stores it for the CTA. The entry is on
+every CTA's critical path (the weights' copies wait for its expert, the activation loads for its
+rows), so the chain is kept short. The experts go in chunks of 128, four consecutive ones per
+lane, held in registers. Up to 128 experts and with no group cut at M (the common case), one
+warp scan of the lanes' item counts places the item while a second one, beside it, places the
+rows. Otherwise a first pass over the chunks counts the rows and the experts with rows (an upper
+bound on the real items, so that the entries past it stop there) and a second one scans rows,
+then items, chunk by chunk.
 """
 from __future__ import annotations
 

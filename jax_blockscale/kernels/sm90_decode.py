@@ -1016,7 +1016,7 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
     (expert, first row, end row), at most 8 nt rows per item, an expert's items adjacent.
     Expert -1 marks rows no expert owns (before the first group, after the last): those items
     write zeros. Items with no rows exit after reading their entry. Sizes mode (bit 3 of
-    a_e5m2): `items` is the G raw group sizes (groups from row 0) and every warp makes its CTA's
+    a_e5m2): `items` is the G raw group sizes (groups from row 0) and warp 0 makes its CTA's
     entry from them (kernels/grouped_work.py): no table is built before the call. Index mode
     (bit 2): `items` is a single int32, the expert that owns every row (clamped to [0, G)),
     and item i is rows [8 nt i, 8 nt (i + 1)): a dense GEMM against one layer of a stacked
