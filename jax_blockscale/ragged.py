@@ -248,9 +248,9 @@ def local_lowering(ctx, *args, platform, **params):
 
     def run(*xs):
         lhs, rhs, sl, sr, gs, alpha, row_start = split_operands(xs, params["fmt_lhs"])
-        if spec.group_index:  # the backend clamps the index (an XLA clip is a kernel launch)
-            return backend(lhs, rhs, sl, sr, gs, alpha, jnp.int32(0), plan=plan)
-        if plan.raw_sizes:  # the kernel makes the sizes safe (an XLA clamp is kernels)
+        if spec.group_index or plan.raw_sizes:
+            # the backend clamps the index, or makes the sizes safe in its kernel (an XLA clamp
+            # is kernel launches before the call)
             return backend(lhs, rhs, sl, sr, gs, alpha, jnp.int32(0), plan=plan)
         if spec.shifted:
             row_start = jnp.clip(row_start, 0, spec.m)

@@ -501,6 +501,14 @@ def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():
     assert p.kernel == "layer_slice" and p.layer.kernel == "register_weights", p
 
 
+def _assert_refused(call: dict, over: dict, match: str):
+    """The validator accepts `call` as planned and refuses it changed by `over`, saying `match`
+    (a regular expression)."""
+    assert _plugin.check_problem(**call)[0], call
+    ok, msg = _plugin.check_problem(**dict(call, **over))
+    assert not ok and re.search(match, msg), msg
+
+
 @pytest.mark.parametrize("over,match", [
     (dict(items_bytes=12), "group index has 12 bytes"),
     (dict(num_items=3), r"index mode needs ceil\(M / 32\) = 1 items, got 3"),
@@ -509,11 +517,7 @@ def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():
 def test_indexed_rejects(over, match):
     p = P.plan_ragged_sm90(_ragged_spec(None, "nvfp4", None, "bfloat16", 20, 4096, 4096, 16,
                                         group_index=True), H100)
-    kw = _ragged_call_of(p)
-    assert _plugin.check_problem(**kw)[0]
-    kw.update(over)
-    ok, msg = _plugin.check_problem(**kw)
-    assert not ok and re.search(match, msg), msg
+    _assert_refused(_ragged_call_of(p), over, match)
 
 
 def test_ragged_shards_keep_the_unsharded_plan():
@@ -560,11 +564,7 @@ def test_ragged_rejects(over, match):
     spec = _ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 1024, 8)
     p = P.plan_ragged_sm90(dataclasses.replace(spec, shifted=True), H100)
     assert not p.raw_sizes
-    kw = _ragged_call_of(p)
-    assert _plugin.check_problem(**kw)[0]
-    kw.update(over)
-    ok, msg = _plugin.check_problem(**kw)
-    assert not ok and re.search(match, msg), msg
+    _assert_refused(_ragged_call_of(p), over, match)
 
 
 def test_sizes_mode_is_planned_where_groups_start_at_row_0():
@@ -590,10 +590,8 @@ def test_sizes_mode_rejects(over, match):
                            H100)
     assert p.raw_sizes and p.tile[0] == 32
     kw = _ragged_call_of(p)
-    assert kw["grouped"] == 3 and _plugin.check_problem(**kw)[0]
-    kw.update(over)
-    ok, msg = _plugin.check_problem(**kw)
-    assert not ok and re.search(match, msg), msg
+    assert kw["grouped"] == 3
+    _assert_refused(kw, over, match)
 
 
 def test_one_alpha_for_every_expert_is_the_decode_kernels():
@@ -615,10 +613,8 @@ def test_sizes_mode_needs_the_decode_kernel():
     p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 8192, 1536, 2048, 128),
                            H100)
     assert p.kernel == "ragged_prefill"
-    kw = _ragged_call_of(p)
-    kw.update(grouped=3, items_bytes=4 * 128)
-    ok, msg = _plugin.check_problem(**kw)
-    assert not ok and "sizes mode needs the grouped decode kernel" in msg, msg
+    _assert_refused(_ragged_call_of(p), dict(grouped=3, items_bytes=4 * 128),
+                    "sizes mode needs the grouped decode kernel")
 
 
 def test_ragged_lowering_hands_the_kernel_the_raw_sizes(monkeypatch):
