@@ -3,11 +3,13 @@ time, its share of the copy bandwidth on the hit experts' bytes, and the call's 
 (the kernel itself, and the small XLA kernels that build a work table where the kernel does not
 make its items from the raw sizes). `--sweep` also forces every item height (nt) and split count
 the kernel has, to check the catalogue's choice; `--table` also runs each plan with the work
-table built by XLA (what an expert-parallel shard runs) instead of the kernel's sizes mode.
+table built by XLA (what an expert-parallel shard runs) instead of the kernel's sizes mode;
+`--per-cta 1,2,4` also forces those tiles of N per CTA.
 
     python benchmarks/ragged_decode_probe.py --out /tmp/probe            # the planner's plans
     python benchmarks/ragged_decode_probe.py --sweep --out /tmp/probe    # every nt x splits
     python benchmarks/ragged_decode_probe.py --table --out /tmp/probe    # sizes mode vs table
+    python benchmarks/ragged_decode_probe.py --per-cta 1,2,3 --out /tmp/probe  # tiles per CTA
 
 Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (mxfp4; --cases),
 its routing and weight rotation. Writes <out>.json.
@@ -48,11 +50,12 @@ def forced(nt, splits):
     return pick
 
 
-def table_mode(planner):
-    """plan_ragged_sm90 with the kernel reading XLA's work table instead of the raw sizes."""
+def replanned(planner, **fields):
+    """plan_ragged_sm90 with `fields` of its plan replaced (raw_sizes=False: the kernel reads
+    XLA's work table instead of the raw sizes; tiles_per_cta=...)."""
     def pick(*args, **kw):
         p = planner(*args, **kw)
-        return p if isinstance(p, str) else dataclasses.replace(p, raw_sizes=False)
+        return p if isinstance(p, str) else dataclasses.replace(p, **fields)
     return pick
 
 
@@ -76,6 +79,7 @@ def main():
     p.add_argument("--nts", help="with --sweep: only these item heights (comma-separated nt)")
     p.add_argument("--table", action="store_true",
                    help="also each configuration with XLA's work table (no sizes mode)")
+    p.add_argument("--per-cta", help="also these tiles of N per CTA (comma-separated)")
     p.add_argument("--out", default="ragged_decode_probe", help="output path prefix (.json)")
     args = p.parse_args()
     rows = []
@@ -101,13 +105,21 @@ def main():
             configs += [(nt, s, False) for nt in nts for s in (1, 2, 4)
                         if (nt, s) != (v.nt, splits)]
         planner = ragged_sm90.plan_ragged_sm90
-        for (nt, s, planned), work in itertools.product(
-                configs, ("sizes", "table") if args.table else ("sizes",)):
+        per_ctas = [None] + ([int(x) for x in args.per_cta.split(",")] if args.per_cta else [])
+        for (nt, s, planned), work, per_cta in itertools.product(
+                configs, ("sizes", "table") if args.table else ("sizes",), per_ctas):
             row = dict(model=model, gemm=gemm, tokens=tokens, nt=nt, splits=s, planned=planned,
                        work=work, hit_bytes=hit_bytes)
             cat.choose_ragged_decode_variant = forced(nt, s)
-            if work == "table":
-                ragged_sm90.plan_ragged_sm90 = table_mode(planner)
+            fields = {} if work == "sizes" else dict(raw_sizes=False)
+            if per_cta is not None:
+                fields["tiles_per_cta"] = row["tiles_per_cta"] = per_cta
+                row["planned"] = False
+            else:
+                row["tiles_per_cta"] = cat.ragged_decode_tiles_per_cta(
+                    m, n, k, g, "mxfp4", nt, s, sm_count)
+            if fields:
+                ragged_sm90.plan_ragged_sm90 = replanned(planner, **fields)
             try:
                 row.update(measure(x, weights, gs, hit_bytes))
             except Exception as e:  # noqa: BLE001  (a split count the problem cannot take)
@@ -118,8 +130,8 @@ def main():
             rows.append(row)
             top = "  ".join(f"{kn}: {t:.1f}" for kn, t in
                             list(row.get("kernels_us", {}).items())[:5])
-            print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s} {work:<5}"
-                  f"{' (plan)' if planned else '':<7}"
+            print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s} "
+                  f"per_cta={row['tiles_per_cta']} {work:<5}{' (plan)' if row['planned'] else '':<7}"
                   + (f"{row['device_us']:8.1f} us {row['copy_bw_share']:6.1%}  {top}"
                      if "device_us" in row else f"  error: {row['err']}"), flush=True)
     out = os.path.splitext(args.out)[0] + ".json"

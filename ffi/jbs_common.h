@@ -73,6 +73,9 @@ struct Problem {
   int grouped;
   uint64_t items_ptr;
   int64_t items_bytes, num_items;
+  // the grouped decode kernel: adjacent tiles of N each CTA runs as one stream (1..16; 1 for
+  // every other call)
+  int tiles_per_cta;
   // 1: the activation comes from the quantizer launched just before in the same call (the
   // chained decode variant runs it); 0: from XLA
   int chained;

@@ -19,7 +19,8 @@
 //   results:  c [M, N], ws (f32, splits*M*N floats when splits > 1)
 //   attrs:    as above with g (experts) in place of l, and sizes_items (int64): 0 for a work
 //             table, else sizes mode (grouped decode kernel only) with that many items (at
-//             least ceil(M / tile_m) + min(G, M) + 2)
+//             least ceil(M / tile_m) + min(G, M) + 2), and tiles_per_cta (int32): adjacent
+//             tiles of N each CTA of the grouped decode kernel runs (1..16; 1 for the others)
 //
 //   target "jax_blockscale_layer_gemm_sm90" (`jbs.gemm(x, stack, layer=i)`: one layer of a stack)
 //   operands: a, a_index (the activation as the layer's plan and as index mode read it), b (u8)
@@ -103,7 +104,8 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                int32_t b_kind, int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
                int32_t splits, int64_t index_items = 0, int64_t stack = 0, int64_t layer = 0,
-               void* alpha_at = nullptr, bool chained = false, int64_t sizes_items = 0) {
+               void* alpha_at = nullptr, bool chained = false, int64_t sizes_items = 0,
+               int32_t tiles_per_cta = 1) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -155,6 +157,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                                     : static_cast<int64_t>(items->element_count() / 3);
   }
   p.chained = chained ? 1 : 0;
+  p.tiles_per_cta = tiles_per_cta;
   char msg[512];
   const Variant* v = nullptr;
   if (const char* why = ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, msg, sizeof(msg)))
@@ -176,6 +179,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
     if (p.grouped == 2) args.a_e5m2 |= 4;  // the grouped kernel's index mode
     if (p.grouped == 3) args.a_e5m2 |= 8;  // its sizes mode
     if (v->nt && p.alpha_bytes == 4) args.a_e5m2 |= 16;  // one alpha for every expert
+    args.a_e5m2 |= (tiles_per_cta - 1) << 8;  // tiles of N per CTA (validated: 1 unless decode)
   }
   return g_state.Launch(*v, args);
 }
@@ -196,10 +200,11 @@ ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
                          int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                          int64_t g, int32_t a_scales_plain, int32_t nt, int32_t tile_m,
-                         int32_t tile_n, int32_t splits, int64_t sizes_items) {
+                         int32_t tile_n, int32_t splits, int64_t sizes_items,
+                         int32_t tiles_per_cta) {
   return Run(stream, a, b, sa, sb, alpha, &items, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
              k, g, a_scales_plain, nt, tile_m, tile_n, splits, /*index_items=*/0, /*stack=*/0,
-             /*layer=*/0, /*alpha_at=*/nullptr, /*chained=*/false, sizes_items);
+             /*layer=*/0, /*alpha_at=*/nullptr, /*chained=*/false, sizes_items, tiles_per_cta);
 }
 
 // out[0] = alpha[clamp(index[0], 0, count - 1)], one thread: slice mode's alpha where XLA copied
@@ -466,7 +471,9 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
                            "g")
                            // 0: items is a work table; > 0: items holds the G group sizes
                            // (groups from row 0) and the kernel makes this many items
-                           .Attr<int64_t>("sizes_items"),
+                           .Attr<int64_t>("sizes_items")
+                           // the grouped decode kernel: adjacent tiles of N per CTA (1..16)
+                           .Attr<int32_t>("tiles_per_cta"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_layer_gemm_sm90, jbs::ExecuteLayer,
@@ -542,7 +549,7 @@ JBS_EXPORT int jbs_variant_info(int i, const char** name, int* vals) {
 
 // The execute stage's validation (ValidateProblem), without a GPU. ints: a_kind, b_kind, out,
 // a_e5m2, b_e5m2, cc_major, cc_minor, sm_count, a_scales_plain, nt, tile_m, tile_n, splits,
-// grouped, chained; longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes,
+// grouped, chained, tiles_per_cta; longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes,
 // ws_bytes, items_bytes, num_items; ptrs: a, b, sa, sb, c, alpha, ws, items. Returns 0 with the
 // variant's name in msg, or 1 with the reason.
 JBS_EXPORT int jbs_sm90_check_problem(const int* ints, const long long* longs,
@@ -551,7 +558,7 @@ JBS_EXPORT int jbs_sm90_check_problem(const int* ints, const long long* longs,
   p.a_kind = ints[0]; p.b_kind = ints[1]; p.out = ints[2]; p.a_e5m2 = ints[3];
   p.b_e5m2 = ints[4]; p.cc_major = ints[5]; p.cc_minor = ints[6]; p.sm_count = ints[7];
   p.a_scales_plain = ints[8]; p.nt = ints[9]; p.tile_m = ints[10]; p.tile_n = ints[11];
-  p.splits = ints[12]; p.grouped = ints[13]; p.chained = ints[14];
+  p.splits = ints[12]; p.grouped = ints[13]; p.chained = ints[14]; p.tiles_per_cta = ints[15];
   p.m = longs[0]; p.n = longs[1]; p.k = longs[2]; p.l = longs[3];
   p.a_bytes = longs[4]; p.b_bytes = longs[5]; p.sa_bytes = longs[6]; p.sb_bytes = longs[7];
   p.c_bytes = longs[8]; p.alpha_bytes = longs[9]; p.ws_bytes = longs[10];

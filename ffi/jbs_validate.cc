@@ -179,6 +179,11 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
       {"output", p.c_ptr, OutBytes(p.out), true}, {"alpha", p.alpha_ptr, 4, true},
       {"work table", p.items_ptr, 4, p.grouped != 0}};
   if (const char* why = jbs_check::CheckPointers(ptrs, buf, n)) return why;
+  // several tiles of N per CTA: the grouped decode kernel only (bits 8-11 of its a_e5m2)
+  if (p.tiles_per_cta != 1 && (!v->nt || !p.grouped || p.tiles_per_cta < 1 ||
+                               p.tiles_per_cta > 16))
+    return Fail(buf, n, "%d tiles of N per CTA: 1, or 1..16 for the grouped decode kernel",
+                p.tiles_per_cta);
   if (v->nt) {
     if (const char* why = CheckDecode(p, *v, buf, n)) return why;
   } else if (p.splits != 0) {

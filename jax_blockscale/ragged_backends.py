@@ -94,6 +94,9 @@ class RaggedPlan:
     # hands the backend the sizes as they are (no clamping kernels before the call) and the
     # kernel applies `clamp_group_sizes`'s semantics itself (kernels/grouped_work.py)
     raw_sizes: bool = False
+    # the grouped decode kernel: adjacent tiles of N each CTA streams one after the other (the
+    # catalogue's ragged_decode_tiles_per_cta)
+    tiles_per_cta: int = 1
     # index mode on sm90 (`gemm(..., layer=i)`): gemm's plan for one layer (lowering/plan.py:
     # Plan), run when the handler finds the layer in place; the fields above are then index
     # mode's, run when XLA copied the layer's probe (lowering/ragged_sm90.py)

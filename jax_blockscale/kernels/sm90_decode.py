@@ -341,14 +341,20 @@ class Sm90DecodeGemm:
             # layer share its weight tiles, read from L2 by the second); the other modes put
             # N tiles fastest, so that the entries past the real items, which exit at once,
             # run last instead of between real ones.
+            # A CTA runs `per_cta` adjacent tiles of N of its item (bits 8-11 of a_e5m2: per_cta
+            # - 1) as one stream: the ring runs on from one tile's weights to the next, and the
+            # entry, the alpha and the ring's set-up are paid once per CTA, not once per tile.
             items_ptr, groups = work
             indexed = (a_e5m2 >> 2) & 1
+            per_cta = ((a_e5m2 >> 8) & 15) + 1
             tiles = (n + self.BN - 1) // self.BN
-            item = bxm // tiles
-            bx = bxm % tiles
+            cta_tiles = (tiles + per_cta - 1) // per_cta
+            item = bxm // cta_tiles
+            bx = (bxm % cta_tiles) * per_cta
             if indexed == 1:
                 item = bxm % mchunks
-                bx = bxm // mchunks
+                bx = (bxm // mchunks) * per_cta
+            n_tiles = cutlass.min(per_cta, tiles - bx)
             entry = items_ptr.toint() + cutlass.Int64(item * (1 - indexed)) * 12
             expert = cutlass.Int32(0)
             first = cutlass.Int32(0)
@@ -429,7 +435,15 @@ class Sm90DecodeGemm:
 
         acc = cute.make_rmem_tensor((self.RT * nt * 4,), cutlass.Float32)
         acc.fill(0.0)
-        if cutlass.const_expr(self.tuning.pipeline == "tma"):
+        if cutlass.const_expr(self.grouped):
+            # the tiles of N after the first are the ring's sub-chunks n_sub, n_sub + 1, ...; each
+            # tile's outputs are written as its last sub-chunk is done (no K loop: below)
+            epilogue = (c_ptr, expert_alpha, ws_ptr, expert, m, n, m0, m_end, by, splits, tid,
+                        warp, g, t)
+            self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
+                               a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8,
+                               b_fp8, rows=rows, tiles=(n_tiles, epilogue))
+        elif cutlass.const_expr(self.tuning.pipeline == "tma"):
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                                a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8,
                                b_fp8, rows=rows)
@@ -456,8 +470,9 @@ class Sm90DecodeGemm:
         _, _, nl = cute.arch.grid_dim()  # L
         outputs = self._outputs(bx, warp, g, t, m0)
         if cutlass.const_expr(self.grouped):
-            self._grouped_epilogue(outputs, acc, c_ptr, expert_alpha, ws_ptr, expert, m, n, m0,
-                                   m_end, bx, by, splits, tid)
+            if n_sub == 0:  # no K loop ran: zeros (an empty split's slice, rows no group owns)
+                for tile in range(n_tiles):
+                    self._grouped_epilogue(acc, bx + tile, *epilogue)
         elif splits == 1:
             alpha = self._alpha(alpha_ptr)
             mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
@@ -471,13 +486,14 @@ class Sm90DecodeGemm:
                 stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
 
     @cute.jit
-    def _grouped_epilogue(self, outputs, acc, c_ptr, alpha, ws_ptr, expert, m, n, m0, m_end,
-                          bx, by, splits, tid):
-        """Grouped calls: the item's rows [m0, m_end) of the (M, N) output (one split) or of
-        the split's (M, N) workspace slice, times the expert's alpha (alpha[expert], loaded
-        at the start: the finalize kernel then only adds). A zero item (expert -1) writes zeros
-        to its rows in this CTA's columns, so that every row no group owns reads as zero; an
-        invalid one (-2) writes nothing."""
+    def _grouped_epilogue(self, acc, bx, c_ptr, alpha, ws_ptr, expert, m, n, m0, m_end, by,
+                          splits, tid, warp, g, t):
+        """Grouped calls, tile bx of N: the item's rows [m0, m_end) of the (M, N) output (one
+        split) or of the split's (M, N) workspace slice, times the expert's alpha (alpha[expert],
+        loaded at the start: the finalize kernel then only adds). A zero item (expert -1) writes
+        zeros to its rows in the tile's columns, so that every row no group owns reads as zero;
+        an invalid one (-2) writes nothing."""
+        outputs = self._outputs(bx, warp, g, t, m0)
         mC = cute.make_tensor(c_ptr, cute.make_layout(m * n))
         split_base = cutlass.Int64(by) * m * n
         ws_addr = ws_ptr.toint()
@@ -595,16 +611,25 @@ class Sm90DecodeGemm:
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                       a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8,
-                      rows=None):
+                      rows=None, tiles=None):
         """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
         box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
         stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
         thread and step. The CTA barrier that stages the activations also tells that the slot
         being refilled has been read by everyone. (Rows of 128 / 256 bytes cost a 2-way bank
         conflict in the 16-byte reads; the longer row segments more than pay for it.)
-        rows = (the activation's batch entry, end row) when they are not (li, m): grouped."""
+        rows = (the activation's batch entry, end row) when they are not (li, m): grouped.
+        tiles = (n_tiles, epilogue arguments) when the CTA runs tiles bx .. bx + n_tiles - 1 of
+        N (grouped): one stream of n_tiles x n_sub sub-chunks, the activation's sub-chunks
+        read again for each tile, and each tile's outputs written (_grouped_epilogue) as its
+        last sub-chunk is done."""
         tma_w, tW, tma_s, tS = tma
         li_a, m_end = rows if rows is not None else (li, None)
+        total = n_sub  # sub-chunks streamed
+        per_tile = None  # grouped: sub-chunks per tile of N
+        if cutlass.const_expr(tiles is not None):
+            per_tile = n_sub
+            total = n_sub * tiles[0]
         S = self.tuning.stages
         T = self.scale_tiles
         chunk = self.sub * self.se
@@ -641,8 +666,8 @@ class Sm90DecodeGemm:
                            n_sub > 0, m_end)
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
-                if j < n_sub:
-                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane)
+                if j < total:
+                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane, per_tile)
         if cutlass.const_expr(self.chained):
             # the weights are already on their way; the activation, its scales (and alpha, read
             # in the epilogue) are the producer's: wait until it is complete and its writes
@@ -650,12 +675,16 @@ class Sm90DecodeGemm:
             cute.arch.griddepcontrol_wait()
             self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid,
                            n_sub > 0, m_end)
-        for it in range(n_sub):
+        for it in range(total):
             kc = k_begin + it * chunk
+            kn = kc + chunk  # the next sub-chunk's K
+            if cutlass.const_expr(tiles is not None):
+                kc = k_begin + (it % per_tile) * chunk
+                kn = k_begin + ((it + 1) % per_tile) * chunk
             buf = act_base + (it % 2) * self.buf_bytes
             self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, kc + chunk, k_end, tid,
-                           it + 1 < n_sub, m_end)
+            self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, kn, k_end, tid,
+                           it + 1 < total, m_end)
             stage = it % S
             if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
                 mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
@@ -663,8 +692,8 @@ class Sm90DecodeGemm:
             # whose slot the next copies refill
             cute.arch.sync_threads()
             if warp == 0:
-                if it + S - 1 < n_sub:
-                    self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane)
+                if it + S - 1 < total:
+                    self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane, per_tile)
             for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
                                         t)
@@ -673,15 +702,24 @@ class Sm90DecodeGemm:
                                        b_fp8)
                 else:  # keep the shared-memory reads: fold them into one accumulator
                     acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
+            if cutlass.const_expr(tiles is not None):
+                if it % per_tile == per_tile - 1:  # the tile's last sub-chunk: its outputs
+                    self._grouped_epilogue(acc, bx + it // per_tile, *tiles[1])
+                    acc.fill(0.0)
 
     @cute.jit
-    def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane):
+    def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane, per_tile=None):
         """Warp 0: TMA sub-chunk j (its weight steps and scale tiles) into ring slot j % S. Lane
-        0 announces the bytes first (its copies follow in program order)."""
+        0 announces the bytes first (its copies follow in program order). per_tile (a CTA over
+        several tiles of N): sub-chunk j is sub-chunk j % per_tile of tile bx + j // per_tile."""
         tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views
         S = self.tuning.stages
         T = self.scale_tiles
         slot = j % S
+        if cutlass.const_expr(per_tile is not None):
+            bx = bx + j // per_tile
+            j = j % per_tile
+            groups = [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
         kc = k_begin + j * self.sub * self.se
         bar = bars + slot
         probe = self.tuning.probe
@@ -1060,7 +1098,9 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
         kern = self.kernel_grouped(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr,
                                    items_ptr, m, n, k, a_e5m2, b_e5m2, splits, num_items, g,
                                    *self._tma_atoms(b_ptr, sb_ptr, n, k, g))
-        kern.launch(grid=[((n + self.BN - 1) // self.BN) * num_items, splits, 1],
+        per_cta = ((a_e5m2 >> 8) & 15) + 1  # tiles of N per CTA
+        cta_tiles = ((n + self.BN - 1) // self.BN + per_cta - 1) // per_cta
+        kern.launch(grid=[cta_tiles * num_items, splits, 1],
                     block=[THREADS, 1, 1], min_blocks_per_mp=self.tuning.min_blocks,
                     preferred_smem_carveout=100, stream=stream)
         if splits > 1:

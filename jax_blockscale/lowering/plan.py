@@ -473,10 +473,12 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     # sizes, so the call is one kernel (kernels/grouped_work.py). A shard's table, built by XLA,
     # carries its row_start.
     raw_sizes = layer is None and not spec.shifted
+    per_cta = 1 if layer is not None else cat90.ragged_decode_tiles_per_cta(
+        pm, pn, spec.k, pg, kb, v.nt, splits, device.sm_count)
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
                       items=items, a_scales_plain=a_scales_plain, raw_sizes=raw_sizes,
-                      layer=layer)
+                      tiles_per_cta=per_cta, layer=layer)
 
 
 def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):

@@ -116,7 +116,8 @@ class Sm90RaggedBackend:
                     a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),
                     tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
                     splits=np.int32(plan.splits),
-                    sizes_items=np.int64(plan.items if plan.raw_sizes else 0))
+                    sizes_items=np.int64(plan.items if plan.raw_sizes else 0),
+                    tiles_per_cta=np.int32(plan.tiles_per_cta))
         return y
 
 

@@ -21,6 +21,7 @@ from jax_blockscale.catalog import sm90 as cat
 from jax_blockscale.formats import get_format
 from jax_blockscale.lowering import GemmSpec
 from jax_blockscale.lowering import plan as P
+from jax_blockscale.ragged import ragged_gemm_spec
 
 if _plugin.unavailable_reason() is not None:
     pytest.skip(f"native library unavailable: {_plugin.unavailable_reason()}",
@@ -318,7 +319,8 @@ def _ragged_call_of(p) -> dict:
                 a_scales_plain=int(p.a_scales_plain), nt=p.nt, tile_m=p.tile[0],
                 tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.splits * m * n,
                 grouped=2 if spec.group_index else 3 if p.raw_sizes else 1, num_items=p.items,
-                items_bytes=4 if spec.group_index else 4 * g if p.raw_sizes else 12 * p.items)
+                items_bytes=4 if spec.group_index else 4 * g if p.raw_sizes else 12 * p.items,
+                tiles_per_cta=p.tiles_per_cta)
 
 
 _RAGGED_PAIRS = [(None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4"),
@@ -617,6 +619,51 @@ def test_sizes_mode_needs_the_decode_kernel():
                     "sizes mode needs the grouped decode kernel")
 
 
+def test_tiles_per_cta_follow_the_tile_bytes_and_the_waves():
+    """Several tiles of N per CTA where a tile's weights are few bytes and enough CTAs remain
+    (the choices measured best or within 1 us in docs/design/sm90_ragged_decode.md)."""
+    for (m, n, k, g), want in {
+            (128, 1536, 2048, 128): 2,  # Qwen3-30B-A3B gate+up, 16 tokens: 128 KB tiles
+            (8, 1536, 2048, 128): 1,  # 1 token: 8 experts, too few CTAs for more
+            (128, 2048, 768, 128): 3,  # its down projection: 48 KB tiles; 4 leave < 1.5 waves
+            (512, 1536, 2048, 128): 2,  # 64 tokens
+            (64, 5760, 2880, 32): 1,  # gpt-oss-20b gate+up, 16 tokens: 180 KB tiles
+    }.items():
+        p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, n, k, g), H100)
+        assert p.kernel == "ragged_decode" and p.tiles_per_cta == want, (m, n, k, g, p)
+        assert _plugin.check_problem(**_ragged_call_of(p))[0]
+
+
+@pytest.mark.parametrize("raw_sizes", [True, False])
+@pytest.mark.parametrize("over,match", [
+    (dict(tiles_per_cta=0), "0 tiles of N per CTA: 1, or 1..16 for the grouped decode kernel"),
+    (dict(tiles_per_cta=17), "17 tiles of N per CTA"),
+])
+def test_tiles_per_cta_out_of_range_are_refused(raw_sizes, over, match):
+    import dataclasses
+
+    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 2048, 128),
+                           H100)
+    p = dataclasses.replace(p, raw_sizes=raw_sizes)
+    assert p.kernel == "ragged_decode" and p.tiles_per_cta > 1, p
+    for per_cta in (1, 16):
+        assert _plugin.check_problem(**dict(_ragged_call_of(p), tiles_per_cta=per_cta))[0]
+    _assert_refused(_ragged_call_of(p), over, match)
+
+
+def test_several_tiles_per_cta_are_the_grouped_decode_kernels():
+    """Only the grouped decode kernel reads tiles of N per CTA (bits 8-11 of its a_e5m2): the
+    grouped register-weight kernel and dense calls refuse anything but 1."""
+    prefill = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 8192, 1536, 2048,
+                                              128), H100)
+    assert prefill.kernel == "ragged_prefill" and prefill.tiles_per_cta == 1
+    _assert_refused(_ragged_call_of(prefill), dict(tiles_per_cta=2), "2 tiles of N per CTA")
+    for m, kernel in ((1, "decode"), (48, "register_weights")):
+        p = P.plan_sm90(_spec("nvfp4", "nvfp4", "blocked", "bfloat16", m, 4096, 4096), H100)
+        assert p.kernel == kernel, p
+        _assert_refused(_call_of(p), dict(tiles_per_cta=2), "2 tiles of N per CTA")
+
+
 def test_ragged_lowering_hands_the_kernel_the_raw_sizes(monkeypatch):
     """At decode sizes the program is the kernel's call alone: the raw group sizes go in as they
     are (sizes mode, sizes_items = the plan's items) and nothing is computed before it (no
@@ -634,6 +681,8 @@ def test_ragged_lowering_hands_the_kernel_the_raw_sizes(monkeypatch):
         assert len(calls) == 1, (m, calls)
         items = re.search(r"sizes_items = (\d+) : i64", calls[0])
         assert items, calls[0][:900]
+        plan = P.plan_ragged_sm90(ragged_gemm_spec(x, w, gs), H100)
+        assert re.search(rf"tiles_per_cta = {plan.tiles_per_cta} : i32", calls[0]), calls[0][:900]
         if mode == "sizes":
             assert int(items.group(1)) == cat.ragged_decode_items(m, 16, 1), calls[0][:900]
             # the raw sizes, and one alpha for every expert: a scalar constant (a splat (G,)

@@ -10,6 +10,8 @@ in both; only the f32 accumulation order differs), output rounding for bf16 / f1
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ import jax_blockscale as jbs
 from jax_blockscale import ragged as ragged_mod
 from jax_blockscale.ragged import ragged_gemm_spec
 from jax_blockscale.lowering import plan as planner
+from jax_blockscale.lowering import ragged_sm90
 from jax_blockscale.catalog import sm90 as cat
 from configure import set_env  # tests/support/configure.py
 from hopper import needs_sm90, poison  # tests/support/hopper.py
@@ -156,6 +159,38 @@ def test_decode_kernel_makes_its_items_from_the_raw_sizes(g, m, nt_rows, monkeyp
         assert p.kernel == "ragged_decode" and p.raw_sizes, p
         if sizes is routed:
             assert p.tile[0] == nt_rows, p
+
+
+@pytest.mark.parametrize("per_cta", [2, 3, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("work", ["sizes", "table"])
+def test_decode_kernel_runs_several_tiles_of_n_per_cta(per_cta, splits, work, monkeypatch):
+    """CTAs over several adjacent tiles of N (the ring runs on from one tile's weights to the
+    next; each tile's outputs written as it ends): N not a multiple of the tiles per CTA (the
+    last CTA has fewer, or all tiles are one CTA's), K split (three splits of four K chunks: the
+    last split's range is empty and writes zeros), experts with no rows and rows past the
+    groups (zero items over several tiles), on 128- and 256-row tiles, in sizes mode and from
+    XLA's work table."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
+    choose = cat.choose_ragged_decode_variant
+
+    def forced(*args, **kw):
+        v, _, items = choose(*args, **kw)
+        return v, splits, items
+    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
+    monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+    if work == "table":
+        plan_ragged = ragged_sm90.plan_ragged_sm90
+        monkeypatch.setattr(ragged_sm90, "plan_ragged_sm90", lambda *args: dataclasses.replace(
+            plan_ragged(*args), raw_sizes=False))
+    for m, sizes, bn in (
+            (12, [0, 3, 1, 0, 2, 4, 0, 1], 128),  # 8-row items: 128-row tiles, 8 of them
+            (40, [0, 7, 3, 0, 12, 9], 256)):  # 16-row items: 256-row tiles, 4 of them
+        for fmt in ("mxfp4", "nvfp4"):
+            lhs, rhs, gs = _problem(None, fmt, sizes, m, 1000, 2048)
+            p = _compare(lhs, rhs, gs, "f32")
+            assert (p.kernel, p.tiles_per_cta, p.splits, p.tile[1]) == (
+                "ragged_decode", per_cta, splits, bn), p
 
 
 def test_blocked_activation_scales_and_f16_output(kernel):
