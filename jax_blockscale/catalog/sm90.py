@@ -335,14 +335,16 @@ def ragged_decode_items(m: int, groups: int, nt: int) -> int:
 
 # A CTA of the grouped decode kernel may run several adjacent tiles of N of its item as one
 # stream (the ring runs on from one tile's weights to the next): the entry, the activation's
-# first loads and the ring's fill are then paid once per CTA, not once per tile. Short K ranges
-# gain most (Qwen3-30B-A3B's 128 x 2048 MXFP4 tile is 128 KB, its down projection's 48 KB):
-# tiles are added until a CTA streams RAGGED_DECODE_MIN_CTA_BYTES of weights, while the CTAs of
-# the experts expected to be hit still fill RAGGED_DECODE_MIN_WAVES waves (a last wave of few
-# long CTAs leaves most SMs idle). The tiles per CTA compared: docs/design/sm90_ragged_decode.md.
-RAGGED_DECODE_MAX_TILES_PER_CTA = 16  # bits 8-11 of the kernel's a_e5m2
-RAGGED_DECODE_MIN_CTA_BYTES = 160 * 1024
+# first loads and the ring's fill are then paid once per CTA, not once per tile. Short tiles gain
+# (Qwen3-30B-A3B's 128 x 2048 MXFP4 tile is 128 KB, its down projection's 48 KB); tiles of
+# RAGGED_DECODE_SHORT_TILE_BYTES and more do not (gpt-oss-20b's 180 KB ones lose 8 % with two).
+# A CTA takes short tiles until it streams RAGGED_DECODE_CTA_BYTES, as long as the CTAs of the
+# experts expected to be hit still fill RAGGED_DECODE_MIN_WAVES waves (a last wave of few long
+# CTAs leaves most SMs idle). The tiles per CTA compared: docs/design/sm90_ragged_decode.md.
+RAGGED_DECODE_SHORT_TILE_BYTES = 160 * 1024
+RAGGED_DECODE_CTA_BYTES = 320 * 1024
 RAGGED_DECODE_MIN_WAVES = 1.5
+RAGGED_DECODE_MAX_TILES_PER_CTA = 4  # the most measured (the kernel takes up to 16)
 
 
 def expected_hit_groups(m: int, groups: int) -> float:
@@ -359,10 +361,12 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
     chunk = decode_chunk_elems(b_kind, nt, tuning)
     k_range = min(k, _ceil_div(_ceil_div(k, chunk), splits) * chunk)  # a split's K elements
     tile_bytes = tuning.bn * k_range * KINDS[b_kind]["bits"] // 8
+    if tile_bytes >= RAGGED_DECODE_SHORT_TILE_BYTES:
+        return 1
     work = expected_hit_groups(m, groups) * splits  # items with rows, about, x K ranges
     min_ctas = RAGGED_DECODE_MIN_WAVES * tuning.ctas_per_sm * sm_count
     per = 1
-    while (per * tile_bytes < RAGGED_DECODE_MIN_CTA_BYTES
+    while (per * tile_bytes < RAGGED_DECODE_CTA_BYTES
            and per < min(tiles, RAGGED_DECODE_MAX_TILES_PER_CTA)
            and work * _ceil_div(tiles, per + 1) >= min_ctas):
         per += 1

@@ -626,10 +626,10 @@ class Sm90DecodeGemm:
         tma_w, tW, tma_s, tS = tma
         li_a, m_end = rows if rows is not None else (li, None)
         total = n_sub  # sub-chunks streamed
-        per_tile = None  # grouped: sub-chunks per tile of N
+        at = None  # grouped: (sub-chunk in its tile, tile) of sub-chunk 0, then counted on
         if cutlass.const_expr(tiles is not None):
-            per_tile = n_sub
             total = n_sub * tiles[0]
+            at = (cutlass.Int32(0), cutlass.Int32(0))
         S = self.tuning.stages
         T = self.scale_tiles
         chunk = self.sub * self.se
@@ -665,9 +665,12 @@ class Sm90DecodeGemm:
             self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid,
                            n_sub > 0, m_end)
         if warp == 0:  # the DSL's TMA copy elects one lane itself: the whole warp issues it
+            ahead = at
             for j in cutlass.range_constexpr(S - 1):  # prologue: sub-chunks 0 .. S-2
                 if j < total:
-                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane, per_tile)
+                    self._issue_tma(views, j, k_begin, bx, li, nb128, lane, ahead)
+                if cutlass.const_expr(tiles is not None):
+                    ahead = self._next_sub_chunk(ahead, n_sub)
         if cutlass.const_expr(self.chained):
             # the weights are already on their way; the activation, its scales (and alpha, read
             # in the epilogue) are the producer's: wait until it is complete and its writes
@@ -675,50 +678,78 @@ class Sm90DecodeGemm:
             cute.arch.griddepcontrol_wait()
             self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, k_begin, k_end, tid,
                            n_sub > 0, m_end)
-        for it in range(total):
-            kc = k_begin + it * chunk
-            kn = kc + chunk  # the next sub-chunk's K
-            if cutlass.const_expr(tiles is not None):
-                kc = k_begin + (it % per_tile) * chunk
-                kn = k_begin + ((it + 1) % per_tile) * chunk
-            buf = act_base + (it % 2) * self.buf_bytes
-            self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
-            self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, kn, k_end, tid,
-                           it + 1 < total, m_end)
-            stage = it % S
-            if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
-                mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
-            # everyone's activations are staged, and everyone is done with sub-chunk it - 1,
-            # whose slot the next copies refill
-            cute.arch.sync_threads()
-            if warp == 0:
-                if it + S - 1 < total:
-                    self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane, per_tile)
-            for c in cutlass.range_constexpr(self.sub):
-                w, sw = self._tma_words(ring_w.toint(), ring_s.toint(), stage, c, kc, warp, g,
-                                        t)
-                if cutlass.const_expr(self.tuning.probe != "nocompute"):
-                    self._step_compute(w, sw, kc + c * self.se + t * self.e, buf, c, lane, acc,
-                                       b_fp8)
-                else:  # keep the shared-memory reads: fold them into one accumulator
-                    acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
-            if cutlass.const_expr(tiles is not None):
-                if it % per_tile == per_tile - 1:  # the tile's last sub-chunk: its outputs
-                    self._grouped_epilogue(acc, bx + it // per_tile, *tiles[1])
-                    acc.fill(0.0)
+        run = (views, ring_w.toint(), ring_s.toint(), bars, act_raw, act_base, acc, a_addr,
+               a_scales, li_a, m, m0, k, k_begin, k_end, m_end, bx, li, nb128, n_sub, total,
+               tid, lane, warp, g, t, a_fp8, b_fp8)
+        if cutlass.const_expr(tiles is None):
+            for it in range(total):
+                kc = k_begin + it * chunk
+                self._tma_sub_chunk(run, it, kc, kc + chunk)
+        else:
+            # tile by tile: each tile's outputs are written between its last sub-chunk and the
+            # next tile's first, outside the sub-chunk loop (whose body stays the dense one's)
+            for tile in range(tiles[0]):
+                for sub in range(n_sub):
+                    nxt = self._next_sub_chunk((sub, tile), n_sub)
+                    self._tma_sub_chunk(run, tile * n_sub + sub, k_begin + sub * chunk,
+                                        k_begin + nxt[0] * chunk, nxt)
+                self._grouped_epilogue(acc, bx + tile, *tiles[1])
+                acc.fill(0.0)
 
     @cute.jit
-    def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane, per_tile=None):
+    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None):
+        """Sub-chunk `it` of the TMA main loop (_mainloop_tma's state in `run`): stage its
+        activation (loaded one sub-chunk ago) and load the next one's (K offset kn), wait for its
+        weights, refill the slot the sub-chunk before it used with sub-chunk it + S - 1, and
+        compute. nxt = the position (sub-chunk in its tile, tile) of sub-chunk it + 1 when the
+        CTA runs several tiles of N."""
+        (views, ring_w, ring_s, bars, act_raw, act_base, acc, a_addr, a_scales, li_a, m, m0, k,
+         k_begin, k_end, m_end, bx, li, nb128, n_sub, total, tid, lane, warp, g, t, a_fp8,
+         b_fp8) = run
+        S = self.tuning.stages
+        buf = act_base + (it % 2) * self.buf_bytes
+        self._store_act(buf, act_raw, tid, a_fp8)  # loaded one iteration ago
+        self._load_act(act_raw, a_addr, a_scales, li_a, m, m0, k, kn, k_end, tid,
+                       it + 1 < total, m_end)
+        stage = it % S
+        if cutlass.const_expr(self.tuning.probe not in ("nowait", "notma")):
+            mbar_wait(bars.toint() + 8 * stage, (it // S) % 2)  # sub-chunk `it` has landed
+        # everyone's activations are staged, and everyone is done with sub-chunk it - 1,
+        # whose slot the next copies refill
+        cute.arch.sync_threads()
+        if warp == 0:
+            if it + S - 1 < total:
+                ahead = nxt
+                for _ in cutlass.range_constexpr(S - 2 if nxt is not None else 0):
+                    ahead = self._next_sub_chunk(ahead, n_sub)
+                self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane, ahead)
+        for c in cutlass.range_constexpr(self.sub):
+            w, sw = self._tma_words(ring_w, ring_s, stage, c, kc, warp, g, t)
+            if cutlass.const_expr(self.tuning.probe != "nocompute"):
+                self._step_compute(w, sw, kc + c * self.se + t * self.e, buf, c, lane, acc,
+                                   b_fp8)
+            else:  # keep the shared-memory reads: fold them into one accumulator
+                acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
+
+    @staticmethod
+    def _next_sub_chunk(at, n_sub):
+        """(sub-chunk in its tile, tile) of the sub-chunk after `at`, for n_sub per tile."""
+        sub, tile = at
+        wrap = cutlass.Int32(sub + 1 == n_sub)
+        return sub + 1 - wrap * n_sub, tile + wrap
+
+    @cute.jit
+    def _issue_tma(self, views, j, k_begin, bx, li, nb128, lane, at=None):
         """Warp 0: TMA sub-chunk j (its weight steps and scale tiles) into ring slot j % S. Lane
-        0 announces the bytes first (its copies follow in program order). per_tile (a CTA over
-        several tiles of N): sub-chunk j is sub-chunk j % per_tile of tile bx + j // per_tile."""
+        0 announces the bytes first (its copies follow in program order). at = (sub, tile) for a
+        CTA over several tiles of N: sub-chunk j is sub-chunk `sub` of tile bx + tile."""
         tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups = views
         S = self.tuning.stages
         T = self.scale_tiles
         slot = j % S
-        if cutlass.const_expr(per_tile is not None):
-            bx = bx + j // per_tile
-            j = j % per_tile
+        if cutlass.const_expr(at is not None):
+            bx = bx + at[1]
+            j = at[0]
             groups = [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
         kc = k_begin + j * self.sub * self.se
         bar = bars + slot

@@ -623,11 +623,15 @@ def test_tiles_per_cta_follow_the_tile_bytes_and_the_waves():
     """Several tiles of N per CTA where a tile's weights are few bytes and enough CTAs remain
     (the choices measured best or within 1 us in docs/design/sm90_ragged_decode.md)."""
     for (m, n, k, g), want in {
-            (128, 1536, 2048, 128): 2,  # Qwen3-30B-A3B gate+up, 16 tokens: 128 KB tiles
+            (128, 1536, 2048, 128): 2,  # Qwen3-30B-A3B gate+up, 16 tokens: 128 KB tiles; 3
+            # would leave 1.2 waves
             (8, 1536, 2048, 128): 1,  # 1 token: 8 experts, too few CTAs for more
+            (512, 1536, 2048, 128): 3,  # 64 tokens: up to 320 KB per CTA
+            (2048, 1536, 2048, 128): 3,  # 256 tokens (32-row items)
             (128, 2048, 768, 128): 3,  # its down projection: 48 KB tiles; 4 leave < 1.5 waves
-            (512, 1536, 2048, 128): 2,  # 64 tokens
+            (512, 2048, 768, 128): 4,  # at 64 tokens: at most 4
             (64, 5760, 2880, 32): 1,  # gpt-oss-20b gate+up, 16 tokens: 180 KB tiles
+            (256, 5760, 2880, 32): 1,  # 64 tokens: 368 KB tiles (16-row items)
     }.items():
         p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, n, k, g), H100)
         assert p.kernel == "ragged_decode" and p.tiles_per_cta == want, (m, n, k, g, p)
