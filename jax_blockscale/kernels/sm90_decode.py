@@ -60,7 +60,8 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
   a_e5m2, b_e5m2 : bit 0 = e5m2 fp8 elements (else e4m3); a_e5m2 bit 1 = plain A scales;
         a_e5m2 bit 2 (grouped kernel only) = index mode: the work table is one int32;
         bit 3 (grouped kernel only) = sizes mode: the work table is the G raw group sizes;
-        bit 4 (grouped kernel only) = alpha is one float for every expert
+        bit 4 (grouped kernel only) = alpha is one float for every expert;
+        bits 8-11 (grouped kernel only) = adjacent tiles of N per CTA, minus 1
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
 """
@@ -1091,9 +1092,10 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
     and item i is rows [8 nt i, 8 nt (i + 1)): a dense GEMM against one layer of a stacked
     weight, read in place, with no table to build (`jbs.gemm(..., layer=i)`).
 
-    Grid (ceil(N / BN) * num_items, splits, 1). Tiles of N fastest, so the entries past the real
-    items (which exit at once) run last; an expert's items are then ceil(N / BN) CTAs apart,
-    close enough to share its weight tiles in L2. Index mode puts items fastest (a layer's
+    Grid (ceil(ceil(N / BN) / T) * num_items, splits, 1), each CTA running T adjacent tiles of N
+    of its item (bits 8-11 of a_e5m2) as one stream of sub-chunks. CTAs of N fastest, so the
+    entries past the real items (which exit at once) run last; an expert's items are then a
+    row of CTAs apart, close enough to share its weight tiles in L2. Index mode puts items fastest (a layer's
     items all share its weight tiles). Everything else is the
     dense decode kernel (same main loop, dequantization and MMAs): only the rows an item reads
     and writes, the weights' batch index (its expert) and the alpha it applies differ. With
