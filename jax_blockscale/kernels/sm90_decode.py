@@ -438,7 +438,8 @@ class Sm90DecodeGemm:
         acc.fill(0.0)
         if cutlass.const_expr(self.grouped):
             # the tiles of N after the first are the ring's sub-chunks n_sub, n_sub + 1, ...; each
-            # tile's outputs are written as its last sub-chunk is done (no K loop: below)
+            # tile's outputs are written after its last sub-chunk (zeros or nothing for an item
+            # with no K loop)
             epilogue = (c_ptr, expert_alpha, ws_ptr, expert, m, n, m0, m_end, by, splits, tid,
                         warp, g, t)
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
@@ -467,24 +468,22 @@ class Sm90DecodeGemm:
         # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits).
         # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
         # partial, bitwise except that finalize's sum from +0.0 turns a -0.0 into +0.0) and the
-        # launcher skips finalize_kernel ----
-        _, _, nl = cute.arch.grid_dim()  # L
-        outputs = self._outputs(bx, warp, g, t, m0)
-        if cutlass.const_expr(self.grouped):
-            if n_sub == 0:  # no K loop ran: zeros (an empty split's slice, rows no group owns)
-                for tile in range(n_tiles):
-                    self._grouped_epilogue(acc, bx + tile, *epilogue)
-        elif splits == 1:
-            alpha = self._alpha(alpha_ptr)
-            mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
-            for row, mm, j in outputs:
-                if (row < n) & (mm < m):
-                    mC[(li * m + mm) * n + row] = self.c_dtype(acc[j] * alpha)
-        else:
-            split_base = cutlass.Int64(by) * nl * m * n
-            for row, mm, j in outputs:
-                addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
-                stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
+        # launcher skips finalize_kernel. The grouped kernel wrote its tiles' outputs in
+        # _mainloop_tma (_grouped_epilogue) ----
+        if cutlass.const_expr(not self.grouped):
+            _, _, nl = cute.arch.grid_dim()  # L
+            outputs = self._outputs(bx, warp, g, t, m0)
+            if splits == 1:
+                alpha = self._alpha(alpha_ptr)
+                mC = cute.make_tensor(c_ptr, cute.make_layout(nl * m * n))
+                for row, mm, j in outputs:
+                    if (row < n) & (mm < m):
+                        mC[(li * m + mm) * n + row] = self.c_dtype(acc[j] * alpha)
+            else:
+                split_base = cutlass.Int64(by) * nl * m * n
+                for row, mm, j in outputs:
+                    addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
+                    stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
 
     @cute.jit
     def _grouped_epilogue(self, acc, bx, c_ptr, alpha, ws_ptr, expert, m, n, m0, m_end, by,
@@ -686,6 +685,11 @@ class Sm90DecodeGemm:
             for it in range(total):
                 kc = k_begin + it * chunk
                 self._tma_sub_chunk(run, it, kc, kc + chunk)
+        elif tiles[0] == 1:
+            for it in range(total):
+                kc = k_begin + it * chunk
+                self._tma_sub_chunk(run, it, kc, kc + chunk)
+            self._grouped_epilogue(acc, bx, *tiles[1])
         else:
             # tile by tile: each tile's outputs are written between its last sub-chunk and the
             # next tile's first, outside the sub-chunk loop (whose body stays the dense one's)
