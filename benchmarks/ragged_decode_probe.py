@@ -130,8 +130,9 @@ def main():
             rows.append(row)
             top = "  ".join(f"{kn}: {t:.1f}" for kn, t in
                             list(row.get("kernels_us", {}).items())[:5])
+            plan_mark = " (plan)" if row["planned"] else ""
             print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s} "
-                  f"per_cta={row['tiles_per_cta']} {work:<5}{' (plan)' if row['planned'] else '':<7}"
+                  f"per_cta={row['tiles_per_cta']} {work:<5}{plan_mark:<7}"
                   + (f"{row['device_us']:8.1f} us {row['copy_bw_share']:6.1%}  {top}"
                      if "device_us" in row else f"  error: {row['err']}"), flush=True)
     out = os.path.splitext(args.out)[0] + ".json"

@@ -685,7 +685,7 @@ class Sm90DecodeGemm:
             for it in range(total):
                 kc = k_begin + it * chunk
                 self._tma_sub_chunk(run, it, kc, kc + chunk)
-        elif tiles[0] == 1:
+        elif tiles[0] == 1:  # one tile: the dense kernel's loop, then the tile's outputs
             for it in range(total):
                 kc = k_begin + it * chunk
                 self._tma_sub_chunk(run, it, kc, kc + chunk)
@@ -1099,9 +1099,9 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
     Grid (ceil(ceil(N / BN) / T) * num_items, splits, 1), each CTA running T adjacent tiles of N
     of its item (bits 8-11 of a_e5m2) as one stream of sub-chunks. CTAs of N fastest, so the
     entries past the real items (which exit at once) run last; an expert's items are then a
-    row of CTAs apart, close enough to share its weight tiles in L2. Index mode puts items fastest (a layer's
-    items all share its weight tiles). Everything else is the
-    dense decode kernel (same main loop, dequantization and MMAs): only the rows an item reads
+    row of CTAs apart, close enough to share its weight tiles in L2. Index mode puts items
+    fastest (a layer's items all share its weight tiles). Everything else is the dense decode
+    kernel (same main loop, dequantization and MMAs): only the rows an item reads
     and writes, the weights' batch index (its expert) and the alpha it applies differ. With
     splits > 1 each split stores alpha[e] times its partial sums and the finalize kernel adds
     them with alpha 1."""
