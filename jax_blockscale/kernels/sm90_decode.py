@@ -349,7 +349,9 @@ class Sm90DecodeGemm:
             indexed = (a_e5m2 >> 2) & 1
             per_cta = ((a_e5m2 >> 8) & 15) + 1
             tiles = (n + self.BN - 1) // self.BN
-            cta_tiles = (tiles + per_cta - 1) // per_cta
+            cta_tiles = tiles
+            if per_cta > 1:  # a division less on the way to the entry of a one-tile CTA
+                cta_tiles = (tiles + per_cta - 1) // per_cta
             item = bxm // cta_tiles
             bx = (bxm % cta_tiles) * per_cta
             if indexed == 1:
