@@ -347,7 +347,7 @@ class Sm90DecodeGemm:
             # entry, the alpha and the ring's set-up are paid once per CTA, not once per tile.
             items_ptr, groups = work
             indexed = (a_e5m2 >> 2) & 1
-            per_cta = ((a_e5m2 >> 8) & 15) + 1
+            per_cta = self._tiles_per_cta(a_e5m2)
             tiles = (n + self.BN - 1) // self.BN
             cta_tiles = tiles
             if per_cta > 1:  # a division less on the way to the entry of a one-tile CTA
@@ -659,7 +659,7 @@ class Sm90DecodeGemm:
         gS = cute.local_tile(tS, (4, 128), (None, 0, None))
         tSs, tSg = cute.nvgpu.cpasync.tma_partition(
             tma_s, 0, one, cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
-        groups = [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
+        groups = self._scale_groups(bx, nb128)
 
         views = (tma_w, tWg, tWs, tma_s, tSg, tSs, bars, groups)
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)
@@ -684,13 +684,9 @@ class Sm90DecodeGemm:
                a_scales, li_a, m, m0, k, k_begin, k_end, m_end, bx, li, nb128, n_sub, total,
                tid, lane, warp, g, t, a_fp8, b_fp8)
         if cutlass.const_expr(tiles is None):
-            for it in range(total):
-                kc = k_begin + it * chunk
-                self._tma_sub_chunk(run, it, kc, kc + chunk)
+            self._tma_sub_chunks(run, total, k_begin, chunk)
         elif tiles[0] == 1:  # one tile: the dense kernel's loop, then the tile's outputs
-            for it in range(total):
-                kc = k_begin + it * chunk
-                self._tma_sub_chunk(run, it, kc, kc + chunk)
+            self._tma_sub_chunks(run, total, k_begin, chunk)
             self._grouped_epilogue(acc, bx, *tiles[1])
         else:
             # tile by tile: each tile's outputs are written between its last sub-chunk and the
@@ -702,6 +698,13 @@ class Sm90DecodeGemm:
                                         k_begin + nxt[0] * chunk, nxt)
                 self._grouped_epilogue(acc, bx + tile, *tiles[1])
                 acc.fill(0.0)
+
+    @cute.jit
+    def _tma_sub_chunks(self, run, total, k_begin, chunk):
+        """Sub-chunks 0 .. total - 1 of one tile of N, one after the other (_tma_sub_chunk)."""
+        for it in range(total):
+            kc = k_begin + it * chunk
+            self._tma_sub_chunk(run, it, kc, kc + chunk)
 
     @cute.jit
     def _tma_sub_chunk(self, run, it, kc, kn, nxt=None):
@@ -739,6 +742,15 @@ class Sm90DecodeGemm:
                 acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
 
     @staticmethod
+    def _tiles_per_cta(a_e5m2):
+        """Adjacent tiles of N per CTA of the grouped kernel: bits 8-11 of a_e5m2, plus 1."""
+        return ((a_e5m2 >> 8) & 15) + 1
+
+    def _scale_groups(self, bx, nb128):
+        """The 128-row scale groups of tile bx of N (clamped to the last one past N)."""
+        return [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
+
+    @staticmethod
     def _next_sub_chunk(at, n_sub):
         """(sub-chunk in its tile, tile) of the sub-chunk after `at`, for n_sub per tile."""
         sub, tile = at
@@ -757,7 +769,7 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(at is not None):
             bx = bx + at[1]
             j = at[0]
-            groups = [cutlass.min(bx * self.groups + x, nb128 - 1) for x in range(self.groups)]
+            groups = self._scale_groups(bx, nb128)
         kc = k_begin + j * self.sub * self.se
         bar = bars + slot
         probe = self.tuning.probe
@@ -1137,7 +1149,7 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
         kern = self.kernel_grouped(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr,
                                    items_ptr, m, n, k, a_e5m2, b_e5m2, splits, num_items, g,
                                    *self._tma_atoms(b_ptr, sb_ptr, n, k, g))
-        per_cta = ((a_e5m2 >> 8) & 15) + 1  # tiles of N per CTA
+        per_cta = self._tiles_per_cta(a_e5m2)
         cta_tiles = ((n + self.BN - 1) // self.BN + per_cta - 1) // per_cta
         kern.launch(grid=[cta_tiles * num_items, splits, 1],
                     block=[THREADS, 1, 1], min_blocks_per_mp=self.tuning.min_blocks,
