@@ -337,7 +337,7 @@ def ragged_decode_items(m: int, groups: int, nt: int) -> int:
 # stream (the ring runs on from one tile's weights to the next): the entry, the activation's
 # first loads and the ring's fill are then paid once per CTA, not once per tile. Short tiles gain
 # (Qwen3-30B-A3B's 128 x 2048 MXFP4 tile is 128 KB, its down projection's 48 KB); tiles of
-# RAGGED_DECODE_SHORT_TILE_BYTES and more do not (gpt-oss-20b's 180 KB ones lose 8 % with two).
+# RAGGED_DECODE_SHORT_TILE_BYTES and more do not (gpt-oss-20b's 180 KB ones lose with two).
 # A CTA takes short tiles until it streams RAGGED_DECODE_CTA_BYTES, as long as the CTAs of the
 # experts expected to be hit still fill RAGGED_DECODE_MIN_WAVES waves (a last wave of few long
 # CTAs leaves most SMs idle). The tiles per CTA compared: docs/design/sm90_ragged_decode.md.
