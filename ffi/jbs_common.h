@@ -79,6 +79,9 @@ struct Problem {
   // 1: the activation comes from the quantizer launched just before in the same call (the
   // chained decode variant runs it); 0: from XLA
   int chained;
+  // the dense decode kernel with splits > 1: 1 = its split partials stay in ws and the caller
+  // adds them (c is not written), 0 = its finalize kernel adds them into c
+  int partials;
 };
 
 // Pure check (no CUDA): nullptr when the planned variant is in `variants` and can run `p`

@@ -6,8 +6,12 @@
 //   results:  c (bf16 | f16 | f32) [L, M, N]
 //             ws (f32): the decode kernel's split-K workspace, splits*L*M*N floats (zero
 //                       elements for the fused kernels)
-//   attrs:    a_kind, b_kind, a_e5m2, b_e5m2, a_scales_plain (int32), m, n, k, l (int64), and
-//             the planned variant: nt (0: fused; 1/2/4/8: decode), tile_m, tile_n, splits (int32)
+//   attrs:    a_kind, b_kind, a_e5m2, b_e5m2, a_scales_plain (int32), m, n, k, l (int64), the
+//             planned variant: nt (0: fused; 1/2/4/8: decode), tile_m, tile_n, splits (int32),
+//             and partials (int32): 1 = the decode kernel's split partials [splits, L, M, N]
+//             (true scale, before alpha) stay in ws and the caller adds them in split order
+//             and applies alpha (c is then not written when splits > 1); 0 = its finalize
+//             kernel does, into c
 //
 //   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel, or at
 //   prefill sizes the grouped register-weight kernel: nt = 0, a bf16_kperm activation, splits 0)
@@ -44,7 +48,8 @@
 //             b_alpha (f32 [1]): b's global scale (1 without one)
 //   results:  c [1, M, N], ws (f32): the quantized activation (QuantizedActivationScratch), then
 //             from the next 256-byte boundary the decode plan's split-K workspace
-//   attrs:    as for gemm (a_kind nvfp4, plain A scales, l = 1)
+//   attrs:    as for gemm (a_kind nvfp4, plain A scales, l = 1; with partials = 1 the caller
+//             reads alpha from the scratch, where the quantizer wrote it)
 //   One kernel (quantize_activation.cu, PTX loaded at run time) quantizes x to NVFP4 exactly
 //   as jbs.quantize does (its amax, scales, elements, and alpha = decode * b_alpha) into the
 //   front of ws; the planned decode kernel's chained variant then multiplies it by b. It is
@@ -105,7 +110,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
                int64_t l, int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
                int32_t splits, int64_t index_items = 0, int64_t stack = 0, int64_t layer = 0,
                void* alpha_at = nullptr, bool chained = false, int64_t sizes_items = 0,
-               int32_t tiles_per_cta = 1) {
+               int32_t tiles_per_cta = 1, int32_t partials = 0) {
   DeviceInfo* d = nullptr;
   if (auto err = g_state.CurrentDevice(&d); err.failure()) return err;
 
@@ -158,6 +163,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   }
   p.chained = chained ? 1 : 0;
   p.tiles_per_cta = tiles_per_cta;
+  p.partials = partials;
   char msg[512];
   const Variant* v = nullptr;
   if (const char* why = ValidateProblem(p, kJbsVariants, kJbsNumVariants, &v, msg, sizeof(msg)))
@@ -173,6 +179,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   // scales only for it)
   if (v->nt > 0) args.a_e5m2 |= a_scales_plain << 1;
   args.stream = stream; args.ws = ws->untyped_data(); args.splits = splits;
+  args.a_e5m2 |= partials << 5;  // the caller adds the split partials (validated: dense decode)
   if (items) {
     args.items = items->untyped_data();
     args.num_items = static_cast<int32_t>(p.num_items);
@@ -189,9 +196,11 @@ ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
                    ffi::Result<ffi::AnyBuffer> ws, int32_t a_kind, int32_t b_kind,
                    int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l,
                    int32_t a_scales_plain, int32_t nt, int32_t tile_m, int32_t tile_n,
-                   int32_t splits) {
+                   int32_t splits, int32_t partials) {
   return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
-             k, l, a_scales_plain, nt, tile_m, tile_n, splits);
+             k, l, a_scales_plain, nt, tile_m, tile_n, splits, /*index_items=*/0, /*stack=*/0,
+             /*layer=*/0, /*alpha_at=*/nullptr, /*chained=*/false, /*sizes_items=*/0,
+             /*tiles_per_cta=*/1, partials);
 }
 
 ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
@@ -365,7 +374,7 @@ ffi::Error ExecuteQuantizedActivation(
     ffi::AnyBuffer b_alpha, ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws,
     int32_t a_kind, int32_t b_kind, int32_t a_e5m2,
     int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l, int32_t a_scales_plain,
-    int32_t nt, int32_t tile_m, int32_t tile_n, int32_t splits) {
+    int32_t nt, int32_t tile_m, int32_t tile_n, int32_t splits, int32_t partials) {
   if (a_kind != JBS_NVFP4 || a_e5m2 != 0 || a_scales_plain != 1 || l != 1)
     return g_state.InvalidArgument("the activation is quantized to NVFP4 with plain scales, l = 1");
   if (x.element_type() != ffi::DataType::BF16 || m < 1 || k < 16 || k % 16 != 0 ||
@@ -414,7 +423,7 @@ ffi::Error ExecuteQuantizedActivation(
              ffi::Result<ffi::AnyBuffer>(gemm_ws.any()),
              a_kind, b_kind, a_e5m2, b_e5m2, m, n, k, l, a_scales_plain, nt, tile_m, tile_n,
              splits, /*index_items=*/0, /*stack=*/0, /*layer=*/0, /*alpha_at=*/nullptr,
-             /*chained=*/true);
+             /*chained=*/true, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
 }
 
 }  // namespace
@@ -453,7 +462,9 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_gemm_sm90, jbs::Execute,
                        jbs::BindPlannedAttrs(
                            jbs_ffi::BindGemmOperands()    // stream, a, b, sa, sb, alpha, c
                                .Ret<ffi::AnyBuffer>(),    // ws (decode workspace, f32)
-                           "l"),
+                           "l")
+                           // 1: the caller adds the decode kernel's split partials
+                           .Attr<int32_t>("partials"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
@@ -510,7 +521,8 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantized_act_gemm_sm90, jbs::ExecuteQuant
                                .Arg<ffi::AnyBuffer>()    // b_alpha
                                .Ret<ffi::AnyBuffer>()    // c
                                .Ret<ffi::AnyBuffer>(),   // ws (the quantized x, then the GEMM's)
-                           "l"),
+                           "l")
+                           .Attr<int32_t>("partials"),  // as for gemm
                        {ffi::Traits::kCmdBufferCompatible});
 
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----
@@ -549,7 +561,7 @@ JBS_EXPORT int jbs_variant_info(int i, const char** name, int* vals) {
 
 // The execute stage's validation (ValidateProblem), without a GPU. ints: a_kind, b_kind, out,
 // a_e5m2, b_e5m2, cc_major, cc_minor, sm_count, a_scales_plain, nt, tile_m, tile_n, splits,
-// grouped, chained, tiles_per_cta; longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes,
+// grouped, chained, tiles_per_cta, partials; longs: m, n, k, l, a_bytes, b_bytes, sa_bytes, sb_bytes, c_bytes, alpha_bytes,
 // ws_bytes, items_bytes, num_items; ptrs: a, b, sa, sb, c, alpha, ws, items. Returns 0 with the
 // variant's name in msg, or 1 with the reason.
 JBS_EXPORT int jbs_sm90_check_problem(const int* ints, const long long* longs,
@@ -559,6 +571,7 @@ JBS_EXPORT int jbs_sm90_check_problem(const int* ints, const long long* longs,
   p.b_e5m2 = ints[4]; p.cc_major = ints[5]; p.cc_minor = ints[6]; p.sm_count = ints[7];
   p.a_scales_plain = ints[8]; p.nt = ints[9]; p.tile_m = ints[10]; p.tile_n = ints[11];
   p.splits = ints[12]; p.grouped = ints[13]; p.chained = ints[14]; p.tiles_per_cta = ints[15];
+  p.partials = ints[16];
   p.m = longs[0]; p.n = longs[1]; p.k = longs[2]; p.l = longs[3];
   p.a_bytes = longs[4]; p.b_bytes = longs[5]; p.sa_bytes = longs[6]; p.sb_bytes = longs[7];
   p.c_bytes = longs[8]; p.alpha_bytes = longs[9]; p.ws_bytes = longs[10];

@@ -196,7 +196,7 @@ def manifest() -> dict | None:
 
 _SM90_INTS = ("a_kind", "b_kind", "out", "a_e5m2", "b_e5m2", "cc_major", "cc_minor", "sm_count",
                "a_scales_plain", "nt", "tile_m", "tile_n", "splits", "grouped", "chained",
-               "tiles_per_cta")
+               "tiles_per_cta", "partials")
 _SM90_LONGS = ("m", "n", "k", "l", "a_bytes", "b_bytes", "sa_bytes", "sb_bytes", "c_bytes",
                "alpha_bytes", "ws_bytes", "items_bytes", "num_items")
 _SM90_PTRS = ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "c_ptr", "alpha_ptr", "ws_ptr", "items_ptr")
@@ -211,7 +211,7 @@ def check_problem(**kw) -> tuple[bool, str]:
         raise RuntimeError(unavailable_reason())
     kw = dict(dict(cc_major=9, cc_minor=0, sm_count=132, a_e5m2=0, b_e5m2=0, a_scales_plain=0,
                    nt=0, splits=0, alpha_bytes=4, ws_bytes=0, grouped=0, chained=0,
-                   items_bytes=0, num_items=0, tiles_per_cta=1), **kw)
+                   items_bytes=0, num_items=0, tiles_per_cta=1, partials=0), **kw)
     ptrs = [kw.get(n, 0x10000 * (i + 1)) for i, n in enumerate(_SM90_PTRS)]
     buf = ctypes.create_string_buffer(512)
     rc = lib.jbs_sm90_check_problem((ctypes.c_int * len(_SM90_INTS))(*(kw[n] for n in _SM90_INTS)),

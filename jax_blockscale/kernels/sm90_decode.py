@@ -39,15 +39,17 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   the exact dequantized weights; only the f32 accumulation order differs from a float64 reference.
 * Split-K: grid = (ceil(N/BN) * ceil(M / (8*NT)), splits, L) with BN = Tuning.bn rows of N, M
   chunks fastest (the chunks that share a weight tile run together: later chunks read it from
-  L2). Each CTA stores its partial sums (plain stores, no atomics) into its split's slice of an
-  f32 workspace [splits, L, M, N]; the exported launcher then runs a small kernel that adds the
-  splits in a fixed order, multiplies by alpha and converts to the output dtype (launched by
-  programmatic dependent launch, so its start overlaps the main kernel's end). Two kernels per
-  call (one when there is one split: the main kernel then converts and writes the output), no
-  zeroing, and the result is bitwise reproducible. (Adding the splits in the main kernel's last
-  CTA per tile instead was no faster: docs/design/sm90_decode.md.) The workspace
-  (splits*L*M*N f32) is the caller's (FFI scratch); `splits` is a run-time argument chosen by
-  `choose_decode_variant` (one wave of CTAs).
+  L2). Each CTA stores its partial sums (plain stores, no atomics; in the weights' true scale,
+  before alpha) into its split's slice of an f32 workspace [splits, L, M, N]. Who adds them
+  (bit 5 of a_e5m2): the caller (gemm's lowering adds the slices in split order in XLA, which
+  fuses the sum into the ops around the call), or a small kernel the exported launcher runs
+  after the main one (same order, times alpha, converted; launched by programmatic dependent
+  launch, so its start overlaps the main kernel's end). Either way bitwise the same result and
+  reproducible; no zeroing. One split: the main kernel converts and writes the output itself.
+  (Adding the splits in the main kernel's last CTA per tile or in a thread-block cluster was no
+  faster: docs/design/sm90_decode.md.) The workspace (splits*L*M*N f32) is the caller's (FFI
+  scratch); `splits` is a run-time argument chosen by `choose_decode_variant` (one wave of
+  CTAs).
 
 What it reaches on an H100, and what was tried: docs/design/sm90_decode.md.
 
@@ -61,6 +63,8 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
         a_e5m2 bit 2 (grouped kernel only) = index mode: the work table is one int32;
         bit 3 (grouped kernel only) = sizes mode: the work table is the G raw group sizes;
         bit 4 (grouped kernel only) = alpha is one float for every expert;
+        bit 5 (dense kernel only) = with splits > 1 the partials stay in ws for the caller to
+        add (no finalize kernel; c is not written);
         bits 8-11 (grouped kernel only) = adjacent tiles of N per CTA, minus 1
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
@@ -187,7 +191,9 @@ class Sm90DecodeGemm:
             stream=stream,
             use_pdl=self.chained,
         )
-        if splits > 1:  # one K range: the main kernel wrote the output itself
+        # one K range: the main kernel wrote the output itself; bit 5: the caller adds the
+        # partials
+        if (splits > 1) & (((a_e5m2 >> 5) & 1) == 0):
             self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream,
                 # programmatic dependent launch: its CTAs are launched while the main kernel
@@ -233,13 +239,14 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(self.grouped):
             alpha = cutlass.Float32(1.0)  # the main kernel applied each expert's alpha
         elif cutlass.const_expr(not self.chained):
-            alpha = self._alpha(alpha_ptr)  # loaded early: its latency overlaps the wait
+            # loaded early: its latency overlaps the wait; the partials are in true scale
+            alpha = self._alpha(alpha_ptr, folded=False)
         cute.arch.griddepcontrol_wait()  # the main kernel's partials are complete and visible
         if cutlass.const_expr(self.chained):
             # the producer before the main kernel writes alpha, and this kernel may start
             # before that producer ends: read it only once the main kernel (which waited for
             # the producer) is complete
-            alpha = self._alpha(alpha_ptr)
+            alpha = self._alpha(alpha_ptr, folded=False)
         ws = ws_ptr.toint()
         c = c_ptr.toint()
         vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0) & (per_thread == 4))
@@ -466,8 +473,10 @@ class Sm90DecodeGemm:
                                        a_addr, a_scales, li, m, m0, k, k_begin, k_end, n_sub, tid,
                                        lane, t, a_fp8, b_fp8)
 
-        # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores; every split
-        # writes its slice, an empty K range writes zeros; finalize_kernel sums the splits).
+        # ---- epilogue: this split's partial -> ws[split, l, m, n] (plain stores, in true scale:
+        # times FOLD_ALPHA where the nvfp4 scales carry the fold, an exact power of two; every
+        # split writes its slice, an empty K range writes zeros; the caller or finalize_kernel
+        # adds the splits in split order and applies alpha).
         # One split: c[l, m, n] = alpha * acc here (what finalize would compute from one
         # partial, bitwise except that finalize's sum from +0.0 turns a -0.0 into +0.0) and the
         # launcher skips finalize_kernel. The grouped kernel wrote its tiles' outputs in
@@ -485,7 +494,10 @@ class Sm90DecodeGemm:
                 split_base = cutlass.Int64(by) * nl * m * n
                 for row, mm, j in outputs:
                     addr = ws_addr + (split_base + (cutlass.Int64(li) * m + mm) * n + row) * 4
-                    stg_f32(addr, acc[j], cutlass.Int32((row < n) & (mm < m)))
+                    part = acc[j]
+                    if cutlass.const_expr(self.fold):
+                        part = part * cutlass.Float32(FOLD_ALPHA)
+                    stg_f32(addr, part, cutlass.Int32((row < n) & (mm < m)))
 
     @cute.jit
     def _grouped_epilogue(self, acc, bx, c_ptr, alpha, ws_ptr, expert, m, n, m0, m_end, by,
@@ -518,14 +530,15 @@ class Sm90DecodeGemm:
                         stg_f32(ws_addr + (split_base + cutlass.Int64(mm) * n + row) * 4,
                                 cutlass.Float32(0.0), cutlass.Int32(1))
 
-    def _alpha(self, alpha_ptr, index=None):
+    def _alpha(self, alpha_ptr, index=None, folded=True):
         """alpha (alpha[index] of a per-expert table) from device memory, times FOLD_ALPHA when
-        the nvfp4 scales carry the fold."""
+        the nvfp4 scales carry the fold (`folded`: for the accumulators, not for partials
+        already stored in true scale)."""
         if cutlass.const_expr(index is None):
             alpha = ldg_f32(alpha_ptr.toint())
         else:
             alpha = ldg_f32(alpha_ptr.toint() + cutlass.Int64(index) * 4)
-        if cutlass.const_expr(self.fold):
+        if cutlass.const_expr(self.fold and folded):
             alpha = alpha * cutlass.Float32(FOLD_ALPHA)
         return alpha
 

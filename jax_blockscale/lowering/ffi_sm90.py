@@ -12,7 +12,9 @@ prepares the operands the chosen kernel reads and emits the call).
       - K padded to the plan's K (NVFP4 with K % 32 == 16 gets 16 zero elements: TMA needs
         16-byte rows);
       - the decode kernel's f32 split-K workspace is a second result of the call (nothing is
-        allocated at run time: CUDA-graph safe); zero elements for the fused kernels;
+        allocated at run time: CUDA-graph safe); zero elements for the fused kernels. With
+        more than one split the kernel leaves its split partials there and this module adds
+        them in XLA (`add_split_partials`), where the sum fuses into the ops around the call;
       - the plan's variant travels as attributes (kernel nt, tile, splits); the handler validates
         every assumption and returns an error rather than launching what it cannot run.
 """
@@ -123,7 +125,9 @@ class Sm90Backend:
             (jax.ShapeDtypeStruct((L, M, N), spec.out_dtype),
              jax.ShapeDtypeStruct((plan.workspace,), jnp.float32)),
         )
-        y, _ = call(a8, b8, sa8, sb8, jnp.reshape(alpha.astype(jnp.float32), (1,)),
+        alpha = alpha.astype(jnp.float32)
+        partials = leaves_partials(plan)
+        y, ws = call(a8, b8, sa8, sb8, jnp.reshape(alpha, (1,)),
                     a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                     b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                     a_e5m2=np.int32(spec.fmt_a == "mxfp8_e5m2"),
@@ -131,12 +135,37 @@ class Sm90Backend:
                     m=np.int64(M), n=np.int64(N), k=np.int64(plan.k), l=np.int64(L),
                     a_scales_plain=np.int32(plan.a_scales_plain),
                     nt=np.int32(plan.nt), tile_m=np.int32(plan.tile[0]),
-                    tile_n=np.int32(plan.tile[1]), splits=np.int32(plan.splits))
+                    tile_n=np.int32(plan.tile[1]), splits=np.int32(plan.splits),
+                    partials=np.int32(partials))
+        if partials:
+            y = add_split_partials(ws, plan.splits, (L, M, N), alpha, spec.out_dtype)
         return y.reshape(spec.batch_shape + (spec.m, N))
 
 
 SM90 = Sm90Backend()
 register_backend(SM90)
+
+
+def leaves_partials(plan: Plan) -> bool:
+    """Whether the call leaves the decode kernel's split partials for the lowering to add
+    (`partials` = 1): every decode plan with more than one split. Added in XLA, the sum is one
+    more elementwise op that XLA fuses into the ops around the call (the residual add, the
+    activation function, the next op's input), where the kernel's own finalize kernel was one
+    more launch after the main one (docs/design/sm90_decode.md)."""
+    return plan.kernel == "decode" and plan.splits > 1
+
+
+def add_split_partials(ws, splits: int, shape: tuple, alpha, out_dtype):
+    """The output from the decode kernel's split partials: ws holds [splits, *shape] f32 (true
+    scale, before alpha) from its start. Added in split order from +0.0, times alpha, then
+    converted: the finalize kernel's arithmetic, so bitwise its result (XLA reorders no float
+    additions)."""
+    size = int(np.prod(shape))
+    parts = jnp.reshape(ws[:splits * size], (splits,) + tuple(shape))
+    total = jnp.zeros(shape, jnp.float32)
+    for s in range(splits):
+        total = total + parts[s]
+    return (total * jnp.reshape(alpha, ())).astype(out_dtype)
 
 
 def quantized_activation_scratch_bytes(blocks: int) -> int:
@@ -165,12 +194,16 @@ def quantized_activation_gemm(x, b, sb, b_alpha, *, plan: Plan):
         _plugin.QUANTIZED_ACT_SM90_TARGET,
         (jax.ShapeDtypeStruct((1, M, N), spec.out_dtype),
          jax.ShapeDtypeStruct((front + plan.workspace,), jnp.float32)))
-    y, _ = call(x, b8, sb8, jnp.reshape(b_alpha.astype(jnp.float32), (1,)),
+    partials = leaves_partials(plan)
+    y, ws = call(x, b8, sb8, jnp.reshape(b_alpha.astype(jnp.float32), (1,)),
                 a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                 b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                 a_e5m2=np.int32(0), b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
                 m=np.int64(M), n=np.int64(N), k=np.int64(plan.k), l=np.int64(1),
                 a_scales_plain=np.int32(1), nt=np.int32(plan.nt),
                 tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
-                splits=np.int32(plan.splits))
+                splits=np.int32(plan.splits), partials=np.int32(partials))
+    if partials:  # alpha = the quantizer's decode factor times b_alpha, the scratch's last float
+        alpha = ws[quantized_activation_scratch_bytes(M * spec.k // 16) // 4 - 1]
+        y = add_split_partials(ws[front:], plan.splits, (1, M, N), alpha, spec.out_dtype)
     return y.reshape(M, N)

@@ -211,6 +211,23 @@ def test_decode_split_count_and_workspace():
     assert not ok and re.search("workspace has 3072 bytes, needs 4096", msg), msg
 
 
+def test_split_partials_left_to_the_caller_are_the_dense_decode_kernels():
+    """partials = 1 (the lowering adds the split partials): the dense decode kernel only, any
+    split count; the fused kernels and the grouped kernels refuse it."""
+    dec = dict(a="bf16", b="nvfp4", m=1, n=256, k=8192, l=1, nt=1)
+    for splits in (1, 4):
+        ok, name = check(splits=splits, partials=1, **dec)
+        assert ok and name == "jbs_sm90_decode_bf16_nvfp4_bf16_m8", (splits, name)
+    ok, msg = check(splits=4, partials=2, **dec)
+    assert not ok and "partials = 2: 0, or 1 for the dense decode kernel" in msg, msg
+    ok, msg = check(partials=1)  # the fused kernel
+    assert not ok and "partials = 1" in msg, msg
+    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 16, 1536, 2048, 8),
+                           H100)
+    assert p.kernel == "ragged_decode"
+    _assert_refused(_ragged_call_of(p), dict(partials=1), "partials = 1")
+
+
 @pytest.mark.parametrize("over,match", [
     (dict(ws_ptr=0), "workspace pointer is null"),
     (dict(ws_ptr=0x70008), "workspace pointer .* not 16-byte aligned"),
@@ -797,10 +814,11 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     assert splits(16) >= 2
     c = call(16)
     assert f"tensor<{splits(16) * 16 * 300}xf32>" in c and f"splits = {splits(16)} :" in c, c
+    assert "partials = 1 :" in c, c  # the lowering adds the split partials
     c = call(7, (2,))  # folded: M = 14
     assert f"tensor<{splits(14) * 14 * 300}xf32>" in c, c
     c = call(7, (2, 5))  # folded: M = 70 > 64: a fused variant
-    assert "tensor<0xf32>" in c and "nt = 0 :" in c, c
+    assert "tensor<0xf32>" in c and "nt = 0 :" in c and "partials = 0 :" in c, c
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="16")
     assert "tensor<0xf32>" in call(7, (2, 2))  # folded: M = 28, over the configured limit
 

@@ -321,6 +321,7 @@ _DECODE_8x8 = cat.decode_variant(cat.DecodeVariant("mxfp8", "mxfp8", "f32", 1))
     (0, 512, 0, cat.fused_variant("mxfp8", "mxfp8", "f32", 128, 96), 0, "no compiled"),
     (0, 512, 0, _FUSED_8x8, 2, "split count"),  # a split count for a fused variant
     (64, 512, 0, _DECODE_8x8, 0, "split count"),  # the decode kernel with no split
+    (0, 512, 0, _FUSED_8x8, 0, "partials = 1"),  # split partials asked of a fused variant
 ])
 def test_handler_rejects_bad_input(ws_len, sa_len, plain, variant, splits, match):
     """A call the kernel cannot take returns an error from the handler, never a crash (the
@@ -336,7 +337,8 @@ def test_handler_rejects_bad_input(ws_len, sa_len, plain, variant, splits, match
                                    b_e5m2=np.int32(0), m=np.int64(8), n=np.int64(8),
                                    k=np.int64(32), l=np.int64(1), a_scales_plain=np.int32(plain),
                                    nt=np.int32(variant.nt), tile_m=np.int32(variant.tile_m),
-                                   tile_n=np.int32(variant.tile_n), splits=np.int32(splits)))
+                                   tile_n=np.int32(variant.tile_n), splits=np.int32(splits),
+                                   partials=np.int32(match == "partials = 1")))
 
 
 @needs_sm90
@@ -350,7 +352,8 @@ def test_handler_runs_a_well_formed_call():
                 a_kind=np.int32(cat.KIND_CODES["mxfp8"]), b_kind=np.int32(cat.KIND_CODES["mxfp8"]),
                 a_e5m2=np.int32(0), b_e5m2=np.int32(0), m=np.int64(8), n=np.int64(8),
                 k=np.int64(32), l=np.int64(1), a_scales_plain=np.int32(0), nt=np.int32(v.nt),
-                tile_m=np.int32(v.tile_m), tile_n=np.int32(v.tile_n), splits=np.int32(0))
+                tile_m=np.int32(v.tile_m), tile_n=np.int32(v.tile_n), splits=np.int32(0),
+                partials=np.int32(0))
     assert np.isfinite(np.asarray(y)).all()
 
 
@@ -426,7 +429,8 @@ def test_decode_batched(layout, fmt_a, fmt_b):
 
 @needs_sm90
 def test_decode_cuda_graph():
-    """The decode path (split-K workspace and finalize) inside a CUDA graph, fresh process."""
+    """The decode path (split-K workspace, its partials added by XLA) inside a CUDA graph,
+    fresh process."""
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         import jax_blockscale as jbs
@@ -448,6 +452,39 @@ def test_decode_cuda_graph():
         print("GRAPH_OK", err)
     """)
     _run_with_command_buffers(code)
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b,batch,m,n,k,out", [
+    (None, "nvfp4", (), 1, 6144, 4096, "bf16"),
+    (None, "mxfp4", (), 16, 777, 2080, "f32"),
+    (None, "mxfp8_e4m3", (3,), 5, 300, 4096, "f16"),
+    ("nvfp4", "nvfp4", (), 13, 1000, 4192, "bf16"),
+    ("mxfp8_e4m3", "mxfp8_e5m2", (), 40, 520, 8192, "f32"),
+])
+def test_split_partials_added_by_xla_equal_the_finalize_kernel(monkeypatch, fmt_a, fmt_b, batch,
+                                                               m, n, k, out):
+    """A decode call with several splits leaves its partials for the lowering to add in XLA;
+    the kernel's own finalize (what the layer target runs) adds them in the same order: the
+    same bits, NaN and Inf included (one row of A poisoned)."""
+    a, b = _operands(fmt_a, fmt_b, batch, batch, m, n, k)
+    if fmt_a is None:
+        a = a.at[..., 0, 7].set(jnp.nan).at[..., m - 1, 9].set(jnp.inf)
+    dtype = OUTS[out][0]
+
+    def run(partials):  # a new function each time: jit's cache would keep the first lowering
+        g = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=dtype, backend="sm90"))
+        (call,) = [ln for ln in g.lower(a, b).as_text().splitlines()
+                   if "custom_call @" + _plugin.SM90_TARGET in ln]
+        assert f"partials = {partials} :" in call and "nt = 0 :" not in call, call
+        assert "splits = 1 :" not in call, call
+        return np.asarray(g(a, b).astype(jnp.float32))
+
+    by_xla = run(1)
+    monkeypatch.setattr(ffi_sm90, "leaves_partials", lambda plan: False)
+    by_kernel = run(0)
+    np.testing.assert_array_equal(by_xla, by_kernel)
+    assert np.isfinite(by_xla).sum() < by_xla.size or fmt_a is not None
 
 
 @needs_sm90
