@@ -326,6 +326,7 @@ _DECODE_8x8 = cat.decode_variant(cat.DecodeVariant("mxfp8", "mxfp8", "f32", 1))
 def test_handler_rejects_bad_input(ws_len, sa_len, plain, variant, splits, match):
     """A call the kernel cannot take returns an error from the handler, never a crash (the
     variant attributes name a compiled variant unless the case says otherwise)."""
+    assert _plugin.register_targets()  # (gemm registers them on first use; this test may be first)
     call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
                                                   jax.ShapeDtypeStruct((ws_len,), jnp.float32)))
     u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
@@ -344,6 +345,7 @@ def test_handler_rejects_bad_input(ws_len, sa_len, plain, variant, splits, match
 @needs_sm90
 def test_handler_runs_a_well_formed_call():
     """The cases above differ from this accepted call in one respect each."""
+    assert _plugin.register_targets()
     call = jax.ffi.ffi_call(_plugin.SM90_TARGET, (jax.ShapeDtypeStruct((1, 8, 8), jnp.float32),
                                                   jax.ShapeDtypeStruct((0,), jnp.float32)))
     u8 = lambda *s: jnp.ones(s, jnp.uint8)  # noqa: E731
