@@ -79,8 +79,8 @@ struct Problem {
   // 1: the activation comes from the quantizer launched just before in the same call (the
   // chained decode variant runs it); 0: from XLA
   int chained;
-  // the dense decode kernel with splits > 1: 1 = its split partials stay in ws and the caller
-  // adds them (c is not written), 0 = its finalize kernel adds them into c
+  // the decode kernels with splits > 1: 1 = their split partials stay in ws and the caller adds
+  // them (c is not written), 0 = their finalize kernel adds them into c
   int partials;
 };
 

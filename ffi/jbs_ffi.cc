@@ -11,7 +11,7 @@
 //             and partials (int32): 1 = the decode kernel's split partials [splits, L, M, N]
 //             (true scale, before alpha) stay in ws and the caller adds them in split order
 //             and applies alpha (c is then not written when splits > 1); 0 = its finalize
-//             kernel does, into c
+//             kernel does, into c (the layer target always: it picks its kernel at run time)
 //
 //   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel, or at
 //   prefill sizes the grouped register-weight kernel: nt = 0, a bf16_kperm activation, splits 0)
@@ -23,8 +23,10 @@
 //   results:  c [M, N], ws (f32, splits*M*N floats when splits > 1)
 //   attrs:    as above with g (experts) in place of l, and sizes_items (int64): 0 for a work
 //             table, else sizes mode (grouped decode kernel only) with that many items (at
-//             least ceil(M / tile_m) + min(G, M) + 2), and tiles_per_cta (int32): adjacent
-//             tiles of N each CTA of the grouped decode kernel runs (1..16; 1 for the others)
+//             least ceil(M / tile_m) + min(G, M) + 2), tiles_per_cta (int32): adjacent
+//             tiles of N each CTA of the grouped decode kernel runs (1..16; 1 for the others),
+//             and partials (int32) as for gemm (the grouped decode kernel's partials [splits, M,
+//             N] already carry each expert's alpha: the caller only adds them)
 //
 //   target "jax_blockscale_layer_gemm_sm90" (`jbs.gemm(x, stack, layer=i)`: one layer of a stack)
 //   operands: a, a_index (the activation as the layer's plan and as index mode read it), b (u8)
@@ -210,10 +212,11 @@ ffi::Error ExecuteRagged(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          int32_t a_e5m2, int32_t b_e5m2, int64_t m, int64_t n, int64_t k,
                          int64_t g, int32_t a_scales_plain, int32_t nt, int32_t tile_m,
                          int32_t tile_n, int32_t splits, int64_t sizes_items,
-                         int32_t tiles_per_cta) {
+                         int32_t tiles_per_cta, int32_t partials) {
   return Run(stream, a, b, sa, sb, alpha, &items, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m, n,
              k, g, a_scales_plain, nt, tile_m, tile_n, splits, /*index_items=*/0, /*stack=*/0,
-             /*layer=*/0, /*alpha_at=*/nullptr, /*chained=*/false, sizes_items, tiles_per_cta);
+             /*layer=*/0, /*alpha_at=*/nullptr, /*chained=*/false, sizes_items, tiles_per_cta,
+             partials);
 }
 
 // out[0] = alpha[clamp(index[0], 0, count - 1)], one thread: slice mode's alpha where XLA copied
@@ -484,7 +487,9 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_ragged_gemm_sm90, jbs::ExecuteRagged,
                            // (groups from row 0) and the kernel makes this many items
                            .Attr<int64_t>("sizes_items")
                            // the grouped decode kernel: adjacent tiles of N per CTA (1..16)
-                           .Attr<int32_t>("tiles_per_cta"),
+                           .Attr<int32_t>("tiles_per_cta")
+                           // 1: the caller adds the grouped decode kernel's split partials
+                           .Attr<int32_t>("partials"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_layer_gemm_sm90, jbs::ExecuteLayer,

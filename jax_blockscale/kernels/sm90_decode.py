@@ -63,8 +63,8 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
         a_e5m2 bit 2 (grouped kernel only) = index mode: the work table is one int32;
         bit 3 (grouped kernel only) = sizes mode: the work table is the G raw group sizes;
         bit 4 (grouped kernel only) = alpha is one float for every expert;
-        bit 5 (dense kernel only) = with splits > 1 the partials stay in ws for the caller to
-        add (no finalize kernel; c is not written);
+        bit 5 = with splits > 1 the partials stay in ws for the caller to add (no finalize
+        kernel; c is not written);
         bits 8-11 (grouped kernel only) = adjacent tiles of N per CTA, minus 1
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
@@ -1130,8 +1130,8 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
     fastest (a layer's items all share its weight tiles). Everything else is the dense decode
     kernel (same main loop, dequantization and MMAs): only the rows an item reads
     and writes, the weights' batch index (its expert) and the alpha it applies differ. With
-    splits > 1 each split stores alpha[e] times its partial sums and the finalize kernel adds
-    them with alpha 1."""
+    splits > 1 each split stores alpha[e] times its partial sums and the finalize kernel (or, bit
+    5 of a_e5m2, the caller) adds them with alpha 1."""
 
     grouped = True
 
@@ -1167,7 +1167,7 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
         kern.launch(grid=[cta_tiles * num_items, splits, 1],
                     block=[THREADS, 1, 1], min_blocks_per_mp=self.tuning.min_blocks,
                     preferred_smem_carveout=100, stream=stream)
-        if splits > 1:
+        if (splits > 1) & (((a_e5m2 >> 5) & 1) == 0):  # bit 5: the caller adds the partials
             self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream, use_pdl=True)
 

@@ -146,13 +146,14 @@ SM90 = Sm90Backend()
 register_backend(SM90)
 
 
-def leaves_partials(plan: Plan) -> bool:
+def leaves_partials(plan) -> bool:
     """Whether the call leaves the decode kernel's split partials for the lowering to add
-    (`partials` = 1): every decode plan with more than one split. Added in XLA, the sum is one
-    more elementwise op that XLA fuses into the ops around the call (the residual add, the
-    activation function, the next op's input), where the kernel's own finalize kernel was one
-    more launch after the main one (docs/design/sm90_decode.md)."""
-    return plan.kernel == "decode" and plan.splits > 1
+    (`partials` = 1): every plan of the decode kernel (gemm's, or ragged_gemm's grouped one) with
+    more than one split. Added in XLA, the sum is one more elementwise op that XLA fuses into the
+    ops around the call (the residual add, the activation function, the next op's input), where
+    the kernel's own finalize kernel was one more launch after the main one
+    (docs/design/sm90_decode.md)."""
+    return plan.kernel in ("decode", "ragged_decode") and plan.splits > 1
 
 
 def add_split_partials(ws, splits: int, shape: tuple, alpha, out_dtype):

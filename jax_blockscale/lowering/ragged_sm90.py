@@ -24,7 +24,10 @@ decides; this module prepares what the kernel reads and emits the call to the FF
     (one int32; the kernel makes the items and clamps the index). Nothing runs before the kernel
     either way;
   * alpha: one f32 per expert (the product of the global scales), applied in the epilogue;
-  * the split-K workspace (splits * M * N f32) is a second result of the call, as for `gemm`.
+  * the split-K workspace (splits * M * N f32) is a second result of the call, as for `gemm`;
+    the decode kernel leaves its split partials there (each expert's alpha applied) and they are
+    added here in XLA (`add_split_partials`), fused into what follows (the routing weights'
+    combine). The layer target keeps the kernel's finalize.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from jax import lax
 from .. import _plugin
 from ..catalog import sm90 as cat
 from ..ragged_backends import RaggedPlan, prefix_sum, register_ragged_backend
-from .ffi_sm90 import activation_operands, permute_activation_k
+from . import ffi_sm90
+from .ffi_sm90 import activation_operands, add_split_partials, permute_activation_k
 from .kernel_operands import blocked_scale_bytes, element_bytes, take_layer
 from .plan import device_for, plan_ragged_sm90
 from .reference import operand_values
@@ -107,7 +111,8 @@ class Sm90RaggedBackend:
             _plugin.RAGGED_SM90_TARGET,
             (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
              jax.ShapeDtypeStruct((plan.splits * m * n,), jnp.float32)))
-        y, _ = call(a8, b8, sa8, sb8, alpha, items,
+        partials = ffi_sm90.leaves_partials(plan)
+        y, ws = call(a8, b8, sa8, sb8, alpha, items,
                     a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                     b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                     a_e5m2=np.int32(a_e5m2),
@@ -117,7 +122,9 @@ class Sm90RaggedBackend:
                     tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
                     splits=np.int32(plan.splits),
                     sizes_items=np.int64(plan.items if plan.raw_sizes else 0),
-                    tiles_per_cta=np.int32(plan.tiles_per_cta))
+                    tiles_per_cta=np.int32(plan.tiles_per_cta), partials=np.int32(partials))
+        if partials:  # each split's partial already carries its expert's alpha
+            y = add_split_partials(ws, plan.splits, (m, n), jnp.float32(1.0), spec.out_dtype)
         return y
 
 

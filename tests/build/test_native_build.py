@@ -211,21 +211,27 @@ def test_decode_split_count_and_workspace():
     assert not ok and re.search("workspace has 3072 bytes, needs 4096", msg), msg
 
 
-def test_split_partials_left_to_the_caller_are_the_dense_decode_kernels():
-    """partials = 1 (the lowering adds the split partials): the dense decode kernel only, any
-    split count; the fused kernels and the grouped kernels refuse it."""
+def test_split_partials_left_to_the_caller_are_the_decode_kernels():
+    """partials = 1 (the lowering adds the split partials): the dense and the grouped decode
+    kernel, any split count; the fused kernels, the grouped register-weight kernel and index
+    mode (the layer target) refuse it."""
     dec = dict(a="bf16", b="nvfp4", m=1, n=256, k=8192, l=1, nt=1)
     for splits in (1, 4):
         ok, name = check(splits=splits, partials=1, **dec)
         assert ok and name == "jbs_sm90_decode_bf16_nvfp4_bf16_m8", (splits, name)
     ok, msg = check(splits=4, partials=2, **dec)
-    assert not ok and "partials = 2: 0, or 1 for the dense decode kernel" in msg, msg
+    assert not ok and "partials = 2: 0, or 1 for the decode kernels outside index mode" in msg
     ok, msg = check(partials=1)  # the fused kernel
     assert not ok and "partials = 1" in msg, msg
-    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", 16, 1536, 2048, 8),
-                           H100)
-    assert p.kernel == "ragged_decode"
-    _assert_refused(_ragged_call_of(p), dict(partials=1), "partials = 1")
+    for m, kernel in ((16, "ragged_decode"), (8192, "ragged_prefill")):
+        p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, 1536, 2048, 8),
+                               H100)
+        assert p.kernel == kernel, p
+        ok, msg = _plugin.check_problem(**dict(_ragged_call_of(p), partials=1))
+        assert ok == (kernel == "ragged_decode"), msg
+    indexed = next(p for p in _indexed_plans()
+                   if not isinstance(p, str) and p.kernel == "ragged_decode")
+    _assert_refused(_ragged_call_of(indexed), dict(partials=1), "partials = 1")
 
 
 @pytest.mark.parametrize("over,match", [

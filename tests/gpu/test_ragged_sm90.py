@@ -235,6 +235,35 @@ def test_split_k_is_planned_and_correct():
     assert p.splits > 1, p
 
 
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs,sizes,m,n,k", [
+    (None, "mxfp4", [0, 2, 0, 0], 4, 256, 8192),
+    (None, "nvfp4", [3, 0, 1, 9, 0, 2], 16, 640, 4096),
+    ("nvfp4", "nvfp4", [1, 0, 0, 0, 0, 0, 0, 0], 1, 2880, 2880),
+])
+def test_split_partials_added_by_xla_equal_the_finalize_kernel(monkeypatch, fmt_lhs, fmt_rhs,
+                                                               sizes, m, n, k):
+    """A split grouped decode call leaves its partials (each expert's alpha applied) for the
+    lowering to add in XLA; the kernel's own finalize adds them in the same order: the same
+    bits, and the rows no expert owns zero either way."""
+    from jax_blockscale.lowering import ffi_sm90  # noqa: PLC0415
+
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, n, k)
+
+    def run(partials):  # a new function each time: jit's cache would keep the first lowering
+        f = jax.jit(lambda a, b, g: jbs.ragged_gemm(a, b, g, out_dtype=jnp.float32))
+        (call,) = [ln for ln in f.lower(lhs, rhs, gs).as_text().splitlines()
+                   if "custom_call @jax_blockscale_ragged_gemm_sm90" in ln]
+        assert f"partials = {partials} :" in call and "splits = 1 :" not in call, call
+        poison()
+        return np.asarray(f(lhs, rhs, gs))
+
+    by_xla = run(1)
+    monkeypatch.setattr(ffi_sm90, "leaves_partials", lambda plan: False)
+    by_kernel = run(0)
+    np.testing.assert_array_equal(by_xla, by_kernel)
+    assert not np.any(by_xla[sum(sizes):]) and np.all(np.isfinite(by_xla))
+
+
 def test_expert_parallel_row_start(kernel):
     """The local primitive with a shifted first row (the expert-parallel rule's per-device
     call): rows before row_start and past the groups are zero."""

@@ -47,6 +47,7 @@ def test_only_split_decode_plans_leave_their_partials():
     class Plan:
         def __init__(self, kernel, splits):
             self.kernel, self.splits = kernel, splits
-    assert leaves_partials(Plan("decode", 2))
-    assert not leaves_partials(Plan("decode", 1))
+    assert leaves_partials(Plan("decode", 2)) and leaves_partials(Plan("ragged_decode", 3))
+    assert not leaves_partials(Plan("decode", 1)) and not leaves_partials(Plan("ragged_decode", 1))
+    assert not leaves_partials(Plan("ragged_prefill", 0))
     assert not leaves_partials(Plan("fused", 0))
