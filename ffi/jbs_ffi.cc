@@ -11,7 +11,7 @@
 //             and partials (int32): 1 = the decode kernel's split partials [splits, L, M, N]
 //             (true scale, before alpha) stay in ws and the caller adds them in split order
 //             and applies alpha (c is then not written when splits > 1); 0 = its finalize
-//             kernel does, into c (the layer target always: it picks its kernel at run time)
+//             kernel does, into c
 //
 //   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel, or at
 //   prefill sizes the grouped register-weight kernel: nt = 0, a bf16_kperm activation, splits 0)
@@ -34,7 +34,10 @@
 //             probe (u8: the start of layer index's scales, a slice of sb)
 //   results:  c [M, N], ws (f32, room for either plan's split-K workspace)
 //   attrs:    the layer's plan as for gemm (l = 1), then g and index mode's plan: index_a_kind,
-//             index_nt, index_tile_m, index_tile_n, index_splits, index_items
+//             index_nt, index_tile_m, index_tile_n, index_splits, index_items, and partials:
+//             1 only where both plans are the decode kernel with the same splits (> 1), whose
+//             partials are then both in true scale: the caller adds them and applies
+//             alpha[clamp(index)]
 //   XLA hands the probe in place when the index is a loop counter (as it does the layer slices
 //   of a scanned model); its address then says which layer it is, and the layer's own plan runs
 //   on that layer's part of b, sb and alpha, as an unrolled model's gemm would (nothing waits
@@ -336,7 +339,8 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
                         int64_t m, int64_t n, int64_t k, int64_t l, int32_t a_scales_plain,
                         int32_t nt, int32_t tile_m, int32_t tile_n, int32_t splits, int64_t g,
                         int32_t index_a_kind, int32_t index_nt, int32_t index_tile_m,
-                        int32_t index_tile_n, int32_t index_splits, int64_t index_items) {
+                        int32_t index_tile_n, int32_t index_splits, int64_t index_items,
+                        int32_t partials) {
   if (probe.element_type() != ffi::DataType::U8 || probe.size_bytes() < 1)
     return g_state.InvalidArgument("the layer probe must be uint8 bytes");
   if (l != 1) return g_state.InvalidArgument("a layer call has l = 1");
@@ -364,12 +368,13 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
   if (layer >= 0) {
     g_layer_calls[0].fetch_add(1, std::memory_order_relaxed);
     return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m,
-               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, 0, g, layer);
+               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, 0, g, layer, nullptr, false,
+               0, 1, partials);
   }
   g_layer_calls[1].fetch_add(1, std::memory_order_relaxed);
   return Run(stream, a_index, b, sa, sb, alpha, &index, c, ws, index_a_kind, b_kind, a_e5m2,
              b_e5m2, m, n, k, g, a_scales_plain, index_nt, index_tile_m, index_tile_n,
-             index_splits, index_items);
+             index_splits, index_items, 0, 0, nullptr, false, 0, 1, partials);
 }
 
 ffi::Error ExecuteQuantizedActivation(
@@ -513,7 +518,9 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_layer_gemm_sm90, jbs::ExecuteLayer,
                            .Attr<int32_t>("index_tile_m")
                            .Attr<int32_t>("index_tile_n")
                            .Attr<int32_t>("index_splits")
-                           .Attr<int64_t>("index_items"),
+                           .Attr<int64_t>("index_items")
+                           // 1: the caller adds the split partials (both plans split alike)
+                           .Attr<int32_t>("partials"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantized_act_gemm_sm90, jbs::ExecuteQuantizedActivation,

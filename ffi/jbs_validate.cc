@@ -184,11 +184,9 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
                                p.tiles_per_cta > 16))
     return Fail(buf, n, "%d tiles of N per CTA: 1, or 1..16 for the grouped decode kernel",
                 p.tiles_per_cta);
-  // the split partials left to the caller: the decode kernels only (bit 5 of their a_e5m2), not
-  // index mode (the layer target, which picks its kernel at run time)
-  if (p.partials != 0 && (p.partials != 1 || !v->nt || p.grouped == 2))
-    return Fail(buf, n, "partials = %d: 0, or 1 for the decode kernels outside index mode",
-                p.partials);
+  // the split partials left to the caller: the decode kernels only (bit 5 of their a_e5m2)
+  if (p.partials != 0 && (p.partials != 1 || !v->nt))
+    return Fail(buf, n, "partials = %d: 0, or 1 for the decode kernels", p.partials);
   if (v->nt) {
     if (const char* why = CheckDecode(p, *v, buf, n)) return why;
   } else if (p.splits != 0) {

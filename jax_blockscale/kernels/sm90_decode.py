@@ -64,7 +64,8 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
         bit 3 (grouped kernel only) = sizes mode: the work table is the G raw group sizes;
         bit 4 (grouped kernel only) = alpha is one float for every expert;
         bit 5 = with splits > 1 the partials stay in ws for the caller to add (no finalize
-        kernel; c is not written);
+        kernel; c is not written); the grouped kernel's carry each expert's alpha, except in
+        index mode (true scale, as the dense kernel's: the caller applies the layer's alpha);
         bits 8-11 (grouped kernel only) = adjacent tiles of N per CTA, minus 1
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
@@ -393,6 +394,10 @@ class Sm90DecodeGemm:
             # the expert's alpha (bit 4: one alpha for every expert), loaded now: its latency
             # hides behind the main loop instead of adding to the epilogue
             expert_alpha = self._alpha(alpha_ptr, li * (1 - ((a_e5m2 >> 4) & 1)))
+            if (indexed & (a_e5m2 >> 5) & cutlass.Int32(splits > 1)) == 1:
+                # index mode leaving its split partials (bit 5): in true scale, as the dense
+                # kernel's, so that the caller applies the layer's alpha to either the same way
+                expert_alpha = cutlass.Float32(FOLD_ALPHA if self.fold else 1.0)
 
         act_base = smem.allocate(2 * (self.win_bytes or self.buf_bytes),
                                  byte_alignment=128).toint()

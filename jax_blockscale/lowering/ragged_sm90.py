@@ -27,7 +27,8 @@ decides; this module prepares what the kernel reads and emits the call to the FF
   * the split-K workspace (splits * M * N f32) is a second result of the call, as for `gemm`;
     the decode kernel leaves its split partials there (each expert's alpha applied) and they are
     added here in XLA (`add_split_partials`), fused into what follows (the routing weights'
-    combine). The layer target keeps the kernel's finalize.
+    combine). The layer target does the same where its two plans split K alike
+    (`layer_leaves_partials`; true-scale partials, times the layer's alpha).
 """
 from __future__ import annotations
 
@@ -187,11 +188,12 @@ def _layer_call(lhs, sl, sr, b8, sb8, a_index, index, alpha, plan: RaggedPlan):
         workspace = layer.workspace + 4  # + slice mode's gathered alpha, the last float
     else:
         probe = layer_probe(sr, sb8, spec.layout_rhs, index)
+    partials = layer_leaves_partials(plan)
     call = jax.ffi.ffi_call(
         _plugin.LAYER_SM90_TARGET,
         (jax.ShapeDtypeStruct((m, n), spec.out_dtype),
          jax.ShapeDtypeStruct((workspace,), jnp.float32)))
-    y, _ = call(a_layer, a_index, b8, sa8, sb8, alpha, index.reshape(1), probe,
+    y, ws = call(a_layer, a_index, b8, sa8, sb8, alpha, index.reshape(1), probe,
                 a_kind=np.int32(cat.KIND_CODES[layer.a_kind]),
                 b_kind=np.int32(cat.KIND_CODES[layer.b_kind]),
                 a_e5m2=np.int32(spec.fmt_lhs == "mxfp8_e5m2"),
@@ -203,8 +205,21 @@ def _layer_call(lhs, sl, sr, b8, sb8, a_index, index, alpha, plan: RaggedPlan):
                 index_a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                 index_nt=np.int32(plan.nt), index_tile_m=np.int32(plan.tile[0]),
                 index_tile_n=np.int32(plan.tile[1]), index_splits=np.int32(plan.splits),
-                index_items=np.int64(plan.items))
+                index_items=np.int64(plan.items), partials=np.int32(partials))
+    if partials:  # either plan's partials, in true scale: times the layer's alpha
+        layer_alpha = alpha[jnp.clip(index, 0, spec.groups - 1)]
+        y = add_split_partials(ws, plan.splits, (m, n), layer_alpha, spec.out_dtype)
     return y
+
+
+def layer_leaves_partials(plan: RaggedPlan) -> bool:
+    """Whether the layer target leaves the split partials for the lowering to add: where the
+    layer's own plan and index mode both run the decode kernel with the same (several) splits,
+    so that whichever the handler picks at run time leaves them alike (true scale, [splits, M,
+    N]). The slice mode and a layer plan of another kernel keep the finalize."""
+    layer = plan.layer
+    return (plan.kernel == "ragged_decode" and ffi_sm90.leaves_partials(layer)
+            and layer.splits == plan.splits)
 
 
 register_ragged_backend(Sm90RaggedBackend())

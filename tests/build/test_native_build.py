@@ -213,14 +213,14 @@ def test_decode_split_count_and_workspace():
 
 def test_split_partials_left_to_the_caller_are_the_decode_kernels():
     """partials = 1 (the lowering adds the split partials): the dense and the grouped decode
-    kernel, any split count; the fused kernels, the grouped register-weight kernel and index
-    mode (the layer target) refuse it."""
+    kernel (index mode too), any split count; the fused kernels and the grouped register-weight
+    kernel refuse it."""
     dec = dict(a="bf16", b="nvfp4", m=1, n=256, k=8192, l=1, nt=1)
     for splits in (1, 4):
         ok, name = check(splits=splits, partials=1, **dec)
         assert ok and name == "jbs_sm90_decode_bf16_nvfp4_bf16_m8", (splits, name)
     ok, msg = check(splits=4, partials=2, **dec)
-    assert not ok and "partials = 2: 0, or 1 for the decode kernels outside index mode" in msg
+    assert not ok and "partials = 2: 0, or 1 for the decode kernels" in msg, msg
     ok, msg = check(partials=1)  # the fused kernel
     assert not ok and "partials = 1" in msg, msg
     for m, kernel in ((16, "ragged_decode"), (8192, "ragged_prefill")):
@@ -231,7 +231,7 @@ def test_split_partials_left_to_the_caller_are_the_decode_kernels():
         assert ok == (kernel == "ragged_decode"), msg
     indexed = next(p for p in _indexed_plans()
                    if not isinstance(p, str) and p.kernel == "ragged_decode")
-    _assert_refused(_ragged_call_of(indexed), dict(partials=1), "partials = 1")
+    assert _plugin.check_problem(**dict(_ragged_call_of(indexed), partials=1))[0]
 
 
 @pytest.mark.parametrize("over,match", [
@@ -497,9 +497,9 @@ def test_lowering_emits_the_layer_call(monkeypatch):
     scale_bytes = 3 * 2 * 32 * 512  # 3 layers x 2 row tiles x (512 / 16 / 4 = 8) k tiles x 512 B
     for fmt, m, target, probe, attrs in (
             ("nvfp4", 16, _plugin.LAYER_SM90_TARGET, PROBE_BYTES,
-             dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2, index_items=1)),
+             dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2, index_items=1, partials=0)),
             ("nvfp4", 100, _plugin.LAYER_SM90_TARGET, scale_bytes // 4,
-             dict(m=100, l=1, g=3, nt=0, splits=0, index_nt=0, index_items=0)),
+             dict(m=100, l=1, g=3, nt=0, splits=0, index_nt=0, index_items=0, partials=0)),
             ("mxfp4", 100, _plugin.SM90_TARGET, None, dict(m=100, l=1))):
         w, x = stack(fmt), jnp.ones((m, 512), jnp.bfloat16)
         text = lower_for_cuda(monkeypatch, lambda x, i, w=w: jbs.gemm(x, w, layer=i), x, 1)
@@ -513,6 +513,16 @@ def test_lowering_emits_the_layer_call(monkeypatch):
         if m == 16:
             assert "f4E2M1FN" not in "".join(ln for ln in text.splitlines()
                                               if "dynamic_slice" in ln), "elements sliced"
+    # a long K: both plans split it alike, and the lowering adds the partials (true scale) and
+    # applies the layer's alpha
+    w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(1), (3, 256, 4096)), "nvfp4",
+                     layout="blocked", global_scale="per_matrix")
+    text = lower_for_cuda(monkeypatch, lambda x, i: jbs.gemm(x, w, layer=i),
+                          jnp.ones((1, 4096), jnp.bfloat16), 1)
+    (call,) = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_blockscale" in ln]
+    splits = cat.choose_decode_variant(1, 256, 4096, None, "nvfp4", 132)[1]
+    assert splits > 1 and f"index_splits = {splits} :" in call and f"splits = {splits} :" in call
+    assert "partials = 1 :" in call, call
 
 
 def test_indexed_plan_past_decode_rows_is_refused_with_the_reason():

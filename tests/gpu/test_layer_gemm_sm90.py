@@ -228,6 +228,31 @@ def test_a_layer_found_in_place_runs_gemms_plan_bit_for_bit(fmt_a, fmt_b):
             np.testing.assert_array_equal(got[i], want, err_msg=f"m={m} layer {i}")
 
 
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp8_e4m3"),
+                                         ("nvfp4", "nvfp4")])
+def test_both_plans_leave_the_same_split_partials(fmt_a, fmt_b):
+    """A long K: the layer's own plan (probe in place) and index mode (probe copied) split K
+    alike and leave their partials in true scale for the lowering, which applies the layer's
+    alpha: whichever plan the handler picks, the same bits."""
+    w = _stack(fmt_b, 3, 512, 8192)
+    x = _activation(fmt_a, 16, 8192)
+    p = _plan(x, w, jnp.float32)
+    assert p.kernel == "ragged_decode" and p.splits > 1 and p.layer.splits == p.splits, p
+
+    def in_place(x, w):
+        def body(i, acc):
+            return acc.at[i].set(jbs.gemm(x, w, layer=i, out_dtype=jnp.float32))
+        return jax.lax.fori_loop(0, 3, body, jnp.zeros((3, 16, 512), jnp.float32))
+
+    indexed = jax.jit(lambda x, w, i: jbs.gemm(x, w, layer=i, out_dtype=jnp.float32))
+    before = _plugin.layer_gemm_counts()
+    got = np.asarray(jax.jit(in_place)(x, w))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(indexed(x, w, i)), got[i], err_msg=str(i))
+    in_place_calls, indexed_calls = np.subtract(_plugin.layer_gemm_counts(), before)
+    assert in_place_calls > 0 and indexed_calls == 3, (in_place_calls, indexed_calls)
+
+
 def test_a_copied_probe_runs_index_mode():
     """An index that is no loop counter (a jit argument): XLA copies the probe, the handler
     cannot name the layer and index mode reads the index on the device."""
