@@ -184,7 +184,7 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   // scales only for it)
   if (v->nt > 0) args.a_e5m2 |= a_scales_plain << 1;
   args.stream = stream; args.ws = ws->untyped_data(); args.splits = splits;
-  args.a_e5m2 |= partials << 5;  // the caller adds the split partials (validated: dense decode)
+  args.a_e5m2 |= partials << 5;  // the caller adds the split partials (validated: decode kernels)
   if (items) {
     args.items = items->untyped_data();
     args.num_items = static_cast<int32_t>(p.num_items);

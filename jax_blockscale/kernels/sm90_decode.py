@@ -64,8 +64,9 @@ Operands (device pointers; the contract shared with sm90_blockscaled.py and the 
         bit 3 (grouped kernel only) = sizes mode: the work table is the G raw group sizes;
         bit 4 (grouped kernel only) = alpha is one float for every expert;
         bit 5 = with splits > 1 the partials stay in ws for the caller to add (no finalize
-        kernel; c is not written); the grouped kernel's carry each expert's alpha, except in
-        index mode (true scale, as the dense kernel's: the caller applies the layer's alpha);
+        kernel; c is not written); the grouped kernel's partials carry each expert's alpha,
+        except in index mode (true scale, as the dense kernel's: the caller applies the layer's
+        alpha);
         bits 8-11 (grouped kernel only) = adjacent tiles of N per CTA, minus 1
 Requirements (the caller checks them): K a multiple of 32 and of the block; a, b 16-byte aligned
 with row pitches (K*bits/8 bytes) multiples of 16; M, N, L >= 1; element*scale finite in bf16.
