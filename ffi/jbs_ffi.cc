@@ -368,13 +368,15 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
   if (layer >= 0) {
     g_layer_calls[0].fetch_add(1, std::memory_order_relaxed);
     return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m,
-               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, 0, g, layer, nullptr, false,
-               0, 1, partials);
+               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, /*index_items=*/0,
+               /*stack=*/g, layer, /*alpha_at=*/nullptr, /*chained=*/false, /*sizes_items=*/0,
+               /*tiles_per_cta=*/1, partials);
   }
   g_layer_calls[1].fetch_add(1, std::memory_order_relaxed);
   return Run(stream, a_index, b, sa, sb, alpha, &index, c, ws, index_a_kind, b_kind, a_e5m2,
              b_e5m2, m, n, k, g, a_scales_plain, index_nt, index_tile_m, index_tile_n,
-             index_splits, index_items, 0, 0, nullptr, false, 0, 1, partials);
+             index_splits, index_items, /*stack=*/0, /*layer=*/0, /*alpha_at=*/nullptr,
+             /*chained=*/false, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
 }
 
 ffi::Error ExecuteQuantizedActivation(

@@ -193,9 +193,15 @@ class Sm90DecodeGemm:
             stream=stream,
             use_pdl=self.chained,
         )
-        # one K range: the main kernel wrote the output itself; bit 5: the caller adds the
-        # partials
-        if (splits > 1) & (((a_e5m2 >> 5) & 1) == 0):
+        self._launch_finalize(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread, ew_grid,
+                              a_e5m2, stream)
+
+    @cute.jit
+    def _launch_finalize(self, ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread, ew_grid,
+                         a_e5m2, stream):
+        """The finalize kernel after the main one, unless there is one K range (the main
+        kernel wrote the output itself) or the caller adds the partials (bit 5)."""
+        if (splits > 1) & (self._caller_adds_partials(a_e5m2) == 0):
             self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream,
                 # programmatic dependent launch: its CTAs are launched while the main kernel
@@ -395,7 +401,7 @@ class Sm90DecodeGemm:
             # the expert's alpha (bit 4: one alpha for every expert), loaded now: its latency
             # hides behind the main loop instead of adding to the epilogue
             expert_alpha = self._alpha(alpha_ptr, li * (1 - ((a_e5m2 >> 4) & 1)))
-            if (indexed & (a_e5m2 >> 5) & cutlass.Int32(splits > 1)) == 1:
+            if (indexed & self._caller_adds_partials(a_e5m2) & cutlass.Int32(splits > 1)) == 1:
                 # index mode leaving its split partials (bit 5): in true scale, as the dense
                 # kernel's, so that the caller applies the layer's alpha to either the same way
                 expert_alpha = cutlass.Float32(FOLD_ALPHA if self.fold else 1.0)
@@ -759,6 +765,11 @@ class Sm90DecodeGemm:
                                    b_fp8)
             else:  # keep the shared-memory reads: fold them into one accumulator
                 acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
+
+    @staticmethod
+    def _caller_adds_partials(a_e5m2):
+        """1 when the caller adds the split partials (bit 5 of a_e5m2), else 0."""
+        return (a_e5m2 >> 5) & 1
 
     @staticmethod
     def _tiles_per_cta(a_e5m2):
@@ -1173,9 +1184,8 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
         kern.launch(grid=[cta_tiles * num_items, splits, 1],
                     block=[THREADS, 1, 1], min_blocks_per_mp=self.tuning.min_blocks,
                     preferred_smem_carveout=100, stream=stream)
-        if (splits > 1) & (((a_e5m2 >> 5) & 1) == 0):  # bit 5: the caller adds the partials
-            self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
-                grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream, use_pdl=True)
+        self._launch_finalize(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread, ew_grid,
+                              a_e5m2, stream)
 
     @cute.kernel
     def kernel_grouped(
