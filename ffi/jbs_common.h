@@ -31,7 +31,8 @@ struct LaunchArgs {
   int32_t m, n, k, l, a_e5m2, b_e5m2, max_ctas;
   cudaStream_t stream;
   void* ws;        // decode kernel only: f32 workspace, one L*M*N slice per split
-  int32_t splits;  // decode kernel only: K ranges per output tile (split-K)
+  int32_t splits;  // decode kernel only: K ranges per output tile (split-K; the register-weight
+                   // variants take theirs in bits 8-15 of a_e5m2 and write partials to c = ws)
   void* items;        // grouped kernels only: int32 work table [num_items, 3]
   int32_t num_items;  // (l is then the number of experts G)
 };
@@ -52,7 +53,9 @@ struct Variant {
 
 // Everything the kernel assumes about one call, as plain numbers (pointers as integers), and
 // the variant the planner chose (lowering/plan.py): nt, tile_m, tile_n, and for the decode
-// kernel its split count and workspace.
+// kernel and the dense register-weight variants their split count and workspace (splits 0: a
+// fused variant that does not split; a register-weight split runs the f32-output variant, whose
+// "output" is the workspace).
 struct Problem {
   int a_kind, b_kind, out, a_e5m2, b_e5m2;
   int64_t m, n, k, l;
@@ -64,7 +67,7 @@ struct Problem {
   // the fused GEMM needs the blocked layout), 0: blocked.
   int a_scales_plain;
   int nt, tile_m, tile_n, splits;
-  uint64_t ws_ptr;  // the decode kernel's f32 workspace (the lowering declares it)
+  uint64_t ws_ptr;  // the split-K f32 workspace (the lowering declares it)
   int64_t ws_bytes;
   // grouped (ragged_gemm): A is one (M, K) activation, B holds L = G experts, C is (M, N),
   // alpha one float per expert, and the rows come from an int32 work table [num_items, 3]
@@ -80,7 +83,8 @@ struct Problem {
   // chained decode variant runs it); 0: from XLA
   int chained;
   // the decode kernels with splits > 1: 1 = their split partials stay in ws and the caller adds
-  // them (c is not written), 0 = their finalize kernel adds them into c
+  // them (c is not written), 0 = their finalize kernel adds them into c; a register-weight
+  // variant with splits > 1 always leaves them (1)
   int partials;
 };
 

@@ -184,7 +184,12 @@ ffi::Error Run(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Any
   // scales only for it)
   if (v->nt > 0) args.a_e5m2 |= a_scales_plain << 1;
   args.stream = stream; args.ws = ws->untyped_data(); args.splits = splits;
-  args.a_e5m2 |= partials << 5;  // the caller adds the split partials (validated: decode kernels)
+  if (v->nt) {
+    args.a_e5m2 |= partials << 5;  // the caller adds the split partials
+  } else if (splits > 1) {  // a register-weight split (validated): f32 partials into ws
+    args.a_e5m2 |= splits << 8;
+    args.c = ws->untyped_data();
+  }
   if (items) {
     args.items = items->untyped_data();
     args.num_items = static_cast<int32_t>(p.num_items);
@@ -361,7 +366,9 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
     }
     g_layer_calls[layer < 0 ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
     return Run(stream, a, b, sa, sb, alpha, nullptr, c, ws, a_kind, b_kind, a_e5m2, b_e5m2, m,
-               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, 0, 0, 0, alpha_at);
+               n, k, 1, a_scales_plain, nt, tile_m, tile_n, splits, /*index_items=*/0,
+               /*stack=*/0, /*layer=*/0, alpha_at, /*chained=*/false, /*sizes_items=*/0,
+               /*tiles_per_cta=*/1, partials);
   }
   const int64_t layer = LayerAt(reinterpret_cast<uint64_t>(probe.untyped_data()),
                                 reinterpret_cast<uint64_t>(sb.untyped_data()), sb.size_bytes(), g);

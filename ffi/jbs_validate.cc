@@ -62,6 +62,22 @@ const char* CheckWorkTable(const Problem& p, const Variant& v, char* buf, size_t
   return nullptr;
 }
 
+// The split-K workspace: one L*M*N f32 slice per split (cells = L*M*N), 32-bit offsets.
+const char* CheckSplitWorkspace(const Problem& p, int64_t cells, const char* kernel, char* buf,
+                                size_t n) {
+  if (p.splits > kInt32Max / cells)
+    return Fail(buf, n, "%s workspace too large for 32-bit indexing (%d splits)", kernel,
+                p.splits);
+  if (p.ws_bytes < p.splits * cells * 4)
+    return Fail(buf, n, "%s workspace has %lld bytes, needs %lld (%d splits of L*M*N float32)",
+                kernel, (long long)p.ws_bytes, (long long)(p.splits * cells * 4), p.splits);
+  if (p.ws_ptr == 0) return Fail(buf, n, "workspace pointer is null");
+  if (p.ws_ptr % 16)
+    return Fail(buf, n, "workspace pointer 0x%llx is not 16-byte aligned",
+                (unsigned long long)p.ws_ptr);
+  return nullptr;
+}
+
 // The decode kernel's own limits: the workspace, the split count and the launch grid (grouped:
 // the work table too).
 const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n) {
@@ -72,16 +88,7 @@ const char* CheckDecode(const Problem& p, const Variant& v, char* buf, size_t n)
   if (p.splits < 1 || p.splits > k_chunks || p.splits > 65535)
     return Fail(buf, n, "decode split count %d out of range [1, %lld]", p.splits,
                 (long long)k_chunks);
-  // one L*M*N slice per split, indexed with 32-bit offsets
-  if (p.splits > kInt32Max / cells)
-    return Fail(buf, n, "decode workspace too large for 32-bit indexing (%d splits)", p.splits);
-  if (p.ws_bytes < p.splits * cells * 4)
-    return Fail(buf, n, "decode workspace has %lld bytes, needs %lld (%d splits of L*M*N float32)",
-                (long long)p.ws_bytes, (long long)(p.splits * cells * 4), p.splits);
-  if (p.ws_ptr == 0) return Fail(buf, n, "workspace pointer is null");
-  if (p.ws_ptr % 16)
-    return Fail(buf, n, "workspace pointer 0x%llx is not 16-byte aligned",
-                (unsigned long long)p.ws_ptr);
+  if (const char* why = CheckSplitWorkspace(p, cells, "decode", buf, n)) return why;
   if (p.grouped) return CheckWorkTable(p, v, buf, n);
   if (p.l > 65535 || CeilDiv(p.n, v.tile_n) * CeilDiv(p.m, v.tile_m) > kInt32Max)
     return Fail(buf, n, "decode grid too large (L=%lld, M=%lld)", (long long)p.l, (long long)p.m);
@@ -99,11 +106,14 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (!KnownKind(p.a_kind) || !KnownKind(p.b_kind) || !BlockOf(p.b_kind))
     return Fail(buf, n, "unknown operand kinds a=%d b=%d", p.a_kind, p.b_kind);
   if (OutBytes(p.out) == 0) return Fail(buf, n, "unknown output dtype code %d", p.out);
-  // The planned variant, exactly.
+  // The planned variant, exactly. A register-weight split (nt 0, splits > 1) runs the f32
+  // variant of the tile: its output is the workspace of f32 partials.
+  const bool fused_split = p.nt == 0 && p.splits > 1;
+  const int variant_out = fused_split ? JBS_OUT_F32 : p.out;
   const Variant* v = nullptr;
   for (int i = 0; i < num_variants && !v; ++i) {
     const Variant& c = variants[i];
-    if (c.sm == 90 && c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == p.out &&
+    if (c.sm == 90 && c.a_kind == p.a_kind && c.b_kind == p.b_kind && c.out == variant_out &&
         c.nt == p.nt && c.tile_m == p.tile_m && c.tile_n == p.tile_n &&
         c.grouped == (p.grouped != 0) && c.chained == p.chained)
       v = &c;
@@ -184,13 +194,29 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
                                p.tiles_per_cta > 16))
     return Fail(buf, n, "%d tiles of N per CTA: 1, or 1..16 for the grouped decode kernel",
                 p.tiles_per_cta);
-  // the split partials left to the caller: the decode kernels only (bit 5 of their a_e5m2)
-  if (p.partials != 0 && (p.partials != 1 || !v->nt))
-    return Fail(buf, n, "partials = %d: 0, or 1 for the decode kernels", p.partials);
+  // the split partials left to the caller: the decode kernels (bit 5 of their a_e5m2) and the
+  // register-weight splits (always)
+  if (p.partials != 0 && (p.partials != 1 || !(v->nt || fused_split)))
+    return Fail(buf, n, "partials = %d: 0, or 1 for the decode kernels and register-weight "
+                "splits", p.partials);
   if (v->nt) {
     if (const char* why = CheckDecode(p, *v, buf, n)) return why;
+  } else if (fused_split) {  // a dense register-weight variant, K split (bits 8-15 of a_e5m2)
+    const int64_t k_tiles = CeilDiv(p.k, 64);
+    if (p.a_kind != JBS_BF16_KPERM || p.grouped)
+      return Fail(buf, n, "a split count (%d) for the fused variant %s: only the dense "
+                  "register-weight variants split K", p.splits, v->name);
+    if (p.splits > 255 || p.splits > k_tiles)
+      return Fail(buf, n, "register-weight split count %d out of range [2, %lld]", p.splits,
+                  (long long)(k_tiles < 255 ? k_tiles : 255));
+    if (p.partials != 1)
+      return Fail(buf, n, "a register-weight split leaves its partials to the caller "
+                  "(partials = 1)");
+    if (const char* why = CheckSplitWorkspace(p, p.l * p.m * p.n, "register-weight", buf, n))
+      return why;
   } else if (p.splits != 0) {
-    return Fail(buf, n, "a split count (%d) for the fused variant %s", p.splits, v->name);
+    return Fail(buf, n, "a split count (%d) for the fused variant %s: 0, or 2 to 255 for the "
+                "register-weight variants", p.splits, v->name);
   } else if (p.grouped) {  // the grouped register-weight kernel
     if (const char* why = CheckWorkTable(p, *v, buf, n)) return why;
   }

@@ -57,6 +57,9 @@ class Config:
     sm90_dot_alpha: bool = True
     # JAX_BLOCKSCALE_SM90_TILE_N: force the fused kernel's tile N (64, 128, 256; tuning aid)
     sm90_tile_n: int | None = None
+    # JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS: force the dense register-weight variants'
+    # split-K count (1: no split; tuning aid; None: the catalogue's choice)
+    sm90_register_weight_splits: int | None = None
     # JAX_BLOCKSCALE_SM90_RAGGED_KERNEL: ragged_gemm's sm90 kernel ("decode": the grouped decode
     # kernel, "prefill": the grouped register-weight kernel where it can run; "auto" or unset:
     # the catalogue's choice by rows per expert; tuning and testing aid)
@@ -80,6 +83,10 @@ def _read() -> Config:
     if ragged_tile_m is not None and ragged_tile_m not in (64, 128):
         raise ValueError(f"JAX_BLOCKSCALE_SM90_RAGGED_TILE_M={ragged_tile_m} must be 64 or 128")
     candidates = _int("JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES")
+    rw_splits = _int("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS")
+    if rw_splits is not None and not 1 <= rw_splits <= 255:
+        raise ValueError(f"JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS={rw_splits} must be in "
+                         "[1, 255]")
     return Config(
         backend=None if backend == "auto" else backend,
         library=os.environ.get("JAX_BLOCKSCALE_LIBRARY") or None,
@@ -90,6 +97,7 @@ def _read() -> Config:
         sm90_register_weights=os.environ.get("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS") != "0",
         sm90_dot_alpha=os.environ.get("JAX_BLOCKSCALE_SM90_DOT_ALPHA") != "0",
         sm90_tile_n=tile_n,
+        sm90_register_weight_splits=rw_splits,
         sm90_ragged_kernel=_choice("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL",
                                    ("auto", "decode", "prefill"), "auto"),
         sm90_ragged_tile_m=ragged_tile_m,

@@ -112,6 +112,31 @@ def register_weight_tile(m: int, n: int, l: int, sm_count: int) -> tuple[int, in
     return tile_m, tile_n
 
 
+# Split-K of the dense register-weight variants: where a call's tiles leave SMs idle (fewer tiles
+# than SMs: N / 64 small beside the SM count, as a decoder's O and down projections at 33-64
+# rows), each tile's k-tiles are split into K ranges that run on their own SMs; the splits'
+# partial sums go to an f32 workspace that the lowering adds (lowering/ffi_sm90.py:
+# add_split_partials). At 64 rows the tile is bound by its SM's conversion and MMAs, so twice
+# the SMs is about twice the speed (docs/design/sm90_fused.md).
+REGISTER_WEIGHT_MIN_SPLIT_K_TILES = 4  # 64-element k-tiles per split, at least
+REGISTER_WEIGHT_MAX_SPLITS = 16
+REGISTER_WEIGHT_SPLIT_SLACK = 1.05  # take the fewest splits within 5 % of the best
+
+
+def register_weight_splits(m: int, n: int, k: int, l: int, tile: tuple[int, int],
+                           sm_count: int) -> int:
+    """K ranges per tile of a dense register-weight call (1: no split): only when its tiles are
+    fewer than the SMs; the fewest splits whose waves (ceil(tiles * s / SMs) over s, the time
+    of one unsplit tile per SM as the unit) are within REGISTER_WEIGHT_SPLIT_SLACK of the best."""
+    tiles = _ceil_div(m, tile[0]) * _ceil_div(n, tile[1]) * l
+    most = min(REGISTER_WEIGHT_MAX_SPLITS, _ceil_div(k, K_TILE) // REGISTER_WEIGHT_MIN_SPLIT_K_TILES)
+    if tiles >= sm_count or most < 2:
+        return 1
+    cost = {s: _ceil_div(tiles * s, sm_count) / s for s in range(1, most + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * REGISTER_WEIGHT_SPLIT_SLACK)
+
+
 # From this many rows the register-weight variants beat the decode kernel's wide variants, when
 # the weights' 64-row tiles give ~every SM one (WEIGHT_TILE_SM_FRACTION); with fewer tiles the
 # decode kernel's split-K keeps more SMs busy, and they take over from the larger count. MXFP8

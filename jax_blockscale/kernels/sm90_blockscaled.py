@@ -61,6 +61,10 @@ REGISTER_WEIGHT_K_SPLIT_ROWS = (16, 32)
 PRODUCER_REGS = 40
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
+# The dense register-weight variants take a run-time split-K count in bits 8-15 of a_e5m2 (their
+# activation is bf16, so the word carries no fp8 flavour); 0 or 1: no split
+SPLITS_SHIFT = 8
+MAX_SPLITS = 255
 SCALE_CHUNK = 512  # bytes of one blocked scale tile: 128 rows x 4 scale columns
 
 
@@ -208,6 +212,12 @@ def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
 
 
+def split_count(a_e5m2):
+    """The dense register-weight variants' split-K count, from bits 8-15 of a_e5m2 (0 means 1;
+    plain Python, traced inline)."""
+    return cutlass.max((a_e5m2 >> SPLITS_SHIFT) & MAX_SPLITS, 1)
+
+
 class _Slot:
     """A pipeline position as PipelineTmaAsync's calls read it (.index, .phase): the position of
     `state` in a ring of stages that starts at stage `base` of the shared barrier arrays."""
@@ -242,6 +252,10 @@ class Sm90BlockScaledGemm:
         # register-weight mode: bf16 activations (K-permuted, activation_k_order) x quantized
         # weights (REGISTER_WEIGHT_KINDS)
         self.reg_w = weights_in_registers
+        # dense register-weight variants split K at run time (split_count): each split stores its
+        # partial sums in the weights' true scale to C[split, l] (an f32 workspace); the caller
+        # adds them in split order and applies alpha
+        self.splittable = self.reg_w and not self.grouped
         # tile: (activation rows = the wgmma N, weight rows = 64 per consumer warp group)
         assert not self.reg_w or (a_kind == "bf16" and b_kind in REGISTER_WEIGHT_KINDS
                                   and tile_mn in REGISTER_WEIGHT_TILES), (a_kind, b_kind, tile_mn)
@@ -326,7 +340,10 @@ class Sm90BlockScaledGemm:
         mB = cute.make_tensor(
             b_ptr, cute.make_layout((n, b_cols, l), stride=(b_cols, 1, n * b_cols))
         )
-        mC = cute.make_tensor(c_ptr, cute.make_layout((m, n, la), stride=(n, 1, m * n)))
+        c_batch = la
+        if cutlass.const_expr(self.splittable):  # C is the workspace [splits, L, M, N]
+            c_batch = la * split_count(a_e5m2)
+        mC = cute.make_tensor(c_ptr, cute.make_layout((m, n, c_batch), stride=(n, 1, m * n)))
         # alpha lives in device memory (an XLA operand): read it in the epilogue, no host sync;
         # grouped: one per expert
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(l if self.grouped else 1))
@@ -370,7 +387,7 @@ class Sm90BlockScaledGemm:
             tma_sa, tSA = tma_sb, tSB
 
         # --- persistent schedule ---------------------------------------------------------------
-        tiles_mnl = ((m + bm - 1) // bm, (n + bn - 1) // bn, l)
+        tiles_mnl = ((m + bm - 1) // bm, (n + bn - 1) // bn, c_batch)  # split slowest
         if cutlass.const_expr(self.grouped):
             # (tiles of N, work items): N fastest, so the CTAs that run at once share an item's
             # activation rows and its expert's weights (both from L2 after the first)
@@ -540,6 +557,9 @@ class Sm90BlockScaledGemm:
         sk4_b = (k // b_blk + 3) // 4
         tiles_m = (m + bm - 1) // bm  # 128-row tiles: also the blocked scale layout's tiles
         scale_tiles_n = (n + 127) // 128
+        splits = cutlass.Int32(1)
+        if cutlass.const_expr(self.splittable):
+            splits = split_count(a_e5m2)
 
         if wg_idx == 0:
             # ============================ producer ============================================
@@ -556,6 +576,9 @@ class Sm90BlockScaledGemm:
                 while work.is_valid_tile:
                     tm, tn, tl = work.tile_idx
                     tile_k_tiles = k_tiles
+                    kt0 = 0  # the tile's first k-tile
+                    if cutlass.const_expr(self.splittable):
+                        tl, kt0, tile_k_tiles = self._split_range(tl, splits, mC, k_tiles)
                     a_tiles, a_l = tAg, tl
                     if cutlass.const_expr(self.grouped):
                         # tile (N tile, item): B's batch is the item's expert; A's bm rows from
@@ -567,7 +590,8 @@ class Sm90BlockScaledGemm:
                         _, a_tiles = cute.nvgpu.cpasync.tma_partition(
                             tma_a, 0, one, cute.group_modes(sA_raw, 0, 2),
                             cute.group_modes(g_item, 0, 2))
-                    for kt in range(tile_k_tiles):
+                    for kr in range(tile_k_tiles):
+                        kt = kt0 + kr
                         # the 128x4 scale tile(s) of B holding this k-tile's blocks (one per
                         # 128 rows of the tile) and, for a quantized A, A's
                         row_b = (tl * scale_tiles_n + (tn * bn) // 128) * sk4_b + (
@@ -583,8 +607,8 @@ class Sm90BlockScaledGemm:
                         if cutlass.const_expr(self.k_groups == 1):
                             _produce(pipe, ps, copies)
                             ps.advance()
-                        else:  # register-weight mode, k-tile kt to k-group kt % 2's ring
-                            if kt % 2 == 0:
+                        else:  # register-weight mode, the tile's k-tile kr to k-group kr % 2
+                            if kr % 2 == 0:
                                 _produce(pipe, _Slot(ps, 0), copies)
                                 ps.advance()
                             else:
@@ -603,7 +627,7 @@ class Sm90BlockScaledGemm:
         elif cutlass.const_expr(self.reg_w):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
-                                           table=table)
+                                           splits, table=table)
         else:
             # ============================ consumers ===========================================
             cute.arch.setmaxregister_increase(232)
@@ -757,6 +781,17 @@ class Sm90BlockScaledGemm:
             alpha = alpha * cutlass.Float32(self.alpha_fix)
         return alpha
 
+    def _split_range(self, tl, splits, mC, k_tiles):
+        """(batch, first k-tile, k-tiles) of a dense register-weight tile whose third index
+        `tl` = split * L + batch counts the splits too (plain Python, traced inline; the producer
+        and the consumers read it alike). Split s takes k-tiles [s * per, (s + 1) * per), per =
+        ceil(k_tiles / splits); a split past the end has none (its partials are zeros)."""
+        l_ab = cute.size(mC, mode=[2]) // splits  # C holds splits x L batches
+        per = (k_tiles + splits - 1) // splits
+        kt0 = (tl // l_ab) * per
+        count = cutlass.max(cutlass.min(k_tiles - kt0, per), 0)
+        return tl % l_ab, kt0, count
+
     def _work_item(self, table, item, m, k_tiles):
         """(expert, first row, end row, k-tiles) of entry `item` of the grouped kernel's work
         table (plain Python, traced inline; the producer and the consumers read it alike).
@@ -776,13 +811,15 @@ class Sm90BlockScaledGemm:
 
     @cute.jit
     def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
-                                  table=None):
+                                  splits, table=None):
         """Consumers of the register-weight mode. Thread (k-group kg, warp group wg of it, warp
         wq, lane = 4 g + t) owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's bn
         and the accumulator of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2),
         column 8 j + 2 t + x % 2], summed over k-tiles kg, kg + k_groups, ... With two k-groups
         each has its own ring of stages; the second adds its sums into the first's through
-        shared memory at a tile's end, and the first stores the tile."""
+        shared memory at a tile's end, and the first stores the tile. With several splits
+        (`splits`, dense variants) a tile covers its split's k-tiles and stores its sums in the
+        weights' true scale (alpha is the caller's) to C[split * L + l]."""
         bm, bn = self.bm, self.bn
         kgs = self.k_groups
         group_threads = self.num_consumer_threads // kgs
@@ -829,6 +866,10 @@ class Sm90BlockScaledGemm:
             tm, tn, tl = work.tile_idx
             tile_k_tiles = own_k_tiles
             m0, m_end, c_l = tm * bm, m, tl  # the tile's first row, rows end, C's batch
+            kt0 = 0  # the tile's first k-tile
+            if cutlass.const_expr(self.splittable):
+                tl, kt0, split_k_tiles = self._split_range(tl, splits, mC, k_tiles)
+                tile_k_tiles = (split_k_tiles - kg + kgs - 1) // kgs
             if cutlass.const_expr(self.grouped):  # tile (N tile, item), see _work_item
                 tl, m0, m_end, item_k_tiles = self._work_item(table, tn, m, k_tiles)
                 tn, c_l = tm, 0
@@ -844,19 +885,19 @@ class Sm90BlockScaledGemm:
             # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
             for kp in range(tile_k_tiles // 2):
                 self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kg + kgs * (2 * kp))
+                                             kt0 + kg + kgs * (2 * kp))
                 rs.advance()
                 if kp > 0:  # the previous pair's second k-tile's MMAs are done
                     pipe.consumer_release(self._slot(rel, ring_base))
                     rel.advance()
                 self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kg + kgs * (2 * kp + 1))
+                                             kt0 + kg + kgs * (2 * kp + 1))
                 rs.advance()
                 pipe.consumer_release(self._slot(rel, ring_base))  # this pair's first k-tile
                 rel.advance()
             if tile_k_tiles % 2 == 1:
                 self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kg + kgs * (tile_k_tiles - 1))
+                                             kt0 + kg + kgs * (tile_k_tiles - 1))
                 rs.advance()
                 if tile_k_tiles > 1:
                     pipe.consumer_release(self._slot(rel, ring_base))
@@ -886,6 +927,9 @@ class Sm90BlockScaledGemm:
             if cutlass.const_expr(self.grouped):
                 if item_k_tiles == 0:  # a zero item (or none): zeros, whatever alpha holds
                     alpha = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.splittable):
+                if splits > 1:  # partials in true scale: only the NVFP4 fold's correction
+                    alpha = cutlass.Float32(self.alpha_fix)
             for i in cutlass.range_constexpr(n_acc):
                 row = n0 + r0 + 8 * ((i % 4) // 2)
                 col = m0 + 8 * (i // 4) + 2 * t + i % 2

@@ -11,10 +11,11 @@ prepares the operands the chosen kernel reads and emits the call).
       - batch dims -> one L axis; a batched A times an unbatched B folds into M;
       - K padded to the plan's K (NVFP4 with K % 32 == 16 gets 16 zero elements: TMA needs
         16-byte rows);
-      - the decode kernel's f32 split-K workspace is a second result of the call (nothing is
-        allocated at run time: CUDA-graph safe); zero elements for the fused kernels. With
-        more than one split the kernel leaves its split partials there and this module adds
-        them in XLA (`add_split_partials`), where the sum fuses into the ops around the call;
+      - the f32 split-K workspace (decode kernel; register-weight variants that split K) is a
+        second result of the call (nothing is allocated at run time: CUDA-graph safe); zero
+        elements otherwise. With more than one split the kernel leaves its split partials
+        there and this module adds them in XLA (`add_split_partials`), where the sum fuses
+        into the ops around the call;
       - the plan's variant travels as attributes (kernel nt, tile, splits); the handler validates
         every assumption and returns an error rather than launching what it cannot run.
 """
@@ -147,17 +148,18 @@ register_backend(SM90)
 
 
 def leaves_partials(plan) -> bool:
-    """Whether the call leaves the decode kernel's split partials for the lowering to add
-    (`partials` = 1): every plan of the decode kernel (gemm's, or ragged_gemm's grouped one) with
-    more than one split. Added in XLA, the sum is one more elementwise op that XLA fuses into the
-    ops around the call (the residual add, the activation function, the next op's input), where
-    the kernel's own finalize kernel was one more launch after the main one
-    (docs/design/sm90_decode.md)."""
-    return plan.kernel in ("decode", "ragged_decode") and plan.splits > 1
+    """Whether the call leaves its split partials for the lowering to add (`partials` = 1):
+    every plan of the decode kernel (gemm's, or ragged_gemm's grouped one) and of the
+    register-weight variants with more than one split. Added in XLA, the sum is one more
+    elementwise op that XLA fuses into the ops around the call (the residual add, the activation
+    function, the next op's input), where the decode kernel's own finalize kernel was one more
+    launch after the main one (docs/design/sm90_decode.md); the register-weight variants have no
+    finalize (docs/design/sm90_fused.md)."""
+    return plan.kernel in ("decode", "ragged_decode", "register_weights") and plan.splits > 1
 
 
 def add_split_partials(ws, splits: int, shape: tuple, alpha, out_dtype):
-    """The output from the decode kernel's split partials: ws holds [splits, *shape] f32 (true
+    """The output from a kernel's split partials: ws holds [splits, *shape] f32 (true
     scale, before alpha) from its start. Added in split order from +0.0, times alpha, then
     converted: the finalize kernel's arithmetic, so bitwise its result (XLA reorders no float
     additions)."""

@@ -75,8 +75,8 @@ class Plan:
     tile: tuple[int, int] = (0, 0)
     cluster: tuple[int, int] = (0, 0)
     nt: int = 0  # decode: n8 tiles of M per CTA
-    splits: int = 0  # decode: K ranges per output tile
-    workspace: int = 0  # decode: f32 elements of the split-K workspace
+    splits: int = 0  # decode, register_weights: K ranges per output tile (0: no split)
+    workspace: int = 0  # f32 elements of the split-K workspace (splits * L * M * N)
     dequantize_a: bool = False
     permute_k: bool = False
     a_scales_plain: bool = False
@@ -162,7 +162,7 @@ def as_shard(whole: Plan, spec: GemmSpec) -> Plan:
     and split count (so every output element is summed in the same order), over the shard's own
     rows, batch and split-K workspace. Every kernel takes any smaller M, N and batch."""
     m, l = kernel_rows_and_batch(spec)
-    workspace = whole.splits * l * m * spec.n if whole.kernel == "decode" else whole.workspace
+    workspace = whole.splits * l * m * spec.n  # decode or split register-weight: per split
     return dataclasses.replace(whole, spec=spec, m=m, l=l, workspace=workspace)
 
 
@@ -354,12 +354,28 @@ class _Sm90:
             tile_m, tile_n = 128, cat90.fused_tile_n(m, spec.n, l, sm)
             kernel = "fused"
         tile_n = self.cfg.sm90_tile_n or tile_n
-        variant = cat90.fused_variant(ka, kb, self.out, tile_m, tile_n).name
+        splits = 0
+        if kernel == "register_weights":
+            splits = self.register_weight_splits(k, (tile_m, tile_n))
+        # split partials are f32 (the f32-output variant writes them); 0: no split
+        variant = cat90.fused_variant(ka, kb, "f32" if splits else self.out, tile_m, tile_n).name
         if not self.lib.has(variant):
             return f"the library has no variant {variant}"
         return Plan("sm90", kernel, variant=variant, a_kind=ka, b_kind=kb, tile=(tile_m, tile_n),
+                    splits=splits, workspace=splits * l * m * spec.n,
                     dequantize_a=dequantize_a, permute_k=kernel == "register_weights", k=k,
                     **common)
+
+    def register_weight_splits(self, k: int, tile: tuple[int, int]) -> int:
+        """K ranges per tile of a register-weight call (0: none; else 2 or more): the
+        configuration's, else the catalogue's; none where the workspace would pass 32-bit
+        indexing."""
+        splits = self.cfg.sm90_register_weight_splits or cat90.register_weight_splits(
+            self.m, self.spec.n, k, self.l, tile, self.device.sm_count)
+        splits = min(splits, -(-k // cat90.K_TILE))
+        if splits < 2 or splits * self.l * self.m * self.spec.n > _INT32_MAX:
+            return 0
+        return splits
 
 
 def plan_sm90(spec: GemmSpec, device: Device, *, cfg=None, library=LIBRARY) -> Plan | str:

@@ -206,18 +206,21 @@ def _layer_call(lhs, sl, sr, b8, sb8, a_index, index, alpha, plan: RaggedPlan):
                 index_nt=np.int32(plan.nt), index_tile_m=np.int32(plan.tile[0]),
                 index_tile_n=np.int32(plan.tile[1]), index_splits=np.int32(plan.splits),
                 index_items=np.int64(plan.items), partials=np.int32(partials))
-    if partials:  # either plan's partials, in true scale: times the layer's alpha
+    if partials:  # the partials in true scale (either plan's): times the layer's alpha
         layer_alpha = alpha[jnp.clip(index, 0, spec.groups - 1)]
-        y = add_split_partials(ws, plan.splits, (m, n), layer_alpha, spec.out_dtype)
+        y = add_split_partials(ws, layer.splits, (m, n), layer_alpha, spec.out_dtype)
     return y
 
 
 def layer_leaves_partials(plan: RaggedPlan) -> bool:
-    """Whether the layer target leaves the split partials for the lowering to add: where the
-    layer's own plan and index mode both run the decode kernel with the same (several) splits,
-    so that whichever the handler picks at run time leaves them alike (true scale, [splits, M,
-    N]). The slice mode and a layer plan of another kernel keep the finalize."""
+    """Whether the layer target leaves the split partials for the lowering to add (true scale,
+    [splits, M, N]): in slice mode wherever the layer's plan leaves them (one plan runs); in
+    index mode where the layer's own plan and index mode both run the decode kernel with the
+    same (several) splits, so that whichever the handler picks at run time leaves them alike.
+    A layer plan of another kernel keeps the decode kernel's finalize."""
     layer = plan.layer
+    if plan.kernel == "layer_slice":
+        return ffi_sm90.leaves_partials(layer)
     return (plan.kernel == "ragged_decode" and ffi_sm90.leaves_partials(layer)
             and layer.splits == plan.splits)
 

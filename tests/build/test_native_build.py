@@ -20,6 +20,7 @@ from jax_blockscale import _plugin
 from jax_blockscale.catalog import sm90 as cat
 from jax_blockscale.formats import get_format
 from jax_blockscale.lowering import GemmSpec
+from jax_blockscale.lowering import ffi_sm90
 from jax_blockscale.lowering import plan as P
 from jax_blockscale.ragged import ragged_gemm_spec
 
@@ -280,7 +281,32 @@ def _call_of(p) -> dict:
                 sb_bytes=_scale_bytes(p.l, spec.n, p.k, get_format(spec.fmt_b).block),
                 c_bytes=p.l * p.m * spec.n * np.dtype(spec.out_dtype).itemsize,
                 a_scales_plain=int(p.a_scales_plain), nt=p.nt, tile_m=p.tile[0],
-                tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.workspace)
+                tile_n=p.tile[1], splits=p.splits, ws_bytes=4 * p.workspace,
+                partials=int(ffi_sm90.leaves_partials(p)))
+
+
+def test_register_weight_split_count_and_workspace():
+    """A dense register-weight call may split K (2..min(255, K / 64)); it runs the f32 variant
+    of its tile, whose output is the workspace of partials (partials = 1), whatever the call's
+    output dtype."""
+    rw = dict(a="bf16_kperm", b="nvfp4", m=64, n=4096, k=4096, l=1, tile=(64, 64))
+    for out in ("bf16", "f16", "f32"):
+        for splits in (2, 64):
+            ok, name = check(out=out, splits=splits, partials=1, **rw)
+            assert ok and name == "jbs_sm90_bf16_kperm_nvfp4_f32_64x64", (out, splits, name)
+    for splits in (65, 256):  # past K's 64 k-tiles, past 8 bits
+        ok, msg = check(splits=splits, partials=1, **rw)
+        assert not ok and "register-weight split count" in msg, msg
+    ok, msg = check(splits=4, partials=0, **rw)
+    assert not ok and "leaves its partials to the caller" in msg, msg
+    ok, msg = check(splits=4, partials=1, ws_bytes=4 * 3 * 64 * 4096, **rw)
+    assert not ok and "register-weight workspace has" in msg, msg
+    ok, msg = check(splits=4, partials=1, ws_ptr=0, **rw)
+    assert not ok and "workspace pointer is null" in msg, msg
+    ok, msg = check(splits=2, partials=1)  # the shared-memory fused variant does not split
+    assert not ok and "only the dense register-weight variants split K" in msg, msg
+    ok, msg = check(splits=1, **rw)  # no split is 0
+    assert not ok and "0, or 2 to 255 for the register-weight variants" in msg, msg
 
 
 def test_every_plan_is_accepted_and_named_back():
@@ -498,8 +524,10 @@ def test_lowering_emits_the_layer_call(monkeypatch):
     for fmt, m, target, probe, attrs in (
             ("nvfp4", 16, _plugin.LAYER_SM90_TARGET, PROBE_BYTES,
              dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2, index_items=1, partials=0)),
+            # a register-weight plan (4 tiles of 128 x 64): K's 8 k-tiles in 2 splits, whose
+            # partials the lowering adds and scales by the layer's alpha
             ("nvfp4", 100, _plugin.LAYER_SM90_TARGET, scale_bytes // 4,
-             dict(m=100, l=1, g=3, nt=0, splits=0, index_nt=0, index_items=0, partials=0)),
+             dict(m=100, l=1, g=3, nt=0, splits=2, index_nt=0, index_items=0, partials=1)),
             ("mxfp4", 100, _plugin.SM90_TARGET, None, dict(m=100, l=1))):
         w, x = stack(fmt), jnp.ones((m, 512), jnp.bfloat16)
         text = lower_for_cuda(monkeypatch, lambda x, i, w=w: jbs.gemm(x, w, layer=i), x, 1)
@@ -513,6 +541,8 @@ def test_lowering_emits_the_layer_call(monkeypatch):
         if m == 16:
             assert "f4E2M1FN" not in "".join(ln for ln in text.splitlines()
                                               if "dynamic_slice" in ln), "elements sliced"
+        if target == _plugin.LAYER_SM90_TARGET and m == 100:  # the partials, then slice mode's
+            assert f"tensor<{2 * 100 * 256 + 4}xf32>" in calls[0], calls[0]  # gathered alpha
     # a long K: both plans split it alike, and the lowering adds the partials (true scale) and
     # applies the layer's alpha
     w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(1), (3, 256, 4096)), "nvfp4",
@@ -810,8 +840,9 @@ def test_lowering_emits_the_planned_call(monkeypatch, case):
         assert re.search(rf"\b{attr} = {v} : i(32|64)", calls[0]), (attr, v, calls[0][:600])
 
 
-def test_lowering_declares_the_decode_workspace(monkeypatch):
-    """The plan's split count sizes the workspace result; the fused kernels declare none."""
+def test_lowering_declares_the_split_k_workspace(monkeypatch):
+    """The plan's split count sizes the workspace result (the decode kernel; a register-weight
+    variant whose tiles leave SMs idle); a fused kernel that does not split declares none."""
     import jax_blockscale as jbs
 
     as_if_hopper(monkeypatch)
@@ -833,10 +864,17 @@ def test_lowering_declares_the_decode_workspace(monkeypatch):
     assert "partials = 1 :" in c, c  # the lowering adds the split partials
     c = call(7, (2,))  # folded: M = 14
     assert f"tensor<{splits(14) * 14 * 300}xf32>" in c, c
-    c = call(7, (2, 5))  # folded: M = 70 > 64: a fused variant
-    assert "tensor<0xf32>" in c and "nt = 0 :" in c and "partials = 0 :" in c, c
-    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="16")
-    assert "tensor<0xf32>" in call(7, (2, 2))  # folded: M = 28, over the configured limit
+    c = call(7, (2, 5))  # folded: M = 70 > 64: a register-weight variant, 5 tiles of 128 x 64
+    # on 132 SMs: K's 16 k-tiles in 4 ranges of 4 (the most), partials added by the lowering
+    assert f"tensor<{4 * 70 * 300}xf32>" in c and "nt = 0 :" in c and "splits = 4 :" in c, c
+    assert "partials = 1 :" in c and f"a_kind = {KIND_CODES['bf16_kperm']} :" in c, c
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="1")
+    c = call(7, (2, 5))  # no split: no workspace
+    assert "tensor<0xf32>" in c and "splits = 0 :" in c and "partials = 0 :" in c, c
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="16",
+            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
+    c = call(7, (2, 2))  # folded: M = 28, over the configured limit: register weights, split
+    assert "nt = 0 :" in c and f"tensor<{4 * 28 * 300}xf32>" in c, c
 
 
 def test_activation_dequantized_only_where_bf16_fits_the_kernel():

@@ -149,6 +149,69 @@ def test_register_weights(monkeypatch, fmt_b, batch_a, batch_b, m, n, k):
 
 
 @needs_sm90
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("batch_a,batch_b,m,n,k,splits", [
+    ((), (), 64, 4096, 14336, None),  # a decoder's down projection: the catalogue's 2 splits
+    ((), (), 45, 200, 1024, "3"),      # 16 k-tiles in 6 / 6 / 4
+    ((), (), 20, 300, 640, "7"),       # 10 k-tiles in 2s: splits 5 and 6 have none (zeros);
+                                       # 32-row tiles, two k-groups
+    ((), (), 64, 40000, 192, "2"),     # more work than SMs: CTAs run several (tile, split)s
+    ((2, 3), (), 7, 136, 512, "4"),    # a folded batch
+    ((3,), (3,), 40, 200, 512, "4"),   # an L batch: partials [split, L, M, N]
+])
+def test_register_weights_split_k(monkeypatch, fmt_b, batch_a, batch_b, m, n, k, splits):
+    """The register-weight variants with K split (splits forced where the catalogue would not):
+    the f32 variant leaves each split's partial sums in true scale, the lowering adds them and
+    applies alpha. Equal to the reference in every output dtype, equal to the unsplit kernel
+    within f32 rounding, and bitwise reproducible."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
+            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=splits)
+    a, b = _operands(None, fmt_b, batch_a, batch_b, m, n, k)  # NVFP4: alpha after the sum
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    calls = [ln for ln in f.lower(a, b).as_text().splitlines()
+             if "custom_call @" + _plugin.SM90_TARGET in ln]
+    want_splits = int(splits or 2)
+    assert len(calls) == 1 and f"a_kind = {KPERM} : i32" in calls[0], calls
+    assert f"splits = {want_splits} : i32" in calls[0] and "partials = 1 : i32" in calls[0], calls
+    _check(a, b, "f32", f)
+    _check(a, b, "bf16")
+    _check(a, b, "f16")
+    y = np.asarray(f(a, b))
+    np.testing.assert_array_equal(y, np.asarray(f(a, b)))  # bitwise reproducible
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="1")
+    whole = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    assert "splits = 0 : i32" in whole.lower(a, b).as_text()
+    unsplit = np.asarray(whole(a, b), np.float64)
+    assert _rel(y, unsplit) < 1e-6
+
+
+@needs_sm90
+def test_register_weights_split_k_keeps_non_finite_blocks_in_place(monkeypatch):
+    """A NaN / Inf block in one split's K range: its row (activation) or column (weight) is
+    NaN / Inf after the splits are added, every other output equals the reference's."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
+            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="4")
+    ka, kb = jax.random.split(_key())
+    x = np.array(jax.random.normal(ka, (40, 1024), jnp.float32))
+    w = np.array(jax.random.normal(kb, (136, 1024), jnp.float32)) * 0.5
+    x[1, 5], x[2, 700] = np.nan, np.inf    # splits 0 and 2
+    w[3, 300], w[7, 1000] = np.nan, -np.inf  # splits 1 and 3
+    a, b = jnp.asarray(x, jnp.bfloat16), jbs.quantize(w, "nvfp4")
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    assert "splits = 4 : i32" in f.lower(a, b).as_text()
+    _poison()
+    y = np.asarray(f(a, b))
+    ref = np.asarray(jbs.gemm(a, b, out_dtype=jnp.float32, backend="reference"))
+    bad = np.zeros(y.shape, bool)
+    bad[[1, 2], :] = True
+    bad[:, [3, 7]] = True
+    np.testing.assert_array_equal(~np.isfinite(ref), bad)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    np.testing.assert_array_equal(y[np.isinf(ref)], ref[np.isinf(ref)])
+    assert _rel(y[~bad], ref[~bad]) < 1e-5
+
+
+@needs_sm90
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_register_weights_two_operand(monkeypatch, fmt):
     """W4A4 past the decode kernel's rows: A dequantized by XLA, K-permuted, then the

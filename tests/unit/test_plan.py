@@ -84,11 +84,27 @@ def _mxfp8_decode_rows(r, spec, p) -> bool:
             and (r["variant"] or "").startswith("jbs_sm90_bf16_kperm_"))
 
 
+def _register_weight_split(r, p):
+    """The second decision changed on purpose: a register-weight call whose tiles are fewer
+    than the SMs splits K (catalog/sm90.py: register_weight_splits) and runs the f32 variant of
+    the recorded tile (its partials are added by the lowering). The record's (variant, splits)
+    as the planner now makes them, or None where the recorded call does not split."""
+    variant = r["variant"] or ""
+    if not variant.startswith("jbs_sm90_bf16_kperm_") or isinstance(p, str):
+        return None
+    tile = tuple(int(x) for x in variant.rsplit("_", 1)[1].split("x"))
+    splits = cat90.register_weight_splits(p.m, p.spec.n, p.k, p.l, tile, H100.sm_count)
+    if splits < 2 or splits * p.l * p.m * p.spec.n > 2**31 - 1:
+        return None
+    kind = variant[len("jbs_sm90_bf16_kperm_"):].split("_")[0]
+    return cat90.fused_variant("bf16_kperm", kind, "f32", *tile).name, splits
+
+
 def test_sm90_plans_match_the_recorded_dispatch():
     rows = _rows("sm90_dispatch_before_planner.json.gz")
     assert len(rows) > 50_000
     lib, cfg = FullLibrary(), Config()
-    wrong, changed = [], 0
+    wrong, changed, split = [], 0, 0
     for r in rows:
         spec = _spec(r)
         p = P.plan_sm90(spec, H100, cfg=cfg, library=lib)
@@ -100,9 +116,12 @@ def test_sm90_plans_match_the_recorded_dispatch():
             v, splits = cat90.choose_decode_variant(p.m, spec.n, p.k, "bf16", spec.fmt_b,
                                                     H100.sm_count, out=out)
             want = ("kernel", v.name, splits, spec.fmt_a is not None, False)
+        elif (now := _register_weight_split(r, p)) is not None:
+            split += 1
+            want = ("kernel", *now, r["dequantize_a"], r["a_scales_plain"])
         if got != want:
             wrong.append((r, got))
-    assert changed > 100
+    assert changed > 100 and split > 100
     assert not wrong, f"{len(wrong)} of {len(rows)} differ, e.g. {wrong[:3]}"
 
 
@@ -144,6 +163,38 @@ def test_plan_fields_describe_the_call():
     assert (p.kernel, p.tile[0], p.a_kind) == ("fused", 128, "bf16")
     p = _plan(_w(m=4096, n=4096, k=4096))
     assert p.kernel == "xla_dot" and p.variant is None
+
+
+def test_register_weights_split_k_where_their_tiles_leave_sms_idle():
+    # a decoder's down projection at 64 rows: 64 tiles of 64 x 64 on 132 SMs -> two K ranges,
+    # the f32 variant writing the partials to the workspace
+    p = _plan(_w(m=64, n=4096, k=14336))
+    assert (p.kernel, p.tile, p.splits, p.workspace) == (
+        "register_weights", (64, 64), 2, 2 * 64 * 4096)
+    assert p.variant == "jbs_sm90_bf16_kperm_nvfp4_f32_64x64"
+    # enough tiles for every SM: no split, the output dtype's own variant
+    p = _plan(_w(m=64, n=28672, k=4096))
+    assert (p.kernel, p.splits, p.workspace) == ("register_weights", 0, 0)
+    assert p.variant.endswith("_bf16_64x128")
+    # forced, and clamped to K's 64-element k-tiles; 1 means no split
+    assert _plan(_w(m=64, n=4096, k=4096), sm90_register_weight_splits=5).splits == 5
+    assert _plan(_w(m=64, n=4096, k=256), sm90_register_weight_splits=9).splits == 4
+    assert _plan(_w(m=64, n=4096, k=14336), sm90_register_weight_splits=1).splits == 0
+    # a shard keeps the split count, with its own workspace
+    whole = _plan(_w(m=64, n=4096, k=14336))
+    shard = P.as_shard(whole, _w(m=32, n=4096, k=14336))
+    assert (shard.splits, shard.workspace) == (2, 2 * 32 * 4096)
+
+
+@pytest.mark.parametrize("tiles, sms, want", [
+    (64, 132, 2), (96, 132, 4), (131, 132, 1), (132, 132, 1), (500, 132, 1), (1, 132, 16),
+    (33, 132, 4), (64, 114, 7)])
+def test_register_weight_splits_fill_the_sms(tiles, sms, want):
+    # tiles of 64 x 64 at 64 rows; K = 16384 allows up to 16 splits. 64 tiles on 114 SMs: 7
+    # splits take 4 waves of 1/7 (0.57 of a whole tile), 2 splits 2 waves of 1/2
+    assert cat90.register_weight_splits(64, 64 * tiles, 16384, 1, (64, 64), sms) == want
+    # too short a K for two splits of 4 k-tiles
+    assert cat90.register_weight_splits(64, 64 * tiles, 448, 1, (64, 64), sms) == 1
 
 
 def test_nvfp4_odd_k_is_padded_for_the_kernel():

@@ -43,11 +43,13 @@ def test_alpha_is_applied_before_the_conversion():
     assert got.dtype == jnp.bfloat16 and float(got[0]) == 3.015625
 
 
-def test_only_split_decode_plans_leave_their_partials():
+def test_only_split_plans_leave_their_partials():
     class Plan:
         def __init__(self, kernel, splits):
             self.kernel, self.splits = kernel, splits
     assert leaves_partials(Plan("decode", 2)) and leaves_partials(Plan("ragged_decode", 3))
+    assert leaves_partials(Plan("register_weights", 2))
     assert not leaves_partials(Plan("decode", 1)) and not leaves_partials(Plan("ragged_decode", 1))
+    assert not leaves_partials(Plan("register_weights", 0))
     assert not leaves_partials(Plan("ragged_prefill", 0))
     assert not leaves_partials(Plan("fused", 0))

@@ -1,0 +1,126 @@
+"""The sm90 register-weight variants' split-K count, forced, against the catalogue's choice and
+the decode kernel, at the decoder step's GEMM shapes (Llama-3-8B: QKV, O, gate+up, down).
+
+For every shape, row count and weight format: the device time of `jbs.gemm` with the planner's
+own plan ("auto"), with the register-weight variant forced (the decode kernel off) at each split
+count of `--splits` (1: no split), and bf16 `jnp.dot`; weights rotated past L2, device time from
+the profiler (benchmarks/timing.py). Prints a table and writes <out>/<tag>.json.
+
+    python benchmarks/register_weight_splits.py                       # 33 / 48 / 64 rows
+    python benchmarks/register_weight_splits.py --rows 24,32 --formats nvfp4
+
+Needs an sm90 GPU and the library.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale import config  # noqa: E402
+from jax_blockscale.catalog import sm90 as cat  # noqa: E402
+from timing import copies, device_time_us, rotation_count  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
+
+
+def configured(**env):
+    """Set the JAX_BLOCKSCALE_* variables `env` (None: unset) and re-read the configuration."""
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+    config.reload()
+
+
+def gemm_fn():
+    return jax.jit(lambda x, w: jbs.gemm(x, w, out_dtype=jnp.bfloat16))  # fresh: plans anew
+
+
+def kernel_of(x, w):
+    """(kernel, splits) of the call gemm lowers (x, w) to under the current configuration:
+    "register_weights", "fused", "decode" or "other" (read from the custom call's attributes)."""
+    text = gemm_fn().lower(x, w).as_text()
+    call = next((ln for ln in text.splitlines() if "custom_call @jax_blockscale_gemm_sm90" in ln),
+                None)
+    if call is None:
+        return "other", 0
+    splits = int(re.search(r"splits = (\d+) :", call).group(1))
+    if re.search(r"\bnt = 0 :", call) is None:
+        return "decode", splits
+    kperm = f"a_kind = {cat.KIND_CODES['bf16_kperm']} :" in call
+    return ("register_weights" if kperm else "fused"), splits
+
+
+def time_gemm(x, ws):
+    return device_time_us(gemm_fn(), arg_sets=[(x, w) for w in ws])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="33,48,64")
+    p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3")
+    p.add_argument("--splits", default="1,2,3,4,6,8")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--tag", default="register_weight_splits_h100")
+    args = p.parse_args(argv)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    forced = [int(s) for s in args.splits.split(",")]
+    results = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w32 = jax.random.normal(jax.random.PRNGKey(len(name)), (n, k), jnp.float32) / np.sqrt(k)
+        wb = w32.astype(jnp.bfloat16)
+        for m in rows_list:
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k)).astype(jnp.bfloat16)
+            bf16 = device_time_us(jax.jit(jnp.dot),
+                                  arg_sets=[(x, w.T) for w in copies(wb, rotation_count(2 * n * k))])
+            for fmt in args.formats.split(","):
+                w = jbs.quantize(w32, fmt, layout="blocked")
+                ws = copies(w, rotation_count(w.elements.nbytes + w.scales.nbytes))
+                row = dict(gemm=name, n=n, k=k, rows=m, fmt=fmt, bf16_us=bf16)
+                configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS=None,
+                           JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
+                kernel, splits = kernel_of(x, w)
+                row.update(auto_kernel=kernel, auto_splits=splits, auto_us=time_gemm(x, ws))
+                configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0")
+                row["forced_us"] = {}
+                for s in forced:
+                    configured(JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=s)
+                    if kernel_of(x, w)[0] != "register_weights":
+                        continue
+                    row["forced_us"][s] = time_gemm(x, ws)
+                configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS=None,
+                           JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+                del ws, w
+    print("\n| GEMM | rows | format | bf16 dot | auto (kernel, splits) | "
+          + " | ".join(f"{s} split{'s' * (s > 1)}" for s in forced) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(forced))
+    for r in results:
+        cells = " | ".join(f"{r['forced_us'][s]:.1f}" if s in r["forced_us"] else "-"
+                           for s in forced)
+        print(f"| {r['gemm']} {r['n']}x{r['k']} | {r['rows']} | {r['fmt']} | {r['bf16_us']:.1f} "
+              f"| {r['auto_us']:.1f} ({r['auto_kernel']}, {r['auto_splits']}) | {cells} |")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,
+                  indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
