@@ -88,7 +88,7 @@ def main(argv=None):
                                   arg_sets=[(x, w.T) for w in copies(wb, rotation_count(2 * n * k))])
             for fmt in args.formats.split(","):
                 w = jbs.quantize(w32, fmt, layout="blocked")
-                ws = copies(w, rotation_count(w.elements.nbytes + w.scales.nbytes))
+                ws = copies(w, rotation_count(w.data.nbytes + w.scales.nbytes))
                 row = dict(gemm=name, n=n, k=k, rows=m, fmt=fmt, bf16_us=bf16)
                 configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS=None,
                            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)

@@ -112,28 +112,35 @@ def register_weight_tile(m: int, n: int, l: int, sm_count: int) -> tuple[int, in
     return tile_m, tile_n
 
 
-# Split-K of the dense register-weight variants: where a call's tiles leave SMs idle (fewer tiles
-# than SMs: N / 64 small beside the SM count, as a decoder's O and down projections at 33-64
-# rows), each tile's k-tiles are split into K ranges that run on their own SMs; the splits'
-# partial sums go to an f32 workspace that the lowering adds (lowering/ffi_sm90.py:
-# add_split_partials). At 64 rows the tile is bound by its SM's conversion and MMAs, so twice
-# the SMs is about twice the speed (docs/design/sm90_fused.md).
+# Split-K of the dense register-weight variants: where a call's tiles are fewer than the SMs
+# (N / 64 small beside the SM count, as a decoder's O and down projections at 33-64 rows), each
+# tile's k-tiles are split into K ranges that run on their own SMs; the splits' partial sums go
+# to an f32 workspace that the lowering adds (lowering/ffi_sm90.py: add_split_partials). A
+# persistent CTA's time is about waves x (k-tiles per unit + REGISTER_WEIGHT_UNIT_K_TILES): each
+# (tile, split) unit it runs costs a pipeline fill and an epilogue besides its k-tiles (measured
+# at 64 rows: ~0.12 us per k-tile, ~0.8 us per unit; docs/design/sm90_fused.md).
+REGISTER_WEIGHT_UNIT_K_TILES = 7
 REGISTER_WEIGHT_MIN_SPLIT_K_TILES = 4  # 64-element k-tiles per split, at least
 REGISTER_WEIGHT_MAX_SPLITS = 16
-REGISTER_WEIGHT_SPLIT_SLACK = 1.05  # take the fewest splits within 5 % of the best
+REGISTER_WEIGHT_SPLIT_GAIN = 1.1  # split only where the model saves 10 %
+REGISTER_WEIGHT_SPLIT_SLACK = 1.05  # then the fewest splits within 5 % of the best
 
 
 def register_weight_splits(m: int, n: int, k: int, l: int, tile: tuple[int, int],
                            sm_count: int) -> int:
     """K ranges per tile of a dense register-weight call (1: no split): only when its tiles are
-    fewer than the SMs; the fewest splits whose waves (ceil(tiles * s / SMs) over s, the time
-    of one unsplit tile per SM as the unit) are within REGISTER_WEIGHT_SPLIT_SLACK of the best."""
+    fewer than the SMs, and only where the cost model above gains REGISTER_WEIGHT_SPLIT_GAIN;
+    then the fewest splits within REGISTER_WEIGHT_SPLIT_SLACK of the model's best."""
     tiles = _ceil_div(m, tile[0]) * _ceil_div(n, tile[1]) * l
-    most = min(REGISTER_WEIGHT_MAX_SPLITS, _ceil_div(k, K_TILE) // REGISTER_WEIGHT_MIN_SPLIT_K_TILES)
+    k_tiles = _ceil_div(k, K_TILE)
+    most = min(REGISTER_WEIGHT_MAX_SPLITS, k_tiles // REGISTER_WEIGHT_MIN_SPLIT_K_TILES)
     if tiles >= sm_count or most < 2:
         return 1
-    cost = {s: _ceil_div(tiles * s, sm_count) / s for s in range(1, most + 1)}
+    cost = {s: _ceil_div(tiles * s, sm_count)
+            * (_ceil_div(k_tiles, s) + REGISTER_WEIGHT_UNIT_K_TILES) for s in range(1, most + 1)}
     best = min(cost.values())
+    if best * REGISTER_WEIGHT_SPLIT_GAIN > cost[1]:
+        return 1
     return min(s for s, c in cost.items() if c <= best * REGISTER_WEIGHT_SPLIT_SLACK)
 
 

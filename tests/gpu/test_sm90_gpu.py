@@ -182,7 +182,7 @@ def test_register_weights_split_k(monkeypatch, fmt_b, batch_a, batch_b, m, n, k,
     whole = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     assert "splits = 0 : i32" in whole.lower(a, b).as_text()
     unsplit = np.asarray(whole(a, b), np.float64)
-    assert _rel(y, unsplit) < 1e-6
+    assert _rel(y, unsplit) < 2e-5  # f32 sums in another order (K up to 14336)
 
 
 @needs_sm90

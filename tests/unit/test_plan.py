@@ -188,13 +188,22 @@ def test_register_weights_split_k_where_their_tiles_leave_sms_idle():
 
 @pytest.mark.parametrize("tiles, sms, want", [
     (64, 132, 2), (96, 132, 4), (131, 132, 1), (132, 132, 1), (500, 132, 1), (1, 132, 16),
-    (33, 132, 4), (64, 114, 7)])
+    (33, 132, 4), (64, 114, 5)])
 def test_register_weight_splits_fill_the_sms(tiles, sms, want):
-    # tiles of 64 x 64 at 64 rows; K = 16384 allows up to 16 splits. 64 tiles on 114 SMs: 7
-    # splits take 4 waves of 1/7 (0.57 of a whole tile), 2 splits 2 waves of 1/2
+    # tiles of 64 x 64 at 64 rows, K = 16384 (256 k-tiles, up to 16 splits). The cost is waves
+    # x (k-tiles per unit + 7): 64 tiles on 132 SMs, 2 splits: 1 x 135 against 263 unsplit;
+    # 96 tiles: 4 splits 3 x 71 = 213 (2 splits: 2 x 135 = 270); 64 tiles on 114 SMs: 5
+    # splits 3 x 59 = 177, 7 splits 4 x 44 = 176 (within 5 %: the fewer)
     assert cat90.register_weight_splits(64, 64 * tiles, 16384, 1, (64, 64), sms) == want
     # too short a K for two splits of 4 k-tiles
     assert cat90.register_weight_splits(64, 64 * tiles, 448, 1, (64, 64), sms) == 1
+
+
+def test_register_weight_splits_need_a_gain():
+    # 96 tiles at K = 4096: 4 splits would be 3 x 23 = 69 against 71 unsplit (measured: no
+    # faster), so none
+    assert cat90.register_weight_splits(64, 6144, 4096, 1, (64, 64), 132) == 1
+    assert cat90.register_weight_splits(64, 4096, 4096, 1, (64, 64), 132) == 2
 
 
 def test_nvfp4_odd_k_is_padded_for_the_kernel():
