@@ -8,6 +8,7 @@ the profiler (benchmarks/timing.py). Prints a table and writes <out>/<tag>.json.
 
     python benchmarks/register_weight_splits.py                       # 33 / 48 / 64 rows
     python benchmarks/register_weight_splits.py --rows 24,32 --formats nvfp4
+    python benchmarks/register_weight_splits.py --tile-n 128 --splits 1,2,4,8  # 128 weight rows
 
 Needs an sm90 GPU and the library.
 """
@@ -72,6 +73,9 @@ def main(argv=None):
     p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3")
     p.add_argument("--splits", default="1,2,3,4,6,8")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tile-n", type=int, default=None,
+                   help="force the forced runs' tile N (64 or 128 weight rows; default: the "
+                        "catalogue's)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default="register_weight_splits_h100")
     args = p.parse_args(argv)
@@ -94,7 +98,8 @@ def main(argv=None):
                            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
                 kernel, splits = kernel_of(x, w)
                 row.update(auto_kernel=kernel, auto_splits=splits, auto_us=time_gemm(x, ws))
-                configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0")
+                configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
+                           JAX_BLOCKSCALE_SM90_TILE_N=args.tile_n)
                 row["forced_us"] = {}
                 for s in forced:
                     configured(JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=s)
@@ -102,7 +107,9 @@ def main(argv=None):
                         continue
                     row["forced_us"][s] = time_gemm(x, ws)
                 configured(JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS=None,
+                           JAX_BLOCKSCALE_SM90_TILE_N=None,
                            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
+                row["forced_tile_n"] = args.tile_n
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 del ws, w

@@ -103,23 +103,29 @@ def fused_tile_n(m: int, n: int, l: int, sm_count: int) -> int:
     return 128
 
 
-def register_weight_tile(m: int, n: int, l: int, sm_count: int) -> tuple[int, int]:
+def register_weight_tile(m: int, n: int, k: int, l: int, sm_count: int) -> tuple[int, int]:
     """(activation rows, weight rows) of the register-weight variants: the smallest of 16, 32, 64
     activation rows that covers M, else 128; 128 weight rows (two consumer warp groups) while that
-    gives at least half the SMs a tile, else 64 (one warp group per SM, twice the SMs)."""
+    gives at least half the SMs a tile, or where K splits with them (register_weight_splits:
+    their tiles split to fill the SMs, and two warp groups per SM convert and multiply faster
+    than one: 4096 x 14336 NVFP4 at 64 rows 24.9 us in 4 splits of 128-row tiles against 30.6
+    in 2 of 64-row ones); else 64 (one warp group per SM, twice the SMs)."""
     tile_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    tile_n = 128 if 2 * _ceil_div(m, tile_m) * _ceil_div(n, 128) * l >= sm_count else 64
-    return tile_m, tile_n
+    if (2 * _ceil_div(m, tile_m) * _ceil_div(n, 128) * l >= sm_count
+            or register_weight_splits(m, n, k, l, (tile_m, 128), sm_count) > 1):
+        return tile_m, 128
+    return tile_m, 64
 
 
 # Split-K of the dense register-weight variants: where a call's tiles are fewer than the SMs
-# (N / 64 small beside the SM count, as a decoder's O and down projections at 33-64 rows), each
-# tile's k-tiles are split into K ranges that run on their own SMs; the splits' partial sums go
-# to an f32 workspace that the lowering adds (lowering/ffi_sm90.py: add_split_partials). A
+# (N / 128 small beside the SM count, as a decoder's QKV, O and down projections at 33-64 rows),
+# each tile's k-tiles are split into K ranges that run on their own SMs; the splits' partial sums
+# go to an f32 workspace that the lowering adds (lowering/ffi_sm90.py: add_split_partials). A
 # persistent CTA's time is about waves x (k-tiles per unit + REGISTER_WEIGHT_UNIT_K_TILES): each
 # (tile, split) unit it runs costs a pipeline fill and an epilogue besides its k-tiles (measured
-# at 64 rows: ~0.12 us per k-tile, ~0.8 us per unit; docs/design/sm90_fused.md).
-REGISTER_WEIGHT_UNIT_K_TILES = 7
+# at 64 rows: ~0.8 us per unit against ~0.12 / ~0.2 us per k-tile of 64 / 128 weight rows;
+# docs/design/sm90_fused.md).
+REGISTER_WEIGHT_UNIT_K_TILES = 5
 REGISTER_WEIGHT_MIN_SPLIT_K_TILES = 4  # 64-element k-tiles per split, at least
 REGISTER_WEIGHT_MAX_SPLITS = 16
 REGISTER_WEIGHT_SPLIT_GAIN = 1.1  # split only where the model saves 10 %

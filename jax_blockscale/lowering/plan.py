@@ -348,7 +348,7 @@ class _Sm90:
                         a_scales_plain=kspec.fmt_a is not None and kspec.layout_a == "plain",
                         k=k, **common)
         if self.register_weights_available(kspec):
-            tile_m, tile_n = cat90.register_weight_tile(m, spec.n, l, sm)
+            tile_m, tile_n = cat90.register_weight_tile(m, spec.n, k, l, sm)
             kernel, ka = "register_weights", "bf16_kperm"
         else:
             tile_m, tile_n = 128, cat90.fused_tile_n(m, spec.n, l, sm)

@@ -524,7 +524,7 @@ def test_lowering_emits_the_layer_call(monkeypatch):
     for fmt, m, target, probe, attrs in (
             ("nvfp4", 16, _plugin.LAYER_SM90_TARGET, PROBE_BYTES,
              dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2, index_items=1, partials=0)),
-            # a register-weight plan (4 tiles of 128 x 64): K's 8 k-tiles in 2 splits, whose
+            # a register-weight plan (2 tiles of 128 x 128): K's 8 k-tiles in 2 splits, whose
             # partials the lowering adds and scales by the layer's alpha
             ("nvfp4", 100, _plugin.LAYER_SM90_TARGET, scale_bytes // 4,
              dict(m=100, l=1, g=3, nt=0, splits=2, index_nt=0, index_items=0, partials=1)),
@@ -864,7 +864,7 @@ def test_lowering_declares_the_split_k_workspace(monkeypatch):
     assert "partials = 1 :" in c, c  # the lowering adds the split partials
     c = call(7, (2,))  # folded: M = 14
     assert f"tensor<{splits(14) * 14 * 300}xf32>" in c, c
-    c = call(7, (2, 5))  # folded: M = 70 > 64: a register-weight variant, 5 tiles of 128 x 64
+    c = call(7, (2, 5))  # folded: M = 70 > 64: a register-weight variant, 3 tiles of 128 x 128
     # on 132 SMs: K's 16 k-tiles in 4 ranges of 4 (the most), partials added by the lowering
     assert f"tensor<{4 * 70 * 300}xf32>" in c and "nt = 0 :" in c and "splits = 4 :" in c, c
     assert "partials = 1 :" in c and f"a_kind = {KIND_CODES['bf16_kperm']} :" in c, c
