@@ -72,7 +72,8 @@ def main(argv=None):
     p.add_argument("--rows", default="33,48,64")
     p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3")
     p.add_argument("--splits", default="1,2,3,4,6,8")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help="names of SHAPES or NxK, comma-separated")
     p.add_argument("--tile-n", type=int, default=None,
                    help="force the forced runs' tile N (64 or 128 weight rows; default: the "
                         "catalogue's)")
@@ -83,7 +84,7 @@ def main(argv=None):
     forced = [int(s) for s in args.splits.split(",")]
     results = []
     for name in args.shapes.split(","):
-        n, k = SHAPES[name]
+        n, k = SHAPES[name] if name in SHAPES else (int(d) for d in name.split("x"))
         w32 = jax.random.normal(jax.random.PRNGKey(len(name)), (n, k), jnp.float32) / np.sqrt(k)
         wb = w32.astype(jnp.bfloat16)
         for m in rows_list:

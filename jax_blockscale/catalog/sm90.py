@@ -127,6 +127,11 @@ def register_weight_tile(m: int, n: int, k: int, l: int, sm_count: int) -> tuple
 # docs/design/sm90_fused.md).
 REGISTER_WEIGHT_UNIT_K_TILES = 5
 REGISTER_WEIGHT_MIN_SPLIT_K_TILES = 4  # 64-element k-tiles per split, at least
+# ... and with 128 activation rows, whose partials are twice as many per weight byte: shorter
+# splits lost there (6144 x 4096 at 128 rows, 2 splits of 32 k-tiles: 20.8 us against 20.0;
+# 4096 x 4096 at 256 rows 21.9 against 20.2), longer ones gained (4096 x 14336 at 128 rows, 4
+# splits of 56: 32.7 against 55.1)
+REGISTER_WEIGHT_MIN_SPLIT_K_TILES_M128 = 48
 REGISTER_WEIGHT_MAX_SPLITS = 16
 REGISTER_WEIGHT_SPLIT_GAIN = 1.1  # split only where the model saves 10 %
 REGISTER_WEIGHT_SPLIT_SLACK = 1.05  # then the fewest splits within 5 % of the best
@@ -135,11 +140,14 @@ REGISTER_WEIGHT_SPLIT_SLACK = 1.05  # then the fewest splits within 5 % of the b
 def register_weight_splits(m: int, n: int, k: int, l: int, tile: tuple[int, int],
                            sm_count: int) -> int:
     """K ranges per tile of a dense register-weight call (1: no split): only when its tiles are
-    fewer than the SMs, and only where the cost model above gains REGISTER_WEIGHT_SPLIT_GAIN;
-    then the fewest splits within REGISTER_WEIGHT_SPLIT_SLACK of the model's best."""
+    fewer than the SMs, each split at least the shortest K range for its tile's rows, and only
+    where the cost model above gains REGISTER_WEIGHT_SPLIT_GAIN; then the fewest splits within
+    REGISTER_WEIGHT_SPLIT_SLACK of the model's best."""
     tiles = _ceil_div(m, tile[0]) * _ceil_div(n, tile[1]) * l
     k_tiles = _ceil_div(k, K_TILE)
-    most = min(REGISTER_WEIGHT_MAX_SPLITS, k_tiles // REGISTER_WEIGHT_MIN_SPLIT_K_TILES)
+    shortest = (REGISTER_WEIGHT_MIN_SPLIT_K_TILES if tile[0] <= 64
+                else REGISTER_WEIGHT_MIN_SPLIT_K_TILES_M128)
+    most = min(REGISTER_WEIGHT_MAX_SPLITS, k_tiles // shortest)
     if tiles >= sm_count or most < 2:
         return 1
     cost = {s: _ceil_div(tiles * s, sm_count)

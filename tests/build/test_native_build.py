@@ -524,10 +524,12 @@ def test_lowering_emits_the_layer_call(monkeypatch):
     for fmt, m, target, probe, attrs in (
             ("nvfp4", 16, _plugin.LAYER_SM90_TARGET, PROBE_BYTES,
              dict(m=16, n=256, k=512, l=1, g=3, nt=2, index_nt=2, index_items=1, partials=0)),
-            # a register-weight plan (2 tiles of 128 x 128): K's 8 k-tiles in 2 splits, whose
-            # partials the lowering adds and scales by the layer's alpha
             ("nvfp4", 100, _plugin.LAYER_SM90_TARGET, scale_bytes // 4,
-             dict(m=100, l=1, g=3, nt=0, splits=2, index_nt=0, index_items=0, partials=1)),
+             dict(m=100, l=1, g=3, nt=0, splits=0, index_nt=0, index_items=0, partials=0)),
+            # a register-weight plan at 64 rows (2 tiles of 64 x 128): K's 8 k-tiles in 2
+            # splits, whose partials the lowering adds and scales by the layer's alpha
+            ("nvfp4", 64, _plugin.LAYER_SM90_TARGET, scale_bytes // 4,
+             dict(m=64, l=1, g=3, nt=0, splits=2, index_nt=0, index_items=0, partials=1)),
             ("mxfp4", 100, _plugin.SM90_TARGET, None, dict(m=100, l=1))):
         w, x = stack(fmt), jnp.ones((m, 512), jnp.bfloat16)
         text = lower_for_cuda(monkeypatch, lambda x, i, w=w: jbs.gemm(x, w, layer=i), x, 1)
@@ -541,8 +543,8 @@ def test_lowering_emits_the_layer_call(monkeypatch):
         if m == 16:
             assert "f4E2M1FN" not in "".join(ln for ln in text.splitlines()
                                               if "dynamic_slice" in ln), "elements sliced"
-        if target == _plugin.LAYER_SM90_TARGET and m == 100:  # the partials, then slice mode's
-            assert f"tensor<{2 * 100 * 256 + 4}xf32>" in calls[0], calls[0]  # gathered alpha
+        if target == _plugin.LAYER_SM90_TARGET and m == 64:  # the partials, then slice mode's
+            assert f"tensor<{2 * 64 * 256 + 4}xf32>" in calls[0], calls[0]  # gathered alpha
     # a long K: both plans split it alike, and the lowering adds the partials (true scale) and
     # applies the layer's alpha
     w = jbs.quantize(jax.random.normal(jax.random.PRNGKey(1), (3, 256, 4096)), "nvfp4",
@@ -864,12 +866,14 @@ def test_lowering_declares_the_split_k_workspace(monkeypatch):
     assert "partials = 1 :" in c, c  # the lowering adds the split partials
     c = call(7, (2,))  # folded: M = 14
     assert f"tensor<{splits(14) * 14 * 300}xf32>" in c, c
-    c = call(7, (2, 5))  # folded: M = 70 > 64: a register-weight variant, 3 tiles of 128 x 128
-    # on 132 SMs: K's 16 k-tiles in 4 ranges of 4 (the most), partials added by the lowering
-    assert f"tensor<{4 * 70 * 300}xf32>" in c and "nt = 0 :" in c and "splits = 4 :" in c, c
+    c = call(8, (2, 3))  # folded: M = 48: a register-weight variant, 3 tiles of 64 x 128 on
+    # 132 SMs: K's 16 k-tiles in 4 ranges of 4 (the most), partials added by the lowering
+    assert f"tensor<{4 * 48 * 300}xf32>" in c and "nt = 0 :" in c and "splits = 4 :" in c, c
     assert "partials = 1 :" in c and f"a_kind = {KIND_CODES['bf16_kperm']} :" in c, c
+    c = call(7, (2, 5))  # folded: M = 70, 128-row tiles: 16 k-tiles too short to split
+    assert "tensor<0xf32>" in c and "nt = 0 :" in c and "partials = 0 :" in c, c
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="1")
-    c = call(7, (2, 5))  # no split: no workspace
+    c = call(8, (2, 3))  # no split: no workspace
     assert "tensor<0xf32>" in c and "splits = 0 :" in c and "partials = 0 :" in c, c
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="16",
             JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)

@@ -151,7 +151,8 @@ def test_register_weights(monkeypatch, fmt_b, batch_a, batch_b, m, n, k):
 @needs_sm90
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("batch_a,batch_b,m,n,k,splits", [
-    ((), (), 64, 4096, 14336, None),  # a decoder's down projection: the catalogue's 2 splits
+    ((), (), 64, 4096, 14336, None),  # a decoder's down projection: the catalogue's 4 splits
+                                       # of 64 x 128 tiles
     ((), (), 45, 200, 1024, "3"),      # 16 k-tiles in 6 / 6 / 4
     ((), (), 20, 300, 640, "7"),       # 10 k-tiles in 2s: splits 5 and 6 have none (zeros);
                                        # 32-row tiles, two k-groups
@@ -170,7 +171,7 @@ def test_register_weights_split_k(monkeypatch, fmt_b, batch_a, batch_b, m, n, k,
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     calls = [ln for ln in f.lower(a, b).as_text().splitlines()
              if "custom_call @" + _plugin.SM90_TARGET in ln]
-    want_splits = int(splits or 2)
+    want_splits = int(splits or 4)
     assert len(calls) == 1 and f"a_kind = {KPERM} : i32" in calls[0], calls
     assert f"splits = {want_splits} : i32" in calls[0] and "partials = 1 : i32" in calls[0], calls
     _check(a, b, "f32", f)

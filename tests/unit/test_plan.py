@@ -200,6 +200,11 @@ def test_register_weight_tiles_take_128_weight_rows_where_they_split():
     assert cat90.register_weight_splits(64, 16384, 16384, 1, (64, 128), 132) == 1
     # K too short to split and too few tiles for 128 rows: 64 weight rows, twice the SMs
     assert cat90.register_weight_tile(64, 4096, 256, 1, 132) == (64, 64)
+    # 128 activation rows split only K ranges of 48 k-tiles or more
+    assert cat90.register_weight_splits(128, 6144, 4096, 1, (128, 128), 132) == 1
+    assert cat90.register_weight_tile(256, 4096, 4096, 1, 132) == (128, 64)
+    assert cat90.register_weight_tile(128, 4096, 14336, 1, 132) == (128, 128)
+    assert cat90.register_weight_splits(128, 4096, 14336, 1, (128, 128), 132) == 4
 
 
 @pytest.mark.parametrize("tiles, sms, want", [
