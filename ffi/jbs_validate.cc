@@ -199,6 +199,10 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.partials != 0 && (p.partials != 1 || !(v->nt || fused_split)))
     return Fail(buf, n, "partials = %d: 0, or 1 for the decode kernels and register-weight "
                 "splits", p.partials);
+  // a chained decode variant has no finalize: its caller adds the partials of several splits
+  if (v->chained && p.splits > 1 && p.partials != 1)
+    return Fail(buf, n, "the chained decode variant %s leaves its %d splits' partials to the "
+                "caller (partials = 1)", v->name, p.splits);
   if (v->nt) {
     if (const char* why = CheckDecode(p, *v, buf, n)) return why;
   } else if (fused_split) {  // a dense register-weight variant, K split (bits 8-15 of a_e5m2)

@@ -200,7 +200,11 @@ class Sm90DecodeGemm:
     def _launch_finalize(self, ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread, ew_grid,
                          a_e5m2, stream):
         """The finalize kernel after the main one, unless there is one K range (the main
-        kernel wrote the output itself) or the caller adds the partials (bit 5)."""
+        kernel wrote the output itself) or the caller adds the partials (bit 5). A chained
+        variant has none: its caller always adds them (the handler refuses partials = 0 with
+        several splits for it)."""
+        if cutlass.const_expr(self.chained):
+            return
         if (splits > 1) & (self._caller_adds_partials(a_e5m2) == 0):
             self.finalize_kernel(ws_ptr, c_ptr, alpha_ptr, total, splits, per_thread).launch(
                 grid=[ew_grid, 1, 1], block=[256, 1, 1], stream=stream,
@@ -246,15 +250,10 @@ class Sm90DecodeGemm:
         nb, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.grouped):
             alpha = cutlass.Float32(1.0)  # the main kernel applied each expert's alpha
-        elif cutlass.const_expr(not self.chained):
+        else:
             # loaded early: its latency overlaps the wait; the partials are in true scale
             alpha = self._alpha(alpha_ptr, folded=False)
         cute.arch.griddepcontrol_wait()  # the main kernel's partials are complete and visible
-        if cutlass.const_expr(self.chained):
-            # the producer before the main kernel writes alpha, and this kernel may start
-            # before that producer ends: read it only once the main kernel (which waited for
-            # the producer) is complete
-            alpha = self._alpha(alpha_ptr, folded=False)
         ws = ws_ptr.toint()
         c = c_ptr.toint()
         vec = cutlass.Int32((total % 4 == 0) & (c % 16 == 0) & (per_thread == 4))

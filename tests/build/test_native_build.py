@@ -285,6 +285,19 @@ def _call_of(p) -> dict:
                 partials=int(ffi_sm90.leaves_partials(p)))
 
 
+def test_chained_decode_variants_leave_their_partials():
+    """A chained decode variant (behind the activation quantizer) has no finalize kernel: with
+    several splits the caller must add the partials (partials = 1)."""
+    dec = dict(a="nvfp4", b="nvfp4", m=16, n=256, k=8192, l=1, nt=2, a_scales_plain=1,
+               chained=1)
+    ok, name = check(splits=4, partials=1, **dec)
+    assert ok and name == "jbs_sm90_decode_chained_nvfp4_nvfp4_bf16_m16", name
+    ok, name = check(splits=1, partials=0, **dec)  # one split: the main kernel writes c
+    assert ok, name
+    ok, msg = check(splits=4, partials=0, **dec)
+    assert not ok and "leaves its 4 splits' partials to the caller" in msg, msg
+
+
 def test_register_weight_split_count_and_workspace():
     """A dense register-weight call may split K (2..min(255, K / 64)); it runs the f32 variant
     of its tile, whose output is the workspace of partials (partials = 1), whatever the call's
