@@ -26,7 +26,8 @@ Operands (all device pointers; the host launcher built by export_to_c takes them
         bf16 [L, M, K]
   b   : uint8 [L, N, K/2] | [L, N, K]
   sa, sb : uint8 scales in the blocked layout [L, ceil(MN/128), ceil(SK/4), 32, 4, 4]
-  c   : out dtype [L, M, N]
+  c   : out dtype [L, M, N]; a dense register-weight variant given a split count S > 1 (bits
+        8-15 of a_e5m2; the f32 variant) writes the true-scale partials [S, L, M, N] there
 alpha: f32 [1] in device memory.
 Requirements (checked by the FFI handler before any launch, never here): 16-byte aligned
 pointers; K a multiple of the block and of 32 (fp4: row pitch K/2 bytes must be a multiple of
