@@ -89,8 +89,8 @@ def main(argv=None):
         wb = w32.astype(jnp.bfloat16)
         for m in rows_list:
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k)).astype(jnp.bfloat16)
-            bf16 = device_time_us(jax.jit(jnp.dot),
-                                  arg_sets=[(x, w.T) for w in copies(wb, rotation_count(2 * n * k))])
+            bf16_sets = [(x, w.T) for w in copies(wb, rotation_count(2 * n * k))]
+            bf16 = device_time_us(jax.jit(jnp.dot), arg_sets=bf16_sets)
             for fmt in args.formats.split(","):
                 w = jbs.quantize(w32, fmt, layout="blocked")
                 ws = copies(w, rotation_count(w.data.nbytes + w.scales.nbytes))
