@@ -4,14 +4,15 @@
 //   operands: a (u8 packed | bf16) [L,M,Ka], b (u8) [L,N,Kb], sa (u8, blocked or, for the decode
 //             kernel, plain; any buffer in weight-only mode), sb (u8, blocked), alpha (f32 [1])
 //   results:  c (bf16 | f16 | f32) [L, M, N]
-//             ws (f32): the decode kernel's split-K workspace, splits*L*M*N floats (zero
-//                       elements for the fused kernels)
+//             ws (f32): the split-K workspace, splits*L*M*N floats (the decode kernel, or a
+//                       register-weight variant that splits K; zero elements otherwise)
 //   attrs:    a_kind, b_kind, a_e5m2, b_e5m2, a_scales_plain (int32), m, n, k, l (int64), the
 //             planned variant: nt (0: fused; 1/2/4/8: decode), tile_m, tile_n, splits (int32),
-//             and partials (int32): 1 = the decode kernel's split partials [splits, L, M, N]
-//             (true scale, before alpha) stay in ws and the caller adds them in split order
-//             and applies alpha (c is then not written when splits > 1); 0 = its finalize
-//             kernel does, into c
+//             and partials (int32): 1 = the split partials [splits, L, M, N] (true scale,
+//             before alpha) stay in ws and the caller adds them in split order and applies
+//             alpha (c is then not written when splits > 1); 0 = the decode kernel's finalize
+//             kernel does, into c. A register-weight variant that splits K (splits 2..255) runs
+//             its f32 twin with ws as its output and always needs partials = 1.
 //
 //   target "jax_blockscale_ragged_gemm_sm90" (ragged_gemm: the grouped decode kernel, or at
 //   prefill sizes the grouped register-weight kernel: nt = 0, a bf16_kperm activation, splits 0)
@@ -35,9 +36,9 @@
 //   results:  c [M, N], ws (f32, room for either plan's split-K workspace)
 //   attrs:    the layer's plan as for gemm (l = 1), then g and index mode's plan: index_a_kind,
 //             index_nt, index_tile_m, index_tile_n, index_splits, index_items, and partials:
-//             1 only where both plans are the decode kernel with the same splits (> 1), whose
-//             partials are then both in true scale: the caller adds them and applies
-//             alpha[clamp(index)]
+//             1 where the layer's plan splits K in slice mode (index_nt 0), or where both plans
+//             are the decode kernel with the same splits (> 1); the partials are then in true
+//             scale: the caller adds them and applies alpha[clamp(index)]
 //   XLA hands the probe in place when the index is a loop counter (as it does the layer slices
 //   of a scanned model); its address then says which layer it is, and the layer's own plan runs
 //   on that layer's part of b, sb and alpha, as an unrolled model's gemm would (nothing waits
