@@ -108,8 +108,7 @@ def register_weight_tile(m: int, n: int, k: int, l: int, sm_count: int) -> tuple
     activation rows that covers M, else 128; 128 weight rows (two consumer warp groups) while that
     gives at least half the SMs a tile, or where K splits with them (register_weight_splits:
     their tiles split to fill the SMs, and two warp groups per SM convert and multiply faster
-    than one: 4096 x 14336 NVFP4 at 64 rows 24.9 us in 4 splits of 128-row tiles against 30.6
-    in 2 of 64-row ones); else 64 (one warp group per SM, twice the SMs)."""
+    than one; docs/design/sm90_fused.md); else 64 (one warp group per SM, twice the SMs)."""
     tile_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if (2 * _ceil_div(m, tile_m) * _ceil_div(n, 128) * l >= sm_count
             or register_weight_splits(m, n, k, l, (tile_m, 128), sm_count) > 1):
@@ -122,15 +121,12 @@ def register_weight_tile(m: int, n: int, k: int, l: int, sm_count: int) -> tuple
 # each tile's k-tiles are split into K ranges that run on their own SMs; the splits' partial sums
 # go to an f32 workspace that the lowering adds (lowering/ffi_sm90.py: add_split_partials). A
 # persistent CTA's time is about waves x (k-tiles per unit + REGISTER_WEIGHT_UNIT_K_TILES): each
-# (tile, split) unit it runs costs a pipeline fill and an epilogue besides its k-tiles (measured
-# at 64 rows: ~0.8 us per unit against ~0.12 / ~0.2 us per k-tile of 64 / 128 weight rows;
-# docs/design/sm90_fused.md).
+# (tile, split) unit it runs costs a pipeline fill and an epilogue besides its k-tiles, about
+# as long as 5 k-tiles (fitted to the measurements in docs/design/sm90_fused.md).
 REGISTER_WEIGHT_UNIT_K_TILES = 5
 REGISTER_WEIGHT_MIN_SPLIT_K_TILES = 4  # 64-element k-tiles per split, at least
 # ... and with 128 activation rows, whose partials are twice as many per weight byte: shorter
-# splits lost there (6144 x 4096 at 128 rows, 2 splits of 32 k-tiles: 20.8 us against 20.0;
-# 4096 x 4096 at 256 rows 21.9 against 20.2), longer ones gained (4096 x 14336 at 128 rows, 4
-# splits of 56: 32.7 against 55.1)
+# splits lost there, longer ones gained (docs/design/sm90_fused.md)
 REGISTER_WEIGHT_MIN_SPLIT_K_TILES_M128 = 48
 REGISTER_WEIGHT_MAX_SPLITS = 16
 REGISTER_WEIGHT_SPLIT_GAIN = 1.1  # split only where the model saves 10 %
