@@ -86,3 +86,14 @@ def test_forced_backend_that_cannot_run_fails_clearly(monkeypatch):
     finally:
         from jax_blockscale.lowering import _BACKENDS
         _BACKENDS.pop("never")
+
+
+@pytest.mark.parametrize("value", ["0", "256", "-3"])
+def test_bad_register_weight_split_count_is_refused(monkeypatch, value):
+    """JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS outside [1, 255] fails when the configuration
+    is read, naming the variable; a valid one is taken."""
+    with pytest.raises(ValueError, match="JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS"):
+        set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=value)
+    assert set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="3") \
+        .sm90_register_weight_splits == 3
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
