@@ -50,11 +50,17 @@ __device__ __forceinline__ float Bf16ToFloat(uint32_t bits16) {
 }
 
 // e2m1 code (sign bit 8) of v, rounded to nearest-even; |v| <= 6 (clipped by the caller).
+// Adding and subtracting 1.5 * 2^23 * u rounds |v| to a multiple of u, ties to the even
+// multiple, in the f32 adder itself; u is e2m1's spacing in |v|'s binade (0.5 below 2, 1 below 4,
+// 2 from 4 on), and an even multiple of it is the even code. The rounded value times 2^-126 then
+// holds the code in its exponent and first mantissa bit (0.5 becomes the subnormal 2^-127, so
+// the product must not flush to zero: this file is compiled without -ftz). It gives the codes a
+// compare per midpoint gives, for every f32 in [0, 6], in fewer instructions.
 __device__ __forceinline__ uint32_t E2m1Code(float v) {
   const float m = fabsf(v);
-  // the 7 midpoints between 0, .5, 1, 1.5, 2, 3, 4, 6; a tie goes to the even code
-  const uint32_t mag = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
-                       (m >= 3.5f) + (m > 5.0f);
+  const float magic = m < 2.0f ? 0x1.8p22f : (m < 4.0f ? 0x1.8p23f : 0x1.8p24f);
+  const float rounded = __fsub_rn(__fadd_rn(m, magic), magic);
+  const uint32_t mag = __float_as_uint(__fmul_rn(rounded, 0x1p-126f)) >> 22;
   return mag | ((__float_as_uint(v) >> 28) & 8u);
 }
 
