@@ -125,6 +125,25 @@ def test_mixed_magnitudes_reach_every_scale_and_tie():
     _check(x, _weight(640, k, rng), jnp.float32)
 
 
+def test_every_e2m1_midpoint_and_its_bf16_neighbours():
+    """The tensor's amax and each block's are 6, so enc = 448, every scale is 448 and the
+    elements are quantized unscaled: each block holds one e2m1 midpoint and the two bf16 values
+    on either side of it, both signs, so every rounding boundary of the kernel's e2m1
+    conversion is crossed."""
+    import ml_dtypes
+
+    rng = _rng()
+    m, k = 2, 512
+    x = rng.uniform(-6.0, 6.0, (m, k)).astype(np.float32)
+    x[0, 0] = 6.0
+    for b, mid in enumerate([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]):
+        bits = np.array(mid, ml_dtypes.bfloat16).view(np.uint16)
+        near = (bits + np.arange(-2, 3, dtype=np.int16).view(np.uint16)).view(ml_dtypes.bfloat16)
+        near = near.astype(np.float32)
+        x[1, 16 * b:16 * b + 16] = np.concatenate([[6.0], near, -near, [-6.0] * 5])
+    _check(x, _weight(512, k, rng), jnp.float32)
+
+
 def test_past_the_kernel_limit_the_composition_runs():
     rng = _rng()
     k = 16384
