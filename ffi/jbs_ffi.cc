@@ -283,6 +283,41 @@ PtxKernel g_gather_alpha{kGatherAlphaPtx, "jbs_gather_alpha"};
 PtxKernel g_quantize_activation_cta{kQuantizeActivationPtx, "jbs_quantize_nvfp4_activation_cta"};
 PtxKernel g_quantize_activation_cluster{kQuantizeActivationPtx,
                                         "jbs_quantize_nvfp4_activation_cluster"};
+PtxKernel g_quantize_activation_wide{kQuantizeActivationPtx,
+                                     "jbs_quantize_nvfp4_activation_wide_cluster"};
+
+// Whether this device can run the quantizer's 16-CTA cluster (a non-portable size: the kernel
+// must opt in, and a GPC must hold 16 of its CTAs). Asked once per device; where it cannot, the
+// 8-CTA cluster runs, holding more blocks per thread.
+bool WideClusterRuns(cudaKernel_t kernel) {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static bool runs[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  std::call_once(once[device], [&] {
+    const void* f = reinterpret_cast<const void*>(kernel);
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = jbs_quantize::kWideClusterCtas;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(jbs_quantize::kWideClusterCtas);
+    config.blockDim = dim3(jbs_quantize::kThreads);
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    runs[device] =
+        cudaFuncSetAttribute(f, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+        cudaOccupancyMaxActiveClusters(&clusters, f, &config) == cudaSuccess && clusters >= 1;
+    cudaGetLastError();  // a refusal is an answer, not an error for the next call to see
+  });
+  return runs[device];
+}
 
 ffi::Error GatherAlpha(cudaStream_t stream, void* out, const void* alpha, const void* index,
                        int32_t count) {
@@ -422,6 +457,15 @@ ffi::Error ExecuteQuantizedActivation(
   if (auto err = (one_cta ? g_quantize_activation_cta : g_quantize_activation_cluster).Get(&kernel);
       err.failure())
     return err;
+  int ctas = one_cta ? 1 : jbs_quantize::kClusterCtas;
+  if (blocks > jbs_quantize::kWideClusterFrom) {
+    cudaKernel_t wide = nullptr;
+    if (auto err = g_quantize_activation_wide.Get(&wide); err.failure()) return err;
+    if (WideClusterRuns(wide)) {
+      kernel = wide;
+      ctas = jbs_quantize::kWideClusterCtas;
+    }
+  }
   const void* x_ptr = x.untyped_data();
   void* elements = base;
   void* scales = base + lay.scales;
@@ -429,9 +473,18 @@ ffi::Error ExecuteQuantizedActivation(
   const void* b_alpha_ptr = b_alpha.untyped_data();
   long long count = blocks;
   void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &b_alpha_ptr};
-  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(kernel),
-                                   dim3(one_cta ? 1 : jbs_quantize::kClusterCtas),
-                                   dim3(jbs_quantize::kThreads), args, 0, stream);
+  cudaLaunchAttribute cluster;  // the wide kernel's cluster is set here (the others' in the PTX)
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(jbs_quantize::kThreads);
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = ctas == jbs_quantize::kWideClusterCtas ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args);
   if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
   BufferView gemm_ws(base + lay.gemm_ws, XLA_FFI_DataType_F32, gemm_ws_floats);

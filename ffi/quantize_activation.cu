@@ -16,7 +16,8 @@
 // below), so the bytes are those of jbs.quantize run by XLA on the GPU
 // (tests/gpu/test_quantized_activation.py compares the GEMMs bit for bit).
 //
-// One cluster of kClusterCtas CTAs: each thread loads up to kBlocksPerThread blocks into
+// One cluster of kClusterCtas CTAs (or kWideClusterCtas for the largest tensors where the device
+// allows that cluster): each thread loads up to kBlocksPerThread blocks into
 // registers, the tensor's amax is reduced in each CTA and then across the cluster through
 // distributed shared memory (one launch, no atomics, no workspace to clear), and every thread
 // quantizes the blocks it holds. So it takes at most kThreads * kClusterCtas * kBlocksPerThread
@@ -195,4 +196,13 @@ extern "C" __global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds_
                                           uint8_t* scales, float* alpha_out,
                                           const float* b_alpha) {
   QuantizeNvfp4<kClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
+}
+
+// The same on a cluster of kWideClusterCtas, set at launch (16 is above the portable size, which
+// __cluster_dims__ cannot name).
+extern "C" __global__ void __launch_bounds__(kThreads)
+    jbs_quantize_nvfp4_activation_wide_cluster(const uint4* x, long long blocks, uint2* elements,
+                                               uint8_t* scales, float* alpha_out,
+                                               const float* b_alpha) {
+  QuantizeNvfp4<jbs_quantize::kWideClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
 }

@@ -11,4 +11,8 @@ constexpr int kClusterCtas = 8;
 constexpr int kBlocksPerThread = 4;
 constexpr long long kCtaBlocks = static_cast<long long>(kThreads) * kBlocksPerThread;
 constexpr long long kClusterBlocks = kCtaBlocks * kClusterCtas;
+// Past two blocks per thread of the 8-CTA cluster, a cluster of 16 CTAs (the non-portable size
+// Hopper allows) where the device can place one: each thread then holds half as many blocks.
+constexpr int kWideClusterCtas = 16;
+constexpr long long kWideClusterFrom = 2LL * kThreads * kClusterCtas;
 }  // namespace jbs_quantize

@@ -361,7 +361,8 @@ INDEX_MODE_MAX_ROWS = 64
 # `gemm(x, w, quantize_a=fmt)` (docs/design/quantized_activation.md): where gemm would run the
 # quantized activation on the decode kernel, one kernel (ffi/quantize_activation.cu) quantizes
 # it in the same call. Its formats, and the most elements it takes: one cluster of 8 CTAs of
-# 512 threads, each holding 4 blocks of 16 in registers.
+# 512 threads, each holding 4 blocks of 16 in registers (the portable cluster; the 16-CTA one
+# the handler prefers for the largest tensors only spreads them wider).
 QUANTIZE_A_FORMATS = ("nvfp4",)
 QUANTIZE_A_MAX_ELEMENTS = 8 * 512 * 4 * 16
 # The decode kernels the quantizer hands its result to: the chained twins (DecodeVariant.chained)

@@ -58,13 +58,16 @@ def test_scratch_layout_is_the_librarys(blocks):
 
 
 def test_planner_limit_is_the_quantizers_capacity():
-    """QUANTIZE_A_MAX_ELEMENTS (the planner's side) is what one cluster of the quantizer holds
-    (ffi/quantize_activation_launch.h, the kernel's and its launch's side)."""
+    """QUANTIZE_A_MAX_ELEMENTS (the planner's side) is what one 8-CTA cluster of the quantizer
+    holds (ffi/quantize_activation_launch.h, the kernel's and its launch's side): the 16-CTA
+    cluster only spreads the largest tensors wider where a device can place it, so the portable
+    cluster must hold everything the planner sends."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     header = open(os.path.join(repo, "ffi", "quantize_activation_launch.h")).read()
     shape = {name: int(value) for name, value in re.findall(
         r"constexpr int (k\w+) = (\d+);", header)}
-    assert set(shape) == {"kThreads", "kClusterCtas", "kBlocksPerThread"}, shape
+    assert set(shape) == {"kThreads", "kClusterCtas", "kBlocksPerThread", "kWideClusterCtas"}, shape
+    assert shape["kClusterCtas"] == 8 < shape["kWideClusterCtas"] <= 16  # portable / Hopper's max
     assert cat.QUANTIZE_A_MAX_ELEMENTS == (shape["kThreads"] * shape["kClusterCtas"]
                                            * shape["kBlocksPerThread"] * 16)
 
