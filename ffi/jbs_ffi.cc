@@ -286,6 +286,27 @@ PtxKernel g_quantize_activation_cluster{kQuantizeActivationPtx,
 PtxKernel g_quantize_activation_wide{kQuantizeActivationPtx,
                                      "jbs_quantize_nvfp4_activation_wide_cluster"};
 
+// A launch of the quantizer on `ctas` CTAs of kThreads threads. The wide kernel's cluster is set
+// here, at launch; the other kernels carry theirs in the PTX (no attribute then). Not copyable:
+// the config points at the attribute beside it.
+struct QuantizerLaunch {
+  cudaLaunchAttribute cluster;
+  cudaLaunchConfig_t config = {};
+  QuantizerLaunch(int ctas, cudaStream_t stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.gridDim = dim3(ctas);
+    config.blockDim = dim3(jbs_quantize::kThreads);
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = ctas == jbs_quantize::kWideClusterCtas ? 1 : 0;
+  }
+  QuantizerLaunch(const QuantizerLaunch&) = delete;
+  QuantizerLaunch& operator=(const QuantizerLaunch&) = delete;
+};
+
 // Whether this device can run the quantizer's 16-CTA cluster (a non-portable size: the kernel
 // must opt in, and a GPC must hold 16 of its CTAs). Asked once per device; where it cannot, the
 // 8-CTA cluster runs, holding more blocks per thread.
@@ -300,20 +321,11 @@ bool WideClusterRuns(cudaKernel_t kernel) {
   }
   std::call_once(once[device], [&] {
     const void* f = reinterpret_cast<const void*>(kernel);
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = jbs_quantize::kWideClusterCtas;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(jbs_quantize::kWideClusterCtas);
-    config.blockDim = dim3(jbs_quantize::kThreads);
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    const QuantizerLaunch wide(jbs_quantize::kWideClusterCtas, nullptr);
     int clusters = 0;
     runs[device] =
         cudaFuncSetAttribute(f, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-        cudaOccupancyMaxActiveClusters(&clusters, f, &config) == cudaSuccess && clusters >= 1;
+        cudaOccupancyMaxActiveClusters(&clusters, f, &wide.config) == cudaSuccess && clusters >= 1;
     cudaGetLastError();  // a refusal is an answer, not an error for the next call to see
   });
   return runs[device];
@@ -473,18 +485,8 @@ ffi::Error ExecuteQuantizedActivation(
   const void* b_alpha_ptr = b_alpha.untyped_data();
   long long count = blocks;
   void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &b_alpha_ptr};
-  cudaLaunchAttribute cluster;  // the wide kernel's cluster is set here (the others' in the PTX)
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ctas);
-  config.blockDim = dim3(jbs_quantize::kThreads);
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = ctas == jbs_quantize::kWideClusterCtas ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args);
+  const QuantizerLaunch launch(ctas, stream);
+  cudaError_t e = cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args);
   if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
   BufferView gemm_ws(base + lay.gemm_ws, XLA_FFI_DataType_F32, gemm_ws_floats);

@@ -10,6 +10,7 @@ rounding all vary; NaN, Inf, zero blocks, tiny and huge tensors.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -130,8 +131,6 @@ def test_every_e2m1_midpoint_and_its_bf16_neighbours():
     elements are quantized unscaled: each block holds one e2m1 midpoint and the two bf16 values
     on either side of it, both signs, so every rounding boundary of the kernel's e2m1
     conversion is crossed."""
-    import ml_dtypes
-
     rng = _rng()
     m, k = 2, 512
     x = rng.uniform(-6.0, 6.0, (m, k)).astype(np.float32)
