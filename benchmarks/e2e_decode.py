@@ -10,7 +10,9 @@ The step (what issue 27 measures): --layers layers of RMSNorm -> fused QKV (6144
 fused gate+up (28672 x 4096) -> SwiGLU -> down (4096 x 14336) -> residual, for a batch of
 single-token rows. Variants: bf16 weights (`jnp.dot`, f32 accumulation); NVFP4 and MXFP4
 weight-only (bf16 activations); NVFP4 W4A4 (each GEMM's activation quantized to NVFP4 in the
-step, its global scale calibrated per call); MXFP8 weight-only. Layers unrolled; with --scan also
+step, its global scale calibrated per call); NVFP4 W4A4 static (each activation's global scale
+given, as a W4A4 checkpoint's `input_scale`: calibrated once here, on one weight-only step at
+batch 16, amax / 2688 per layer and GEMM); MXFP8 weight-only. Layers unrolled; with --scan also
 scanned over stacked weights with `jbs.gemm(x, stack, layer=i)`.
 
 Per step: device time (GPU kernel time from a profiler trace, benchmarks/timing.py), the bytes
@@ -42,12 +44,15 @@ HIDDEN, FFN, QKV = 4096, 14336, 6144
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
           "down": (HIDDEN, FFN)}  # name: (N, K), weights (out, in)
 # variant: (weight format or None for bf16, activation format or None). W4A4 quantizes the
-# activation in the GEMM's call (`gemm(x, w, quantize_a="nvfp4")`); "_composed": written out,
-# `gemm(jbs.quantize(x, "nvfp4"), w)`, the same numbers (not run by default).
+# activation in the GEMM's call (`gemm(x, w, quantize_a="nvfp4")`); ":static" with the layer's
+# given input scale (`a_global_scale=`); ":composed": written out, `gemm(jbs.quantize(x,
+# "nvfp4"), w)`, the same numbers (not run by default).
 VARIANTS = {"bf16": (None, None), "nvfp4": ("nvfp4", None), "nvfp4_w4a4": ("nvfp4", "nvfp4"),
+            "nvfp4_w4a4_static": ("nvfp4", "nvfp4:static"),
             "mxfp4": ("mxfp4", None), "mxfp8": ("mxfp8_e4m3", None),
-            "nvfp4_w4a4_composed": ("nvfp4", "nvfp4:composed")}
-DEFAULT_VARIANTS = ("bf16", "nvfp4", "nvfp4_w4a4", "mxfp4", "mxfp8")
+            "nvfp4_w4a4_composed": ("nvfp4", "nvfp4:composed"),
+            "nvfp4_w4a4_static_composed": ("nvfp4", "nvfp4:static:composed")}
+DEFAULT_VARIANTS = ("bf16", "nvfp4", "nvfp4_w4a4", "nvfp4_w4a4_static", "mxfp4", "mxfp8")
 # The issue's step targets (H100): speedup over bf16 at batch 1 / 16 / 64 (W4A4: within x of
 # weight-only NVFP4).
 TARGETS = {"nvfp4": {1: 3.2, 16: 2.8, 64: 2.0}, "mxfp8": {1: 1.8, 16: 1.6, 64: 1.2}}
@@ -79,12 +84,25 @@ def stack(weights):
     return {name: jax.tree.map(lambda *xs: jnp.stack(xs), *ws) for name, ws in weights.items()}
 
 
-def linear(x, w, act_fmt, layer=None):
+class InputAmax(list):
+    """An act_fmt that records each linear's input scale (amax / 2688, as "auto" would
+    calibrate it) in call order and multiplies weight-only: run eagerly, once."""
+
+
+def linear(x, w, act_fmt, layer=None, input_scale=None):
     if not isinstance(w, jbs.BlockScaled):
         return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
     kw = {} if layer is None else dict(layer=layer)
+    if isinstance(act_fmt, InputAmax):
+        act_fmt.append(jnp.max(jnp.abs(x.astype(jnp.float32))) / 2688.0)
+        act_fmt = None
     if act_fmt is not None and act_fmt.endswith(":composed"):
-        return jbs.gemm(jbs.quantize(x, act_fmt.split(":")[0]), w, out_dtype=x.dtype, **kw)
+        g = input_scale if ":static" in act_fmt else "auto"
+        return jbs.gemm(jbs.quantize(x, act_fmt.split(":")[0], global_scale=g), w,
+                        out_dtype=x.dtype, **kw)
+    if act_fmt is not None and act_fmt.endswith(":static"):
+        return jbs.gemm(x, w, out_dtype=x.dtype, quantize_a=act_fmt.split(":")[0],
+                        a_global_scale=input_scale, **kw)
     return jbs.gemm(x, w, out_dtype=x.dtype, quantize_a=act_fmt, **kw)
 
 
@@ -94,16 +112,36 @@ def rms_norm(x):
 
 
 def layer_step(h, w, act_fmt, layer=None):
-    """One decoder layer's linear part (w: this layer's weights, or the stacks and `layer`)."""
+    """One decoder layer's linear part (w: this layer's weights, or the stacks and `layer`;
+    w["input_scales"], where present: each GEMM's given activation scale)."""
+    def lin(x, name):
+        scales = w.get("input_scales")
+        g = None if scales is None else scales[name] if layer is None else scales[name][layer]
+        return linear(x, w[name], act_fmt, layer, g)
+
     n_q = w["o"].shape[-1]  # the O projection reads the Q part of QKV
     x = rms_norm(h)
-    qkv = linear(x, w["qkv"], act_fmt, layer)
-    h = h + linear(qkv[:, :n_q], w["o"], act_fmt, layer)
+    qkv = lin(x, "qkv")
+    h = h + lin(qkv[:, :n_q], "o")
     x = rms_norm(h)
-    gu = linear(x, w["gate_up"], act_fmt, layer)
+    gu = lin(x, "gate_up")
     ffn = gu.shape[-1] // 2
     a = (jax.nn.silu(gu[:, :ffn].astype(jnp.float32)) * gu[:, ffn:]).astype(h.dtype)
-    return h + linear(a, w["down"], act_fmt, layer)
+    return h + lin(a, "down")
+
+
+def calibrate_input_scales(weights, hidden, batch=16):
+    """Per layer, each GEMM's activation scale from one eager weight-only step on random rows:
+    [{"qkv": g, "o": g, ...} per layer] (what a W4A4 checkpoint ships as input_scale)."""
+    h = jax.random.normal(jax.random.PRNGKey(99), (batch, hidden), jnp.float32).astype(
+        jnp.bfloat16)
+    out = []
+    for i in range(len(weights["qkv"])):
+        rec = InputAmax()
+        h = layer_step(h, {name: ws[i] for name, ws in weights.items()}, rec)
+        out.append({name: jnp.float32(g) for name, g in zip(("qkv", "o", "gate_up", "down"),
+                                                            rec)})
+    return out
 
 
 def unrolled_step(act_fmt):
@@ -165,7 +203,8 @@ def per_gemm_rows(variants, rows_list, scale, on_gpu, timing):
                 fmt, act = VARIANTS[variant]
                 w = w32.astype(jnp.bfloat16) if fmt is None else quantize(w32, fmt=fmt,
                                                                           layout="blocked")
-                f = jax.jit(lambda x, w, act=act: linear(x, w, act))
+                g = jnp.max(jnp.abs(x.astype(jnp.float32))) / 2688.0  # used by ":static"
+                f = jax.jit(lambda x, w, act=act, g=g: linear(x, w, act, input_scale=g))
                 method = ("bf16_dot" if fmt is None else "gemm_weight_only" if act is None
                           else "gemm")
                 nbytes = bytes_moved(method, fmt, m, n, k)
@@ -244,6 +283,8 @@ def main(argv=None):
     for variant in variants:
         weights = make_weights(variant, layers, scale)
         act = VARIANTS[variant][1]
+        if act is not None and ":static" in act:
+            weights["input_scales"] = calibrate_input_scales(weights, HIDDEN // scale)
         modes = [("unrolled", unrolled_step(act), weights)]
         if args.scan and VARIANTS[variant][0] is not None:
             modes.append(("scan", scanned_step(act), stack(weights)))

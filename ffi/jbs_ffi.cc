@@ -51,13 +51,15 @@
 //
 //   target "jax_blockscale_quantized_act_gemm_sm90" (`jbs.gemm(x, w, quantize_a="nvfp4")`)
 //   operands: x (bf16) [M, K], the activation before quantization; b, sb (as for gemm, L = 1);
-//             b_alpha (f32 [1]): b's global scale (1 without one)
+//             b_alpha (f32 [1]): b's global scale (1 without one); a_static (f32): [0] to
+//             calibrate x's global scale on this call, or [2] = {enc, alpha}, a given one's
+//             encode factor and the GEMM's alpha (`quantize_a="nvfp4", a_global_scale=g`)
 //   results:  c [1, M, N], ws (f32): the quantized activation (QuantizedActivationScratch), then
 //             from the next 256-byte boundary the decode plan's split-K workspace
 //   attrs:    as for gemm (a_kind nvfp4, plain A scales, l = 1; with partials = 1 the caller
 //             reads alpha from the scratch, where the quantizer wrote it)
 //   One kernel (quantize_activation.cu, PTX loaded at run time) quantizes x to NVFP4 exactly
-//   as jbs.quantize does (its amax, scales, elements, and alpha = decode * b_alpha) into the
+//   as jbs.quantize does (its amax or the given scale, scales, elements, and alpha) into the
 //   front of ws; the planned decode kernel's chained variant then multiplies it by b. It is
 //   launched with programmatic dependent launch: its CTAs start while the quantizer runs, issue
 //   their first weight copies and wait for the quantizer before reading what it wrote.
@@ -285,23 +287,26 @@ PtxKernel g_quantize_activation_cluster{kQuantizeActivationPtx,
                                         "jbs_quantize_nvfp4_activation_cluster"};
 PtxKernel g_quantize_activation_wide{kQuantizeActivationPtx,
                                      "jbs_quantize_nvfp4_activation_wide_cluster"};
+PtxKernel g_quantize_activation_static{kQuantizeActivationPtx,
+                                       "jbs_quantize_nvfp4_activation_static"};
 
-// A launch of the quantizer on `ctas` CTAs of kThreads threads. The wide kernel's cluster is set
-// here, at launch; the other kernels carry theirs in the PTX (no attribute then). Not copyable:
-// the config points at the attribute beside it.
+// A launch of the quantizer on `ctas` CTAs of `threads` threads. The wide kernel's cluster is set
+// here, at launch; the other kernels carry theirs in the PTX, or have none (the static kernel's
+// CTAs): no attribute then. Not copyable: the config points at the attribute beside it.
 struct QuantizerLaunch {
   cudaLaunchAttribute cluster;
   cudaLaunchConfig_t config = {};
-  QuantizerLaunch(int ctas, cudaStream_t stream) {
+  // cluster_at_launch: the CTAs are one cluster set by this launch (the wide kernel's)
+  QuantizerLaunch(int ctas, int threads, bool cluster_at_launch, cudaStream_t stream) {
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     config.gridDim = dim3(ctas);
-    config.blockDim = dim3(jbs_quantize::kThreads);
+    config.blockDim = dim3(threads);
     config.stream = stream;
     config.attrs = &cluster;
-    config.numAttrs = ctas == jbs_quantize::kWideClusterCtas ? 1 : 0;
+    config.numAttrs = cluster_at_launch ? 1 : 0;
   }
   QuantizerLaunch(const QuantizerLaunch&) = delete;
   QuantizerLaunch& operator=(const QuantizerLaunch&) = delete;
@@ -321,7 +326,8 @@ bool WideClusterRuns(cudaKernel_t kernel) {
   }
   std::call_once(once[device], [&] {
     const void* f = reinterpret_cast<const void*>(kernel);
-    const QuantizerLaunch wide(jbs_quantize::kWideClusterCtas, nullptr);
+    const QuantizerLaunch wide(jbs_quantize::kWideClusterCtas, jbs_quantize::kThreads,
+                               /*cluster_at_launch=*/true, nullptr);
     int clusters = 0;
     runs[device] =
         cudaFuncSetAttribute(f, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
@@ -434,9 +440,39 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
              /*chained=*/false, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
 }
 
+// The quantizer for `blocks` blocks: with a given global scale (a_static non-empty) the static
+// kernel, one block per thread; else the calibrating kernel on one CTA, or the cluster that
+// holds the tensor. Sets kernel, ctas, threads and whether the launch sets the cluster.
+ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, cudaKernel_t* kernel, int* ctas,
+                           int* threads, bool* cluster_at_launch) {
+  *cluster_at_launch = false;
+  if (given_scale) {
+    *threads = jbs_quantize::kStaticThreads;
+    *ctas = static_cast<int>((blocks + *threads - 1) / *threads);
+    return g_quantize_activation_static.Get(kernel);
+  }
+  *threads = jbs_quantize::kThreads;
+  const bool one_cta = blocks <= jbs_quantize::kCtaBlocks;
+  if (auto err = (one_cta ? g_quantize_activation_cta : g_quantize_activation_cluster).Get(kernel);
+      err.failure())
+    return err;
+  *ctas = one_cta ? 1 : jbs_quantize::kClusterCtas;
+  if (blocks > jbs_quantize::kWideClusterFrom) {
+    cudaKernel_t wide = nullptr;
+    if (auto err = g_quantize_activation_wide.Get(&wide); err.failure()) return err;
+    if (WideClusterRuns(wide)) {
+      *kernel = wide;
+      *ctas = jbs_quantize::kWideClusterCtas;
+      *cluster_at_launch = true;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error ExecuteQuantizedActivation(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer b, ffi::AnyBuffer sb,
-    ffi::AnyBuffer b_alpha, ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> ws,
+    ffi::AnyBuffer b_alpha, ffi::AnyBuffer a_static, ffi::Result<ffi::AnyBuffer> c,
+    ffi::Result<ffi::AnyBuffer> ws,
     int32_t a_kind, int32_t b_kind, int32_t a_e5m2,
     int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l, int32_t a_scales_plain,
     int32_t nt, int32_t tile_m, int32_t tile_n, int32_t splits, int32_t partials) {
@@ -446,7 +482,12 @@ ffi::Error ExecuteQuantizedActivation(
       static_cast<int64_t>(x.element_count()) != m * k)
     return g_state.InvalidArgument("x must be bf16 [M, K] with K a multiple of 16");
   const int64_t blocks = m * k / 16;
-  if (blocks > jbs_quantize::kClusterBlocks)
+  if (a_static.element_type() != ffi::DataType::F32 ||
+      (a_static.element_count() != 0 && a_static.element_count() != 2))
+    return g_state.InvalidArgument("a_static must be float32 [0] (calibrate) or [2] (enc, alpha)");
+  const bool given_scale = a_static.element_count() == 2;
+  // a calibrated scale needs the whole tensor on one cluster; a given one has no such limit
+  if (!given_scale && blocks > jbs_quantize::kClusterBlocks)
     return g_state.InvalidArgument("the activation is too large to quantize in the GEMM's call");
   // ws holds the quantized activation first, then (from a 256-byte boundary) the GEMM's own
   // split-K workspace: one result, so XLA cannot place the two anywhere near each other
@@ -464,28 +505,23 @@ ffi::Error ExecuteQuantizedActivation(
   const BufferView sa_view(base + lay.scales, XLA_FFI_DataType_U8, blocks);
   const BufferView alpha_view(base + lay.alpha, XLA_FFI_DataType_F32, 1);
 
-  const bool one_cta = blocks <= jbs_quantize::kCtaBlocks;
   cudaKernel_t kernel = nullptr;
-  if (auto err = (one_cta ? g_quantize_activation_cta : g_quantize_activation_cluster).Get(&kernel);
+  int ctas = 0, threads = 0;
+  bool cluster_at_launch = false;
+  if (auto err = ChooseQuantizer(blocks, given_scale, &kernel, &ctas, &threads,
+                                 &cluster_at_launch);
       err.failure())
     return err;
-  int ctas = one_cta ? 1 : jbs_quantize::kClusterCtas;
-  if (blocks > jbs_quantize::kWideClusterFrom) {
-    cudaKernel_t wide = nullptr;
-    if (auto err = g_quantize_activation_wide.Get(&wide); err.failure()) return err;
-    if (WideClusterRuns(wide)) {
-      kernel = wide;
-      ctas = jbs_quantize::kWideClusterCtas;
-    }
-  }
   const void* x_ptr = x.untyped_data();
   void* elements = base;
   void* scales = base + lay.scales;
   void* alpha_out = base + lay.alpha;
-  const void* b_alpha_ptr = b_alpha.untyped_data();
+  // the last argument: b's global scale (the kernel multiplies its decode factor by it), or
+  // {enc, alpha} for the static kernel
+  const void* scale_ptr = given_scale ? a_static.untyped_data() : b_alpha.untyped_data();
   long long count = blocks;
-  void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &b_alpha_ptr};
-  const QuantizerLaunch launch(ctas, stream);
+  void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &scale_ptr};
+  const QuantizerLaunch launch(ctas, threads, cluster_at_launch, stream);
   cudaError_t e = cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args);
   if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
@@ -596,6 +632,7 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantized_act_gemm_sm90, jbs::ExecuteQuant
                                .Arg<ffi::AnyBuffer>()    // b
                                .Arg<ffi::AnyBuffer>()    // sb
                                .Arg<ffi::AnyBuffer>()    // b_alpha
+                               .Arg<ffi::AnyBuffer>()    // a_static: [0] or {enc, alpha}
                                .Ret<ffi::AnyBuffer>()    // c
                                .Ret<ffi::AnyBuffer>(),   // ws (the quantized x, then the GEMM's)
                            "l")

@@ -1,4 +1,5 @@
-// NVFP4 quantization of a bf16 activation, for `jbs.gemm(x, w, quantize_a="nvfp4")` on sm90.
+// NVFP4 quantization of a bf16 activation, for `jbs.gemm(x, w, quantize_a="nvfp4")` on sm90
+// (the global scale calibrated per call, or, with `a_global_scale=`, given: the last kernel).
 //
 // Computes, for x of `blocks` 16-element blocks laid out one after the other (an (M, K) bf16
 // array, K a multiple of 16), exactly what `jbs.quantize(x, "nvfp4")` computes in XLA
@@ -89,7 +90,54 @@ __device__ __noinline__ uint2 PackBlockDividing(uint4 lo, uint4 hi, float scale,
   return PackBlock<true>(raw, scale, ratio, enc, safe);
 }
 
-// The whole quantization on kCtas CTAs (1, or a cluster of kClusterCtas).
+// One 16-element block of x in registers: its bf16 pairs, the largest finite |x| in it and
+// whether all of it is finite (NaN and Inf are ignored by every amax).
+struct Block {
+  uint32_t raw[8];
+  float amax;
+  bool finite;
+};
+
+__device__ __forceinline__ void LoadBlock(const uint4* __restrict__ x, long long j, Block& blk) {
+  const uint4 lo = x[2 * j], hi = x[2 * j + 1];
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    blk.raw[e] = w[e];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t bits = (w[e] >> (16 * h)) & 0xFFFFu;
+      if ((bits & 0x7F80u) == 0x7F80u) {
+        blk.finite = false;
+      } else {
+        blk.amax = fmaxf(blk.amax, fabsf(Bf16ToFloat(bits)));
+      }
+    }
+  }
+}
+
+// Block j's scale and packed elements under the encode factor `enc`.
+__device__ __forceinline__ void StoreBlock(const Block& blk, long long j, float enc,
+                                           uint2* __restrict__ elements,
+                                           uint8_t* __restrict__ scales) {
+  const float enc_per_elem_max = enc * (1.0f / 6.0f);  // 1 / 6 rounded to f32 at compile time
+  const float want = fminf(blk.amax * enc_per_elem_max, 448.0f);
+  const __nv_fp8_e4m3 scale(want);  // round to nearest, saturating (want <= 448)
+  const float s = static_cast<float>(scale);
+  const float safe = s > 0.0f ? s : 1.0f;
+  const float ratio = XlaDiv(enc, safe);
+  // x * enc / scale only where enc / scale overflows (a huge enc and a tiny block): rare
+  const uint2 packed = isfinite(ratio)
+                           ? PackBlock<false>(blk.raw, s, ratio, enc, safe)
+                           : PackBlockDividing(
+                                 make_uint4(blk.raw[0], blk.raw[1], blk.raw[2], blk.raw[3]),
+                                 make_uint4(blk.raw[4], blk.raw[5], blk.raw[6], blk.raw[7]), s,
+                                 ratio, enc, safe);
+  elements[j] = packed;
+  scales[j] = blk.finite ? scale.__x : static_cast<uint8_t>(0x7F);
+}
+
+// The whole quantization, the global scale calibrated, on kCtas CTAs (1, or a cluster).
 template <int kCtas>
 __device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long long blocks,
                                               uint2* __restrict__ elements,
@@ -106,32 +154,16 @@ __device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long 
   const long long first = 1LL * rank * kThreads + tid;
   const long long stride = 1LL * kThreads * kCtas;
 
-  uint32_t raw[kBlocksPerThread][8];  // bf16 pairs
-  float block_amax[kBlocksPerThread];
-  bool block_finite[kBlocksPerThread];
+  Block blk[kBlocksPerThread];
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kBlocksPerThread; ++i) {
     const long long j = first + i * stride;
-    block_amax[i] = 0.0f;
-    block_finite[i] = true;
+    blk[i].amax = 0.0f;
+    blk[i].finite = true;
     if (j < blocks) {
-      const uint4 lo = x[2 * j], hi = x[2 * j + 1];
-      const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        raw[i][e] = w[e];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t bits = (w[e] >> (16 * h)) & 0xFFFFu;
-          if ((bits & 0x7F80u) == 0x7F80u) {
-            block_finite[i] = false;  // NaN or Inf: ignored by every amax
-          } else {
-            block_amax[i] = fmaxf(block_amax[i], fabsf(Bf16ToFloat(bits)));
-          }
-        }
-      }
-      amax = fmaxf(amax, block_amax[i]);
+      LoadBlock(x, j, blk[i]);
+      amax = fmaxf(amax, blk[i].amax);
     }
   }
 
@@ -161,24 +193,10 @@ __device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long 
   // optimization barrier on its decode factor so that XLA multiplies exactly these two values
   if (first == 0) alpha_out[0] = XlaDiv(1.0f, enc) * b_alpha[0];
 
-  const float enc_per_elem_max = enc * (1.0f / 6.0f);  // 1 / 6 rounded to f32 at compile time
 #pragma unroll
   for (int i = 0; i < kBlocksPerThread; ++i) {
     const long long j = first + i * stride;
-    if (j >= blocks) continue;
-    const float want = fminf(block_amax[i] * enc_per_elem_max, 448.0f);
-    const __nv_fp8_e4m3 scale(want);  // round to nearest, saturating (want <= 448)
-    const float s = static_cast<float>(scale);
-    const float safe = s > 0.0f ? s : 1.0f;
-    const float ratio = XlaDiv(enc, safe);
-    // x * enc / scale only where enc / scale overflows (a huge enc and a tiny block): rare
-    const uint2 packed = isfinite(ratio) ? PackBlock<false>(raw[i], s, ratio, enc, safe)
-                                         : PackBlockDividing(
-                               make_uint4(raw[i][0], raw[i][1], raw[i][2], raw[i][3]),
-                               make_uint4(raw[i][4], raw[i][5], raw[i][6], raw[i][7]), s, ratio,
-                               enc, safe);
-    elements[j] = packed;
-    scales[j] = block_finite[i] ? scale.__x : static_cast<uint8_t>(0x7F);
+    if (j < blocks) StoreBlock(blk[i], j, enc, elements, scales);
   }
   if constexpr (kCtas > 1) cg::this_cluster().sync();  // none leaves while another reads its amax
 }
@@ -205,4 +223,24 @@ extern "C" __global__ void __launch_bounds__(kThreads)
                                                uint8_t* scales, float* alpha_out,
                                                const float* b_alpha) {
   QuantizeNvfp4<jbs_quantize::kWideClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
+}
+
+// A caller-chosen global scale (static W4A4, `gemm(x, w, quantize_a="nvfp4", a_global_scale=g)`):
+// no amax to reduce, so one block per thread on as many CTAs of kStaticThreads as the tensor
+// needs. static_scales = {enc, alpha}, both computed by XLA in the call's graph (enc = 1 / g,
+// alpha = g * b_alpha) exactly as the composition computes them; alpha is copied into the
+// scratch, where the chained decode kernel and the caller read it.
+extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
+    jbs_quantize_nvfp4_activation_static(const uint4* x, long long blocks, uint2* elements,
+                                         uint8_t* scales, float* alpha_out,
+                                         const float* static_scales) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as QuantizeNvfp4
+  const long long j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
+  if (j == 0) alpha_out[0] = static_scales[1];
+  if (j >= blocks) return;
+  Block blk;
+  blk.amax = 0.0f;
+  blk.finite = true;
+  LoadBlock(x, j, blk);
+  StoreBlock(blk, j, static_scales[0], elements, scales);
 }

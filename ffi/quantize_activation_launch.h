@@ -1,6 +1,6 @@
-// The NVFP4 activation quantizer's launch shape (quantize_activation.cu): one CTA of kThreads
-// threads, each holding up to kBlocksPerThread 16-element blocks in registers, or one cluster
-// of kClusterCtas such CTAs. Shared by the kernel and by its launch in jbs_ffi.cc; the planner's
+// The NVFP4 activation quantizer's launch shape (quantize_activation.cu): calibrating its global
+// scale, one CTA of kThreads threads, each holding up to kBlocksPerThread 16-element blocks in
+// registers, or one cluster of kClusterCtas such CTAs. Shared by the kernel and by its launch in jbs_ffi.cc; the planner's
 // limit (jax_blockscale/catalog/sm90.py: QUANTIZE_A_MAX_ELEMENTS) is the cluster's capacity,
 // checked against this file by tests/build/test_quantized_activation_lowering.py.
 #pragma once
@@ -15,4 +15,6 @@ constexpr long long kClusterBlocks = kCtaBlocks * kClusterCtas;
 // Hopper allows) where the device can place one: each thread then holds half as many blocks.
 constexpr int kWideClusterCtas = 16;
 constexpr long long kWideClusterFrom = 2LL * kThreads * kClusterCtas;
+// With a given global scale (no amax to reduce): one block per thread, CTAs of this many threads.
+constexpr int kStaticThreads = 128;
 }  // namespace jbs_quantize

@@ -8,7 +8,7 @@ import numpy as np
 from .formats import FORMATS, can_multiply, check_out_dtype, format_for, supported_pairs
 from .lowering import forced_backend
 from .primitive import gemm_p, join_operands
-from .quantize import BlockScaled, check_blockscaled, quantize
+from .quantize import BlockScaled, check_blockscaled, check_global_scale, quantize
 
 
 def _alpha(*operands) -> jax.Array:
@@ -26,7 +26,7 @@ def _alpha(*operands) -> jax.Array:
 
 
 def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None,
-         layer=None, quantize_a: str | None = None) -> jax.Array:
+         layer=None, quantize_a: str | None = None, a_global_scale=None) -> jax.Array:
     """y[..., m, n] = sum_k A[..., m, k] * B[..., n, k]  (both operands K-major, "TN").
 
     a: a `BlockScaled` (..., M, K), or a plain bf16/f16/f32 array for weight-only mode.
@@ -51,12 +51,23 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
       ``gemm(jbs.quantize(a, quantize_a), b)``; on Hopper, where that runs on the decode
       kernel (NVFP4, a bf16 `a` of up to 262,144 elements, one 2-D weight), the quantization
       runs inside the GEMM's call, bit for bit the same (docs/design/quantized_activation.md).
+    a_global_scale: with ``quantize_a="nvfp4"``, the activation's decode factor given instead of
+      calibrated per call (static W4A4: a checkpoint's ``input_scale`` through
+      `interop.modelopt_input_scale`): a positive f32 scalar (or one per matrix of `a`, shape
+      ``a.shape[:-2]``). The result is ``gemm(jbs.quantize(a, "nvfp4", global_scale=
+      a_global_scale), b)``; blocks whose amax exceeds ``448 * 6 * a_global_scale`` saturate.
+      On Hopper the fused call then takes any decode-kernel shape (no amax to reduce).
     """
     if not isinstance(b, BlockScaled):
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
                         "weight with jbs.quantize(w, fmt, layout='blocked')")
     if quantize_a is not None:
-        return _quantized_activation_gemm(a, b, quantize_a, out_dtype, backend, layer)
+        return _quantized_activation_gemm(a, b, quantize_a, out_dtype, backend, layer,
+                                          a_global_scale)
+    if a_global_scale is not None:
+        raise ValueError("a_global_scale is the decode factor to quantize a with; it needs "
+                         "quantize_a='nvfp4' (to multiply an already quantized a, give it its "
+                         "global scale in jbs.quantize)")
     if layer is not None:
         return _layer_gemm(a, b, layer, out_dtype, backend)
     forced_backend(backend)  # an unknown name fails here, at trace time
@@ -83,8 +94,10 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     return y.astype(out_dtype)
 
 
-def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer) -> jax.Array:
-    """gemm(quantize(a, fmt), b), the quantization in the GEMM's call where it can be."""
+def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer,
+                               a_global_scale=None) -> jax.Array:
+    """gemm(quantize(a, fmt, global_scale=a_global_scale or "auto"), b), the quantization in
+    the GEMM's call where it can be."""
     from .quantized_activation import quantized_activation_gemm_call  # noqa: PLC0415
 
     if isinstance(a, BlockScaled):
@@ -103,9 +116,15 @@ def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer) -> jax.Arra
                          f"{supported_pairs()}")
     forced_backend(backend)
     check_out_dtype(out_dtype)
+    if a_global_scale is not None:
+        if not FORMATS[fmt].has_global_scale:
+            raise ValueError(f"a_global_scale is an NVFP4 decode factor; quantize_a={fmt!r} has "
+                             "no global scale (pass a_global_scale=None)")
+        check_global_scale(a_global_scale, tuple(a.shape[:-2]), "a_global_scale")
     if layer is not None:
-        return gemm(quantize(a, fmt), b, out_dtype=out_dtype, backend=backend, layer=layer)
-    return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend)
+        q = quantize(a, fmt, global_scale="auto" if a_global_scale is None else a_global_scale)
+        return gemm(q, b, out_dtype=out_dtype, backend=backend, layer=layer)
+    return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend, a_global_scale)
 
 
 def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend) -> jax.Array:

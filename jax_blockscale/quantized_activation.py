@@ -9,8 +9,14 @@ quantized problem on the sm90 decode kernel, `qact_gemm_p` lowers instead to one
 first kernel quantizes x exactly as `jbs.quantize` does and whose second is that same decode
 plan: bit for bit the composed result (docs/design/quantized_activation.md).
 
-`qact_gemm_p` (x, b, sb, b_alpha) -> (M, N), x a bf16 (M, K), b a 2-D weight and b_alpha its
-global scale (1.0 when it has none). Everything but that fused lowering is the composition's:
+With ``a_global_scale=g`` (static W4A4: a checkpoint's calibrated activation scale) the result
+is ``gemm(quantize(x, fmt, global_scale=g), w)`` instead, and the quantizer has no amax to
+reduce.
+
+`qact_gemm_p` (x, b, sb, b_alpha[, a_decode]) -> (M, N), x a bf16 (M, K), b a 2-D weight,
+b_alpha its global scale (1.0 when it has none) and a_decode x's given decode factor (an f32
+scalar; present when the param ``given_scale`` is set). Everything but that fused lowering is
+the composition's:
 other platforms, plans, formats and shapes lower to it; under a partitioner that will split
 the call it is lowered to it too (the tensor's amax then spans every shard, and gemm's sharding
 rules apply); vmap quantizes each mapped slice on its own, as ``vmap`` of the composition does;
@@ -37,15 +43,18 @@ from .quantize import BlockScaled, quantize
 qact_gemm_p = Primitive("blockscale_quantized_act_gemm")
 
 
-def composed(x, b, sb, b_alpha, *, fmt, fmt_b, layout_b, b_global, out_dtype, backend):
-    """The definition: quantize x, then gemm (api.gemm validated the arguments)."""
+def composed(x, b, sb, b_alpha, a_decode=None, *, fmt, fmt_b, layout_b, b_global, given_scale,
+             out_dtype, backend):
+    """The definition: quantize x (with its given decode factor, else one calibrated now), then
+    gemm (api.gemm validated the arguments)."""
     from .api import gemm  # noqa: PLC0415  (api imports this module)
 
     w = BlockScaled(b, sb, b_alpha if b_global else None, fmt_b, layout_b)
-    return gemm(quantize(x, fmt), w, out_dtype=out_dtype, backend=backend)
+    q = quantize(x, fmt, global_scale=a_decode if given_scale else "auto")
+    return gemm(q, w, out_dtype=out_dtype, backend=backend)
 
 
-def _abstract_eval(x, b, sb, b_alpha, *, out_dtype, **_):
+def _abstract_eval(x, b, *_, out_dtype, **__):
     return jax.core.ShapedArray((x.shape[0], b.shape[0]), np.dtype(out_dtype))
 
 
@@ -64,12 +73,13 @@ def quantized_spec(x_aval, b_aval, sb_aval, *, fmt, fmt_b, layout_b, out_dtype, 
                      layout_a="plain", layout_b=layout_b, out_dtype=out_dtype, backend=backend)
 
 
-def fused_plan(spec, platform: str, backend, library=LIBRARY):
+def fused_plan(spec, platform: str, backend, library=LIBRARY, *, given_scale: bool = False):
     """gemm's plan for the composed problem `spec` when the fused target can carry it out (the
-    sm90 decode kernel reading plain NVFP4 activation scales, one matrix, K unpadded, at most
-    QUANTIZE_A_MAX_ELEMENTS activation elements), else None: the composition runs."""
+    sm90 decode kernel reading plain NVFP4 activation scales, one matrix, K unpadded; a global
+    scale calibrated per call needs the whole activation on one quantizer cluster, at most
+    QUANTIZE_A_MAX_ELEMENTS elements), else None: the composition runs."""
     if (platform != "cuda" or spec.fmt_a not in cat.QUANTIZE_A_FORMATS
-            or spec.m * spec.k > cat.QUANTIZE_A_MAX_ELEMENTS
+            or (not given_scale and spec.m * spec.k > cat.QUANTIZE_A_MAX_ELEMENTS)
             or np.dtype(spec.a_dtype) != np.dtype(jnp.float4_e2m1fn)
             or library.unavailable_reason() is not None or not library.has_quantized_act_gemm()):
         return None
@@ -87,22 +97,22 @@ def chained_decode_name(p) -> str:
     return cat.DecodeVariant(p.a_kind, p.b_kind, out, p.nt, chained=True).name
 
 
-def _lowering(ctx, x, b, sb, b_alpha, *, platform, **params):
+def _lowering(ctx, *args, platform, **params):
     plan = None
     if (np.dtype(ctx.avals_in[0].dtype) == np.dtype(jnp.bfloat16)
             and not needs_partitioning(ctx, "gemm")):
         spec = quantized_spec(*ctx.avals_in[:3], fmt=params["fmt"], fmt_b=params["fmt_b"],
                               layout_b=params["layout_b"], out_dtype=params["out_dtype"],
                               backend=params["backend"])
-        plan = fused_plan(spec, platform, params["backend"])
+        plan = fused_plan(spec, platform, params["backend"], given_scale=params["given_scale"])
     if plan is None:
         return mlir.lower_fun(functools.partial(composed, **params), multiple_results=False)(
-            ctx, x, b, sb, b_alpha)
+            ctx, *args)
 
-    def fused(x, b, sb, b_alpha):
-        return quantized_activation_gemm(x, b, sb, b_alpha, plan=plan)
+    def fused(x, b, sb, b_alpha, a_decode=None):
+        return quantized_activation_gemm(x, b, sb, b_alpha, a_decode, plan=plan)
 
-    return mlir.lower_fun(fused, multiple_results=False)(ctx, x, b, sb, b_alpha)
+    return mlir.lower_fun(fused, multiple_results=False)(ctx, *args)
 
 
 for _platform in ALL_PLATFORMS:
@@ -111,7 +121,8 @@ for _platform in ALL_PLATFORMS:
 
 
 def _batch_rule(args, dims, **params):
-    # each mapped slice is quantized on its own (its own amax), as vmap of the composition does
+    # each mapped slice is quantized on its own (its own amax, or its own given scale), as vmap
+    # of the composition does
     return jax.vmap(functools.partial(composed, **params), in_axes=dims)(*args), 0
 
 
@@ -124,18 +135,21 @@ batching.primitive_batchers[qact_gemm_p] = _batch_rule
 ad.primitive_jvps[qact_gemm_p] = _jvp
 
 
-def quantized_activation_gemm_call(a, b: BlockScaled, fmt: str, out_dtype, backend):
-    """gemm(quantize(a, fmt), b) for a plain `a` (..., M, K) and a 2-D `b`: through
-    `qact_gemm_p` where its fused lowering may apply (NVFP4, a bf16 activation), else the
-    composition itself."""
+def quantized_activation_gemm_call(a, b: BlockScaled, fmt: str, out_dtype, backend,
+                                   a_global_scale=None):
+    """gemm(quantize(a, fmt, global_scale=a_global_scale or "auto"), b) for a plain `a`
+    (..., M, K) and a 2-D `b`: through `qact_gemm_p` where its fused lowering may apply (NVFP4,
+    a bf16 activation, one global scale for all of `a`), else the composition itself."""
+    given = a_global_scale is not None
     params = dict(fmt=fmt, fmt_b=b.fmt, layout_b=b.layout, b_global=b.global_scale is not None,
-                  out_dtype=np.dtype(out_dtype), backend=backend)
+                  given_scale=given, out_dtype=np.dtype(out_dtype), backend=backend)
     b_alpha = jnp.float32(1.0) if b.global_scale is None else jnp.asarray(b.global_scale,
                                                                           jnp.float32)
+    extra = (jnp.asarray(a_global_scale, jnp.float32),) if given else ()
     if (fmt not in cat.QUANTIZE_A_FORMATS or b.ndim != 2 or a.dtype != jnp.bfloat16
-            or b_alpha.shape != ()):
-        return composed(a, b.data, b.scales, b_alpha, **params)
+            or b_alpha.shape != () or any(e.shape != () for e in extra)):
+        return composed(a, b.data, b.scales, b_alpha, *extra, **params)
     lead = a.shape[:-1]
-    x = a.reshape((-1, a.shape[-1]))  # one tensor, one amax: folding rows changes nothing
-    y = qact_gemm_p.bind(x, b.data, b.scales, b_alpha, **params)
+    x = a.reshape((-1, a.shape[-1]))  # one tensor, one global scale: folding rows changes nothing
+    y = qact_gemm_p.bind(x, b.data, b.scales, b_alpha, *extra, **params)
     return y.reshape(lead + (y.shape[-1],))

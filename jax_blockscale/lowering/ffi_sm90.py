@@ -180,12 +180,13 @@ def quantized_activation_scratch_bytes(blocks: int) -> int:
     return up(up(8 * blocks) + blocks) + 4
 
 
-def quantized_activation_gemm(x, b, sb, b_alpha, *, plan: Plan):
-    """gemm(jbs.quantize(x, "nvfp4"), B) for a bf16 x (M, K) in one call (target
-    `jax_blockscale_quantized_act_gemm_sm90`): its kernel quantizes x as jbs.quantize does,
-    then `plan` (gemm's decode plan for the quantized problem) runs. b_alpha: B's global scale
-    (1.0 without one). One f32 workspace holds the quantized activation and then, from the
-    next 256-byte boundary, the plan's split-K workspace."""
+def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):
+    """gemm(jbs.quantize(x, "nvfp4", global_scale=a_decode or "auto"), B) for a bf16 x (M, K)
+    in one call (target `jax_blockscale_quantized_act_gemm_sm90`): its kernel quantizes x as
+    jbs.quantize does, then `plan` (gemm's decode plan for the quantized problem) runs.
+    b_alpha: B's global scale (1.0 without one). a_decode: x's given decode factor (f32 ()), or
+    None to calibrate one on this call. One f32 workspace holds the quantized activation and
+    then, from the next 256-byte boundary, the plan's split-K workspace."""
     if not _plugin.register_targets():
         raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
     spec = plan.spec
@@ -198,7 +199,13 @@ def quantized_activation_gemm(x, b, sb, b_alpha, *, plan: Plan):
         (jax.ShapeDtypeStruct((1, M, N), spec.out_dtype),
          jax.ShapeDtypeStruct((front + plan.workspace,), jnp.float32)))
     partials = leaves_partials(plan)
-    y, ws = call(x, b8, sb8, jnp.reshape(b_alpha.astype(jnp.float32), (1,)),
+    b_alpha = b_alpha.astype(jnp.float32)
+    if a_decode is None:
+        a_static = jnp.zeros((0,), jnp.float32)
+    else:  # the encode factor and alpha, computed as jbs.quantize and gemm compute them
+        a_decode = a_decode.astype(jnp.float32)
+        a_static = jnp.stack([1.0 / a_decode, a_decode * b_alpha])
+    y, ws = call(x, b8, sb8, jnp.reshape(b_alpha, (1,)), a_static,
                 a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                 b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                 a_e5m2=np.int32(0), b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
@@ -206,7 +213,7 @@ def quantized_activation_gemm(x, b, sb, b_alpha, *, plan: Plan):
                 a_scales_plain=np.int32(1), nt=np.int32(plan.nt),
                 tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
                 splits=np.int32(plan.splits), partials=np.int32(partials))
-    if partials:  # alpha = the quantizer's decode factor times b_alpha, the scratch's last float
+    if partials:  # alpha = x's decode factor times b_alpha, the scratch's last float
         alpha = ws[quantized_activation_scratch_bytes(M * spec.k // 16) // 4 - 1]
         y = add_split_partials(ws[front:], plan.splits, (1, M, N), alpha, spec.out_dtype)
     return y.reshape(M, N)

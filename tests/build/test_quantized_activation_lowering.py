@@ -66,10 +66,38 @@ def test_planner_limit_is_the_quantizers_capacity():
     header = open(os.path.join(repo, "ffi", "quantize_activation_launch.h")).read()
     shape = {name: int(value) for name, value in re.findall(
         r"constexpr int (k\w+) = (\d+);", header)}
-    assert set(shape) == {"kThreads", "kClusterCtas", "kBlocksPerThread", "kWideClusterCtas"}, shape
+    assert set(shape) == {"kThreads", "kClusterCtas", "kBlocksPerThread", "kWideClusterCtas",
+                          "kStaticThreads"}, shape
     assert shape["kClusterCtas"] == 8 < shape["kWideClusterCtas"] <= 16  # portable / Hopper's max
     assert cat.QUANTIZE_A_MAX_ELEMENTS == (shape["kThreads"] * shape["kClusterCtas"]
                                            * shape["kBlocksPerThread"] * 16)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (32, 4096, 16384)])
+def test_a_given_scale_runs_in_one_fused_call_at_any_decode_size(monkeypatch, m, n, k):
+    """With a_global_scale the quantizer reduces no amax, so it takes every decode-kernel shape,
+    past the calibrating cluster's capacity too (32 x 16384); the call gets {1 / g, g * b_alpha}
+    as its sixth operand and XLA reduces nothing."""
+    x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
+    f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
+    text = lower_for_cuda(monkeypatch, f, x, w, jnp.float32(0.01))
+    calls = _calls(text)
+    assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
+    assert "tensor<2xf32>" in calls[0].split("->")[0]
+    assert "stablehlo.reduce" not in text
+    calibrating = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"),
+                                 x, w)
+    fused_calibrating = any("@" + FUSED + "(" in c for c in _calls(calibrating))
+    assert fused_calibrating == (m * k <= cat.QUANTIZE_A_MAX_ELEMENTS)
+
+
+def test_a_scale_per_matrix_is_the_composition(monkeypatch):
+    """One decode factor per matrix of a batched activation: each matrix is quantized with its
+    own, which the fused call (one scale for the folded rows) cannot do."""
+    x, w = jnp.ones((2, 3, 2048), jnp.bfloat16), _weight(512, 2048)
+    f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
+    text = lower_for_cuda(monkeypatch, f, x, w, jnp.full((2,), 0.01, jnp.float32))
+    assert FUSED not in text and _calls(text)
 
 
 @pytest.mark.parametrize("case", ["f32 activation", "past the kernel's elements", "mxfp4",

@@ -170,14 +170,103 @@ def test_in_a_loop_with_changing_activations():
     np.testing.assert_array_equal(np.asarray(acc1), np.asarray(acc2))
 
 
+# ---- a given global scale (static W4A4: gemm(x, w, quantize_a="nvfp4", a_global_scale=g)) ----
+
+def _check_given(x, w, g, out_dtype=jnp.float32, traced=True, fused=True):
+    """The fused call against gemm(quantize(x, "nvfp4", global_scale=g), w), bit for bit; g an
+    argument of the jitted function (traced) or a constant in it (XLA folds 1 / g and g * b's
+    scale then, in both programs alike)."""
+    x = jnp.asarray(x, jnp.bfloat16)
+    g32 = jnp.float32(g)
+
+    def fused_fn(x, w, g):
+        return jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g, out_dtype=out_dtype)
+
+    def composed_fn(x, w, g):
+        return jbs.gemm(jbs.quantize(x, "nvfp4", global_scale=g), w, out_dtype=out_dtype)
+
+    if traced:
+        f, c, args = jax.jit(fused_fn), jax.jit(composed_fn), (x, w, g32)
+    else:
+        f = jax.jit(lambda x, w: fused_fn(x, w, g32))
+        c = jax.jit(lambda x, w: composed_fn(x, w, g32))
+        args = (x, w)
+    assert (FUSED in _targets(f, *args)) == fused
+    poison()
+    got = np.asarray(f(*args).astype(jnp.float32))
+    np.testing.assert_array_equal(got, np.asarray(c(*args).astype(jnp.float32)))
+    return got
+
+
+# past the calibrating quantizer's capacity too (32 x 16384, 64 x 8192: 32,768 blocks)
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (7, 1000, 1024),
+                                   (5, 256, 64), (32, 4096, 16384), (64, 512, 8192),
+                                   (3, 256, 21856)])
+def test_given_scale_equals_quantize_then_gemm(m, n, k):
+    rng = _rng()
+    x, w = _activation(m, k, rng), _weight(n, k, rng)
+    amax = float(np.abs(x).max())
+    # the calibrated scale, one 4x too small (the largest blocks saturate) and one 8x too large
+    for g in (amax / 2688, amax / 2688 / 4, amax / 2688 * 8):
+        got = _check_given(x, w, g)
+        ref = np.asarray(jbs.gemm(jbs.quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4",
+                                               global_scale=g), w, out_dtype=jnp.float32,
+                                  backend="reference"))
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 1e-5, (g, err)
+
+
+@pytest.mark.parametrize("g", [1.0, 3e-4, 1e-30, 2.5e34])
+def test_given_scale_as_a_constant_and_extreme(g):
+    """A decode factor written into the program (XLA folds 1 / g on the host), and ones that
+    make every scale saturate or underflow (the dividing path), bf16 output."""
+    rng = _rng()
+    x, w = _activation(3, 2048, rng), _weight(768, 2048, rng)
+    _check_given(x, w, g, jnp.bfloat16, traced=False)
+    _check_given(x, w, g, jnp.bfloat16, traced=True)
+
+
+def test_given_scale_non_finite_values_stay_in_their_block():
+    rng = _rng()
+    x = _activation(4, 1024, rng)
+    x[0, 5], x[1, 40], x[2, 100] = np.nan, np.inf, -np.inf
+    x[3, 16:32] = 0.0
+    w = _weight(256, 1024, rng, global_scale=None)
+    got = _check_given(x, w, float(np.nanmax(np.abs(x[3]))) / 2688)
+    assert np.isnan(got[:3]).all() and np.isfinite(got[3]).all()
+
+
+def test_given_scale_per_layer_in_a_loop():
+    """A decoder-like loop: each step's activation quantized with that step's own scale."""
+    rng = _rng()
+    xs = jnp.asarray(_activation(4 * 2, 4096, rng).reshape(4, 2, 4096), jnp.bfloat16)
+    gs = jnp.asarray(rng.uniform(1e-4, 1e-2, 4), jnp.float32)
+    w = _weight(1024, 4096, rng)
+
+    def run(fused):
+        def body(acc, xg):
+            x, g = xg
+            a = x + (0 * acc.sum()).astype(x.dtype)
+            y = (jbs.gemm(a, w, quantize_a="nvfp4", a_global_scale=g, out_dtype=jnp.float32)
+                 if fused else jbs.gemm(jbs.quantize(a, "nvfp4", global_scale=g), w,
+                                        out_dtype=jnp.float32))
+            return acc + y[:, :1024], y
+        return jax.jit(lambda xs, gs: lax.scan(body, jnp.zeros((2, 1024), jnp.float32),
+                                               (xs, gs)))(xs, gs)
+
+    (acc1, ys1), (acc2, ys2) = run(True), run(False)
+    np.testing.assert_array_equal(np.asarray(ys1), np.asarray(ys2))
+    np.testing.assert_array_equal(np.asarray(acc1), np.asarray(acc2))
+
+
 @pytest.mark.memcheck
 def test_fused_calls_pass_memcheck():
-    """The quantizer (one CTA and a cluster) and the chained decode kernel (one K range and split
-    K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
+    """The quantizer (one CTA, a cluster, a given scale) and the chained decode kernel (one K
+    range and split K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
     still equals the composition (tests/support/quantized_activation_calls_for_memcheck.py)."""
     from sanitizer import run_under_memcheck  # tests/support/sanitizer.py
 
     out = run_under_memcheck("quantized_activation_calls_for_memcheck.py")
     calls = [ln for ln in out.splitlines() if ln.startswith("call ")]
-    assert len(calls) == 5, out[-2000:]
+    assert len(calls) == 7, out[-2000:]
     assert all("fused=True equal=True" in ln for ln in calls), calls

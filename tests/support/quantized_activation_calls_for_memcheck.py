@@ -1,6 +1,7 @@
 """gemm(x, w, quantize_a="nvfp4") calls on the fused target, small and at the quantizer's limit,
 for compute-sanitizer (tests/gpu/test_quantized_activation.py runs this file under it): the
-one-CTA and the cluster quantizer, the chained decode kernel with one K range and with split K,
+one-CTA and the cluster quantizer, the given-scale quantizer (a_global_scale, one partial CTA
+and past the cluster's capacity), the chained decode kernel with one K range and with split K,
 every output dtype, N not a multiple of the tile. Prints one line per call: whether it ran on
 the fused target and whether it equals quantize-then-gemm bit for bit."""
 import jax
@@ -12,17 +13,21 @@ from jax_blockscale import _plugin
 from jax_blockscale.catalog import sm90 as cat
 
 rng = np.random.default_rng(0)
-for m, n, k, out in [(1, 256, 4096, jnp.bfloat16), (3, 1000, 64, jnp.float32),
-                     (16, 384, 2048, jnp.float16),
-                     (cat.QUANTIZE_A_MAX_ELEMENTS // 16384, 512, 16384, jnp.float32),
-                     (32, 256, 1024, jnp.bfloat16)]:
+for m, n, k, out, g in [(1, 256, 4096, jnp.bfloat16, None), (3, 1000, 64, jnp.float32, None),
+                        (16, 384, 2048, jnp.float16, None),
+                        (cat.QUANTIZE_A_MAX_ELEMENTS // 16384, 512, 16384, jnp.float32, None),
+                        (32, 256, 1024, jnp.bfloat16, None), (5, 300, 2048, jnp.float32, 0.01),
+                        (32, 512, 16384, jnp.bfloat16, 0.02)]:
     x = jnp.asarray(rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-2, 2, (m, 1)),
                     jnp.bfloat16)
     w = jbs.quantize(rng.standard_normal((n, k)).astype(np.float32), "nvfp4",
                      global_scale="per_matrix", layout="blocked")
-    fused = jax.jit(lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=out))
-    composed = jax.jit(lambda x, w: jbs.gemm(jbs.quantize(x, "nvfp4"), w, out_dtype=out))
+    gs = "auto" if g is None else jnp.float32(g)
+    fused = jax.jit(lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=out,
+                                          a_global_scale=None if g is None else gs))
+    composed = jax.jit(lambda x, w: jbs.gemm(jbs.quantize(x, "nvfp4", global_scale=gs), w,
+                                             out_dtype=out))
     on_target = _plugin.QUANTIZED_ACT_SM90_TARGET in fused.lower(x, w).as_text()
     same = bool(np.array_equal(np.asarray(fused(x, w), np.float32),
                                np.asarray(composed(x, w), np.float32), equal_nan=True))
-    print(f"call m={m} n={n} k={k}: fused={on_target} equal={same}", flush=True)
+    print(f"call m={m} n={n} k={k} given_scale={g}: fused={on_target} equal={same}", flush=True)
