@@ -51,9 +51,9 @@
 //
 //   target "jax_blockscale_quantized_act_gemm_sm90" (`jbs.gemm(x, w, quantize_a="nvfp4")`)
 //   operands: x (bf16) [M, K], the activation before quantization; b, sb (as for gemm, L = 1);
-//             b_alpha (f32 [1]): b's global scale (1 without one); a_static (f32): [0] to
-//             calibrate x's global scale on this call, or [2] = {enc, alpha}, a given one's
-//             encode factor and the GEMM's alpha (`quantize_a="nvfp4", a_global_scale=g`)
+//             b_alpha (f32 [1]): b's global scale (1 without one); a_decode (f32): [0] to
+//             calibrate x's global scale on this call, or [1], the given decode factor
+//             (`quantize_a="nvfp4", a_global_scale=g`)
 //   results:  c [1, M, N], ws (f32): the quantized activation (QuantizedActivationScratch), then
 //             from the next 256-byte boundary the decode plan's split-K workspace
 //   attrs:    as for gemm (a_kind nvfp4, plain A scales, l = 1; with partials = 1 the caller
@@ -440,7 +440,7 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
              /*chained=*/false, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
 }
 
-// The quantizer for `blocks` blocks: with a given global scale (a_static non-empty) the static
+// The quantizer for `blocks` blocks: with a given global scale (a_decode non-empty) the static
 // kernel, one block per thread; else the calibrating kernel on one CTA, or the cluster that
 // holds the tensor. Sets kernel, ctas, threads and whether the launch sets the cluster.
 ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, cudaKernel_t* kernel, int* ctas,
@@ -471,7 +471,7 @@ ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, cudaKernel_t* kerne
 
 ffi::Error ExecuteQuantizedActivation(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer b, ffi::AnyBuffer sb,
-    ffi::AnyBuffer b_alpha, ffi::AnyBuffer a_static, ffi::Result<ffi::AnyBuffer> c,
+    ffi::AnyBuffer b_alpha, ffi::AnyBuffer a_decode, ffi::Result<ffi::AnyBuffer> c,
     ffi::Result<ffi::AnyBuffer> ws,
     int32_t a_kind, int32_t b_kind, int32_t a_e5m2,
     int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l, int32_t a_scales_plain,
@@ -482,10 +482,9 @@ ffi::Error ExecuteQuantizedActivation(
       static_cast<int64_t>(x.element_count()) != m * k)
     return g_state.InvalidArgument("x must be bf16 [M, K] with K a multiple of 16");
   const int64_t blocks = m * k / 16;
-  if (a_static.element_type() != ffi::DataType::F32 ||
-      (a_static.element_count() != 0 && a_static.element_count() != 2))
-    return g_state.InvalidArgument("a_static must be float32 [0] (calibrate) or [2] (enc, alpha)");
-  const bool given_scale = a_static.element_count() == 2;
+  if (a_decode.element_type() != ffi::DataType::F32 || a_decode.element_count() > 1)
+    return g_state.InvalidArgument("a_decode must be float32 [0] (calibrate) or [1] (given)");
+  const bool given_scale = a_decode.element_count() == 1;
   // a calibrated scale needs the whole tensor on one cluster; a given one has no such limit
   if (!given_scale && blocks > jbs_quantize::kClusterBlocks)
     return g_state.InvalidArgument("the activation is too large to quantize in the GEMM's call");
@@ -516,11 +515,10 @@ ffi::Error ExecuteQuantizedActivation(
   void* elements = base;
   void* scales = base + lay.scales;
   void* alpha_out = base + lay.alpha;
-  // the last argument: b's global scale (the kernel multiplies its decode factor by it), or
-  // {enc, alpha} for the static kernel
-  const void* scale_ptr = given_scale ? a_static.untyped_data() : b_alpha.untyped_data();
+  const void* b_alpha_ptr = b_alpha.untyped_data();
+  const void* a_decode_ptr = a_decode.untyped_data();  // the static kernel's last argument
   long long count = blocks;
-  void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &scale_ptr};
+  void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &b_alpha_ptr, &a_decode_ptr};
   const QuantizerLaunch launch(ctas, threads, cluster_at_launch, stream);
   cudaError_t e = cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args);
   if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
@@ -632,7 +630,7 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantized_act_gemm_sm90, jbs::ExecuteQuant
                                .Arg<ffi::AnyBuffer>()    // b
                                .Arg<ffi::AnyBuffer>()    // sb
                                .Arg<ffi::AnyBuffer>()    // b_alpha
-                               .Arg<ffi::AnyBuffer>()    // a_static: [0] or {enc, alpha}
+                               .Arg<ffi::AnyBuffer>()    // a_decode: [0] or the given [1]
                                .Ret<ffi::AnyBuffer>()    // c
                                .Ret<ffi::AnyBuffer>(),   // ws (the quantized x, then the GEMM's)
                            "l")

@@ -227,20 +227,20 @@ extern "C" __global__ void __launch_bounds__(kThreads)
 
 // A caller-chosen global scale (static W4A4, `gemm(x, w, quantize_a="nvfp4", a_global_scale=g)`):
 // no amax to reduce, so one block per thread on as many CTAs of kStaticThreads as the tensor
-// needs. static_scales = {enc, alpha}, both computed by XLA in the call's graph (enc = 1 / g,
-// alpha = g * b_alpha) exactly as the composition computes them; alpha is copied into the
-// scratch, where the chained decode kernel and the caller read it.
+// needs. enc = 1 / g as XLA divides (jbs.quantize keeps XLA from folding that quotient on the
+// host), and alpha = g * b_alpha, the product of the stored decode factors.
 extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
     jbs_quantize_nvfp4_activation_static(const uint4* x, long long blocks, uint2* elements,
                                          uint8_t* scales, float* alpha_out,
-                                         const float* static_scales) {
+                                         const float* b_alpha, const float* a_decode) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as QuantizeNvfp4
   const long long j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
-  if (j == 0) alpha_out[0] = static_scales[1];
+  const float decode = a_decode[0];
+  if (j == 0) alpha_out[0] = decode * b_alpha[0];
   if (j >= blocks) return;
   Block blk;
   blk.amax = 0.0f;
   blk.finite = true;
   LoadBlock(x, j, blk);
-  StoreBlock(blk, j, static_scales[0], elements, scales);
+  StoreBlock(blk, j, XlaDiv(1.0f, decode), elements, scales);
 }

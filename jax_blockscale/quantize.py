@@ -388,7 +388,10 @@ def _quantize_nvfp4(x: jax.Array, fmt: Format, global_scale):
         decode = _decode_factor(enc)
     else:  # a caller-chosen decode factor (checked by quantize)
         decode = jnp.asarray(global_scale, jnp.float32)
-        enc = 1.0 / decode
+        # the barrier keeps XLA from folding 1 / decode on the host when decode is a constant
+        # of the program: the quotient is then always the device's (the fused quantizer of
+        # gemm(x, w, quantize_a="nvfp4", a_global_scale=decode) computes the same one)
+        enc = 1.0 / lax.optimization_barrier(decode)
     enc_b = jnp.reshape(enc, jnp.shape(enc) + (1, 1))  # against (..., MN, SK)
     block_amax = jnp.max(fabs, axis=-1)
     # amax_block / 6 * enc, written as XLA evaluates it (it rewrites the division by the

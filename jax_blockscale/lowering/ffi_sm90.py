@@ -199,13 +199,11 @@ def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):
         (jax.ShapeDtypeStruct((1, M, N), spec.out_dtype),
          jax.ShapeDtypeStruct((front + plan.workspace,), jnp.float32)))
     partials = leaves_partials(plan)
-    b_alpha = b_alpha.astype(jnp.float32)
-    if a_decode is None:
-        a_static = jnp.zeros((0,), jnp.float32)
-    else:  # the encode factor and alpha, computed as jbs.quantize and gemm compute them
-        a_decode = a_decode.astype(jnp.float32)
-        a_static = jnp.stack([1.0 / a_decode, a_decode * b_alpha])
-    y, ws = call(x, b8, sb8, jnp.reshape(b_alpha, (1,)), a_static,
+    # the given decode factor as it is (no XLA kernel computes anything from it: the quantizer
+    # derives 1 / g and alpha itself), or nothing to calibrate one
+    a_decode = (jnp.zeros((0,), jnp.float32) if a_decode is None
+                else jnp.reshape(a_decode.astype(jnp.float32), (1,)))
+    y, ws = call(x, b8, sb8, jnp.reshape(b_alpha.astype(jnp.float32), (1,)), a_decode,
                 a_kind=np.int32(cat.KIND_CODES[plan.a_kind]),
                 b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                 a_e5m2=np.int32(0), b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),

@@ -76,15 +76,16 @@ def test_planner_limit_is_the_quantizers_capacity():
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (32, 4096, 16384)])
 def test_a_given_scale_runs_in_one_fused_call_at_any_decode_size(monkeypatch, m, n, k):
     """With a_global_scale the quantizer reduces no amax, so it takes every decode-kernel shape,
-    past the calibrating cluster's capacity too (32 x 16384); the call gets {1 / g, g * b_alpha}
-    as its sixth operand and XLA reduces nothing."""
+    past the calibrating cluster's capacity too (32 x 16384); the call gets g itself as its
+    fifth operand and XLA reduces nothing."""
     x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
     f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
     text = lower_for_cuda(monkeypatch, f, x, w, jnp.float32(0.01))
     calls = _calls(text)
     assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
-    assert "tensor<2xf32>" in calls[0].split("->")[0]
-    assert "stablehlo.reduce" not in text
+    operands = calls[0].split("->")[0]
+    assert operands.rstrip().endswith("tensor<1xf32>, tensor<1xf32>)"), operands
+    assert "stablehlo.reduce" not in text and "stablehlo.divide" not in text
     calibrating = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"),
                                  x, w)
     fused_calibrating = any("@" + FUSED + "(" in c for c in _calls(calibrating))
