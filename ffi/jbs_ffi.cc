@@ -63,6 +63,9 @@
 //   front of ws; the planned decode kernel's chained variant then multiplies it by b. It is
 //   launched with programmatic dependent launch: its CTAs start while the quantizer runs, issue
 //   their first weight copies and wait for the quantizer before reading what it wrote.
+//   With a given scale and a_kind = bf16_kperm (a plan of the register-weight kernel), the
+//   quantizer writes the quantized activation's values (dequantized, exact in bf16) in that
+//   kernel's K order instead, and the kernel runs after it on the stream.
 //
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
@@ -289,6 +292,8 @@ PtxKernel g_quantize_activation_wide{kQuantizeActivationPtx,
                                      "jbs_quantize_nvfp4_activation_wide_cluster"};
 PtxKernel g_quantize_activation_static{kQuantizeActivationPtx,
                                        "jbs_quantize_nvfp4_activation_static"};
+PtxKernel g_quantize_activation_static_kperm{kQuantizeActivationPtx,
+                                             "jbs_quantize_nvfp4_activation_static_kperm"};
 
 // A launch of the quantizer on `ctas` CTAs of `threads` threads. The wide kernel's cluster is set
 // here, at launch; the other kernels carry theirs in the PTX, or have none (the static kernel's
@@ -349,15 +354,16 @@ ffi::Error GatherAlpha(cudaStream_t stream, void* out, const void* alpha, const 
 }
 
 // Where the quantized activation lies in the scratch result (jax_blockscale/lowering/
-// ffi_sm90.py: quantized_activation_scratch_bytes computes the same): elements at 0, then the
-// plain scales and alpha, each 256-byte aligned; the GEMM's own workspace from gemm_ws on.
+// ffi_sm90.py: quantized_activation_scratch_bytes computes the same): elements at 0
+// (`block_bytes` per block: 8 packed NVFP4, or 32 for the register-weight kernel's bf16 values),
+// then the plain scales and alpha, each 256-byte aligned; the GEMM's own workspace from gemm_ws.
 struct ScratchLayout {
   int64_t scales, alpha, bytes, gemm_ws;
 };
-ScratchLayout QuantizedActivationScratch(int64_t blocks) {
+ScratchLayout QuantizedActivationScratch(int64_t blocks, int64_t block_bytes) {
   auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
   ScratchLayout s;
-  s.scales = up(8 * blocks);
+  s.scales = up(block_bytes * blocks);
   s.alpha = up(s.scales + blocks);
   s.bytes = s.alpha + 4;
   s.gemm_ws = up(s.bytes);
@@ -441,15 +447,17 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
 }
 
 // The quantizer for `blocks` blocks: with a given global scale (a_decode non-empty) the static
-// kernel, one block per thread; else the calibrating kernel on one CTA, or the cluster that
-// holds the tensor. Sets kernel, ctas, threads and whether the launch sets the cluster.
-ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, cudaKernel_t* kernel, int* ctas,
-                           int* threads, bool* cluster_at_launch) {
+// kernel, one block per thread (its K-ordered bf16 twin for the register-weight kernel); else
+// the calibrating kernel on one CTA, or the cluster that holds the tensor. Sets kernel, ctas,
+// threads and whether the launch sets the cluster.
+ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, bool k_ordered, cudaKernel_t* kernel,
+                           int* ctas, int* threads, bool* cluster_at_launch) {
   *cluster_at_launch = false;
   if (given_scale) {
     *threads = jbs_quantize::kStaticThreads;
     *ctas = static_cast<int>((blocks + *threads - 1) / *threads);
-    return g_quantize_activation_static.Get(kernel);
+    return (k_ordered ? g_quantize_activation_static_kperm : g_quantize_activation_static)
+        .Get(kernel);
   }
   *threads = jbs_quantize::kThreads;
   const bool one_cta = blocks <= jbs_quantize::kCtaBlocks;
@@ -476,21 +484,28 @@ ffi::Error ExecuteQuantizedActivation(
     int32_t a_kind, int32_t b_kind, int32_t a_e5m2,
     int32_t b_e5m2, int64_t m, int64_t n, int64_t k, int64_t l, int32_t a_scales_plain,
     int32_t nt, int32_t tile_m, int32_t tile_n, int32_t splits, int32_t partials) {
-  if (a_kind != JBS_NVFP4 || a_e5m2 != 0 || a_scales_plain != 1 || l != 1)
-    return g_state.InvalidArgument("the activation is quantized to NVFP4 with plain scales, l = 1");
-  if (x.element_type() != ffi::DataType::BF16 || m < 1 || k < 16 || k % 16 != 0 ||
-      static_cast<int64_t>(x.element_count()) != m * k)
-    return g_state.InvalidArgument("x must be bf16 [M, K] with K a multiple of 16");
-  const int64_t blocks = m * k / 16;
+  // a_kind: NVFP4 (the decode kernel reads the quantized activation: plain scales) or
+  // BF16_KPERM (the register-weight kernel reads its values, dequantized and K-ordered: only
+  // with a given scale)
+  const bool k_ordered = a_kind == JBS_BF16_KPERM;
   if (a_decode.element_type() != ffi::DataType::F32 || a_decode.element_count() > 1)
     return g_state.InvalidArgument("a_decode must be float32 [0] (calibrate) or [1] (given)");
   const bool given_scale = a_decode.element_count() == 1;
+  if (!(a_kind == JBS_NVFP4 && a_scales_plain == 1) && !(k_ordered && given_scale))
+    return g_state.InvalidArgument(
+        "the activation is quantized to NVFP4 with plain scales, or (with a given scale) "
+        "dequantized in the register-weight kernel's K order");
+  if (a_e5m2 != 0 || l != 1) return g_state.InvalidArgument("a_e5m2 = 0 and l = 1");
+  if (x.element_type() != ffi::DataType::BF16 || m < 1 || k < 16 || k % (k_ordered ? 64 : 16) ||
+      static_cast<int64_t>(x.element_count()) != m * k)
+    return g_state.InvalidArgument("x must be bf16 [M, K], K a multiple of 16 (64 K-ordered)");
+  const int64_t blocks = m * k / 16;
   // a calibrated scale needs the whole tensor on one cluster; a given one has no such limit
   if (!given_scale && blocks > jbs_quantize::kClusterBlocks)
     return g_state.InvalidArgument("the activation is too large to quantize in the GEMM's call");
   // ws holds the quantized activation first, then (from a 256-byte boundary) the GEMM's own
   // split-K workspace: one result, so XLA cannot place the two anywhere near each other
-  const ScratchLayout lay = QuantizedActivationScratch(blocks);
+  const ScratchLayout lay = QuantizedActivationScratch(blocks, k_ordered ? 32 : 8);
   if (ws->element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(ws->size_bytes()) < lay.gemm_ws)
     return g_state.InvalidArgument("the workspace is too small for the quantized activation");
@@ -500,14 +515,17 @@ ffi::Error ExecuteQuantizedActivation(
   char* base = static_cast<char*>(ws->untyped_data());
   if (reinterpret_cast<uint64_t>(x.untyped_data()) % 16 || reinterpret_cast<uint64_t>(base) % 16)
     return g_state.InvalidArgument("x and scratch must be 16-byte aligned");
-  const BufferView a_view(base, XLA_FFI_DataType_U8, blocks * 8);
+  const BufferView a_view(base, k_ordered ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_U8,
+                          k_ordered ? m * k : blocks * 8);
+  // the register-weight kernel reads no activation scales: b's stand in (as in gemm's call)
   const BufferView sa_view(base + lay.scales, XLA_FFI_DataType_U8, blocks);
+  const ffi::AnyBuffer sa = k_ordered ? sb : sa_view.any();
   const BufferView alpha_view(base + lay.alpha, XLA_FFI_DataType_F32, 1);
 
   cudaKernel_t kernel = nullptr;
   int ctas = 0, threads = 0;
   bool cluster_at_launch = false;
-  if (auto err = ChooseQuantizer(blocks, given_scale, &kernel, &ctas, &threads,
+  if (auto err = ChooseQuantizer(blocks, given_scale, k_ordered, &kernel, &ctas, &threads,
                                  &cluster_at_launch);
       err.failure())
     return err;
@@ -525,12 +543,12 @@ ffi::Error ExecuteQuantizedActivation(
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
   BufferView gemm_ws(base + lay.gemm_ws, XLA_FFI_DataType_F32, gemm_ws_floats);
   // the chained decode variant: launched while the quantizer runs, it waits for it before
-  // reading the activation, its scales and alpha
-  return Run(stream, a_view.any(), b, sa_view.any(), sb, alpha_view.any(), nullptr, c,
+  // reading the activation, its scales and alpha; the register-weight kernel runs after it
+  return Run(stream, a_view.any(), b, sa, sb, alpha_view.any(), nullptr, c,
              ffi::Result<ffi::AnyBuffer>(gemm_ws.any()),
              a_kind, b_kind, a_e5m2, b_e5m2, m, n, k, l, a_scales_plain, nt, tile_m, tile_n,
              splits, /*index_items=*/0, /*stack=*/0, /*layer=*/0, /*alpha_at=*/nullptr,
-             /*chained=*/true, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
+             /*chained=*/!k_ordered, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
 }
 
 }  // namespace
@@ -648,10 +666,11 @@ JBS_EXPORT long long jbs_layer_at(unsigned long long at, unsigned long long base
   return jbs::LayerAt(at, base, bytes, layers);
 }
 
-// The quantized activation's scratch layout for `blocks` blocks: offsets of the scales and
-// alpha, and the bytes in all (jbs.lowering.quantized_activation checks its own against it).
-JBS_EXPORT void jbs_quantized_activation_scratch(long long blocks, long long* out) {
-  const jbs::ScratchLayout s = jbs::QuantizedActivationScratch(blocks);
+// The quantized activation's scratch layout for `blocks` blocks of `block_bytes` elements:
+// offsets of the scales and alpha, and the bytes in all (jbs.lowering.quantized_activation checks its own against it).
+JBS_EXPORT void jbs_quantized_activation_scratch(long long blocks, long long block_bytes,
+                                                 long long* out) {
+  const jbs::ScratchLayout s = jbs::QuantizedActivationScratch(blocks, block_bytes);
   out[0] = s.scales; out[1] = s.alpha; out[2] = s.bytes;
 }
 

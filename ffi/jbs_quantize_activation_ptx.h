@@ -9076,5 +9076,688 @@ $L__BB4_38:
 $L__BB4_39:
 	ret;
 }
+.visible .entry jbs_quantize_nvfp4_activation_static_kperm(
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_0,
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_1,
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_2,
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_3,
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_4,
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_5,
+	.param .u64 jbs_quantize_nvfp4_activation_static_kperm_param_6
+)
+.maxntid 128, 1, 1
+{
+	.reg .pred 	%p<116>;
+	.reg .b16 	%rs<53>;
+	.reg .f32 	%f<408>;
+	.reg .b32 	%r<117>;
+	.reg .b64 	%rd<22>;
+	ld.param.u64 	%rd3, [jbs_quantize_nvfp4_activation_static_kperm_param_0];
+	ld.param.u64 	%rd4, [jbs_quantize_nvfp4_activation_static_kperm_param_1];
+	ld.param.u64 	%rd5, [jbs_quantize_nvfp4_activation_static_kperm_param_2];
+	ld.param.u64 	%rd6, [jbs_quantize_nvfp4_activation_static_kperm_param_4];
+	ld.param.u64 	%rd7, [jbs_quantize_nvfp4_activation_static_kperm_param_5];
+	ld.param.u64 	%rd8, [jbs_quantize_nvfp4_activation_static_kperm_param_6];
+	mov.u32 	%r30, %ctaid.x;
+	mul.wide.u32 	%rd9, %r30, 128;
+	mov.u32 	%r31, %tid.x;
+	cvt.u64.u32 	%rd10, %r31;
+	add.s64 	%rd1, %rd9, %rd10;
+	cvta.to.global.u64 	%rd11, %rd8;
+	ld.global.f32 	%f1, [%rd11];
+	setp.ne.s64 	%p1, %rd1, 0;
+	@%p1 bra 	$L__BB5_2;
+	cvta.to.global.u64 	%rd12, %rd7;
+	ld.global.f32 	%f111, [%rd12];
+	mul.f32 	%f112, %f1, %f111;
+	cvta.to.global.u64 	%rd13, %rd6;
+	st.global.f32 	[%rd13], %f112;
+$L__BB5_2:
+	setp.ge.s64 	%p2, %rd1, %rd4;
+	@%p2 bra 	$L__BB5_84;
+	cvta.to.global.u64 	%rd14, %rd3;
+	shl.b64 	%rd15, %rd1, 5;
+	add.s64 	%rd16, %rd14, %rd15;
+	ld.global.v4.u32 	{%r32, %r33, %r34, %r35}, [%rd16];
+	ld.global.v4.u32 	{%r36, %r37, %r38, %r39}, [%rd16+16];
+	and.b32  	%r40, %r32, 32640;
+	setp.eq.s32 	%p3, %r40, 32640;
+	mov.f32 	%f377, 0f00000000;
+	mov.u16 	%rs38, 0;
+	mov.u16 	%rs37, %rs38;
+	@%p3 bra 	$L__BB5_5;
+	shl.b32 	%r41, %r32, 16;
+	mov.b32 	%f114, %r41;
+	abs.f32 	%f115, %f114;
+	mov.f32 	%f116, 0f00000000;
+	max.f32 	%f377, %f116, %f115;
+	mov.u16 	%rs37, 1;
+$L__BB5_5:
+	and.b32  	%r16, %r32, 2139095040;
+	setp.eq.s32 	%p4, %r16, 2139095040;
+	@%p4 bra 	$L__BB5_7;
+	and.b32  	%r42, %r32, -65536;
+	mov.b32 	%f117, %r42;
+	abs.f32 	%f118, %f117;
+	max.f32 	%f377, %f377, %f118;
+	mov.u16 	%rs38, %rs37;
+$L__BB5_7:
+	and.b32  	%r17, %r33, 32640;
+	setp.eq.s32 	%p5, %r17, 32640;
+	mov.u16 	%rs40, 0;
+	mov.u16 	%rs39, %rs40;
+	@%p5 bra 	$L__BB5_9;
+	shl.b32 	%r43, %r33, 16;
+	mov.b32 	%f119, %r43;
+	abs.f32 	%f120, %f119;
+	max.f32 	%f377, %f377, %f120;
+	mov.u16 	%rs39, %rs38;
+$L__BB5_9:
+	and.b32  	%r18, %r33, 2139095040;
+	setp.eq.s32 	%p6, %r18, 2139095040;
+	@%p6 bra 	$L__BB5_11;
+	and.b32  	%r44, %r33, -65536;
+	mov.b32 	%f121, %r44;
+	abs.f32 	%f122, %f121;
+	max.f32 	%f377, %f377, %f122;
+	mov.u16 	%rs40, %rs39;
+$L__BB5_11:
+	and.b32  	%r45, %r34, 32640;
+	setp.eq.s32 	%p7, %r45, 32640;
+	mov.u16 	%rs42, 0;
+	mov.u16 	%rs41, %rs42;
+	@%p7 bra 	$L__BB5_13;
+	shl.b32 	%r46, %r34, 16;
+	mov.b32 	%f123, %r46;
+	abs.f32 	%f124, %f123;
+	max.f32 	%f377, %f377, %f124;
+	mov.u16 	%rs41, %rs40;
+$L__BB5_13:
+	and.b32  	%r19, %r34, 2139095040;
+	setp.eq.s32 	%p8, %r19, 2139095040;
+	@%p8 bra 	$L__BB5_15;
+	and.b32  	%r47, %r34, -65536;
+	mov.b32 	%f125, %r47;
+	abs.f32 	%f126, %f125;
+	max.f32 	%f377, %f377, %f126;
+	mov.u16 	%rs42, %rs41;
+$L__BB5_15:
+	and.b32  	%r20, %r35, 32640;
+	setp.eq.s32 	%p9, %r20, 32640;
+	mov.u16 	%rs44, 0;
+	mov.u16 	%rs43, %rs44;
+	@%p9 bra 	$L__BB5_17;
+	shl.b32 	%r48, %r35, 16;
+	mov.b32 	%f127, %r48;
+	abs.f32 	%f128, %f127;
+	max.f32 	%f377, %f377, %f128;
+	mov.u16 	%rs43, %rs42;
+$L__BB5_17:
+	and.b32  	%r21, %r35, 2139095040;
+	setp.eq.s32 	%p10, %r21, 2139095040;
+	@%p10 bra 	$L__BB5_19;
+	and.b32  	%r49, %r35, -65536;
+	mov.b32 	%f129, %r49;
+	abs.f32 	%f130, %f129;
+	max.f32 	%f377, %f377, %f130;
+	mov.u16 	%rs44, %rs43;
+$L__BB5_19:
+	and.b32  	%r22, %r36, 32640;
+	setp.eq.s32 	%p11, %r22, 32640;
+	mov.u16 	%rs46, 0;
+	mov.u16 	%rs45, %rs46;
+	@%p11 bra 	$L__BB5_21;
+	shl.b32 	%r50, %r36, 16;
+	mov.b32 	%f131, %r50;
+	abs.f32 	%f132, %f131;
+	max.f32 	%f377, %f377, %f132;
+	mov.u16 	%rs45, %rs44;
+$L__BB5_21:
+	and.b32  	%r23, %r36, 2139095040;
+	setp.eq.s32 	%p12, %r23, 2139095040;
+	@%p12 bra 	$L__BB5_23;
+	and.b32  	%r51, %r36, -65536;
+	mov.b32 	%f133, %r51;
+	abs.f32 	%f134, %f133;
+	max.f32 	%f377, %f377, %f134;
+	mov.u16 	%rs46, %rs45;
+$L__BB5_23:
+	and.b32  	%r24, %r37, 32640;
+	setp.eq.s32 	%p13, %r24, 32640;
+	mov.u16 	%rs48, 0;
+	mov.u16 	%rs47, %rs48;
+	@%p13 bra 	$L__BB5_25;
+	shl.b32 	%r52, %r37, 16;
+	mov.b32 	%f135, %r52;
+	abs.f32 	%f136, %f135;
+	max.f32 	%f377, %f377, %f136;
+	mov.u16 	%rs47, %rs46;
+$L__BB5_25:
+	and.b32  	%r25, %r37, 2139095040;
+	setp.eq.s32 	%p14, %r25, 2139095040;
+	@%p14 bra 	$L__BB5_27;
+	and.b32  	%r53, %r37, -65536;
+	mov.b32 	%f137, %r53;
+	abs.f32 	%f138, %f137;
+	max.f32 	%f377, %f377, %f138;
+	mov.u16 	%rs48, %rs47;
+$L__BB5_27:
+	and.b32  	%r26, %r38, 32640;
+	setp.eq.s32 	%p15, %r26, 32640;
+	mov.u16 	%rs50, 0;
+	mov.u16 	%rs49, %rs50;
+	@%p15 bra 	$L__BB5_29;
+	shl.b32 	%r54, %r38, 16;
+	mov.b32 	%f139, %r54;
+	abs.f32 	%f140, %f139;
+	max.f32 	%f377, %f377, %f140;
+	mov.u16 	%rs49, %rs48;
+$L__BB5_29:
+	and.b32  	%r27, %r38, 2139095040;
+	setp.eq.s32 	%p16, %r27, 2139095040;
+	@%p16 bra 	$L__BB5_31;
+	and.b32  	%r55, %r38, -65536;
+	mov.b32 	%f141, %r55;
+	abs.f32 	%f142, %f141;
+	max.f32 	%f377, %f377, %f142;
+	mov.u16 	%rs50, %rs49;
+$L__BB5_31:
+	and.b32  	%r28, %r39, 32640;
+	setp.eq.s32 	%p17, %r28, 32640;
+	mov.u16 	%rs52, 0;
+	mov.u16 	%rs51, %rs52;
+	@%p17 bra 	$L__BB5_33;
+	shl.b32 	%r56, %r39, 16;
+	mov.b32 	%f143, %r56;
+	abs.f32 	%f144, %f143;
+	max.f32 	%f377, %f377, %f144;
+	mov.u16 	%rs51, %rs50;
+$L__BB5_33:
+	and.b32  	%r29, %r39, 2139095040;
+	setp.eq.s32 	%p18, %r29, 2139095040;
+	@%p18 bra 	$L__BB5_35;
+	and.b32  	%r57, %r39, -65536;
+	mov.b32 	%f145, %r57;
+	abs.f32 	%f146, %f145;
+	max.f32 	%f377, %f377, %f146;
+	mov.u16 	%rs52, %rs51;
+$L__BB5_35:
+	mov.f32 	%f148, 0f3F800000;
+	div.full.f32 %f147, %f148, %f1;
+	mul.f32 	%f156, %f147, 0f3E2AAAAB;
+	mul.f32 	%f157, %f377, %f156;
+	mov.f32 	%f158, 0f43E00000;
+	min.f32 	%f150, %f157, %f158;
+	mov.f32 	%f151, 0f00000000;
+	{cvt.rn.satfinite.e4m3x2.f32 %rs34, %f151, %f150;}
+	and.b16  	%rs35, %rs34, 255;
+	{cvt.rn.f16x2.e4m3x2 %r58, %rs35;}
+	cvt.u16.u32 	%rs36, %r58;
+	{cvt.f32.f16 %f152, %rs36;}
+	setp.gt.f32 	%p19, %f152, 0f00000000;
+	selp.f32 	%f155, %f152, 0f3F800000, %p19;
+	div.full.f32 %f153, %f147, %f155;
+	setp.eq.s16 	%p20, %rs52, 0;
+	selp.f32 	%f38, 0f7FFFFFFF, %f152, %p20;
+	abs.f32 	%f39, %f153;
+	setp.geu.f32 	%p21, %f39, 0f7F800000;
+	shl.b32 	%r59, %r32, 16;
+	mov.b32 	%f40, %r59;
+	@%p21 bra 	$L__BB5_37;
+	bra.uni 	$L__BB5_36;
+$L__BB5_37:
+	mul.f32 	%f160, %f147, %f40;
+	div.full.f32 %f392, %f160, %f155;
+	bra.uni 	$L__BB5_38;
+$L__BB5_36:
+	mul.f32 	%f392, %f153, %f40;
+$L__BB5_38:
+	shl.b32 	%r60, %r34, 16;
+	mov.b32 	%f44, %r60;
+	@%p21 bra 	$L__BB5_40;
+	bra.uni 	$L__BB5_39;
+$L__BB5_40:
+	mul.f32 	%f163, %f147, %f44;
+	div.full.f32 %f393, %f163, %f155;
+	bra.uni 	$L__BB5_41;
+$L__BB5_39:
+	mul.f32 	%f393, %f153, %f44;
+$L__BB5_41:
+	setp.leu.f32 	%p23, %f152, 0f00000000;
+	or.pred  	%p25, %p23, %p3;
+	selp.f32 	%f165, 0f00000000, %f392, %p25;
+	mov.f32 	%f166, 0fC0C00000;
+	max.f32 	%f167, %f165, %f166;
+	mov.f32 	%f168, 0f40C00000;
+	min.f32 	%f169, %f167, %f168;
+	abs.f32 	%f170, %f169;
+	setp.lt.f32 	%p26, %f170, 0f40800000;
+	selp.f32 	%f171, 0f4B400000, 0f4BC00000, %p26;
+	setp.lt.f32 	%p27, %f170, 0f40000000;
+	selp.f32 	%f172, 0f4AC00000, %f171, %p27;
+	or.pred  	%p29, %p23, %p7;
+	selp.f32 	%f173, 0f00000000, %f393, %p29;
+	max.f32 	%f174, %f173, %f166;
+	min.f32 	%f175, %f174, %f168;
+	abs.f32 	%f176, %f175;
+	setp.lt.f32 	%p30, %f176, 0f40000000;
+	setp.lt.f32 	%p31, %f176, 0f40800000;
+	selp.f32 	%f177, 0f4B400000, 0f4BC00000, %p31;
+	selp.f32 	%f178, 0f4AC00000, %f177, %p30;
+	add.rn.f32 	%f179, %f176, %f178;
+	sub.rn.f32 	%f180, %f179, %f178;
+	copysign.f32 	%f181, %f175, %f180;
+	mul.f32 	%f182, %f38, %f181;
+	mov.b32 	%r63, %f182;
+	and.b32  	%r64, %r63, -65536;
+	add.rn.f32 	%f183, %f170, %f172;
+	sub.rn.f32 	%f184, %f183, %f172;
+	copysign.f32 	%f185, %f169, %f184;
+	mul.f32 	%f186, %f38, %f185;
+	mov.b32 	%r65, %f186;
+	shr.u32 	%r66, %r65, 16;
+	or.b32  	%r67, %r64, %r66;
+	and.b64  	%rd17, %rd1, 3;
+	shr.u64 	%rd18, %rd1, 2;
+	bfi.b64 	%rd19, %rd18, %rd17, 5, 59;
+	cvta.to.global.u64 	%rd20, %rd5;
+	shl.b64 	%rd21, %rd19, 2;
+	add.s64 	%rd2, %rd20, %rd21;
+	st.global.u32 	[%rd2], %r67;
+	and.b32  	%r68, %r32, -65536;
+	mov.b32 	%f48, %r68;
+	@%p21 bra 	$L__BB5_43;
+	bra.uni 	$L__BB5_42;
+$L__BB5_43:
+	mul.f32 	%f188, %f147, %f48;
+	div.full.f32 %f394, %f188, %f155;
+	bra.uni 	$L__BB5_44;
+$L__BB5_42:
+	mul.f32 	%f394, %f153, %f48;
+$L__BB5_44:
+	or.pred  	%p35, %p23, %p4;
+	selp.f32 	%f52, 0f00000000, %f394, %p35;
+	and.b32  	%r69, %r34, -65536;
+	mov.b32 	%f53, %r69;
+	@%p21 bra 	$L__BB5_46;
+	bra.uni 	$L__BB5_45;
+$L__BB5_46:
+	mul.f32 	%f191, %f147, %f53;
+	div.full.f32 %f395, %f191, %f155;
+	bra.uni 	$L__BB5_47;
+$L__BB5_45:
+	mul.f32 	%f395, %f153, %f53;
+$L__BB5_47:
+	mov.f32 	%f193, 0fC0C00000;
+	max.f32 	%f194, %f52, %f193;
+	mov.f32 	%f195, 0f40C00000;
+	min.f32 	%f196, %f194, %f195;
+	abs.f32 	%f197, %f196;
+	setp.lt.f32 	%p37, %f197, 0f40800000;
+	selp.f32 	%f198, 0f4B400000, 0f4BC00000, %p37;
+	setp.lt.f32 	%p38, %f197, 0f40000000;
+	selp.f32 	%f199, 0f4AC00000, %f198, %p38;
+	or.pred  	%p41, %p23, %p8;
+	selp.f32 	%f200, 0f00000000, %f395, %p41;
+	max.f32 	%f201, %f200, %f193;
+	min.f32 	%f202, %f201, %f195;
+	abs.f32 	%f203, %f202;
+	setp.lt.f32 	%p42, %f203, 0f40000000;
+	setp.lt.f32 	%p43, %f203, 0f40800000;
+	selp.f32 	%f204, 0f4B400000, 0f4BC00000, %p43;
+	selp.f32 	%f205, 0f4AC00000, %f204, %p42;
+	add.rn.f32 	%f206, %f203, %f205;
+	sub.rn.f32 	%f207, %f206, %f205;
+	copysign.f32 	%f208, %f202, %f207;
+	mul.f32 	%f209, %f38, %f208;
+	mov.b32 	%r70, %f209;
+	and.b32  	%r71, %r70, -65536;
+	add.rn.f32 	%f210, %f197, %f199;
+	sub.rn.f32 	%f211, %f210, %f199;
+	copysign.f32 	%f212, %f196, %f211;
+	mul.f32 	%f213, %f38, %f212;
+	mov.b32 	%r72, %f213;
+	shr.u32 	%r73, %r72, 16;
+	or.b32  	%r74, %r71, %r73;
+	st.global.u32 	[%rd2+16], %r74;
+	shl.b32 	%r75, %r33, 16;
+	mov.b32 	%f57, %r75;
+	@%p21 bra 	$L__BB5_49;
+	bra.uni 	$L__BB5_48;
+$L__BB5_49:
+	mul.f32 	%f215, %f147, %f57;
+	div.full.f32 %f396, %f215, %f155;
+	bra.uni 	$L__BB5_50;
+$L__BB5_48:
+	mul.f32 	%f396, %f153, %f57;
+$L__BB5_50:
+	or.pred  	%p47, %p23, %p5;
+	selp.f32 	%f61, 0f00000000, %f396, %p47;
+	shl.b32 	%r76, %r35, 16;
+	mov.b32 	%f62, %r76;
+	@%p21 bra 	$L__BB5_52;
+	bra.uni 	$L__BB5_51;
+$L__BB5_52:
+	mul.f32 	%f218, %f147, %f62;
+	div.full.f32 %f397, %f218, %f155;
+	bra.uni 	$L__BB5_53;
+$L__BB5_51:
+	mul.f32 	%f397, %f153, %f62;
+$L__BB5_53:
+	mov.f32 	%f220, 0fC0C00000;
+	max.f32 	%f221, %f61, %f220;
+	mov.f32 	%f222, 0f40C00000;
+	min.f32 	%f223, %f221, %f222;
+	abs.f32 	%f224, %f223;
+	setp.lt.f32 	%p49, %f224, 0f40800000;
+	selp.f32 	%f225, 0f4B400000, 0f4BC00000, %p49;
+	setp.lt.f32 	%p50, %f224, 0f40000000;
+	selp.f32 	%f226, 0f4AC00000, %f225, %p50;
+	or.pred  	%p53, %p23, %p9;
+	selp.f32 	%f227, 0f00000000, %f397, %p53;
+	max.f32 	%f228, %f227, %f220;
+	min.f32 	%f229, %f228, %f222;
+	abs.f32 	%f230, %f229;
+	setp.lt.f32 	%p54, %f230, 0f40000000;
+	setp.lt.f32 	%p55, %f230, 0f40800000;
+	selp.f32 	%f231, 0f4B400000, 0f4BC00000, %p55;
+	selp.f32 	%f232, 0f4AC00000, %f231, %p54;
+	add.rn.f32 	%f233, %f230, %f232;
+	sub.rn.f32 	%f234, %f233, %f232;
+	copysign.f32 	%f235, %f229, %f234;
+	mul.f32 	%f236, %f38, %f235;
+	mov.b32 	%r77, %f236;
+	and.b32  	%r78, %r77, -65536;
+	add.rn.f32 	%f237, %f224, %f226;
+	sub.rn.f32 	%f238, %f237, %f226;
+	copysign.f32 	%f239, %f223, %f238;
+	mul.f32 	%f240, %f38, %f239;
+	mov.b32 	%r79, %f240;
+	shr.u32 	%r80, %r79, 16;
+	or.b32  	%r81, %r78, %r80;
+	st.global.u32 	[%rd2+32], %r81;
+	and.b32  	%r82, %r33, -65536;
+	mov.b32 	%f66, %r82;
+	@%p21 bra 	$L__BB5_55;
+	bra.uni 	$L__BB5_54;
+$L__BB5_55:
+	mul.f32 	%f242, %f147, %f66;
+	div.full.f32 %f398, %f242, %f155;
+	bra.uni 	$L__BB5_56;
+$L__BB5_54:
+	mul.f32 	%f398, %f153, %f66;
+$L__BB5_56:
+	or.pred  	%p59, %p23, %p6;
+	selp.f32 	%f70, 0f00000000, %f398, %p59;
+	and.b32  	%r83, %r35, -65536;
+	mov.b32 	%f71, %r83;
+	@%p21 bra 	$L__BB5_58;
+	bra.uni 	$L__BB5_57;
+$L__BB5_58:
+	mul.f32 	%f245, %f147, %f71;
+	div.full.f32 %f399, %f245, %f155;
+	bra.uni 	$L__BB5_59;
+$L__BB5_57:
+	mul.f32 	%f399, %f153, %f71;
+$L__BB5_59:
+	mov.f32 	%f247, 0fC0C00000;
+	max.f32 	%f248, %f70, %f247;
+	mov.f32 	%f249, 0f40C00000;
+	min.f32 	%f250, %f248, %f249;
+	abs.f32 	%f251, %f250;
+	setp.lt.f32 	%p61, %f251, 0f40800000;
+	selp.f32 	%f252, 0f4B400000, 0f4BC00000, %p61;
+	setp.lt.f32 	%p62, %f251, 0f40000000;
+	selp.f32 	%f253, 0f4AC00000, %f252, %p62;
+	or.pred  	%p65, %p23, %p10;
+	selp.f32 	%f254, 0f00000000, %f399, %p65;
+	max.f32 	%f255, %f254, %f247;
+	min.f32 	%f256, %f255, %f249;
+	abs.f32 	%f257, %f256;
+	setp.lt.f32 	%p66, %f257, 0f40000000;
+	setp.lt.f32 	%p67, %f257, 0f40800000;
+	selp.f32 	%f258, 0f4B400000, 0f4BC00000, %p67;
+	selp.f32 	%f259, 0f4AC00000, %f258, %p66;
+	add.rn.f32 	%f260, %f257, %f259;
+	sub.rn.f32 	%f261, %f260, %f259;
+	copysign.f32 	%f262, %f256, %f261;
+	mul.f32 	%f263, %f38, %f262;
+	mov.b32 	%r84, %f263;
+	and.b32  	%r85, %r84, -65536;
+	add.rn.f32 	%f264, %f251, %f253;
+	sub.rn.f32 	%f265, %f264, %f253;
+	copysign.f32 	%f266, %f250, %f265;
+	mul.f32 	%f267, %f38, %f266;
+	mov.b32 	%r86, %f267;
+	shr.u32 	%r87, %r86, 16;
+	or.b32  	%r88, %r85, %r87;
+	st.global.u32 	[%rd2+48], %r88;
+	shl.b32 	%r89, %r36, 16;
+	mov.b32 	%f75, %r89;
+	@%p21 bra 	$L__BB5_61;
+	bra.uni 	$L__BB5_60;
+$L__BB5_61:
+	mul.f32 	%f269, %f147, %f75;
+	div.full.f32 %f400, %f269, %f155;
+	bra.uni 	$L__BB5_62;
+$L__BB5_60:
+	mul.f32 	%f400, %f153, %f75;
+$L__BB5_62:
+	or.pred  	%p71, %p23, %p11;
+	selp.f32 	%f79, 0f00000000, %f400, %p71;
+	shl.b32 	%r90, %r38, 16;
+	mov.b32 	%f80, %r90;
+	@%p21 bra 	$L__BB5_64;
+	bra.uni 	$L__BB5_63;
+$L__BB5_64:
+	mul.f32 	%f272, %f147, %f80;
+	div.full.f32 %f401, %f272, %f155;
+	bra.uni 	$L__BB5_65;
+$L__BB5_63:
+	mul.f32 	%f401, %f153, %f80;
+$L__BB5_65:
+	mov.f32 	%f274, 0fC0C00000;
+	max.f32 	%f275, %f79, %f274;
+	mov.f32 	%f276, 0f40C00000;
+	min.f32 	%f277, %f275, %f276;
+	abs.f32 	%f278, %f277;
+	setp.lt.f32 	%p73, %f278, 0f40800000;
+	selp.f32 	%f279, 0f4B400000, 0f4BC00000, %p73;
+	setp.lt.f32 	%p74, %f278, 0f40000000;
+	selp.f32 	%f280, 0f4AC00000, %f279, %p74;
+	or.pred  	%p77, %p23, %p15;
+	selp.f32 	%f281, 0f00000000, %f401, %p77;
+	max.f32 	%f282, %f281, %f274;
+	min.f32 	%f283, %f282, %f276;
+	abs.f32 	%f284, %f283;
+	setp.lt.f32 	%p78, %f284, 0f40000000;
+	setp.lt.f32 	%p79, %f284, 0f40800000;
+	selp.f32 	%f285, 0f4B400000, 0f4BC00000, %p79;
+	selp.f32 	%f286, 0f4AC00000, %f285, %p78;
+	add.rn.f32 	%f287, %f284, %f286;
+	sub.rn.f32 	%f288, %f287, %f286;
+	copysign.f32 	%f289, %f283, %f288;
+	mul.f32 	%f290, %f38, %f289;
+	mov.b32 	%r91, %f290;
+	and.b32  	%r92, %r91, -65536;
+	add.rn.f32 	%f291, %f278, %f280;
+	sub.rn.f32 	%f292, %f291, %f280;
+	copysign.f32 	%f293, %f277, %f292;
+	mul.f32 	%f294, %f38, %f293;
+	mov.b32 	%r93, %f294;
+	shr.u32 	%r94, %r93, 16;
+	or.b32  	%r95, %r92, %r94;
+	st.global.u32 	[%rd2+64], %r95;
+	and.b32  	%r96, %r36, -65536;
+	mov.b32 	%f84, %r96;
+	@%p21 bra 	$L__BB5_67;
+	bra.uni 	$L__BB5_66;
+$L__BB5_67:
+	mul.f32 	%f296, %f147, %f84;
+	div.full.f32 %f402, %f296, %f155;
+	bra.uni 	$L__BB5_68;
+$L__BB5_66:
+	mul.f32 	%f402, %f153, %f84;
+$L__BB5_68:
+	or.pred  	%p83, %p23, %p12;
+	selp.f32 	%f88, 0f00000000, %f402, %p83;
+	and.b32  	%r97, %r38, -65536;
+	mov.b32 	%f89, %r97;
+	@%p21 bra 	$L__BB5_70;
+	bra.uni 	$L__BB5_69;
+$L__BB5_70:
+	mul.f32 	%f299, %f147, %f89;
+	div.full.f32 %f403, %f299, %f155;
+	bra.uni 	$L__BB5_71;
+$L__BB5_69:
+	mul.f32 	%f403, %f153, %f89;
+$L__BB5_71:
+	mov.f32 	%f301, 0fC0C00000;
+	max.f32 	%f302, %f88, %f301;
+	mov.f32 	%f303, 0f40C00000;
+	min.f32 	%f304, %f302, %f303;
+	abs.f32 	%f305, %f304;
+	setp.lt.f32 	%p85, %f305, 0f40800000;
+	selp.f32 	%f306, 0f4B400000, 0f4BC00000, %p85;
+	setp.lt.f32 	%p86, %f305, 0f40000000;
+	selp.f32 	%f307, 0f4AC00000, %f306, %p86;
+	or.pred  	%p89, %p23, %p16;
+	selp.f32 	%f308, 0f00000000, %f403, %p89;
+	max.f32 	%f309, %f308, %f301;
+	min.f32 	%f310, %f309, %f303;
+	abs.f32 	%f311, %f310;
+	setp.lt.f32 	%p90, %f311, 0f40000000;
+	setp.lt.f32 	%p91, %f311, 0f40800000;
+	selp.f32 	%f312, 0f4B400000, 0f4BC00000, %p91;
+	selp.f32 	%f313, 0f4AC00000, %f312, %p90;
+	add.rn.f32 	%f314, %f311, %f313;
+	sub.rn.f32 	%f315, %f314, %f313;
+	copysign.f32 	%f316, %f310, %f315;
+	mul.f32 	%f317, %f38, %f316;
+	mov.b32 	%r98, %f317;
+	and.b32  	%r99, %r98, -65536;
+	add.rn.f32 	%f318, %f305, %f307;
+	sub.rn.f32 	%f319, %f318, %f307;
+	copysign.f32 	%f320, %f304, %f319;
+	mul.f32 	%f321, %f38, %f320;
+	mov.b32 	%r100, %f321;
+	shr.u32 	%r101, %r100, 16;
+	or.b32  	%r102, %r99, %r101;
+	st.global.u32 	[%rd2+80], %r102;
+	shl.b32 	%r103, %r37, 16;
+	mov.b32 	%f93, %r103;
+	@%p21 bra 	$L__BB5_73;
+	bra.uni 	$L__BB5_72;
+$L__BB5_73:
+	mul.f32 	%f323, %f147, %f93;
+	div.full.f32 %f404, %f323, %f155;
+	bra.uni 	$L__BB5_74;
+$L__BB5_72:
+	mul.f32 	%f404, %f153, %f93;
+$L__BB5_74:
+	or.pred  	%p95, %p23, %p13;
+	selp.f32 	%f97, 0f00000000, %f404, %p95;
+	shl.b32 	%r104, %r39, 16;
+	mov.b32 	%f98, %r104;
+	@%p21 bra 	$L__BB5_76;
+	bra.uni 	$L__BB5_75;
+$L__BB5_76:
+	mul.f32 	%f326, %f147, %f98;
+	div.full.f32 %f405, %f326, %f155;
+	bra.uni 	$L__BB5_77;
+$L__BB5_75:
+	mul.f32 	%f405, %f153, %f98;
+$L__BB5_77:
+	mov.f32 	%f328, 0fC0C00000;
+	max.f32 	%f329, %f97, %f328;
+	mov.f32 	%f330, 0f40C00000;
+	min.f32 	%f331, %f329, %f330;
+	abs.f32 	%f332, %f331;
+	setp.lt.f32 	%p97, %f332, 0f40800000;
+	selp.f32 	%f333, 0f4B400000, 0f4BC00000, %p97;
+	setp.lt.f32 	%p98, %f332, 0f40000000;
+	selp.f32 	%f334, 0f4AC00000, %f333, %p98;
+	or.pred  	%p101, %p23, %p17;
+	selp.f32 	%f335, 0f00000000, %f405, %p101;
+	max.f32 	%f336, %f335, %f328;
+	min.f32 	%f337, %f336, %f330;
+	abs.f32 	%f338, %f337;
+	setp.lt.f32 	%p102, %f338, 0f40000000;
+	setp.lt.f32 	%p103, %f338, 0f40800000;
+	selp.f32 	%f339, 0f4B400000, 0f4BC00000, %p103;
+	selp.f32 	%f340, 0f4AC00000, %f339, %p102;
+	add.rn.f32 	%f341, %f338, %f340;
+	sub.rn.f32 	%f342, %f341, %f340;
+	copysign.f32 	%f343, %f337, %f342;
+	mul.f32 	%f344, %f38, %f343;
+	mov.b32 	%r105, %f344;
+	and.b32  	%r106, %r105, -65536;
+	add.rn.f32 	%f345, %f332, %f334;
+	sub.rn.f32 	%f346, %f345, %f334;
+	copysign.f32 	%f347, %f331, %f346;
+	mul.f32 	%f348, %f38, %f347;
+	mov.b32 	%r107, %f348;
+	shr.u32 	%r108, %r107, 16;
+	or.b32  	%r109, %r106, %r108;
+	st.global.u32 	[%rd2+96], %r109;
+	and.b32  	%r110, %r37, -65536;
+	mov.b32 	%f102, %r110;
+	@%p21 bra 	$L__BB5_79;
+	bra.uni 	$L__BB5_78;
+$L__BB5_79:
+	mul.f32 	%f350, %f147, %f102;
+	div.full.f32 %f406, %f350, %f155;
+	bra.uni 	$L__BB5_80;
+$L__BB5_78:
+	mul.f32 	%f406, %f153, %f102;
+$L__BB5_80:
+	or.pred  	%p107, %p23, %p14;
+	selp.f32 	%f106, 0f00000000, %f406, %p107;
+	and.b32  	%r111, %r39, -65536;
+	mov.b32 	%f107, %r111;
+	@%p21 bra 	$L__BB5_82;
+	bra.uni 	$L__BB5_81;
+$L__BB5_82:
+	mul.f32 	%f353, %f147, %f107;
+	div.full.f32 %f407, %f353, %f155;
+	bra.uni 	$L__BB5_83;
+$L__BB5_81:
+	mul.f32 	%f407, %f153, %f107;
+$L__BB5_83:
+	mov.f32 	%f355, 0fC0C00000;
+	max.f32 	%f356, %f106, %f355;
+	mov.f32 	%f357, 0f40C00000;
+	min.f32 	%f358, %f356, %f357;
+	abs.f32 	%f359, %f358;
+	setp.lt.f32 	%p109, %f359, 0f40800000;
+	selp.f32 	%f360, 0f4B400000, 0f4BC00000, %p109;
+	setp.lt.f32 	%p110, %f359, 0f40000000;
+	selp.f32 	%f361, 0f4AC00000, %f360, %p110;
+	or.pred  	%p113, %p23, %p18;
+	selp.f32 	%f362, 0f00000000, %f407, %p113;
+	max.f32 	%f363, %f362, %f355;
+	min.f32 	%f364, %f363, %f357;
+	abs.f32 	%f365, %f364;
+	setp.lt.f32 	%p114, %f365, 0f40000000;
+	setp.lt.f32 	%p115, %f365, 0f40800000;
+	selp.f32 	%f366, 0f4B400000, 0f4BC00000, %p115;
+	selp.f32 	%f367, 0f4AC00000, %f366, %p114;
+	add.rn.f32 	%f368, %f365, %f367;
+	sub.rn.f32 	%f369, %f368, %f367;
+	copysign.f32 	%f370, %f364, %f369;
+	mul.f32 	%f371, %f38, %f370;
+	mov.b32 	%r112, %f371;
+	and.b32  	%r113, %r112, -65536;
+	add.rn.f32 	%f372, %f359, %f361;
+	sub.rn.f32 	%f373, %f372, %f361;
+	copysign.f32 	%f374, %f358, %f373;
+	mul.f32 	%f375, %f38, %f374;
+	mov.b32 	%r114, %f375;
+	shr.u32 	%r115, %r114, 16;
+	or.b32  	%r116, %r113, %r115;
+	st.global.u32 	[%rd2+112], %r116;
+$L__BB5_84:
+	ret;
+}
 )PTX";
 }  // namespace jbs

@@ -52,16 +52,19 @@ __device__ __forceinline__ float Bf16ToFloat(uint32_t bits16) {
 }
 
 // e2m1 code (sign bit 8) of v, rounded to nearest-even; |v| <= 6 (clipped by the caller).
-// Adding and subtracting 1.5 * 2^23 * u rounds |v| to a multiple of u, ties to the even
+// E2m1RoundMagnitude(|v|) is the code's value. Adding and subtracting 1.5 * 2^23 * u rounds |v| to a multiple of u, ties to the even
 // multiple, in the f32 adder itself; u is e2m1's spacing in |v|'s binade (0.5 below 2, 1 below 4,
 // 2 from 4 on), and an even multiple of it is the even code. The rounded value times 2^-126 then
 // holds the code in its exponent and first mantissa bit (0.5 becomes the subnormal 2^-127, so
 // the product must not flush to zero: this file is compiled without -ftz). It gives the codes a
 // compare per midpoint gives, for every f32 in [0, 6], in fewer instructions.
-__device__ __forceinline__ uint32_t E2m1Code(float v) {
-  const float m = fabsf(v);
+__device__ __forceinline__ float E2m1RoundMagnitude(float m) {
   const float magic = m < 2.0f ? 0x1.8p22f : (m < 4.0f ? 0x1.8p23f : 0x1.8p24f);
-  const float rounded = __fsub_rn(__fadd_rn(m, magic), magic);
+  return __fsub_rn(__fadd_rn(m, magic), magic);
+}
+
+__device__ __forceinline__ uint32_t E2m1Code(float v) {
+  const float rounded = E2m1RoundMagnitude(fabsf(v));
   const uint32_t mag = __float_as_uint(__fmul_rn(rounded, 0x1p-126f)) >> 22;
   return mag | ((__float_as_uint(v) >> 28) & 8u);
 }
@@ -243,4 +246,52 @@ extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
   blk.finite = true;
   LoadBlock(x, j, blk);
   StoreBlock(blk, j, XlaDiv(1.0f, decode), elements, scales);
+}
+
+// The same for the register-weight GEMM (a bf16 activation in its K order, kernels/
+// sm90_blockscaled.py): each block's values as gemm's composition dequantizes them before that
+// kernel (e2m1 value x e4m3 scale, exact in bf16; NaN for a block holding a NaN or Inf; the
+// global scale stays in alpha), written where catalog/sm90.py: activation_k_order puts them.
+// Element 8s + 4q + 2h + hi of the k-tile's block t goes to slot 32s + 16h + 8hi + 2t + q, so
+// the pair q = 0, 1 is one 32-bit word, 16s + 8h + 4hi + t of the k-tile's 32. K % 64 == 0.
+extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
+    jbs_quantize_nvfp4_activation_static_kperm(const uint4* x, long long blocks,
+                                               uint32_t* values, uint8_t* unused_scales,
+                                               float* alpha_out, const float* b_alpha,
+                                               const float* a_decode) {
+  const long long j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
+  const float decode = a_decode[0];
+  if (j == 0) alpha_out[0] = decode * b_alpha[0];
+  if (j >= blocks) return;
+  Block blk;
+  blk.amax = 0.0f;
+  blk.finite = true;
+  LoadBlock(x, j, blk);
+  // the scale and quotient as StoreBlock computes them
+  const float enc = XlaDiv(1.0f, decode);
+  const float want = fminf(blk.amax * (enc * (1.0f / 6.0f)), 448.0f);
+  const __nv_fp8_e4m3 scale(want);
+  const float s = static_cast<float>(scale);
+  const float safe = s > 0.0f ? s : 1.0f;
+  const float ratio = XlaDiv(enc, safe);
+  const float factor = blk.finite ? s : __int_as_float(0x7FFFFFFF);  // the stored scale (NaN)
+  uint32_t* tile = values + (j / 4) * 32;
+  const int t = static_cast<int>(j % 4);
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {  // w = 4s + 2h + hi: the word's element pair
+    const int e0 = 8 * (w / 4) + (w % 4);  // element of q = 0 in the block; q = 1 is e0 + 4
+    uint32_t word = 0u;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int e = e0 + 4 * q;
+      const uint32_t b = (blk.raw[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
+      const float v = Bf16ToFloat(b);
+      float qv = isfinite(ratio) ? v * ratio : XlaDiv(v * enc, safe);
+      if (!(s > 0.0f) || (b & 0x7F80u) == 0x7F80u) qv = 0.0f;  // no scale, or not finite
+      qv = fminf(fmaxf(qv, -6.0f), 6.0f);
+      const float value = copysignf(E2m1RoundMagnitude(fabsf(qv)), qv) * factor;
+      word |= (__float_as_uint(value) >> 16) << (16 * q);  // exact: the truncation is the value
+    }
+    tile[16 * (w / 4) + 8 * ((w / 2) % 2) + 4 * (w % 2) + t] = word;
+  }
 }

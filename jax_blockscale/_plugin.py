@@ -55,7 +55,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.jbs_layer_at.argtypes = [c.c_ulonglong, c.c_ulonglong, c.c_ulonglong, c.c_longlong]
         lib.jbs_layer_at.restype = c.c_longlong
     if hasattr(lib, "jbs_quantized_activation_scratch"):
-        lib.jbs_quantized_activation_scratch.argtypes = [c.c_longlong, c.POINTER(c.c_longlong)]
+        lib.jbs_quantized_activation_scratch.argtypes = [c.c_longlong, c.c_longlong,
+                                                         c.POINTER(c.c_longlong)]
         lib.jbs_quantized_activation_scratch.restype = None
     _declare_sm100(lib)
 
@@ -240,11 +241,12 @@ def has_quantized_act_gemm(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and hasattr(lib, "jax_blockscale_quantized_act_gemm_sm90")
 
 
-def quantized_activation_scratch(blocks: int) -> tuple[int, int, int]:
-    """The library's scratch layout for an activation of `blocks` NVFP4 blocks: (offset of the
-    scales, offset of alpha, bytes in all) (tests compare it with the lowering's)."""
+def quantized_activation_scratch(blocks: int, block_bytes: int = 8) -> tuple[int, int, int]:
+    """The library's scratch layout for an activation of `blocks` NVFP4 blocks, `block_bytes`
+    of elements each (8 packed, 32 as bf16 values): (offset of the scales, offset of alpha,
+    bytes in all) (tests compare it with the lowering's)."""
     out = (ctypes.c_longlong * 3)()
-    load().jbs_quantized_activation_scratch(blocks, out)
+    load().jbs_quantized_activation_scratch(blocks, block_bytes, out)
     return int(out[0]), int(out[1]), int(out[2])
 
 

@@ -74,20 +74,25 @@ def quantized_spec(x_aval, b_aval, sb_aval, *, fmt, fmt_b, layout_b, out_dtype, 
 
 
 def fused_plan(spec, platform: str, backend, library=LIBRARY, *, given_scale: bool = False):
-    """gemm's plan for the composed problem `spec` when the fused target can carry it out (the
-    sm90 decode kernel reading plain NVFP4 activation scales, one matrix, K unpadded; a global
-    scale calibrated per call needs the whole activation on one quantizer cluster, at most
-    QUANTIZE_A_MAX_ELEMENTS elements), else None: the composition runs."""
+    """gemm's plan for the composed problem `spec` when the fused target can carry it out, else
+    None: the composition runs. It can where the plan is the sm90 decode kernel reading plain
+    NVFP4 activation scales (one matrix, K unpadded; a global scale calibrated per call needs
+    the whole activation on one quantizer cluster, at most QUANTIZE_A_MAX_ELEMENTS elements),
+    and, with a given scale, also the register-weight kernel reading the activation dequantized
+    in its K order (which the quantizer then writes)."""
     if (platform != "cuda" or spec.fmt_a not in cat.QUANTIZE_A_FORMATS
             or (not given_scale and spec.m * spec.k > cat.QUANTIZE_A_MAX_ELEMENTS)
             or np.dtype(spec.a_dtype) != np.dtype(jnp.float4_e2m1fn)
             or library.unavailable_reason() is not None or not library.has_quantized_act_gemm()):
         return None
     p = make_plan(spec, platform, backend)
-    fits = (p.backend == "sm90" and p.kernel == "decode" and p.a_scales_plain and p.l == 1
-            and p.k == spec.k and not p.dequantize_a and not p.permute_k
-            and library.has(chained_decode_name(p)))
-    return p if fits else None
+    if p.backend != "sm90" or p.l != 1 or p.k != spec.k:
+        return None
+    decode = (p.kernel == "decode" and p.a_scales_plain and not p.dequantize_a
+              and not p.permute_k and library.has(chained_decode_name(p)))
+    register_weights = (given_scale and p.kernel == "register_weights" and p.dequantize_a
+                        and p.permute_k and p.a_kind == "bf16_kperm")
+    return p if decode or register_weights else None
 
 
 def chained_decode_name(p) -> str:

@@ -171,13 +171,14 @@ def add_split_partials(ws, splits: int, shape: tuple, alpha, out_dtype):
     return (total * jnp.reshape(alpha, ())).astype(out_dtype)
 
 
-def quantized_activation_scratch_bytes(blocks: int) -> int:
+def quantized_activation_scratch_bytes(blocks: int, block_bytes: int = 8) -> int:
     """Bytes of the quantized activation (`blocks` NVFP4 blocks) at the front of the fused
-    target's workspace: its elements, then its plain scales and alpha, each 256-byte aligned
-    (ffi/jbs_ffi.cc: QuantizedActivationScratch lays it out the same way)."""
+    target's workspace: its elements (`block_bytes` per block: 8 packed, or 32 as the
+    register-weight kernel's bf16 values), then its plain scales and alpha, each 256-byte
+    aligned (ffi/jbs_ffi.cc: QuantizedActivationScratch lays it out the same way)."""
     def up(x):
         return -(-x // 256) * 256
-    return up(up(8 * blocks) + blocks) + 4
+    return up(up(block_bytes * blocks) + blocks) + 4
 
 
 def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):
@@ -193,7 +194,11 @@ def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):
     M, N = plan.m, spec.n
     b8 = kernel_elements(b, spec.fmt_b, N, plan, spec)
     sb8 = kernel_scale_bytes(sb, spec.fmt_b, spec.layout_b, N, N, spec=spec)
-    front = -(-quantized_activation_scratch_bytes(M * spec.k // 16) // 256) * 64  # floats
+    # the register-weight kernel (a plan that dequantizes and K-orders the activation) reads
+    # the quantized values as bf16: 32 bytes a block in the scratch
+    block_bytes = 32 if plan.permute_k else 8
+    scratch = quantized_activation_scratch_bytes(M * spec.k // 16, block_bytes)
+    front = -(-scratch // 256) * 64  # floats
     call = jax.ffi.ffi_call(
         _plugin.QUANTIZED_ACT_SM90_TARGET,
         (jax.ShapeDtypeStruct((1, M, N), spec.out_dtype),
@@ -208,10 +213,10 @@ def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):
                 b_kind=np.int32(cat.KIND_CODES[plan.b_kind]),
                 a_e5m2=np.int32(0), b_e5m2=np.int32(spec.fmt_b == "mxfp8_e5m2"),
                 m=np.int64(M), n=np.int64(N), k=np.int64(plan.k), l=np.int64(1),
-                a_scales_plain=np.int32(1), nt=np.int32(plan.nt),
+                a_scales_plain=np.int32(plan.a_scales_plain), nt=np.int32(plan.nt),
                 tile_m=np.int32(plan.tile[0]), tile_n=np.int32(plan.tile[1]),
                 splits=np.int32(plan.splits), partials=np.int32(partials))
     if partials:  # alpha = x's decode factor times b_alpha, the scratch's last float
-        alpha = ws[quantized_activation_scratch_bytes(M * spec.k // 16) // 4 - 1]
+        alpha = ws[scratch // 4 - 1]
         y = add_split_partials(ws[front:], plan.splits, (1, M, N), alpha, spec.out_dtype)
     return y.reshape(M, N)

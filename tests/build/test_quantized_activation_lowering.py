@@ -49,12 +49,13 @@ def test_decode_sizes_run_in_one_fused_call(monkeypatch, m, n, k):
     assert workspace and int(workspace[-1]) * 4 >= front, (workspace, front)
 
 
+@pytest.mark.parametrize("block_bytes", [8, 32])
 @pytest.mark.parametrize("blocks", [1, 7, 256, 2048, 2049, 16384])
-def test_scratch_layout_is_the_librarys(blocks):
-    off_scales, off_alpha, total = _plugin.quantized_activation_scratch(blocks)
-    assert off_scales >= 8 * blocks and off_scales % 256 == 0
+def test_scratch_layout_is_the_librarys(blocks, block_bytes):
+    off_scales, off_alpha, total = _plugin.quantized_activation_scratch(blocks, block_bytes)
+    assert off_scales >= block_bytes * blocks and off_scales % 256 == 0
     assert off_alpha >= off_scales + blocks and off_alpha % 256 == 0
-    assert total == quantized_activation_scratch_bytes(blocks) == off_alpha + 4
+    assert total == quantized_activation_scratch_bytes(blocks, block_bytes) == off_alpha + 4
 
 
 def test_planner_limit_is_the_quantizers_capacity():
@@ -90,6 +91,28 @@ def test_a_given_scale_runs_in_one_fused_call_at_any_decode_size(monkeypatch, m,
                                  x, w)
     fused_calibrating = any("@" + FUSED + "(" in c for c in _calls(calibrating))
     assert fused_calibrating == (m * k <= cat.QUANTIZE_A_MAX_ELEMENTS)
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336),
+                                   (128, 4096, 4096)])
+def test_a_given_scale_on_the_register_weight_kernel_is_one_fused_call(monkeypatch, m, n, k):
+    """Where gemm runs the quantized problem on the register-weight kernel (33-128 rows here),
+    a given scale still makes one fused call: the quantizer writes the activation's values
+    dequantized and K-ordered (32 bytes a block at the workspace's front), a_kind bf16_kperm;
+    no XLA kernel quantizes, dequantizes or transposes x. A calibrated scale is the composition
+    there."""
+    x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
+    f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
+    text = lower_for_cuda(monkeypatch, f, x, w, jnp.float32(0.01))
+    calls = _calls(text)
+    assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
+    assert f"a_kind = {cat.KIND_CODES['bf16_kperm']} : i32" in calls[0], calls[0]
+    assert "stablehlo.reduce" not in text and "stablehlo.transpose" not in text
+    workspace = re.findall(r"tensor<(\d+)xf32>", calls[0].split("->")[-1])
+    assert int(workspace[-1]) * 4 >= quantized_activation_scratch_bytes(m * k // 16, 32)
+    calibrating = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"),
+                                 x, w)
+    assert FUSED not in calibrating
 
 
 def test_a_scale_per_matrix_is_the_composition(monkeypatch):

@@ -198,10 +198,13 @@ def _check_given(x, w, g, out_dtype=jnp.float32, traced=True, fused=True):
     return got
 
 
-# past the calibrating quantizer's capacity too (32 x 16384, 24 x 12288)
+# past the calibrating quantizer's capacity too (32 x 16384, 24 x 12288); from 33 rows the
+# register-weight kernel reads the activation dequantized in its K order (64 x 4096 x 14336
+# with split K, 40 x 1000 x 2048 a partial tile, 128 x 512 x 8192)
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (7, 1000, 1024),
                                    (5, 256, 64), (32, 4096, 16384), (24, 768, 12288),
-                                   (3, 256, 21856)])
+                                   (3, 256, 21856), (64, 4096, 14336), (64, 28672, 4096),
+                                   (40, 1000, 2048), (128, 512, 8192)])
 def test_given_scale_equals_quantize_then_gemm(m, n, k):
     rng = _rng()
     x, w = _activation(m, k, rng), _weight(n, k, rng)
@@ -216,24 +219,44 @@ def test_given_scale_equals_quantize_then_gemm(m, n, k):
         assert err < 1e-5, (g, err)
 
 
+@pytest.mark.parametrize("m", [3, 64])
 @pytest.mark.parametrize("g", [1.0, 3e-4, 1e-30, 2.5e34])
-def test_given_scale_as_a_constant_and_extreme(g):
+def test_given_scale_as_a_constant_and_extreme(g, m):
     """A decode factor written into the program (a constant XLA could fold), and ones that
-    make every scale saturate or underflow (the dividing path), bf16 output."""
+    make every scale saturate or underflow (the dividing path), bf16 output; decode kernel (3
+    rows) and register-weight kernel (64)."""
     rng = _rng()
-    x, w = _activation(3, 2048, rng), _weight(768, 2048, rng)
+    x, w = _activation(m, 2048, rng), _weight(768, 2048, rng)
     _check_given(x, w, g, jnp.bfloat16, traced=False)
     _check_given(x, w, g, jnp.bfloat16, traced=True)
 
 
-def test_given_scale_non_finite_values_stay_in_their_block():
+@pytest.mark.parametrize("m", [4, 48])
+def test_given_scale_non_finite_values_stay_in_their_block(m):
     rng = _rng()
-    x = _activation(4, 1024, rng)
+    x = _activation(m, 1024, rng)
     x[0, 5], x[1, 40], x[2, 100] = np.nan, np.inf, -np.inf
-    x[3, 16:32] = 0.0
+    x[3:, 16:32] = 0.0
+    x[3:, 33] = -0.0
     w = _weight(256, 1024, rng, global_scale=None)
     got = _check_given(x, w, float(np.nanmax(np.abs(x[3]))) / 2688)
-    assert np.isnan(got[:3]).all() and np.isfinite(got[3]).all()
+    assert np.isnan(got[:3]).all() and np.isfinite(got[3:]).all()
+
+
+def test_given_scale_k_order_against_the_float64_oracle():
+    """The register-weight path's activation order checked independently of the composition:
+    the fused call against a float64 NumPy product of the dequantized operands."""
+    rng = _rng()
+    m, n, k = 64, 256, 1024
+    x, w = _activation(m, k, rng, spread=1.0), _weight(n, k, rng)
+    g = float(np.abs(x).max()) / 2688
+    got = _check_given(x, w, g)
+    xq = jbs.quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4", global_scale=g)
+    a64 = np.asarray(jbs.dequantize(xq, jnp.float32), np.float64)
+    w64 = np.asarray(jbs.dequantize(w, jnp.float32), np.float64)
+    want = a64 @ w64.T
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 1e-5, err
 
 
 def test_given_scale_per_layer_in_a_loop():
@@ -268,5 +291,5 @@ def test_fused_calls_pass_memcheck():
 
     out = run_under_memcheck("quantized_activation_calls_for_memcheck.py")
     calls = [ln for ln in out.splitlines() if ln.startswith("call ")]
-    assert len(calls) == 7, out[-2000:]
+    assert len(calls) == 9, out[-2000:]
     assert all("fused=True equal=True" in ln for ln in calls), calls

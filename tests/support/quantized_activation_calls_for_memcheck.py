@@ -1,7 +1,7 @@
 """gemm(x, w, quantize_a="nvfp4") calls on the fused target, small and at the quantizer's limit,
 for compute-sanitizer (tests/gpu/test_quantized_activation.py runs this file under it): the
-one-CTA and the cluster quantizer, the given-scale quantizer (a_global_scale, one partial CTA
-and past the cluster's capacity), the chained decode kernel with one K range and with split K,
+one-CTA and the cluster quantizer, the given-scale quantizer (a_global_scale, one partial CTA,
+past the cluster's capacity, and writing the register-weight kernel's K order, with split K), the chained decode kernel with one K range and with split K,
 every output dtype, N not a multiple of the tile. Prints one line per call: whether it ran on
 the fused target and whether it equals quantize-then-gemm bit for bit."""
 import jax
@@ -17,7 +17,8 @@ for m, n, k, out, g in [(1, 256, 4096, jnp.bfloat16, None), (3, 1000, 64, jnp.fl
                         (16, 384, 2048, jnp.float16, None),
                         (cat.QUANTIZE_A_MAX_ELEMENTS // 16384, 512, 16384, jnp.float32, None),
                         (32, 256, 1024, jnp.bfloat16, None), (5, 300, 2048, jnp.float32, 0.01),
-                        (32, 512, 16384, jnp.bfloat16, 0.02)]:
+                        (32, 512, 16384, jnp.bfloat16, 0.02),
+                        (64, 384, 1024, jnp.bfloat16, 0.01), (40, 4096, 8192, jnp.float32, 0.01)]:
     x = jnp.asarray(rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-2, 2, (m, 1)),
                     jnp.bfloat16)
     w = jbs.quantize(rng.standard_normal((n, k)).astype(np.float32), "nvfp4",
