@@ -74,11 +74,13 @@ def _quantize_kernel_jit(kernel, fmt, global_scale):
 
 
 def dense(x, kernel: BlockScaled, bias=None, *, act_fmt: str | None = None, dtype=None,
-          backend: str | None = None) -> jax.Array:
+          backend: str | None = None, act_global_scale=None) -> jax.Array:
     """``y = x @ W.T + bias`` for a quantized weight W (out, in); x is (..., in).
 
     act_fmt: quantize x into this format on every call, or None for weight-only mode (x goes in
       as a plain bf16/f16/f32 array, cast to `dtype` when that is given).
+    act_global_scale: with act_fmt="nvfp4", x's decode factor (an f32 scalar, e.g. a W4A4
+      checkpoint's input_scale) instead of one calibrated per call (`gemm`'s a_global_scale).
     dtype: the output (and, weight-only, the activation) dtype; None keeps x's dtype.
     """
     if not isinstance(kernel, BlockScaled):
@@ -103,7 +105,11 @@ def dense(x, kernel: BlockScaled, bias=None, *, act_fmt: str | None = None, dtyp
     # with act_fmt, gemm quantizes x2 itself: gemm(quantize(x2, act_fmt), kernel), in the GEMM's
     # call where the kernel can (docs/design/quantized_activation.md)
     a = x2 if act_fmt is not None else x2.astype(out_dtype)
-    y = gemm(a, kernel, out_dtype=out_dtype, backend=backend, quantize_a=act_fmt)
+    if act_global_scale is not None and jnp.ndim(act_global_scale) != 0:
+        raise ValueError(f"act_global_scale must be one decode factor (a scalar), got shape "
+                         f"{jnp.shape(act_global_scale)}")
+    y = gemm(a, kernel, out_dtype=out_dtype, backend=backend, quantize_a=act_fmt,
+             a_global_scale=act_global_scale)
     if bias is not None:
         y = y + jnp.asarray(bias).astype(out_dtype)
     return y.reshape(*lead, n)

@@ -82,3 +82,82 @@ def test_bad_arguments_name_themselves():
         jbs.gemm(x, w, quantize_a="mxfp8_e4m3")  # mxfp8 x nvfp4 is not a supported pair
     with pytest.raises(TypeError, match="out_dtype"):
         jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=jnp.int8)
+
+
+# ---- a given activation scale (static W4A4: a_global_scale) ----
+
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 33, 256), (70, 24, 128)])
+def test_given_scale_equals_the_composition(m, n, k):
+    """gemm(x, w, quantize_a="nvfp4", a_global_scale=g) is gemm(quantize(x, "nvfp4",
+    global_scale=g), w) bit for bit, traced or constant g, one that saturates the largest blocks
+    too; and a GEMM of those quantized values (float64)."""
+    x, w = _data(m, n, k, m * 100 + n)
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    for g in (amax / 2688, amax / 2688 / 8):
+        fused = jax.jit(lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g,
+                                                 out_dtype=jnp.float32))
+        composed = jax.jit(lambda x, w, g: jbs.gemm(jbs.quantize(x, "nvfp4", global_scale=g), w,
+                                                    out_dtype=jnp.float32))
+        got = np.asarray(fused(x, w, jnp.float32(g)))
+        np.testing.assert_array_equal(got, np.asarray(composed(x, w, jnp.float32(g))))
+        const = jax.jit(lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g,
+                                              out_dtype=jnp.float32))
+        np.testing.assert_array_equal(np.asarray(const(x, w)), got)
+        q = jbs.quantize(x, "nvfp4", global_scale=g)
+        ref = (np.asarray(jbs.dequantize(q, jnp.float32), np.float64)
+               @ np.asarray(jbs.dequantize(w, jnp.float32), np.float64).T)
+        assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def test_given_scale_saturates_instead_of_calibrating():
+    """A scale too small for the tensor clips its largest blocks (what a static scale does),
+    where the calibrated one would not: the results differ, and the given one's values never
+    pass 6 * 448 * g."""
+    x, w = _data(4, 16, 64, 19)
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    g = amax / 2688 / 16
+    q = jbs.quantize(x, "nvfp4", global_scale=g)
+    assert float(jnp.max(jnp.abs(jbs.dequantize(q)))) <= 6 * 448 * g * (1 + 1e-6)
+    given = jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g, out_dtype=jnp.float32)
+    calibrated = jbs.gemm(x, w, quantize_a="nvfp4", out_dtype=jnp.float32)
+    assert not np.array_equal(np.asarray(given), np.asarray(calibrated))
+
+
+def test_given_scale_per_matrix_and_under_vmap():
+    x, w = _data(6, 32, 64, 23)
+    x3 = x.reshape(2, 3, 64)
+    gs = jnp.asarray([0.01, 0.002], jnp.float32)
+    got = jbs.gemm(x3, w, quantize_a="nvfp4", a_global_scale=gs, out_dtype=jnp.float32)
+    want = jbs.gemm(jbs.quantize(x3, "nvfp4", global_scale=gs), w, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    mapped = jax.vmap(lambda x, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g,
+                                            out_dtype=jnp.float32))(x3, gs)
+    np.testing.assert_array_equal(np.asarray(mapped), np.asarray(want))
+
+
+def test_given_scale_with_layer_and_in_dense():
+    x, w = _data(3, 16, 64, 29)
+    g = jnp.float32(0.003)
+    stack = jax.tree.map(lambda a, b: jnp.stack([a, b]), w, w)
+    got = jbs.gemm(x, stack, layer=1, quantize_a="nvfp4", a_global_scale=g, out_dtype=jnp.float32)
+    want = jbs.gemm(jbs.quantize(x, "nvfp4", global_scale=g), w, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    from jax_blockscale import nn as jnn
+    y = jnn.dense(x, w, act_fmt="nvfp4", act_global_scale=g, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_given_scale_bad_arguments_name_themselves():
+    x, w = _data(2, 16, 64, 31)
+    with pytest.raises(ValueError, match="a_global_scale.*quantize_a"):
+        jbs.gemm(x, w, a_global_scale=0.01)
+    with pytest.raises(ValueError, match="a_global_scale.*no global scale"):
+        jbs.gemm(x, jbs.quantize(np.ones((16, 64), np.float32), "mxfp4", layout="blocked"),
+                 quantize_a="mxfp4", a_global_scale=0.01)
+    with pytest.raises(ValueError, match="a_global_scale has shape"):
+        jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=jnp.ones(3))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="a_global_scale must be finite and positive"):
+            jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=bad)
+    with pytest.raises(TypeError, match="a_global_scale must be a floating-point"):
+        jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=jnp.int32(1))
