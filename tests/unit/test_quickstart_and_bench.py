@@ -97,7 +97,7 @@ def test_e2e_decode_writes_steps_gemms_json_and_plot(tmp_path):
     assert "| variant | layers | batch |" in out and "| GEMM | rows | variant |" in out
     data = json.loads((tmp_path / "e2e_decode_cpu.json").read_text())
     steps = {(r["variant"], r["mode"], r["batch"]) for r in data["steps"]}
-    variants = ("bf16", "nvfp4", "nvfp4_w4a4", "mxfp4", "mxfp8")
+    variants = ("bf16", "nvfp4", "nvfp4_w4a4", "nvfp4_w4a4_static", "mxfp4", "mxfp8")
     assert {(v, "unrolled", b) for v in variants for b in (1, 2)} <= steps
     assert {(v, "scan", b) for v in variants[1:] for b in (1, 2)} <= steps
     assert len(data["gemms"]) == 4 * 2 * len(variants)
