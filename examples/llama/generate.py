@@ -3,6 +3,7 @@
     python examples/llama/write_checkpoint.py /tmp/llama-nvfp4 --tiny
     python examples/llama/generate.py /tmp/llama-nvfp4 --new-tokens 16
     python examples/llama/generate.py --moe             # writes a tiny MoE checkpoint first
+    python examples/llama/generate.py /tmp/llama-nvfp4 --w4a4    # activations NVFP4 too
 
 The checkpoint's projections load bit-exact into NVFP4 `BlockScaled` weights (blocked scales,
 one global scale per layer), stacked for `lax.scan`; each step runs under one `jax.jit`
@@ -10,7 +11,9 @@ one global scale per layer), stacked for `lax.scan`; each step runs under one `j
 (bf16 activations x NVFP4 weights). A mixture-of-experts checkpoint (config.json has
 num_experts) runs its MLPs as `jax_blockscale.nn.QuantizedMoE`: a bf16 router, the per-expert
 NVFP4 tensors stacked into (L, E, N, K) weights with one global scale per expert, weight-only
-`jbs.ragged_gemm`. Without a checkpoint argument a tiny random one is written to a temporary
+`jbs.ragged_gemm`. With ``--w4a4`` the dense projections' activations are quantized to NVFP4
+with the checkpoint's per-layer `input_scale` (static W4A4, `jbs.gemm(..., quantize_a="nvfp4",
+a_global_scale=...)`), as the checkpoint was calibrated. Without a checkpoint argument a tiny random one is written to a temporary
 directory (``--moe``: 4 experts, top-2). Greedy decoding; the prompt is random token ids (the
 checkpoint's weights are random too: the tokens mean nothing, the point is the path).
 """
@@ -66,6 +69,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--no-scan", action="store_true", help="unroll the layers instead of scan")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--w4a4", action="store_true", help="quantize the dense projections' "
+                   "activations to NVFP4 with the checkpoint's input scales (static W4A4)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if a.checkpoint is None:
@@ -75,7 +80,7 @@ def main(argv=None):
                 std=0.2, log=lambda *_: None)
             print(f"wrote a tiny random {'MoE ' if a.moe else ''}checkpoint to {a.checkpoint}")
         start = time.perf_counter()
-        cfg, model = load_llama(a.checkpoint, scan_layers=not a.no_scan)
+        cfg, model = load_llama(a.checkpoint, scan_layers=not a.no_scan, w4a4=a.w4a4)
     if a.moe and not cfg.is_moe:
         p.error(f"--moe: {a.checkpoint} is not a mixture-of-experts checkpoint")
     print(f"loaded {cfg.num_hidden_layers} layers (hidden {cfg.hidden_size}) in "

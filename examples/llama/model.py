@@ -161,17 +161,26 @@ class Weight(nnx.Variable):
     Not an nnx.Param: this is an inference model."""
 
 
-def linear(x: jax.Array, w, layer=None) -> jax.Array:
+class InputScale(nnx.Variable):
+    """A projection's static activation scale (a W4A4 checkpoint's `input_scale`: the NVFP4
+    decode factor its activations are quantized with), f32, (L,) when stacked."""
+
+
+def linear(x: jax.Array, w, layer=None, input_scale=None) -> jax.Array:
     """y[..., n] = sum_k x[..., k] w[n, k]: `jbs.gemm` for a BlockScaled weight (weight-only: the
     activation stays in its float dtype), an f32-accumulating dot otherwise. The leading dims
     are folded into M first (batch x tokens rows against one weight: one GEMM, not a batch of
     M = 1 GEMMs). A BlockScaled stack of every layer's weights (L, out, in) runs layer `layer`,
-    read where it lies (``jbs.gemm(..., layer=)``)."""
+    read where it lies (``jbs.gemm(..., layer=)``). With the checkpoint's `input_scale` (W4A4),
+    the activation is quantized to NVFP4 with it, as the checkpoint was calibrated
+    (``jbs.gemm(..., quantize_a="nvfp4", a_global_scale=input_scale)``)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if isinstance(w, jbs.BlockScaled):
-        stacked = dict(layer=layer) if w.ndim == 3 else {}
-        y = jbs.gemm(x2, w, out_dtype=x.dtype, **stacked)
+        kw = dict(layer=layer) if w.ndim == 3 else {}
+        if input_scale is not None:
+            kw.update(quantize_a="nvfp4", a_global_scale=input_scale)
+        y = jbs.gemm(x2, w, out_dtype=x.dtype, **kw)
     else:
         y = lax.dot_general(x2, w.astype(x.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32).astype(x.dtype)
@@ -251,6 +260,11 @@ class DecoderLayer(nnx.Module):
             setattr(self, name, nnx.Param(params[name]))
         for name in cfg.projections:
             setattr(self, name, Weight(params[name]))
+        # W4A4: params["input_scales"] = {projection: its input_scale} (load_params(w4a4=True))
+        self.w4a4 = "input_scales" in params
+        if self.w4a4:
+            for name in cfg.projections:
+                setattr(self, name + "_input_scale", InputScale(params["input_scales"][name]))
         if cfg.is_moe:
             self.mlp = moe_block(cfg, params["mlp"], dtype)
 
@@ -263,10 +277,15 @@ class DecoderLayer(nnx.Module):
         positions = pos + jnp.arange(t)
 
         w = lambda name: getattr(self, name).get_value()  # noqa: E731
+
+        def proj(x, name):  # W4A4 with the projection's input scale, else weight-only
+            scale = w(name + "_input_scale") if self.w4a4 else None
+            return linear(x, w(name), layer, scale)
+
         x = rms_norm(h, w("input_layernorm"), cfg.rms_norm_eps)
-        q = linear(x, w("q_proj"), layer).reshape(b, t, kvh * group, hd)
-        k = linear(x, w("k_proj"), layer).reshape(b, t, kvh, hd)
-        v = linear(x, w("v_proj"), layer).reshape(b, t, kvh, hd)
+        q = proj(x, "q_proj").reshape(b, t, kvh * group, hd)
+        k = proj(x, "k_proj").reshape(b, t, kvh, hd)
+        v = proj(x, "v_proj").reshape(b, t, kvh, hd)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         # write this step's keys / values in place, then attend over the layer's cache
         new = jnp.stack([k, v])[None].astype(cache.kv.dtype)  # (1, 2, B, T, kvh, hd)
@@ -279,7 +298,7 @@ class DecoderLayer(nnx.Module):
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(q.dtype), values.astype(q.dtype),
                           preferred_element_type=jnp.float32).astype(h.dtype)
-        h = h + linear(attn.reshape(b, t, kvh * group * hd), w("o_proj"), layer)
+        h = h + proj(attn.reshape(b, t, kvh * group * hd), "o_proj")
 
         x = rms_norm(h, w("post_attention_layernorm"), cfg.rms_norm_eps)
         if cfg.is_moe:  # the B*T tokens routed together (QuantizedMoE folds the leading dims)
@@ -288,8 +307,8 @@ class DecoderLayer(nnx.Module):
             stacked = isinstance(self.mlp, jnn.QuantizedMoE) and self.mlp.router[...].ndim == 3
             y = self.mlp(x, layer=layer) if stacked else self.mlp(x)
             return h + y.astype(h.dtype), KVCache(kv)
-        mlp = jax.nn.silu(linear(x, w("gate_proj"), layer)) * linear(x, w("up_proj"), layer)
-        return h + linear(mlp, w("down_proj"), layer), KVCache(kv)
+        mlp = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
+        return h + proj(mlp, "down_proj"), KVCache(kv)
 
 
 def _block_scaled_weight(path, node) -> bool:
@@ -525,18 +544,27 @@ def load_experts(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", sharding=No
 
 
 def load_params(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", dtype=jnp.bfloat16,
-                sharding=None, expert_sharding=None, progress: bool = False) -> dict:
+                sharding=None, expert_sharding=None, progress: bool = False,
+                w4a4: bool = False) -> dict:
     """The model's params from a ModelOpt NVFP4 checkpoint (a path or an open
     SafetensorsCheckpoint): `checkpoint_spec` through `interop.load_tree`, and for an MoE model
     its experts (`load_experts`, placed by `expert_sharding`) with the router turned to
-    (L, H, E). `sharding` places the dense projections, as `checkpoint_spec` says."""
+    (L, H, E). `sharding` places the dense projections, as `checkpoint_spec` says. w4a4: also
+    each dense projection's `input_scale`, stacked (L,) in params["layers"]["input_scales"]
+    (the model then quantizes those projections' activations with them)."""
     from jax_blockscale import interop
     if not isinstance(ckpt, interop.SafetensorsCheckpoint):
         with interop.SafetensorsCheckpoint(ckpt) as opened:
             return load_params(opened, cfg, layout=layout, dtype=dtype, sharding=sharding,
-                               expert_sharding=expert_sharding, progress=progress)
+                               expert_sharding=expert_sharding, progress=progress, w4a4=w4a4)
     params = interop.load_tree(ckpt, checkpoint_spec(cfg, layout=layout, dtype=dtype,
                                                      sharding=sharding), progress=progress)
+    if w4a4:
+        layers = range(cfg.num_hidden_layers)
+        params["layers"]["input_scales"] = {
+            name: interop.load_input_scale(ckpt, f"model.layers.{{layer}}.{module}.{name}",
+                                           "modelopt_nvfp4", layers=layers)
+            for name, module in cfg.projections.items()}
     if cfg.is_moe:
         mlp = params["layers"]["mlp"]
         mlp["router"] = jnp.swapaxes(mlp["router"], -1, -2)  # HF Linear (E, H) -> x @ (H, E)
@@ -546,11 +574,13 @@ def load_params(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", dtype=jnp.bf
 
 
 def load_llama(path, *, scan_layers: bool = True, dtype=jnp.bfloat16, layout: str = "blocked",
-               sharding=None, expert_sharding=None,
-               progress: bool = True) -> tuple[LlamaConfig, Llama]:
+               sharding=None, expert_sharding=None, progress: bool = True,
+               w4a4: bool = False) -> tuple[LlamaConfig, Llama]:
     """A Llama from a ModelOpt NVFP4 checkpoint directory (config.json, hf_quant_config.json,
     *.safetensors with their index): projections (and MoE experts) bit-exact as NVFP4
-    BlockScaled weights. sharding / expert_sharding: see `load_params`."""
+    BlockScaled weights. sharding / expert_sharding: see `load_params`. w4a4: the dense
+    projections' activations quantized to NVFP4 with the checkpoint's static input scales
+    (static W4A4, as the checkpoint was calibrated), else weight-only (bf16 activations)."""
     from jax_blockscale import interop
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -569,5 +599,5 @@ def load_llama(path, *, scan_layers: bool = True, dtype=jnp.bfloat16, layout: st
             raise interop.CheckpointError(f"{path} has per-head q/k RMSNorms (q_norm / k_norm, "
                                           "as Qwen3 has), which this Llama does not model")
         params = load_params(ckpt, cfg, layout=layout, dtype=dtype, sharding=sharding,
-                             expert_sharding=expert_sharding, progress=progress)
+                             expert_sharding=expert_sharding, progress=progress, w4a4=w4a4)
     return cfg, Llama(cfg, params, scan_layers=scan_layers, dtype=dtype)

@@ -113,6 +113,51 @@ def test_generate_bf16_under_jit(ckpt):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(gen.generate(model, prompt, 5)))
 
 
+def test_w4a4_quantizes_activations_with_the_checkpoints_input_scales(ckpt, params,
+                                                                        monkeypatch):
+    """load_llama(w4a4=True) reads every dense projection's input_scale (stacked per layer)
+    and quantizes that projection's activation to NVFP4 with it: the logits match the same
+    model with dequantized f32 weights whose activations are quantized and dequantized in
+    plain JAX (to the f32 summation order, which may flip an activation across a rounding
+    boundary), and differ from weight-only by far more than that; scanned equals unrolled."""
+    from write_checkpoint import INPUT_SCALE
+    cfg, path = ckpt
+    w4a4 = llama.load_params(path, cfg, dtype=F32, w4a4=True)
+    scales = w4a4["layers"]["input_scales"]
+    assert set(scales) == set(cfg.projections)
+    for s in scales.values():
+        np.testing.assert_array_equal(np.asarray(s), np.full((cfg.num_hidden_layers,),
+                                                             INPUT_SCALE, np.float32))
+    tokens = tokens_for(cfg, seed=6)
+    got = forward(llama.Llama(cfg, w4a4, dtype=F32), tokens)
+    unrolled = forward(llama.Llama(cfg, w4a4, dtype=F32, scan_layers=False), tokens)
+    weight_only = forward(llama.Llama(cfg, params, dtype=F32), tokens)
+
+    linear = llama.linear
+
+    def fake_quant_linear(x, w, layer=None, input_scale=None):
+        if input_scale is not None:  # the definition, in plain JAX
+            q = jbs.quantize(x, "nvfp4", global_scale=input_scale)
+            x = jbs.dequantize(q, x.dtype)
+        return linear(x, w, layer)
+
+    monkeypatch.setattr(llama, "linear", fake_quant_linear)
+    want = forward(llama.Llama(cfg, llama.dequantize_params(w4a4, F32), dtype=F32), tokens)
+
+    def rel(a, b):
+        return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+    assert rel(got, want) < 1e-4
+    assert rel(unrolled, got) < 1e-4
+    assert rel(weight_only, got) > 10 * rel(got, want)
+
+
+def test_generate_w4a4_cli(capsys):
+    gen.main(["--w4a4", "--new-tokens", "3", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert out.count("prompt ") == 2 and "tokens x batch 2" in out
+
+
 def test_wrong_quant_algo(ckpt, tmp_path):
     _, path = ckpt
     for f in path.iterdir():
