@@ -667,7 +667,8 @@ JBS_EXPORT long long jbs_layer_at(unsigned long long at, unsigned long long base
 }
 
 // The quantized activation's scratch layout for `blocks` blocks of `block_bytes` elements:
-// offsets of the scales and alpha, and the bytes in all (jbs.lowering.quantized_activation checks its own against it).
+// offsets of the scales and alpha, and the bytes in all (the lowering's
+// quantized_activation_scratch_bytes is checked against it).
 JBS_EXPORT void jbs_quantized_activation_scratch(long long blocks, long long block_bytes,
                                                  long long* out) {
   const jbs::ScratchLayout s = jbs::QuantizedActivationScratch(blocks, block_bytes);

@@ -3100,10 +3100,10 @@ $L__BB1_165:
 	ld.param.u64 	%rd8, [jbs_quantize_nvfp4_activation_cluster_param_1];
 	griddepcontrol.launch_dependents;
 	mov.b32 %r1, %cluster_ctarank;
-	mul.wide.s32 	%rd13, %r1, 512;
 	mov.u32 	%r103, %tid.x;
-	cvt.s64.s32 	%rd14, %r103;
-	add.s64 	%rd1, %rd13, %rd14;
+	cvt.s64.s32 	%rd13, %r103;
+	mul.wide.s32 	%rd14, %r1, 512;
+	add.s64 	%rd1, %rd14, %rd13;
 	setp.ge.s64 	%p1, %rd1, %rd8;
 	mov.f32 	%f1063, 0f00000000;
 	mov.u16 	%rs188, 1;
@@ -5762,10 +5762,10 @@ $L__BB2_165:
 	ld.param.u64 	%rd8, [jbs_quantize_nvfp4_activation_wide_cluster_param_1];
 	griddepcontrol.launch_dependents;
 	mov.b32 %r1, %cluster_ctarank;
-	mul.wide.s32 	%rd13, %r1, 512;
 	mov.u32 	%r103, %tid.x;
-	cvt.s64.s32 	%rd14, %r103;
-	add.s64 	%rd1, %rd13, %rd14;
+	cvt.s64.s32 	%rd13, %r103;
+	mul.wide.s32 	%rd14, %r1, 512;
+	add.s64 	%rd1, %rd14, %rd13;
 	setp.ge.s64 	%p1, %rd1, %rd8;
 	mov.f32 	%f1063, 0f00000000;
 	mov.u16 	%rs188, 1;
@@ -8460,13 +8460,13 @@ $L__BB3_165:
 	ld.param.u64 	%rd7, [jbs_quantize_nvfp4_activation_static_param_5];
 	ld.param.u64 	%rd8, [jbs_quantize_nvfp4_activation_static_param_6];
 	griddepcontrol.launch_dependents;
+	cvta.to.global.u64 	%rd9, %rd8;
+	ld.global.f32 	%f1, [%rd9];
 	mov.u32 	%r31, %ctaid.x;
-	mul.wide.u32 	%rd9, %r31, 128;
+	mul.wide.u32 	%rd10, %r31, 128;
 	mov.u32 	%r32, %tid.x;
-	cvt.u64.u32 	%rd10, %r32;
-	add.s64 	%rd1, %rd9, %rd10;
-	cvta.to.global.u64 	%rd11, %rd8;
-	ld.global.f32 	%f1, [%rd11];
+	cvt.u64.u32 	%rd11, %r32;
+	add.s64 	%rd1, %rd10, %rd11;
 	setp.ne.s64 	%p1, %rd1, 0;
 	@%p1 bra 	$L__BB4_2;
 	cvta.to.global.u64 	%rd12, %rd7;
@@ -9098,13 +9098,13 @@ $L__BB4_39:
 	ld.param.u64 	%rd6, [jbs_quantize_nvfp4_activation_static_kperm_param_4];
 	ld.param.u64 	%rd7, [jbs_quantize_nvfp4_activation_static_kperm_param_5];
 	ld.param.u64 	%rd8, [jbs_quantize_nvfp4_activation_static_kperm_param_6];
+	cvta.to.global.u64 	%rd9, %rd8;
+	ld.global.f32 	%f1, [%rd9];
 	mov.u32 	%r30, %ctaid.x;
-	mul.wide.u32 	%rd9, %r30, 128;
+	mul.wide.u32 	%rd10, %r30, 128;
 	mov.u32 	%r31, %tid.x;
-	cvt.u64.u32 	%rd10, %r31;
-	add.s64 	%rd1, %rd9, %rd10;
-	cvta.to.global.u64 	%rd11, %rd8;
-	ld.global.f32 	%f1, [%rd11];
+	cvt.u64.u32 	%rd11, %r31;
+	add.s64 	%rd1, %rd10, %rd11;
 	setp.ne.s64 	%p1, %rd1, 0;
 	@%p1 bra 	$L__BB5_2;
 	cvta.to.global.u64 	%rd12, %rd7;
@@ -9297,13 +9297,13 @@ $L__BB5_35:
 	setp.gt.f32 	%p19, %f152, 0f00000000;
 	selp.f32 	%f155, %f152, 0f3F800000, %p19;
 	div.full.f32 %f153, %f147, %f155;
-	setp.eq.s16 	%p20, %rs52, 0;
-	selp.f32 	%f38, 0f7FFFFFFF, %f152, %p20;
-	abs.f32 	%f39, %f153;
-	setp.geu.f32 	%p21, %f39, 0f7F800000;
+	abs.f32 	%f38, %f153;
+	setp.geu.f32 	%p20, %f38, 0f7F800000;
+	setp.eq.s16 	%p21, %rs52, 0;
+	selp.f32 	%f39, 0f7FFFFFFF, %f152, %p21;
 	shl.b32 	%r59, %r32, 16;
 	mov.b32 	%f40, %r59;
-	@%p21 bra 	$L__BB5_37;
+	@%p20 bra 	$L__BB5_37;
 	bra.uni 	$L__BB5_36;
 $L__BB5_37:
 	mul.f32 	%f160, %f147, %f40;
@@ -9314,7 +9314,7 @@ $L__BB5_36:
 $L__BB5_38:
 	shl.b32 	%r60, %r34, 16;
 	mov.b32 	%f44, %r60;
-	@%p21 bra 	$L__BB5_40;
+	@%p20 bra 	$L__BB5_40;
 	bra.uni 	$L__BB5_39;
 $L__BB5_40:
 	mul.f32 	%f163, %f147, %f44;
@@ -9347,13 +9347,13 @@ $L__BB5_41:
 	add.rn.f32 	%f179, %f176, %f178;
 	sub.rn.f32 	%f180, %f179, %f178;
 	copysign.f32 	%f181, %f175, %f180;
-	mul.f32 	%f182, %f38, %f181;
+	mul.f32 	%f182, %f39, %f181;
 	mov.b32 	%r63, %f182;
 	and.b32  	%r64, %r63, -65536;
 	add.rn.f32 	%f183, %f170, %f172;
 	sub.rn.f32 	%f184, %f183, %f172;
 	copysign.f32 	%f185, %f169, %f184;
-	mul.f32 	%f186, %f38, %f185;
+	mul.f32 	%f186, %f39, %f185;
 	mov.b32 	%r65, %f186;
 	shr.u32 	%r66, %r65, 16;
 	or.b32  	%r67, %r64, %r66;
@@ -9366,7 +9366,7 @@ $L__BB5_41:
 	st.global.u32 	[%rd2], %r67;
 	and.b32  	%r68, %r32, -65536;
 	mov.b32 	%f48, %r68;
-	@%p21 bra 	$L__BB5_43;
+	@%p20 bra 	$L__BB5_43;
 	bra.uni 	$L__BB5_42;
 $L__BB5_43:
 	mul.f32 	%f188, %f147, %f48;
@@ -9379,7 +9379,7 @@ $L__BB5_44:
 	selp.f32 	%f52, 0f00000000, %f394, %p35;
 	and.b32  	%r69, %r34, -65536;
 	mov.b32 	%f53, %r69;
-	@%p21 bra 	$L__BB5_46;
+	@%p20 bra 	$L__BB5_46;
 	bra.uni 	$L__BB5_45;
 $L__BB5_46:
 	mul.f32 	%f191, %f147, %f53;
@@ -9409,20 +9409,20 @@ $L__BB5_47:
 	add.rn.f32 	%f206, %f203, %f205;
 	sub.rn.f32 	%f207, %f206, %f205;
 	copysign.f32 	%f208, %f202, %f207;
-	mul.f32 	%f209, %f38, %f208;
+	mul.f32 	%f209, %f39, %f208;
 	mov.b32 	%r70, %f209;
 	and.b32  	%r71, %r70, -65536;
 	add.rn.f32 	%f210, %f197, %f199;
 	sub.rn.f32 	%f211, %f210, %f199;
 	copysign.f32 	%f212, %f196, %f211;
-	mul.f32 	%f213, %f38, %f212;
+	mul.f32 	%f213, %f39, %f212;
 	mov.b32 	%r72, %f213;
 	shr.u32 	%r73, %r72, 16;
 	or.b32  	%r74, %r71, %r73;
 	st.global.u32 	[%rd2+16], %r74;
 	shl.b32 	%r75, %r33, 16;
 	mov.b32 	%f57, %r75;
-	@%p21 bra 	$L__BB5_49;
+	@%p20 bra 	$L__BB5_49;
 	bra.uni 	$L__BB5_48;
 $L__BB5_49:
 	mul.f32 	%f215, %f147, %f57;
@@ -9435,7 +9435,7 @@ $L__BB5_50:
 	selp.f32 	%f61, 0f00000000, %f396, %p47;
 	shl.b32 	%r76, %r35, 16;
 	mov.b32 	%f62, %r76;
-	@%p21 bra 	$L__BB5_52;
+	@%p20 bra 	$L__BB5_52;
 	bra.uni 	$L__BB5_51;
 $L__BB5_52:
 	mul.f32 	%f218, %f147, %f62;
@@ -9465,20 +9465,20 @@ $L__BB5_53:
 	add.rn.f32 	%f233, %f230, %f232;
 	sub.rn.f32 	%f234, %f233, %f232;
 	copysign.f32 	%f235, %f229, %f234;
-	mul.f32 	%f236, %f38, %f235;
+	mul.f32 	%f236, %f39, %f235;
 	mov.b32 	%r77, %f236;
 	and.b32  	%r78, %r77, -65536;
 	add.rn.f32 	%f237, %f224, %f226;
 	sub.rn.f32 	%f238, %f237, %f226;
 	copysign.f32 	%f239, %f223, %f238;
-	mul.f32 	%f240, %f38, %f239;
+	mul.f32 	%f240, %f39, %f239;
 	mov.b32 	%r79, %f240;
 	shr.u32 	%r80, %r79, 16;
 	or.b32  	%r81, %r78, %r80;
 	st.global.u32 	[%rd2+32], %r81;
 	and.b32  	%r82, %r33, -65536;
 	mov.b32 	%f66, %r82;
-	@%p21 bra 	$L__BB5_55;
+	@%p20 bra 	$L__BB5_55;
 	bra.uni 	$L__BB5_54;
 $L__BB5_55:
 	mul.f32 	%f242, %f147, %f66;
@@ -9491,7 +9491,7 @@ $L__BB5_56:
 	selp.f32 	%f70, 0f00000000, %f398, %p59;
 	and.b32  	%r83, %r35, -65536;
 	mov.b32 	%f71, %r83;
-	@%p21 bra 	$L__BB5_58;
+	@%p20 bra 	$L__BB5_58;
 	bra.uni 	$L__BB5_57;
 $L__BB5_58:
 	mul.f32 	%f245, %f147, %f71;
@@ -9521,20 +9521,20 @@ $L__BB5_59:
 	add.rn.f32 	%f260, %f257, %f259;
 	sub.rn.f32 	%f261, %f260, %f259;
 	copysign.f32 	%f262, %f256, %f261;
-	mul.f32 	%f263, %f38, %f262;
+	mul.f32 	%f263, %f39, %f262;
 	mov.b32 	%r84, %f263;
 	and.b32  	%r85, %r84, -65536;
 	add.rn.f32 	%f264, %f251, %f253;
 	sub.rn.f32 	%f265, %f264, %f253;
 	copysign.f32 	%f266, %f250, %f265;
-	mul.f32 	%f267, %f38, %f266;
+	mul.f32 	%f267, %f39, %f266;
 	mov.b32 	%r86, %f267;
 	shr.u32 	%r87, %r86, 16;
 	or.b32  	%r88, %r85, %r87;
 	st.global.u32 	[%rd2+48], %r88;
 	shl.b32 	%r89, %r36, 16;
 	mov.b32 	%f75, %r89;
-	@%p21 bra 	$L__BB5_61;
+	@%p20 bra 	$L__BB5_61;
 	bra.uni 	$L__BB5_60;
 $L__BB5_61:
 	mul.f32 	%f269, %f147, %f75;
@@ -9547,7 +9547,7 @@ $L__BB5_62:
 	selp.f32 	%f79, 0f00000000, %f400, %p71;
 	shl.b32 	%r90, %r38, 16;
 	mov.b32 	%f80, %r90;
-	@%p21 bra 	$L__BB5_64;
+	@%p20 bra 	$L__BB5_64;
 	bra.uni 	$L__BB5_63;
 $L__BB5_64:
 	mul.f32 	%f272, %f147, %f80;
@@ -9577,20 +9577,20 @@ $L__BB5_65:
 	add.rn.f32 	%f287, %f284, %f286;
 	sub.rn.f32 	%f288, %f287, %f286;
 	copysign.f32 	%f289, %f283, %f288;
-	mul.f32 	%f290, %f38, %f289;
+	mul.f32 	%f290, %f39, %f289;
 	mov.b32 	%r91, %f290;
 	and.b32  	%r92, %r91, -65536;
 	add.rn.f32 	%f291, %f278, %f280;
 	sub.rn.f32 	%f292, %f291, %f280;
 	copysign.f32 	%f293, %f277, %f292;
-	mul.f32 	%f294, %f38, %f293;
+	mul.f32 	%f294, %f39, %f293;
 	mov.b32 	%r93, %f294;
 	shr.u32 	%r94, %r93, 16;
 	or.b32  	%r95, %r92, %r94;
 	st.global.u32 	[%rd2+64], %r95;
 	and.b32  	%r96, %r36, -65536;
 	mov.b32 	%f84, %r96;
-	@%p21 bra 	$L__BB5_67;
+	@%p20 bra 	$L__BB5_67;
 	bra.uni 	$L__BB5_66;
 $L__BB5_67:
 	mul.f32 	%f296, %f147, %f84;
@@ -9603,7 +9603,7 @@ $L__BB5_68:
 	selp.f32 	%f88, 0f00000000, %f402, %p83;
 	and.b32  	%r97, %r38, -65536;
 	mov.b32 	%f89, %r97;
-	@%p21 bra 	$L__BB5_70;
+	@%p20 bra 	$L__BB5_70;
 	bra.uni 	$L__BB5_69;
 $L__BB5_70:
 	mul.f32 	%f299, %f147, %f89;
@@ -9633,20 +9633,20 @@ $L__BB5_71:
 	add.rn.f32 	%f314, %f311, %f313;
 	sub.rn.f32 	%f315, %f314, %f313;
 	copysign.f32 	%f316, %f310, %f315;
-	mul.f32 	%f317, %f38, %f316;
+	mul.f32 	%f317, %f39, %f316;
 	mov.b32 	%r98, %f317;
 	and.b32  	%r99, %r98, -65536;
 	add.rn.f32 	%f318, %f305, %f307;
 	sub.rn.f32 	%f319, %f318, %f307;
 	copysign.f32 	%f320, %f304, %f319;
-	mul.f32 	%f321, %f38, %f320;
+	mul.f32 	%f321, %f39, %f320;
 	mov.b32 	%r100, %f321;
 	shr.u32 	%r101, %r100, 16;
 	or.b32  	%r102, %r99, %r101;
 	st.global.u32 	[%rd2+80], %r102;
 	shl.b32 	%r103, %r37, 16;
 	mov.b32 	%f93, %r103;
-	@%p21 bra 	$L__BB5_73;
+	@%p20 bra 	$L__BB5_73;
 	bra.uni 	$L__BB5_72;
 $L__BB5_73:
 	mul.f32 	%f323, %f147, %f93;
@@ -9659,7 +9659,7 @@ $L__BB5_74:
 	selp.f32 	%f97, 0f00000000, %f404, %p95;
 	shl.b32 	%r104, %r39, 16;
 	mov.b32 	%f98, %r104;
-	@%p21 bra 	$L__BB5_76;
+	@%p20 bra 	$L__BB5_76;
 	bra.uni 	$L__BB5_75;
 $L__BB5_76:
 	mul.f32 	%f326, %f147, %f98;
@@ -9689,20 +9689,20 @@ $L__BB5_77:
 	add.rn.f32 	%f341, %f338, %f340;
 	sub.rn.f32 	%f342, %f341, %f340;
 	copysign.f32 	%f343, %f337, %f342;
-	mul.f32 	%f344, %f38, %f343;
+	mul.f32 	%f344, %f39, %f343;
 	mov.b32 	%r105, %f344;
 	and.b32  	%r106, %r105, -65536;
 	add.rn.f32 	%f345, %f332, %f334;
 	sub.rn.f32 	%f346, %f345, %f334;
 	copysign.f32 	%f347, %f331, %f346;
-	mul.f32 	%f348, %f38, %f347;
+	mul.f32 	%f348, %f39, %f347;
 	mov.b32 	%r107, %f348;
 	shr.u32 	%r108, %r107, 16;
 	or.b32  	%r109, %r106, %r108;
 	st.global.u32 	[%rd2+96], %r109;
 	and.b32  	%r110, %r37, -65536;
 	mov.b32 	%f102, %r110;
-	@%p21 bra 	$L__BB5_79;
+	@%p20 bra 	$L__BB5_79;
 	bra.uni 	$L__BB5_78;
 $L__BB5_79:
 	mul.f32 	%f350, %f147, %f102;
@@ -9715,7 +9715,7 @@ $L__BB5_80:
 	selp.f32 	%f106, 0f00000000, %f406, %p107;
 	and.b32  	%r111, %r39, -65536;
 	mov.b32 	%f107, %r111;
-	@%p21 bra 	$L__BB5_82;
+	@%p20 bra 	$L__BB5_82;
 	bra.uni 	$L__BB5_81;
 $L__BB5_82:
 	mul.f32 	%f353, %f147, %f107;
@@ -9745,13 +9745,13 @@ $L__BB5_83:
 	add.rn.f32 	%f368, %f365, %f367;
 	sub.rn.f32 	%f369, %f368, %f367;
 	copysign.f32 	%f370, %f364, %f369;
-	mul.f32 	%f371, %f38, %f370;
+	mul.f32 	%f371, %f39, %f370;
 	mov.b32 	%r112, %f371;
 	and.b32  	%r113, %r112, -65536;
 	add.rn.f32 	%f372, %f359, %f361;
 	sub.rn.f32 	%f373, %f372, %f361;
 	copysign.f32 	%f374, %f358, %f373;
-	mul.f32 	%f375, %f38, %f374;
+	mul.f32 	%f375, %f39, %f374;
 	mov.b32 	%r114, %f375;
 	shr.u32 	%r115, %r114, 16;
 	or.b32  	%r116, %r113, %r115;

@@ -52,8 +52,8 @@ __device__ __forceinline__ float Bf16ToFloat(uint32_t bits16) {
 }
 
 // e2m1 code (sign bit 8) of v, rounded to nearest-even; |v| <= 6 (clipped by the caller).
-// E2m1RoundMagnitude(|v|) is the code's value. Adding and subtracting 1.5 * 2^23 * u rounds |v| to a multiple of u, ties to the even
-// multiple, in the f32 adder itself; u is e2m1's spacing in |v|'s binade (0.5 below 2, 1 below 4,
+// E2m1RoundMagnitude(|v|) is the code's value. Adding and subtracting 1.5 * 2^23 * u rounds |v|
+// to a multiple of u, ties to the even multiple, in the f32 adder itself; u is e2m1's spacing in |v|'s binade (0.5 below 2, 1 below 4,
 // 2 from 4 on), and an even multiple of it is the even code. The rounded value times 2^-126 then
 // holds the code in its exponent and first mantissa bit (0.5 becomes the subnormal 2^-127, so
 // the product must not flush to zero: this file is compiled without -ftz). It gives the codes a
@@ -69,6 +69,23 @@ __device__ __forceinline__ uint32_t E2m1Code(float v) {
   return mag | ((__float_as_uint(v) >> 28) & 8u);
 }
 
+// Element e (bf16 bits) of a block scaled into e2m1's range: x * ratio, or x * enc / scale
+// (kDivide, where enc / scale overflows); 0 where the block has no scale or x is not finite;
+// clipped to [-6, 6]. Rounding it to e2m1 gives the element's code.
+template <bool kDivide>
+__device__ __forceinline__ float ScaledElement(uint32_t b, float scale, float ratio, float enc,
+                                               float safe) {
+  const float v = Bf16ToFloat(b);
+  float q = kDivide ? XlaDiv(v * enc, safe) : v * ratio;
+  if (!(scale > 0.0f) || (b & 0x7F80u) == 0x7F80u) q = 0.0f;  // no scale, or not finite
+  return fminf(fmaxf(q, -6.0f), 6.0f);
+}
+
+// Bits of element e of a block held as 8 bf16 pairs.
+__device__ __forceinline__ uint32_t ElementBits(const uint32_t (&raw)[8], int e) {
+  return (raw[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
+}
+
 // The 16 elements of one block (bf16 pairs) as e2m1 codes, two per byte.
 template <bool kDivide>
 __device__ __forceinline__ uint2 PackBlock(const uint32_t (&raw)[8], float scale, float ratio,
@@ -76,11 +93,7 @@ __device__ __forceinline__ uint2 PackBlock(const uint32_t (&raw)[8], float scale
   uint32_t packed[2] = {0u, 0u};
 #pragma unroll
   for (int e = 0; e < 16; ++e) {
-    const uint32_t b = (raw[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
-    const float v = Bf16ToFloat(b);
-    float q = kDivide ? XlaDiv(v * enc, safe) : v * ratio;
-    if (!(scale > 0.0f) || (b & 0x7F80u) == 0x7F80u) q = 0.0f;  // no scale, or not finite
-    q = fminf(fmaxf(q, -6.0f), 6.0f);
+    const float q = ScaledElement<kDivide>(ElementBits(raw, e), scale, ratio, enc, safe);
     packed[e / 8] |= E2m1Code(q) << (4 * (e % 8));
   }
   return make_uint2(packed[0], packed[1]);
@@ -97,8 +110,8 @@ __device__ __noinline__ uint2 PackBlockDividing(uint4 lo, uint4 hi, float scale,
 // whether all of it is finite (NaN and Inf are ignored by every amax).
 struct Block {
   uint32_t raw[8];
-  float amax;
-  bool finite;
+  float amax = 0.0f;
+  bool finite = true;
 };
 
 __device__ __forceinline__ void LoadBlock(const uint4* __restrict__ x, long long j, Block& blk) {
@@ -119,25 +132,39 @@ __device__ __forceinline__ void LoadBlock(const uint4* __restrict__ x, long long
   }
 }
 
+// A block's e4m3 scale under the encode factor `enc`, and what its elements are scaled with.
+struct BlockScale {
+  __nv_fp8_e4m3 scale;
+  float s;      // the scale's value
+  float safe;   // s, or 1 where s is 0
+  float ratio;  // enc / safe: not finite (a huge enc and a tiny block, rare) means divide
+};
+
+__device__ __forceinline__ BlockScale ScaleBlock(const Block& blk, float enc) {
+  BlockScale bs;
+  const float enc_per_elem_max = enc * (1.0f / 6.0f);  // 1 / 6 rounded to f32 at compile time
+  // round to nearest, saturating (the value is at most 448)
+  bs.scale = __nv_fp8_e4m3(fminf(blk.amax * enc_per_elem_max, 448.0f));
+  bs.s = static_cast<float>(bs.scale);
+  bs.safe = bs.s > 0.0f ? bs.s : 1.0f;
+  bs.ratio = XlaDiv(enc, bs.safe);
+  return bs;
+}
+
 // Block j's scale and packed elements under the encode factor `enc`.
 __device__ __forceinline__ void StoreBlock(const Block& blk, long long j, float enc,
                                            uint2* __restrict__ elements,
                                            uint8_t* __restrict__ scales) {
-  const float enc_per_elem_max = enc * (1.0f / 6.0f);  // 1 / 6 rounded to f32 at compile time
-  const float want = fminf(blk.amax * enc_per_elem_max, 448.0f);
-  const __nv_fp8_e4m3 scale(want);  // round to nearest, saturating (want <= 448)
-  const float s = static_cast<float>(scale);
-  const float safe = s > 0.0f ? s : 1.0f;
-  const float ratio = XlaDiv(enc, safe);
-  // x * enc / scale only where enc / scale overflows (a huge enc and a tiny block): rare
-  const uint2 packed = isfinite(ratio)
-                           ? PackBlock<false>(blk.raw, s, ratio, enc, safe)
+  const BlockScale bs = ScaleBlock(blk, enc);
+  // x * enc / scale only where enc / scale overflows: rare
+  const uint2 packed = isfinite(bs.ratio)
+                           ? PackBlock<false>(blk.raw, bs.s, bs.ratio, enc, bs.safe)
                            : PackBlockDividing(
                                  make_uint4(blk.raw[0], blk.raw[1], blk.raw[2], blk.raw[3]),
-                                 make_uint4(blk.raw[4], blk.raw[5], blk.raw[6], blk.raw[7]), s,
-                                 ratio, enc, safe);
+                                 make_uint4(blk.raw[4], blk.raw[5], blk.raw[6], blk.raw[7]),
+                                 bs.s, bs.ratio, enc, bs.safe);
   elements[j] = packed;
-  scales[j] = blk.finite ? scale.__x : static_cast<uint8_t>(0x7F);
+  scales[j] = blk.finite ? bs.scale.__x : static_cast<uint8_t>(0x7F);
 }
 
 // The whole quantization, the global scale calibrated, on kCtas CTAs (1, or a cluster).
@@ -162,8 +189,6 @@ __device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long 
 #pragma unroll
   for (int i = 0; i < kBlocksPerThread; ++i) {
     const long long j = first + i * stride;
-    blk[i].amax = 0.0f;
-    blk[i].finite = true;
     if (j < blocks) {
       LoadBlock(x, j, blk[i]);
       amax = fmaxf(amax, blk[i].amax);
@@ -228,24 +253,33 @@ extern "C" __global__ void __launch_bounds__(kThreads)
   QuantizeNvfp4<jbs_quantize::kWideClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
 }
 
+// The start both given-scale kernels share: thread j's block (one block per thread), loaded,
+// and alpha = g * b_alpha (the product of the stored decode factors) written by thread 0.
+// False for a thread past the tensor.
+__device__ __forceinline__ bool LoadGivenScaleBlock(const uint4* x, long long blocks,
+                                                    float* alpha_out, const float* b_alpha,
+                                                    float decode, long long* j, Block* blk) {
+  *j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
+  if (*j == 0) alpha_out[0] = decode * b_alpha[0];
+  if (*j >= blocks) return false;
+  LoadBlock(x, *j, *blk);
+  return true;
+}
+
 // A caller-chosen global scale (static W4A4, `gemm(x, w, quantize_a="nvfp4", a_global_scale=g)`):
 // no amax to reduce, so one block per thread on as many CTAs of kStaticThreads as the tensor
 // needs. enc = 1 / g as XLA divides (jbs.quantize keeps XLA from folding that quotient on the
-// host), and alpha = g * b_alpha, the product of the stored decode factors.
+// host).
 extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
     jbs_quantize_nvfp4_activation_static(const uint4* x, long long blocks, uint2* elements,
                                          uint8_t* scales, float* alpha_out,
                                          const float* b_alpha, const float* a_decode) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as QuantizeNvfp4
-  const long long j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
   const float decode = a_decode[0];
-  if (j == 0) alpha_out[0] = decode * b_alpha[0];
-  if (j >= blocks) return;
+  long long j;
   Block blk;
-  blk.amax = 0.0f;
-  blk.finite = true;
-  LoadBlock(x, j, blk);
-  StoreBlock(blk, j, XlaDiv(1.0f, decode), elements, scales);
+  if (LoadGivenScaleBlock(x, blocks, alpha_out, b_alpha, decode, &j, &blk))
+    StoreBlock(blk, j, XlaDiv(1.0f, decode), elements, scales);
 }
 
 // The same for the register-weight GEMM (a bf16 activation in its K order, kernels/
@@ -259,22 +293,14 @@ extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
                                                uint32_t* values, uint8_t* unused_scales,
                                                float* alpha_out, const float* b_alpha,
                                                const float* a_decode) {
-  const long long j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
   const float decode = a_decode[0];
-  if (j == 0) alpha_out[0] = decode * b_alpha[0];
-  if (j >= blocks) return;
+  long long j;
   Block blk;
-  blk.amax = 0.0f;
-  blk.finite = true;
-  LoadBlock(x, j, blk);
-  // the scale and quotient as StoreBlock computes them
+  if (!LoadGivenScaleBlock(x, blocks, alpha_out, b_alpha, decode, &j, &blk)) return;
   const float enc = XlaDiv(1.0f, decode);
-  const float want = fminf(blk.amax * (enc * (1.0f / 6.0f)), 448.0f);
-  const __nv_fp8_e4m3 scale(want);
-  const float s = static_cast<float>(scale);
-  const float safe = s > 0.0f ? s : 1.0f;
-  const float ratio = XlaDiv(enc, safe);
-  const float factor = blk.finite ? s : __int_as_float(0x7FFFFFFF);  // the stored scale (NaN)
+  const BlockScale bs = ScaleBlock(blk, enc);
+  const bool divide = !isfinite(bs.ratio);
+  const float factor = blk.finite ? bs.s : __int_as_float(0x7FFFFFFF);  // the stored scale (NaN)
   uint32_t* tile = values + (j / 4) * 32;
   const int t = static_cast<int>(j % 4);
 #pragma unroll
@@ -283,12 +309,9 @@ extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
     uint32_t word = 0u;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      const int e = e0 + 4 * q;
-      const uint32_t b = (blk.raw[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
-      const float v = Bf16ToFloat(b);
-      float qv = isfinite(ratio) ? v * ratio : XlaDiv(v * enc, safe);
-      if (!(s > 0.0f) || (b & 0x7F80u) == 0x7F80u) qv = 0.0f;  // no scale, or not finite
-      qv = fminf(fmaxf(qv, -6.0f), 6.0f);
+      const uint32_t b = ElementBits(blk.raw, e0 + 4 * q);
+      const float qv = divide ? ScaledElement<true>(b, bs.s, bs.ratio, enc, bs.safe)
+                              : ScaledElement<false>(b, bs.s, bs.ratio, enc, bs.safe);
       const float value = copysignf(E2m1RoundMagnitude(fabsf(qv)), qv) * factor;
       word |= (__float_as_uint(value) >> 16) << (16 * q);  // exact: the truncation is the value
     }

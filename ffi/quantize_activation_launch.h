@@ -1,8 +1,9 @@
 // The NVFP4 activation quantizer's launch shape (quantize_activation.cu): calibrating its global
 // scale, one CTA of kThreads threads, each holding up to kBlocksPerThread 16-element blocks in
-// registers, or one cluster of kClusterCtas such CTAs. Shared by the kernel and by its launch in jbs_ffi.cc; the planner's
-// limit (jax_blockscale/catalog/sm90.py: QUANTIZE_A_MAX_ELEMENTS) is the cluster's capacity,
-// checked against this file by tests/build/test_quantized_activation_lowering.py.
+// registers, or one cluster of kClusterCtas such CTAs. Shared by the kernel and by its launch
+// in jbs_ffi.cc; the planner's limit (jax_blockscale/catalog/sm90.py: QUANTIZE_A_MAX_ELEMENTS)
+// is the cluster's capacity, checked against this file by
+// tests/build/test_quantized_activation_lowering.py.
 #pragma once
 
 namespace jbs_quantize {
