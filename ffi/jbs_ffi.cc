@@ -58,14 +58,15 @@
 //             from the next 256-byte boundary the decode plan's split-K workspace
 //   attrs:    as for gemm (a_kind nvfp4, plain A scales, l = 1; with partials = 1 the caller
 //             reads alpha from the scratch, where the quantizer wrote it)
-//   One kernel (quantize_activation.cu, PTX loaded at run time) quantizes x to NVFP4 exactly
+//   The quantizer (quantize_activation.cu, PTX loaded at run time: one kernel, or for a
+//   calibrated scale past one CTA an amax kernel and then that one) quantizes x to NVFP4 exactly
 //   as jbs.quantize does (its amax or the given scale, scales, elements, and alpha) into the
 //   front of ws; the planned decode kernel's chained variant then multiplies it by b. It is
 //   launched with programmatic dependent launch: its CTAs start while the quantizer runs, issue
 //   their first weight copies and wait for the quantizer before reading what it wrote.
-//   With a given scale and a_kind = bf16_kperm (a plan of the register-weight kernel), the
-//   quantizer writes the quantized activation's values (dequantized, exact in bf16) in that
-//   kernel's K order instead, and the kernel runs after it on the stream.
+//   With a_kind = bf16_kperm (a plan of the register-weight kernel), the quantizer writes the
+//   quantized activation's values (dequantized, exact in bf16) in that kernel's K order
+//   instead, and the kernel runs after it on the stream.
 //
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
@@ -286,61 +287,31 @@ struct PtxKernel {
 
 PtxKernel g_gather_alpha{kGatherAlphaPtx, "jbs_gather_alpha"};
 PtxKernel g_quantize_activation_cta{kQuantizeActivationPtx, "jbs_quantize_nvfp4_activation_cta"};
-PtxKernel g_quantize_activation_cluster{kQuantizeActivationPtx,
-                                        "jbs_quantize_nvfp4_activation_cluster"};
-PtxKernel g_quantize_activation_wide{kQuantizeActivationPtx,
-                                     "jbs_quantize_nvfp4_activation_wide_cluster"};
 PtxKernel g_quantize_activation_static{kQuantizeActivationPtx,
                                        "jbs_quantize_nvfp4_activation_static"};
 PtxKernel g_quantize_activation_static_kperm{kQuantizeActivationPtx,
                                              "jbs_quantize_nvfp4_activation_static_kperm"};
+PtxKernel g_activation_amax{kQuantizeActivationPtx, "jbs_nvfp4_activation_amax"};
 
-// A launch of the quantizer on `ctas` CTAs of `threads` threads. The wide kernel's cluster is set
-// here, at launch; the other kernels carry theirs in the PTX, or have none (the static kernel's
-// CTAs): no attribute then. Not copyable: the config points at the attribute beside it.
+// A launch of a quantizer kernel on `ctas` CTAs of `threads` threads; `dependent`: as a
+// programmatic dependent of the kernel before it on the stream (the one-block-per-thread kernel
+// behind the amax kernel: it starts at once and waits for that kernel before reading its
+// output). Not copyable: the config points at the attribute beside it.
 struct QuantizerLaunch {
-  cudaLaunchAttribute cluster;
+  cudaLaunchAttribute dependent_attr;
   cudaLaunchConfig_t config = {};
-  // cluster_at_launch: the CTAs are one cluster set by this launch (the wide kernel's)
-  QuantizerLaunch(int ctas, int threads, bool cluster_at_launch, cudaStream_t stream) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = static_cast<unsigned>(ctas);
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
+  QuantizerLaunch(int ctas, int threads, cudaStream_t stream, bool dependent) {
+    dependent_attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent_attr.val.programmaticStreamSerializationAllowed = 1;
     config.gridDim = dim3(ctas);
     config.blockDim = dim3(threads);
     config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = cluster_at_launch ? 1 : 0;
+    config.attrs = &dependent_attr;
+    config.numAttrs = dependent ? 1 : 0;
   }
   QuantizerLaunch(const QuantizerLaunch&) = delete;
   QuantizerLaunch& operator=(const QuantizerLaunch&) = delete;
 };
-
-// Whether this device can run the quantizer's 16-CTA cluster (a non-portable size: the kernel
-// must opt in, and a GPC must hold 16 of its CTAs). Asked once per device; where it cannot, the
-// 8-CTA cluster runs, holding more blocks per thread.
-bool WideClusterRuns(cudaKernel_t kernel) {
-  constexpr int kMaxDevices = 64;
-  static std::once_flag once[kMaxDevices];
-  static bool runs[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  std::call_once(once[device], [&] {
-    const void* f = reinterpret_cast<const void*>(kernel);
-    const QuantizerLaunch wide(jbs_quantize::kWideClusterCtas, jbs_quantize::kThreads,
-                               /*cluster_at_launch=*/true, nullptr);
-    int clusters = 0;
-    runs[device] =
-        cudaFuncSetAttribute(f, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-        cudaOccupancyMaxActiveClusters(&clusters, f, &wide.config) == cudaSuccess && clusters >= 1;
-    cudaGetLastError();  // a refusal is an answer, not an error for the next call to see
-  });
-  return runs[device];
-}
 
 ffi::Error GatherAlpha(cudaStream_t stream, void* out, const void* alpha, const void* index,
                        int32_t count) {
@@ -356,15 +327,18 @@ ffi::Error GatherAlpha(cudaStream_t stream, void* out, const void* alpha, const 
 // Where the quantized activation lies in the scratch result (jax_blockscale/lowering/
 // ffi_sm90.py: quantized_activation_scratch_bytes computes the same): elements at 0
 // (`block_bytes` per block: 8 packed NVFP4, or 32 for the register-weight kernel's bf16 values),
-// then the plain scales and alpha, each 256-byte aligned; the GEMM's own workspace from gemm_ws.
+// then the plain scales, the partial amaxes of the calibrating path past one CTA (one per
+// CTA of the amax kernel) and alpha, each 256-byte aligned; the GEMM's own workspace from
+// gemm_ws.
 struct ScratchLayout {
-  int64_t scales, alpha, bytes, gemm_ws;
+  int64_t scales, amax, alpha, bytes, gemm_ws;
 };
 ScratchLayout QuantizedActivationScratch(int64_t blocks, int64_t block_bytes) {
   auto up = [](int64_t x) { return (x + 255) / 256 * 256; };
   ScratchLayout s;
   s.scales = up(block_bytes * blocks);
-  s.alpha = up(s.scales + blocks);
+  s.amax = up(s.scales + blocks);
+  s.alpha = up(s.amax + 4 * jbs_quantize::AmaxPartials(blocks));
   s.bytes = s.alpha + 4;
   s.gemm_ws = up(s.bytes);
   return s;
@@ -446,35 +420,35 @@ ffi::Error ExecuteLayer(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
              /*chained=*/false, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
 }
 
-// The quantizer for `blocks` blocks: with a given global scale (a_decode non-empty) the static
-// kernel, one block per thread (its K-ordered bf16 twin for the register-weight kernel); else
-// the calibrating kernel on one CTA, or the cluster that holds the tensor. Sets kernel, ctas,
-// threads and whether the launch sets the cluster.
-ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, bool k_ordered, cudaKernel_t* kernel,
-                           int* ctas, int* threads, bool* cluster_at_launch) {
-  *cluster_at_launch = false;
-  if (given_scale) {
-    *threads = jbs_quantize::kStaticThreads;
-    *ctas = static_cast<int>((blocks + *threads - 1) / *threads);
-    return (k_ordered ? g_quantize_activation_static_kperm : g_quantize_activation_static)
-        .Get(kernel);
+// How the activation is quantized: `kernel` on `ctas` CTAs of `threads`, and where
+// amax_ctas > 0, after the amax kernel on that many CTAs (kernel is then its programmatic
+// dependent and reduces its partial amaxes).
+struct QuantizerChoice {
+  cudaKernel_t kernel = nullptr;
+  int ctas = 0, threads = 0;
+  cudaKernel_t amax_kernel = nullptr;
+  int amax_ctas = 0;
+};
+
+// The quantizer for `blocks` blocks: a calibrated global scale on one CTA where the tensor fits
+// it (and the packed activation is wanted), else the one-block-per-thread kernel (its K-ordered
+// bf16 twin for the register-weight kernel), with a given scale alone, calibrating behind the
+// amax kernel.
+ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, bool k_ordered,
+                           QuantizerChoice* q) {
+  if (!given_scale && !k_ordered && blocks <= jbs_quantize::kCtaBlocks) {
+    q->threads = jbs_quantize::kThreads;
+    q->ctas = 1;
+    return g_quantize_activation_cta.Get(&q->kernel);
   }
-  *threads = jbs_quantize::kThreads;
-  const bool one_cta = blocks <= jbs_quantize::kCtaBlocks;
-  if (auto err = (one_cta ? g_quantize_activation_cta : g_quantize_activation_cluster).Get(kernel);
-      err.failure())
-    return err;
-  *ctas = one_cta ? 1 : jbs_quantize::kClusterCtas;
-  if (blocks > jbs_quantize::kWideClusterFrom) {
-    cudaKernel_t wide = nullptr;
-    if (auto err = g_quantize_activation_wide.Get(&wide); err.failure()) return err;
-    if (WideClusterRuns(wide)) {
-      *kernel = wide;
-      *ctas = jbs_quantize::kWideClusterCtas;
-      *cluster_at_launch = true;
-    }
+  q->threads = jbs_quantize::kStaticThreads;
+  q->ctas = static_cast<int>((blocks + q->threads - 1) / q->threads);
+  if (!given_scale) {
+    if (auto err = g_activation_amax.Get(&q->amax_kernel); err.failure()) return err;
+    q->amax_ctas = static_cast<int>(jbs_quantize::AmaxPartials(blocks));
   }
-  return ffi::Error::Success();
+  return (k_ordered ? g_quantize_activation_static_kperm : g_quantize_activation_static)
+      .Get(&q->kernel);
 }
 
 ffi::Error ExecuteQuantizedActivation(
@@ -491,17 +465,16 @@ ffi::Error ExecuteQuantizedActivation(
   if (a_decode.element_type() != ffi::DataType::F32 || a_decode.element_count() > 1)
     return g_state.InvalidArgument("a_decode must be float32 [0] (calibrate) or [1] (given)");
   const bool given_scale = a_decode.element_count() == 1;
-  if (!(a_kind == JBS_NVFP4 && a_scales_plain == 1) && !(k_ordered && given_scale))
+  if (!(a_kind == JBS_NVFP4 && a_scales_plain == 1) && !k_ordered)
     return g_state.InvalidArgument(
-        "the activation is quantized to NVFP4 with plain scales, or (with a given scale) "
-        "dequantized in the register-weight kernel's K order");
+        "the activation is quantized to NVFP4 with plain scales, or dequantized in the "
+        "register-weight kernel's K order");
   if (a_e5m2 != 0 || l != 1) return g_state.InvalidArgument("a_e5m2 = 0 and l = 1");
   if (x.element_type() != ffi::DataType::BF16 || m < 1 || k < 16 || k % (k_ordered ? 64 : 16) ||
       static_cast<int64_t>(x.element_count()) != m * k)
     return g_state.InvalidArgument("x must be bf16 [M, K], K a multiple of 16 (64 K-ordered)");
   const int64_t blocks = m * k / 16;
-  // a calibrated scale needs the whole tensor on one cluster; a given one has no such limit
-  if (!given_scale && blocks > jbs_quantize::kClusterBlocks)
+  if (blocks / jbs_quantize::kStaticThreads >= 0x7FFFFFFF)  // one CTA per 128 blocks: a grid
     return g_state.InvalidArgument("the activation is too large to quantize in the GEMM's call");
   // ws holds the quantized activation first, then (from a 256-byte boundary) the GEMM's own
   // split-K workspace: one result, so XLA cannot place the two anywhere near each other
@@ -522,23 +495,30 @@ ffi::Error ExecuteQuantizedActivation(
   const ffi::AnyBuffer sa = k_ordered ? sb : sa_view.any();
   const BufferView alpha_view(base + lay.alpha, XLA_FFI_DataType_F32, 1);
 
-  cudaKernel_t kernel = nullptr;
-  int ctas = 0, threads = 0;
-  bool cluster_at_launch = false;
-  if (auto err = ChooseQuantizer(blocks, given_scale, k_ordered, &kernel, &ctas, &threads,
-                                 &cluster_at_launch);
-      err.failure())
-    return err;
+  QuantizerChoice q;
+  if (auto err = ChooseQuantizer(blocks, given_scale, k_ordered, &q); err.failure()) return err;
   const void* x_ptr = x.untyped_data();
   void* elements = base;
   void* scales = base + lay.scales;
+  void* amax_partials = q.amax_ctas > 0 ? base + lay.amax : nullptr;
   void* alpha_out = base + lay.alpha;
   const void* b_alpha_ptr = b_alpha.untyped_data();
-  const void* a_decode_ptr = a_decode.untyped_data();  // the static kernel's last argument
+  const void* a_decode_ptr = a_decode.untyped_data();  // the static kernels' arguments
+  int amax_count = q.amax_ctas;
   long long count = blocks;
-  void* args[] = {&x_ptr, &count, &elements, &scales, &alpha_out, &b_alpha_ptr, &a_decode_ptr};
-  const QuantizerLaunch launch(ctas, threads, cluster_at_launch, stream);
-  cudaError_t e = cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args);
+  if (q.amax_ctas > 0) {
+    void* amax_args[] = {&x_ptr, &count, &amax_partials};
+    const QuantizerLaunch amax(q.amax_ctas, jbs_quantize::kAmaxThreads, stream,
+                               /*dependent=*/false);
+    cudaError_t e = cudaLaunchKernelExC(&amax.config, reinterpret_cast<const void*>(q.amax_kernel),
+                                        amax_args);
+    if (e != cudaSuccess) return g_state.CudaError("jbs_nvfp4_activation_amax", e);
+  }
+  void* args[] = {&x_ptr,     &count,        &elements,      &scales,     &alpha_out,
+                  &b_alpha_ptr, &a_decode_ptr, &amax_partials, &amax_count};
+  const QuantizerLaunch launch(q.ctas, q.threads, stream, /*dependent=*/q.amax_ctas > 0);
+  cudaError_t e =
+      cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(q.kernel), args);
   if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
   BufferView gemm_ws(base + lay.gemm_ws, XLA_FFI_DataType_F32, gemm_ws_floats);
@@ -672,7 +652,7 @@ JBS_EXPORT long long jbs_layer_at(unsigned long long at, unsigned long long base
 JBS_EXPORT void jbs_quantized_activation_scratch(long long blocks, long long block_bytes,
                                                  long long* out) {
   const jbs::ScratchLayout s = jbs::QuantizedActivationScratch(blocks, block_bytes);
-  out[0] = s.scales; out[1] = s.alpha; out[2] = s.bytes;
+  out[0] = s.scales; out[1] = s.amax; out[2] = s.alpha; out[3] = s.bytes;
 }
 
 // counts[0]: layer calls that found their layer in place; counts[1]: those that did not.

@@ -17,28 +17,24 @@
 // below), so the bytes are those of jbs.quantize run by XLA on the GPU
 // (tests/gpu/test_quantized_activation.py compares the GEMMs bit for bit).
 //
-// One cluster of kClusterCtas CTAs (or kWideClusterCtas for the largest tensors where the device
-// allows that cluster): each thread loads up to kBlocksPerThread blocks into
-// registers, the tensor's amax is reduced in each CTA and then across the cluster through
-// distributed shared memory (one launch, no atomics, no workspace to clear), and every thread
-// quantizes the blocks it holds. So it takes at most kThreads * kClusterCtas * kBlocksPerThread
-// blocks (the planner's limit, jax_blockscale/catalog/sm90.py: QUANTIZE_A_MAX_ELEMENTS). It lets
-// its dependent (the chained decode kernel, launched with programmatic dependent launch) start
-// at once: that kernel waits for this one before it reads the activation.
+// Up to kCtaBlocks blocks one CTA does it all (jbs_quantize_nvfp4_activation_cta): each thread
+// loads up to kBlocksPerThread blocks into registers, the tensor's amax is reduced in the CTA,
+// and every thread quantizes the blocks it holds (one launch, one read of x). Larger tensors take
+// two kernels: jbs_nvfp4_activation_amax writes one partial amax per CTA, and
+// jbs_quantize_nvfp4_activation_static, one block per thread on as many CTAs as needed, loads its
+// block, waits for the amax kernel (it is that kernel's programmatic dependent), reduces the
+// partials and quantizes. With a given global scale the last kernel runs alone. Each lets its
+// dependent (the chained decode kernel, launched with programmatic dependent launch) start at
+// once: that kernel waits for this one before it reads the activation.
 //
 // The PTX the library loads is generated from this file: python ffi/gen_quantize_activation_ptx.py
-#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
 
-#include "quantize_activation_launch.h"  // kThreads, kClusterCtas, kBlocksPerThread
-
-namespace cg = cooperative_groups;
+#include "quantize_activation_launch.h"  // the kernels' launch shapes
 
 using jbs_quantize::kBlocksPerThread;
-using jbs_quantize::kClusterCtas;
 using jbs_quantize::kThreads;
-constexpr int kWarps = kThreads / 32;
 
 // a / b as XLA's GPU code divides f32: div.full.f32 (at most 2 ulp from the IEEE quotient).
 __device__ __forceinline__ float XlaDiv(float a, float b) {
@@ -167,22 +163,72 @@ __device__ __forceinline__ void StoreBlock(const Block& blk, long long j, float 
   scales[j] = blk.finite ? bs.scale.__x : static_cast<uint8_t>(0x7F);
 }
 
-// The whole quantization, the global scale calibrated, on kCtas CTAs (1, or a cluster).
-template <int kCtas>
-__device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long long blocks,
-                                              uint2* __restrict__ elements,
-                                              uint8_t* __restrict__ scales,
-                                              float* __restrict__ alpha_out,
-                                              const float* __restrict__ b_alpha) {
-  __shared__ uint32_t warp_amax[kWarps];
+// The tensor's global scale: the encode factor the blocks are scaled with and the stored decode
+// factor 1 / enc.
+struct GlobalScale {
+  float enc;
+  float decode;
+};
+
+// Calibrated from the tensor's amax: enc = min(6 * 448 / amax, 2^126), 1 when amax is 0.
+__device__ __forceinline__ GlobalScale CalibratedScale(float amax) {
+  float enc = fminf(XlaDiv(2688.0f, amax > 0.0f ? amax : 1.0f), 0x1p126f);
+  if (!(amax > 0.0f)) enc = 1.0f;
+  return {enc, XlaDiv(1.0f, enc)};
+}
+
+// Given as the decode factor g: enc = 1 / g as XLA divides (jbs.quantize keeps XLA from folding
+// that quotient on the host).
+__device__ __forceinline__ GlobalScale GivenScale(float decode) {
+  return {XlaDiv(1.0f, decode), decode};
+}
+
+// alpha = decode * b_alpha, the product of the two stored decode factors: jbs.quantize puts an
+// optimization barrier on its decode factor so that XLA multiplies exactly these two values.
+__device__ __forceinline__ float Alpha(const GlobalScale& gs, const float* b_alpha) {
+  return gs.decode * b_alpha[0];
+}
+
+// The largest of amax_count partial amaxes (float bits; non-negative floats order as their
+// bits), reduced by each warp on its own: every lane must call it. The partials are another
+// kernel's output, read after griddepcontrol.wait with ld.global.cg (never the non-coherent
+// path, which ptxas may hoist above the wait).
+__device__ __forceinline__ float GatherAmax(const uint32_t* partials, int amax_count) {
+  uint32_t bits = 0u;
+  for (int i = threadIdx.x % 32; i < amax_count; i += 32) bits = max(bits, __ldcg(partials + i));
+  return __uint_as_float(__reduce_max_sync(0xFFFFFFFFu, bits));
+}
+
+// The largest of each thread's `amax` over the CTA of kCtaThreads, returned to every thread
+// (non-negative floats order as their bits).
+template <int kCtaThreads>
+__device__ __forceinline__ float CtaAmax(float amax) {
+  constexpr int kCtaWarps = kCtaThreads / 32;
+  __shared__ uint32_t warp_amax[kCtaWarps];
   __shared__ uint32_t cta_amax;
+  uint32_t bits = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(amax));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = bits;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    bits = __reduce_max_sync(0xFFFFFFFFu, threadIdx.x < kCtaWarps ? warp_amax[threadIdx.x] : 0u);
+    if (threadIdx.x == 0) cta_amax = bits;
+  }
+  __syncthreads();
+  return __uint_as_float(cta_amax);
+}
+
+// The whole quantization, the global scale calibrated, on one CTA: up to kCtaBlocks blocks.
+extern "C" __global__ void __launch_bounds__(kThreads)
+    jbs_quantize_nvfp4_activation_cta(const uint4* __restrict__ x, long long blocks,
+                                      uint2* __restrict__ elements, uint8_t* __restrict__ scales,
+                                      float* __restrict__ alpha_out,
+                                      const float* __restrict__ b_alpha) {
   // the chained decode kernel may launch now: it streams weights, which this kernel does not
   // write, and waits (griddepcontrol.wait) for this grid's end before it reads what it writes
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int tid = threadIdx.x;
-  const int rank = kCtas > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
-  const long long first = 1LL * rank * kThreads + tid;
-  const long long stride = 1LL * kThreads * kCtas;
+  const long long first = tid;
+  const long long stride = kThreads;
 
   Block blk[kBlocksPerThread];
   float amax = 0.0f;
@@ -195,91 +241,80 @@ __device__ __forceinline__ void QuantizeNvfp4(const uint4* __restrict__ x, long 
     }
   }
 
-  // the tensor's amax: non-negative floats order as their bits
-  uint32_t bits = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(amax));
-  if (tid % 32 == 0) warp_amax[tid / 32] = bits;
-  __syncthreads();
-  if (tid < 32) {
-    bits = __reduce_max_sync(0xFFFFFFFFu, tid < kWarps ? warp_amax[tid] : 0u);
-    if (tid == 0) cta_amax = bits;
-  }
-  if constexpr (kCtas > 1) {
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every CTA's amax is in its shared memory
-    bits = 0;
-#pragma unroll
-    for (int r = 0; r < kCtas; ++r) bits = max(bits, *cluster.map_shared_rank(&cta_amax, r));
-  } else {
-    __syncthreads();
-    bits = cta_amax;
-  }
-  const float tensor_amax = __uint_as_float(bits);
-
-  float enc = fminf(XlaDiv(2688.0f, tensor_amax > 0.0f ? tensor_amax : 1.0f), 0x1p126f);
-  if (!(tensor_amax > 0.0f)) enc = 1.0f;
-  // alpha = decode * b_alpha, the product of the two stored decode factors: jbs.quantize puts an
-  // optimization barrier on its decode factor so that XLA multiplies exactly these two values
-  if (first == 0) alpha_out[0] = XlaDiv(1.0f, enc) * b_alpha[0];
+  const GlobalScale gs = CalibratedScale(CtaAmax<kThreads>(amax));
+  if (first == 0) alpha_out[0] = Alpha(gs, b_alpha);
 
 #pragma unroll
   for (int i = 0; i < kBlocksPerThread; ++i) {
     const long long j = first + i * stride;
-    if (j < blocks) StoreBlock(blk[i], j, enc, elements, scales);
+    if (j < blocks) StoreBlock(blk[i], j, gs.enc, elements, scales);
   }
-  if constexpr (kCtas > 1) cg::this_cluster().sync();  // none leaves while another reads its amax
 }
 
-// Up to kThreads * kBlocksPerThread blocks: one CTA.
-extern "C" __global__ void __launch_bounds__(kThreads)
-    jbs_quantize_nvfp4_activation_cta(const uint4* x, long long blocks, uint2* elements,
-                                      uint8_t* scales, float* alpha_out, const float* b_alpha) {
-  QuantizeNvfp4<1>(x, blocks, elements, scales, alpha_out, b_alpha);
+// The calibrating path past one CTA (any size), first kernel: the largest finite |x| of
+// each CTA's kAmaxCtaBlocks blocks, written to partials[CTA]. The static kernel below, launched
+// as its programmatic dependent, loads its blocks meanwhile and reduces the partials once this
+// grid has finished.
+extern "C" __global__ void __launch_bounds__(jbs_quantize::kAmaxThreads)
+    jbs_nvfp4_activation_amax(const uint4* x, long long blocks, uint32_t* partials) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const long long first = blockIdx.x * jbs_quantize::kAmaxCtaBlocks + threadIdx.x;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < jbs_quantize::kAmaxBlocksPerThread; ++i) {
+    const long long j = first + 1LL * i * jbs_quantize::kAmaxThreads;
+    if (j < blocks) {
+      Block blk;
+      LoadBlock(x, j, blk);
+      amax = fmaxf(amax, blk.amax);
+    }
+  }
+  amax = CtaAmax<jbs_quantize::kAmaxThreads>(amax);
+  if (threadIdx.x == 0) partials[blockIdx.x] = __float_as_uint(amax);
 }
 
-// Up to kClusterCtas times as many: one cluster.
-extern "C" __global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kThreads)
-    jbs_quantize_nvfp4_activation_cluster(const uint4* x, long long blocks, uint2* elements,
-                                          uint8_t* scales, float* alpha_out,
-                                          const float* b_alpha) {
-  QuantizeNvfp4<kClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
+// The one-block-per-thread kernels' global scale: the given decode factor a_decode[0], or, with
+// amax_count > 0, calibrated from the partial amaxes jbs_nvfp4_activation_amax wrote (after
+// waiting for that kernel: this one is its programmatic dependent). Every lane calls it.
+__device__ __forceinline__ GlobalScale StaticGlobalScale(const float* a_decode,
+                                                         const uint32_t* amax_partials,
+                                                         int amax_count) {
+  if (amax_count == 0) return GivenScale(a_decode[0]);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  return CalibratedScale(GatherAmax(amax_partials, amax_count));
 }
 
-// The same on a cluster of kWideClusterCtas, set at launch (16 is above the portable size, which
-// __cluster_dims__ cannot name).
-extern "C" __global__ void __launch_bounds__(kThreads)
-    jbs_quantize_nvfp4_activation_wide_cluster(const uint4* x, long long blocks, uint2* elements,
-                                               uint8_t* scales, float* alpha_out,
-                                               const float* b_alpha) {
-  QuantizeNvfp4<jbs_quantize::kWideClusterCtas>(x, blocks, elements, scales, alpha_out, b_alpha);
-}
-
-// The start both given-scale kernels share: thread j's block (one block per thread), loaded,
-// and alpha = g * b_alpha (the product of the stored decode factors) written by thread 0.
-// False for a thread past the tensor.
-__device__ __forceinline__ bool LoadGivenScaleBlock(const uint4* x, long long blocks,
-                                                    float* alpha_out, const float* b_alpha,
-                                                    float decode, long long* j, Block* blk) {
+// The start both one-block-per-thread kernels share: thread j's block loaded (x is no earlier
+// kernel's output, so before any wait), then the global scale, and alpha written by thread 0.
+// Returns false for a thread past the tensor.
+__device__ __forceinline__ bool LoadStaticBlock(const uint4* x, long long blocks,
+                                                float* alpha_out, const float* b_alpha,
+                                                const float* a_decode,
+                                                const uint32_t* amax_partials, int amax_count,
+                                                long long* j, Block* blk, GlobalScale* gs) {
   *j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
-  if (*j == 0) alpha_out[0] = decode * b_alpha[0];
-  if (*j >= blocks) return false;
-  LoadBlock(x, *j, *blk);
-  return true;
+  const bool inside = *j < blocks;
+  if (inside) LoadBlock(x, *j, *blk);
+  *gs = StaticGlobalScale(a_decode, amax_partials, amax_count);
+  if (*j == 0) alpha_out[0] = Alpha(*gs, b_alpha);
+  return inside;
 }
 
-// A caller-chosen global scale (static W4A4, `gemm(x, w, quantize_a="nvfp4", a_global_scale=g)`):
-// no amax to reduce, so one block per thread on as many CTAs of kStaticThreads as the tensor
-// needs. enc = 1 / g as XLA divides (jbs.quantize keeps XLA from folding that quotient on the
-// host).
+// One block per thread on as many CTAs of kStaticThreads as the tensor needs: with a given
+// global scale (static W4A4, `gemm(x, w, quantize_a="nvfp4", a_global_scale=g)`) there is no
+// amax to reduce; calibrated (amax_count > 0) the amax kernel above has reduced it in parts.
 extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
     jbs_quantize_nvfp4_activation_static(const uint4* x, long long blocks, uint2* elements,
                                          uint8_t* scales, float* alpha_out,
-                                         const float* b_alpha, const float* a_decode) {
+                                         const float* b_alpha, const float* a_decode,
+                                         const uint32_t* amax_partials, int amax_count) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as QuantizeNvfp4
-  const float decode = a_decode[0];
   long long j;
   Block blk;
-  if (LoadGivenScaleBlock(x, blocks, alpha_out, b_alpha, decode, &j, &blk))
-    StoreBlock(blk, j, XlaDiv(1.0f, decode), elements, scales);
+  GlobalScale gs;
+  if (LoadStaticBlock(x, blocks, alpha_out, b_alpha, a_decode, amax_partials, amax_count, &j,
+                      &blk, &gs))
+    StoreBlock(blk, j, gs.enc, elements, scales);
 }
 
 // The same for the register-weight GEMM (a bf16 activation in its K order, kernels/
@@ -292,12 +327,15 @@ extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
     jbs_quantize_nvfp4_activation_static_kperm(const uint4* x, long long blocks,
                                                uint32_t* values, uint8_t* unused_scales,
                                                float* alpha_out, const float* b_alpha,
-                                               const float* a_decode) {
-  const float decode = a_decode[0];
+                                               const float* a_decode,
+                                               const uint32_t* amax_partials, int amax_count) {
   long long j;
   Block blk;
-  if (!LoadGivenScaleBlock(x, blocks, alpha_out, b_alpha, decode, &j, &blk)) return;
-  const float enc = XlaDiv(1.0f, decode);
+  GlobalScale gs;
+  if (!LoadStaticBlock(x, blocks, alpha_out, b_alpha, a_decode, amax_partials, amax_count, &j,
+                       &blk, &gs))
+    return;
+  const float enc = gs.enc;
   const BlockScale bs = ScaleBlock(blk, enc);
   const bool divide = !isfinite(bs.ratio);
   const float factor = blk.finite ? bs.s : __int_as_float(0x7FFFFFFF);  // the stored scale (NaN)

@@ -241,13 +241,13 @@ def has_quantized_act_gemm(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and hasattr(lib, "jax_blockscale_quantized_act_gemm_sm90")
 
 
-def quantized_activation_scratch(blocks: int, block_bytes: int = 8) -> tuple[int, int, int]:
+def quantized_activation_scratch(blocks: int, block_bytes: int = 8) -> tuple[int, int, int, int]:
     """The library's scratch layout for an activation of `blocks` NVFP4 blocks, `block_bytes`
-    of elements each (8 packed, 32 as bf16 values): (offset of the scales, offset of alpha,
-    bytes in all) (tests compare it with the lowering's)."""
-    out = (ctypes.c_longlong * 3)()
+    of elements each (8 packed, 32 as bf16 values): (offset of the scales, offset of the partial
+    amaxes, offset of alpha, bytes in all) (tests compare it with the lowering's)."""
+    out = (ctypes.c_longlong * 4)()
     load().jbs_quantized_activation_scratch(blocks, block_bytes, out)
-    return int(out[0]), int(out[1]), int(out[2])
+    return int(out[0]), int(out[1]), int(out[2]), int(out[3])
 
 
 def layer_gemm_counts() -> tuple[int, int]:

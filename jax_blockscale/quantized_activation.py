@@ -5,9 +5,10 @@ scale calibrated on this call (``global_scale="auto"``, MX formats with the defa
 then multiplied. What changes is where the quantization runs. Written out in JAX it is three or
 four small XLA kernels per GEMM (the tensor's amax, the block scales and elements, the product
 of the global scales): at decode sizes, as long as the GEMM itself. Where gemm runs the
-quantized problem on the sm90 decode kernel, `qact_gemm_p` lowers instead to one FFI call whose
-first kernel quantizes x exactly as `jbs.quantize` does and whose second is that same decode
-plan: bit for bit the composed result (docs/design/quantized_activation.md).
+quantized problem on the sm90 decode kernel or register-weight kernel, `qact_gemm_p` lowers
+instead to one FFI call whose quantizer kernels quantize x exactly as `jbs.quantize` does and
+whose last kernel is that same plan: bit for bit the composed result
+(docs/design/quantized_activation.md).
 
 With ``a_global_scale=g`` (static W4A4: a checkpoint's calibrated activation scale) the result
 is ``gemm(quantize(x, fmt, global_scale=g), w)`` instead, and the quantizer has no amax to
@@ -73,15 +74,13 @@ def quantized_spec(x_aval, b_aval, sb_aval, *, fmt, fmt_b, layout_b, out_dtype, 
                      layout_a="plain", layout_b=layout_b, out_dtype=out_dtype, backend=backend)
 
 
-def fused_plan(spec, platform: str, backend, library=LIBRARY, *, given_scale: bool = False):
+def fused_plan(spec, platform: str, backend, library=LIBRARY):
     """gemm's plan for the composed problem `spec` when the fused target can carry it out, else
     None: the composition runs. It can where the plan is the sm90 decode kernel reading plain
-    NVFP4 activation scales (one matrix, K unpadded; a global scale calibrated per call needs
-    the whole activation on one quantizer cluster, at most QUANTIZE_A_MAX_ELEMENTS elements),
-    and, with a given scale, also the register-weight kernel reading the activation dequantized
-    in its K order (which the quantizer then writes)."""
+    NVFP4 activation scales or the register-weight kernel reading the activation dequantized
+    in its K order (which the quantizer then writes), for one matrix with K unpadded, whether
+    the activation's global scale is given or calibrated, at any size."""
     if (platform != "cuda" or spec.fmt_a not in cat.QUANTIZE_A_FORMATS
-            or (not given_scale and spec.m * spec.k > cat.QUANTIZE_A_MAX_ELEMENTS)
             or np.dtype(spec.a_dtype) != np.dtype(jnp.float4_e2m1fn)
             or library.unavailable_reason() is not None or not library.has_quantized_act_gemm()):
         return None
@@ -90,8 +89,8 @@ def fused_plan(spec, platform: str, backend, library=LIBRARY, *, given_scale: bo
         return None
     decode = (p.kernel == "decode" and p.a_scales_plain and not p.dequantize_a
               and not p.permute_k and library.has(chained_decode_name(p)))
-    register_weights = (given_scale and p.kernel == "register_weights" and p.dequantize_a
-                        and p.permute_k and p.a_kind == "bf16_kperm")
+    register_weights = (p.kernel == "register_weights" and p.dequantize_a and p.permute_k
+                        and p.a_kind == "bf16_kperm")
     return p if decode or register_weights else None
 
 
@@ -109,7 +108,7 @@ def _lowering(ctx, *args, platform, **params):
         spec = quantized_spec(*ctx.avals_in[:3], fmt=params["fmt"], fmt_b=params["fmt_b"],
                               layout_b=params["layout_b"], out_dtype=params["out_dtype"],
                               backend=params["backend"])
-        plan = fused_plan(spec, platform, params["backend"], given_scale=params["given_scale"])
+        plan = fused_plan(spec, platform, params["backend"])
     if plan is None:
         return mlir.lower_fun(functools.partial(composed, **params), multiple_results=False)(
             ctx, *args)

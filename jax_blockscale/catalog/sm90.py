@@ -359,12 +359,15 @@ LAYER_KERNELS = ("decode", "fused", "register_weights")
 INDEX_MODE_MAX_ROWS = 64
 
 # `gemm(x, w, quantize_a=fmt)` (docs/design/quantized_activation.md): where gemm would run the
-# quantized activation on the decode kernel, one kernel (ffi/quantize_activation.cu) quantizes
-# it in the same call. Its formats, and the most elements it takes: one cluster of 8 CTAs of
-# 512 threads, each holding 4 blocks of 16 in registers (the portable cluster; the 16-CTA one
-# the handler prefers for the largest tensors only spreads them wider).
+# quantized activation on the decode kernel (or, from 33 rows, the register-weight kernel), the
+# quantizer kernels (ffi/quantize_activation.cu) quantize it in the same call, at any size. Its
+# formats; the most elements one CTA calibrates alone (512 threads, each holding 4 blocks of 16
+# in registers); past it an amax kernel writes one partial amax per QUANTIZE_A_AMAX_CTA_BLOCKS
+# blocks and a one-block-per-thread kernel reduces them and quantizes. ffi/
+# quantize_activation_launch.h holds the kernels' side of these numbers.
 QUANTIZE_A_FORMATS = ("nvfp4",)
-QUANTIZE_A_MAX_ELEMENTS = 8 * 512 * 4 * 16
+QUANTIZE_A_CTA_ELEMENTS = 512 * 4 * 16
+QUANTIZE_A_AMAX_CTA_BLOCKS = 256 * 4
 # The decode kernels the quantizer hands its result to: the chained twins (DecodeVariant.chained)
 # of the decode variants of each quantized pair, every output dtype and M tile.
 CHAINED_DECODE_VARIANTS = tuple(DecodeVariant(a, a, out, nt, chained=True)

@@ -174,11 +174,13 @@ def add_split_partials(ws, splits: int, shape: tuple, alpha, out_dtype):
 def quantized_activation_scratch_bytes(blocks: int, block_bytes: int = 8) -> int:
     """Bytes of the quantized activation (`blocks` NVFP4 blocks) at the front of the fused
     target's workspace: its elements (`block_bytes` per block: 8 packed, or 32 as the
-    register-weight kernel's bf16 values), then its plain scales and alpha, each 256-byte
+    register-weight kernel's bf16 values), then its plain scales, the calibrating amax kernel's
+    partial amaxes (one f32 per cat.QUANTIZE_A_AMAX_CTA_BLOCKS blocks) and alpha, each 256-byte
     aligned (ffi/jbs_ffi.cc: QuantizedActivationScratch lays it out the same way)."""
     def up(x):
         return -(-x // 256) * 256
-    return up(up(block_bytes * blocks) + blocks) + 4
+    partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
+    return up(up(up(block_bytes * blocks) + blocks) + 4 * partials) + 4
 
 
 def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):

@@ -35,8 +35,11 @@ def _calls(text):
     return [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_blockscale" in ln]
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (4, 512, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (4, 512, 2048),
+                                   (32, 4096, 16384)])
 def test_decode_sizes_run_in_one_fused_call(monkeypatch, m, n, k):
+    """Within one quantizer CTA (the first and third) and past it (the amax kernel, then the
+    one-block-per-thread kernel, in the same call): no size limit."""
     x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
     text = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"), x, w)
     calls = _calls(text)
@@ -50,35 +53,36 @@ def test_decode_sizes_run_in_one_fused_call(monkeypatch, m, n, k):
 
 
 @pytest.mark.parametrize("block_bytes", [8, 32])
-@pytest.mark.parametrize("blocks", [1, 7, 256, 2048, 2049, 16384])
+@pytest.mark.parametrize("blocks", [1, 7, 256, 1024, 1025, 2048, 2049, 16384, 57344])
 def test_scratch_layout_is_the_librarys(blocks, block_bytes):
-    off_scales, off_alpha, total = _plugin.quantized_activation_scratch(blocks, block_bytes)
+    off_scales, off_amax, off_alpha, total = _plugin.quantized_activation_scratch(blocks,
+                                                                                 block_bytes)
     assert off_scales >= block_bytes * blocks and off_scales % 256 == 0
-    assert off_alpha >= off_scales + blocks and off_alpha % 256 == 0
+    assert off_amax >= off_scales + blocks and off_amax % 256 == 0
+    partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
+    assert off_alpha >= off_amax + 4 * partials and off_alpha % 256 == 0
     assert total == quantized_activation_scratch_bytes(blocks, block_bytes) == off_alpha + 4
 
 
-def test_planner_limit_is_the_quantizers_capacity():
-    """QUANTIZE_A_MAX_ELEMENTS (the planner's side) is what one 8-CTA cluster of the quantizer
-    holds (ffi/quantize_activation_launch.h, the kernel's and its launch's side): the 16-CTA
-    cluster only spreads the largest tensors wider where a device can place it, so the portable
-    cluster must hold everything the planner sends."""
+def test_catalog_is_the_quantizers_launch_shape():
+    """The catalog's copies (QUANTIZE_A_CTA_ELEMENTS: what one calibrating CTA holds;
+    QUANTIZE_A_AMAX_CTA_BLOCKS: the blocks behind each partial amax, which the lowering's
+    scratch size counts) are ffi/quantize_activation_launch.h's, the kernels' and their
+    launch's side."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     header = open(os.path.join(repo, "ffi", "quantize_activation_launch.h")).read()
     shape = {name: int(value) for name, value in re.findall(
         r"constexpr int (k\w+) = (\d+);", header)}
-    assert set(shape) == {"kThreads", "kClusterCtas", "kBlocksPerThread", "kWideClusterCtas",
-                          "kStaticThreads"}, shape
-    assert shape["kClusterCtas"] == 8 < shape["kWideClusterCtas"] <= 16  # portable / Hopper's max
-    assert cat.QUANTIZE_A_MAX_ELEMENTS == (shape["kThreads"] * shape["kClusterCtas"]
-                                           * shape["kBlocksPerThread"] * 16)
+    assert set(shape) == {"kThreads", "kBlocksPerThread", "kStaticThreads", "kAmaxThreads",
+                          "kAmaxBlocksPerThread"}, shape
+    assert cat.QUANTIZE_A_CTA_ELEMENTS == shape["kThreads"] * shape["kBlocksPerThread"] * 16
+    assert cat.QUANTIZE_A_AMAX_CTA_BLOCKS == shape["kAmaxThreads"] * shape["kAmaxBlocksPerThread"]
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (32, 4096, 16384)])
 def test_a_given_scale_runs_in_one_fused_call_at_any_decode_size(monkeypatch, m, n, k):
-    """With a_global_scale the quantizer reduces no amax, so it takes every decode-kernel shape,
-    past the calibrating cluster's capacity too (32 x 16384); the call gets g itself as its
-    fifth operand and XLA reduces nothing."""
+    """With a_global_scale the call gets g itself as its fifth operand (a calibrating call an
+    empty one) and XLA reduces and divides nothing."""
     x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
     f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
     text = lower_for_cuda(monkeypatch, f, x, w, jnp.float32(0.01))
@@ -89,30 +93,31 @@ def test_a_given_scale_runs_in_one_fused_call_at_any_decode_size(monkeypatch, m,
     assert "stablehlo.reduce" not in text and "stablehlo.divide" not in text
     calibrating = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"),
                                  x, w)
-    fused_calibrating = any("@" + FUSED + "(" in c for c in _calls(calibrating))
-    assert fused_calibrating == (m * k <= cat.QUANTIZE_A_MAX_ELEMENTS)
+    calls = _calls(calibrating)
+    assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
+    assert calls[0].split("->")[0].rstrip().endswith("tensor<1xf32>, tensor<0xf32>)"), calls[0]
 
 
 @pytest.mark.parametrize("m,n,k", [(64, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336),
                                    (128, 4096, 4096)])
-def test_a_given_scale_on_the_register_weight_kernel_is_one_fused_call(monkeypatch, m, n, k):
+@pytest.mark.parametrize("given", [True, False])
+def test_the_register_weight_kernel_is_one_fused_call(monkeypatch, m, n, k, given):
     """Where gemm runs the quantized problem on the register-weight kernel (33-128 rows here),
-    a given scale still makes one fused call: the quantizer writes the activation's values
+    the scale given or calibrated, one fused call: the quantizer writes the activation's values
     dequantized and K-ordered (32 bytes a block at the workspace's front), a_kind bf16_kperm;
-    no XLA kernel quantizes, dequantizes or transposes x. A calibrated scale is the composition
-    there."""
+    no XLA kernel quantizes, dequantizes or transposes x."""
     x, w = jnp.ones((m, k), jnp.bfloat16), _weight(n, k)
-    f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
-    text = lower_for_cuda(monkeypatch, f, x, w, jnp.float32(0.01))
+    if given:
+        f = lambda x, w, g: jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=g)  # noqa: E731
+        text = lower_for_cuda(monkeypatch, f, x, w, jnp.float32(0.01))
+    else:
+        text = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"), x, w)
     calls = _calls(text)
     assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
     assert f"a_kind = {cat.KIND_CODES['bf16_kperm']} : i32" in calls[0], calls[0]
     assert "stablehlo.reduce" not in text and "stablehlo.transpose" not in text
     workspace = re.findall(r"tensor<(\d+)xf32>", calls[0].split("->")[-1])
     assert int(workspace[-1]) * 4 >= quantized_activation_scratch_bytes(m * k // 16, 32)
-    calibrating = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a="nvfp4"),
-                                 x, w)
-    assert FUSED not in calibrating
 
 
 def test_a_scale_per_matrix_is_the_composition(monkeypatch):
@@ -124,21 +129,18 @@ def test_a_scale_per_matrix_is_the_composition(monkeypatch):
     assert FUSED not in text and _calls(text)
 
 
-@pytest.mark.parametrize("case", ["f32 activation", "past the kernel's elements", "mxfp4",
-                                  "weight stack", "many rows"])
+@pytest.mark.parametrize("case", ["f32 activation", "mxfp4", "weight stack", "many rows"])
 def test_everything_else_is_the_composition(monkeypatch, case):
     m, k, fmt, w = 2, 2048, "nvfp4", _weight(512, 2048)
     dtype = jnp.bfloat16
     if case == "f32 activation":
         dtype = jnp.float32
-    elif case == "past the kernel's elements":
-        m = cat.QUANTIZE_A_MAX_ELEMENTS // k + 1
     elif case == "mxfp4":
         fmt, w = "mxfp4", _weight(512, 2048, "mxfp4")
     elif case == "weight stack":
         w = _weight(512, 2048, lead=(2,))
     else:
-        m = 100  # past the decode kernel's rows
+        m, w = 1024, _weight(4096, 2048)  # gemm dequantizes x for a dot there: nothing to fuse
     x = jnp.ones((2, m, k) if case == "weight stack" else (m, k), dtype)
     text = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a=fmt), x, w)
     assert FUSED not in text

@@ -69,12 +69,16 @@ def _check(x, w, out_dtype=jnp.bfloat16, fused=True):
     return got
 
 
-# the quantizer on one CTA up to 2,048 blocks (8 x 4096 would be its limit), on a cluster past
-# it (16 x 4096, 1 x 65536, 3 x 21856) up to 16,384 (16 x 16384, 32 x 8192)
+# the quantizer on one CTA up to 2,048 blocks (8 x 4096 would be its limit); past it the amax
+# kernel and the one-block-per-thread kernel (16 x 4096, 1 x 65536, 3 x 21856 with a partial
+# last amax CTA, 16 x 16384, 32 x 8192, 32 x 16384); from 33 rows the register-weight kernel
+# reading the activation dequantized in its K order (64 x 4096 x 14336 with split K, 64 x 28672
+# x 4096, 40 x 1000 x 2048 a partial tile, 128 x 512 x 8192)
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1, 4096, 14336), (2, 512, 2048),
                                    (7, 1000, 1024), (16, 3072, 4096), (16, 4096, 16384),
                                    (5, 256, 64), (32, 512, 8192), (1, 256, 65536),
-                                   (3, 256, 21856)])
+                                   (3, 256, 21856), (32, 4096, 16384), (64, 4096, 14336),
+                                   (64, 28672, 4096), (40, 1000, 2048), (128, 512, 8192)])
 def test_equals_quantize_then_gemm(m, n, k):
     rng = _rng()
     x, w = _activation(m, k, rng), _weight(n, k, rng)
@@ -92,26 +96,29 @@ def test_bf16_output_and_weights_without_global_scale():
     _check(x, _weight(768, 2048, rng, global_scale=None), jnp.bfloat16)
 
 
-def test_non_finite_values_stay_in_their_block():
+@pytest.mark.parametrize("m,k", [(4, 1024), (16, 4096), (48, 1024)])
+def test_non_finite_values_stay_in_their_block(m, k):
     rng = _rng()
-    x = _activation(4, 1024, rng)
+    x = _activation(m, k, rng)
     x[0, 5] = np.nan  # block 0 of row 0
     x[1, 40] = np.inf  # block 2 of row 1
     x[2, 100] = -np.inf
-    x[3, 16:32] = 0.0  # a zero block
-    got = _check(x, _weight(256, 1024, rng), jnp.float32)
-    assert np.isnan(got[:3]).all() and np.isfinite(got[3]).all()
+    x[3:, 16:32] = 0.0  # a zero block
+    got = _check(x, _weight(256, k, rng), jnp.float32)
+    assert np.isnan(got[:3]).all() and np.isfinite(got[3:]).all()
 
 
+@pytest.mark.parametrize("m,k", [(2, 512), (16, 4096), (64, 1024)])
 @pytest.mark.parametrize("scale", [0.0, 1e-30, 1e-38, 3e38])
-def test_extreme_tensors(scale):
+def test_extreme_tensors(scale, m, k):
     """All zeros (enc = 1), tiny tensors (enc clamped to 2^126, scales underflow, the dividing
-    path) and huge ones: the kernel's arithmetic follows jbs.quantize's in every case."""
+    path) and huge ones: the kernel's arithmetic follows jbs.quantize's in every case, on one
+    CTA (2 x 512), behind the amax kernel (16 x 4096) and K-ordered (64 x 1024)."""
     rng = _rng()
-    x = _activation(2, 512, rng, spread=1.0) * scale
+    x = _activation(m, k, rng, spread=1.0) * scale
     if scale == 0.0:
         x[:] = 0.0
-    _check(x, _weight(384, 512, rng), jnp.float32)
+    _check(x, _weight(384, k, rng), jnp.float32)
 
 
 def test_mixed_magnitudes_reach_every_scale_and_tie():
@@ -143,18 +150,27 @@ def test_every_e2m1_midpoint_and_its_bf16_neighbours():
     _check(x, _weight(512, k, rng), jnp.float32)
 
 
-def test_past_the_kernel_limit_the_composition_runs():
+@pytest.mark.parametrize("m,k", [(16, 4096), (3, 21856), (64, 4096)])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_the_amax_from_any_partial(m, k, where):
+    """Past one CTA the tensor's amax is reduced from one partial per 1,024 blocks: put the
+    largest value in the first, a middle or the last partial's blocks (3 x 21856: a last one
+    of 2 blocks), each time the only value that sets the global scale."""
     rng = _rng()
-    k = 16384
-    m = cat.QUANTIZE_A_MAX_ELEMENTS // k  # 16 rows: the limit itself is fused
-    _check(_activation(m, k, rng), _weight(512, k, rng), fused=True)
-    _check(_activation(m + 1, k, rng), _weight(512, k, rng), fused=False)
+    x = _activation(m, k, rng, spread=1.0)
+    blocks = m * k // 16
+    assert blocks > cat.QUANTIZE_A_CTA_ELEMENTS // 16
+    block = {"first": 3, "middle": blocks // 2 + 5, "last": blocks - 1}[where]
+    x.reshape(-1)[16 * block + 7] = 100.0 * np.abs(x).max()
+    _check(x, _weight(512, k, rng), jnp.float32)
 
 
-def test_in_a_loop_with_changing_activations():
-    """Repeated calls in one program (as in a decoder step) each see their own activation."""
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_in_a_loop_with_changing_activations(m):
+    """Repeated calls in one program (as in a decoder step) each see their own activation (and
+    their own partial amaxes: 16 and 64 rows)."""
     rng = _rng()
-    xs = jnp.asarray(_activation(6 * 1, 4096, rng).reshape(6, 1, 4096), jnp.bfloat16)
+    xs = jnp.asarray(_activation(6 * m, 4096, rng).reshape(6, m, 4096), jnp.bfloat16)
     w = _weight(1024, 4096, rng)
 
     def run(quantized_in_call):
@@ -163,7 +179,7 @@ def test_in_a_loop_with_changing_activations():
             y = (jbs.gemm(a, w, quantize_a="nvfp4", out_dtype=jnp.float32) if quantized_in_call
                  else jbs.gemm(jbs.quantize(a, "nvfp4"), w, out_dtype=jnp.float32))
             return acc + y[:, :1024], y
-        return jax.jit(lambda xs: lax.scan(body, jnp.zeros((1, 1024), jnp.float32), xs))(xs)
+        return jax.jit(lambda xs: lax.scan(body, jnp.zeros((m, 1024), jnp.float32), xs))(xs)
 
     (acc1, ys1), (acc2, ys2) = run(True), run(False)
     np.testing.assert_array_equal(np.asarray(ys1), np.asarray(ys2))
@@ -198,8 +214,7 @@ def _check_given(x, w, g, out_dtype=jnp.float32, traced=True, fused=True):
     return got
 
 
-# past the calibrating quantizer's capacity too (32 x 16384, 24 x 12288); from 33 rows the
-# register-weight kernel reads the activation dequantized in its K order (64 x 4096 x 14336
+# small and large (32 x 16384, 24 x 12288); from 33 rows the register-weight kernel reads the activation dequantized in its K order (64 x 4096 x 14336
 # with split K, 40 x 1000 x 2048 a partial tile, 128 x 512 x 8192)
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (7, 1000, 1024),
                                    (5, 256, 64), (32, 4096, 16384), (24, 768, 12288),
@@ -284,12 +299,12 @@ def test_given_scale_per_layer_in_a_loop():
 
 @pytest.mark.memcheck
 def test_fused_calls_pass_memcheck():
-    """The quantizer (one CTA, a cluster, a given scale) and the chained decode kernel (one K
-    range and split K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
+    """The quantizer (one CTA, the amax kernel and the one-block-per-thread kernel, a given
+    scale, K-ordered) and the chained decode kernel (one K range and split K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
     still equals the composition (tests/support/quantized_activation_calls_for_memcheck.py)."""
     from sanitizer import run_under_memcheck  # tests/support/sanitizer.py
 
     out = run_under_memcheck("quantized_activation_calls_for_memcheck.py")
     calls = [ln for ln in out.splitlines() if ln.startswith("call ")]
-    assert len(calls) == 9, out[-2000:]
+    assert len(calls) == 10, out[-2000:]
     assert all("fused=True equal=True" in ln for ln in calls), calls

@@ -1,8 +1,9 @@
-"""gemm(x, w, quantize_a="nvfp4") calls on the fused target, small and at the quantizer's limit,
-for compute-sanitizer (tests/gpu/test_quantized_activation.py runs this file under it): the
-one-CTA and the cluster quantizer, the given-scale quantizer (a_global_scale, one partial CTA,
-past the cluster's capacity, and writing the register-weight kernel's K order, with split K), the chained decode kernel with one K range and with split K,
-every output dtype, N not a multiple of the tile. Prints one line per call: whether it ran on
+"""gemm(x, w, quantize_a="nvfp4") calls on the fused target, small and large, for
+compute-sanitizer (tests/gpu/test_quantized_activation.py runs this file under it): the one-CTA
+quantizer, the amax kernel and the one-block-per-thread kernel behind it (packing, and writing
+the register-weight kernel's K order with split K), the given-scale quantizer (a_global_scale,
+one partial CTA, large, K-ordered), the chained decode kernel with one K range and with split
+K, every output dtype, N not a multiple of the tile. Prints one line per call: whether it ran on
 the fused target and whether it equals quantize-then-gemm bit for bit."""
 import jax
 import jax.numpy as jnp
@@ -10,12 +11,11 @@ import numpy as np
 
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
-from jax_blockscale.catalog import sm90 as cat
 
 rng = np.random.default_rng(0)
 for m, n, k, out, g in [(1, 256, 4096, jnp.bfloat16, None), (3, 1000, 64, jnp.float32, None),
                         (16, 384, 2048, jnp.float16, None),
-                        (cat.QUANTIZE_A_MAX_ELEMENTS // 16384, 512, 16384, jnp.float32, None),
+                        (16, 512, 16384, jnp.float32, None), (40, 4096, 8192, jnp.bfloat16, None),
                         (32, 256, 1024, jnp.bfloat16, None), (5, 300, 2048, jnp.float32, 0.01),
                         (32, 512, 16384, jnp.bfloat16, 0.02),
                         (64, 384, 1024, jnp.bfloat16, 0.01), (40, 4096, 8192, jnp.float32, 0.01)]:
