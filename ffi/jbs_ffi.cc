@@ -68,6 +68,15 @@
 //   quantized activation's values (dequantized, exact in bf16) in that kernel's K order
 //   instead, and the kernel runs after it on the stream.
 //
+//   target "jax_blockscale_quantize_nvfp4_sm90" (`jbs.quantize(x, "nvfp4")` of a bf16 x)
+//   operands: x (bf16) [M, K]; a_decode (f32): [0] to calibrate, or [1] the given decode factor
+//   results:  elements (u8 [M * K / 2], two per byte), scales (u8 [M * K / 16], e4m3, plain),
+//             decode (f32 [1], the stored decode factor), amax (f32, the partial amaxes'
+//             scratch: one per 1024 blocks)
+//   attrs:    m, k
+//   The same quantizer kernels, alone: what a composition (`layer=`, a call the fused target
+//   does not take) or a user's jbs.quantize runs instead of XLA's four kernels.
+//
 // instantiate: loads every compiled kernel module (fused GEMM and decode) once per process (the
 //              generated loader loads onto all devices) and caches each device's compute
 //              capability / SM count.
@@ -451,6 +460,67 @@ ffi::Error ChooseQuantizer(int64_t blocks, bool given_scale, bool k_ordered,
       .Get(&q->kernel);
 }
 
+// Where a quantizer writes: the packed elements (or K-ordered bf16 values), the plain scales,
+// the partial amaxes (past one calibrating CTA) and alpha = decode * b_alpha (decode itself
+// where b_alpha is null).
+struct QuantizerOutputs {
+  void* elements;
+  void* scales;
+  void* amax_partials;
+  void* alpha;
+};
+
+// Launches the quantizer `q` chose for x's `blocks` blocks on `stream`: the amax kernel first
+// where it has one, then the quantizing kernel (its programmatic dependent). a_decode: the given
+// decode factor, or an empty buffer to calibrate.
+ffi::Error LaunchQuantizer(cudaStream_t stream, const QuantizerChoice& q, const void* x,
+                           int64_t blocks, const QuantizerOutputs& out, const float* b_alpha,
+                           const void* a_decode) {
+  const void* x_ptr = x;
+  long long count = blocks;
+  void* amax_partials = q.amax_ctas > 0 ? out.amax_partials : nullptr;
+  int amax_count = q.amax_ctas;
+  if (q.amax_ctas > 0) {
+    void* amax_args[] = {&x_ptr, &count, &amax_partials};
+    const QuantizerLaunch amax(q.amax_ctas, jbs_quantize::kAmaxThreads, stream,
+                               /*dependent=*/false);
+    cudaError_t e = cudaLaunchKernelExC(&amax.config, reinterpret_cast<const void*>(q.amax_kernel),
+                                        amax_args);
+    if (e != cudaSuccess) return g_state.CudaError("jbs_nvfp4_activation_amax", e);
+  }
+  void* elements = out.elements;
+  void* scales = out.scales;
+  void* alpha_out = out.alpha;
+  void* args[] = {&x_ptr,   &count,    &elements,      &scales,    &alpha_out,
+                  &b_alpha, &a_decode, &amax_partials, &amax_count};
+  const QuantizerLaunch launch(q.ctas, q.threads, stream, /*dependent=*/q.amax_ctas > 0);
+  cudaError_t e =
+      cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(q.kernel), args);
+  if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
+  return ffi::Error::Success();
+}
+
+// The given decode factor (a_decode [1]) or none (a_decode [0]: calibrate), as both quantizing
+// targets take it.
+ffi::Error CheckDecodeOperand(const ffi::AnyBuffer& a_decode) {
+  if (a_decode.element_type() != ffi::DataType::F32 || a_decode.element_count() > 1)
+    return g_state.InvalidArgument("a_decode must be float32 [0] (calibrate) or [1] (given)");
+  return ffi::Error::Success();
+}
+
+// x must be bf16 [M, K] with K a multiple of `k_multiple`, small enough for the quantizer's grid
+// (one CTA per kStaticThreads blocks).
+ffi::Error CheckActivation(const ffi::AnyBuffer& x, int64_t m, int64_t k, int64_t k_multiple) {
+  if (x.element_type() != ffi::DataType::BF16 || m < 1 || k < 16 || k % k_multiple ||
+      static_cast<int64_t>(x.element_count()) != m * k)
+    return g_state.InvalidArgument("x must be bf16 [M, K], K a multiple of 16 (64 K-ordered)");
+  if (m * k / 16 / jbs_quantize::kStaticThreads >= 0x7FFFFFFF)
+    return g_state.InvalidArgument("the activation is too large for the quantizer's grid");
+  if (reinterpret_cast<uint64_t>(x.untyped_data()) % 16)
+    return g_state.InvalidArgument("x must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
 ffi::Error ExecuteQuantizedActivation(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer b, ffi::AnyBuffer sb,
     ffi::AnyBuffer b_alpha, ffi::AnyBuffer a_decode, ffi::Result<ffi::AnyBuffer> c,
@@ -462,20 +532,15 @@ ffi::Error ExecuteQuantizedActivation(
   // BF16_KPERM (the register-weight kernel reads its values, dequantized and K-ordered: only
   // with a given scale)
   const bool k_ordered = a_kind == JBS_BF16_KPERM;
-  if (a_decode.element_type() != ffi::DataType::F32 || a_decode.element_count() > 1)
-    return g_state.InvalidArgument("a_decode must be float32 [0] (calibrate) or [1] (given)");
+  if (auto err = CheckDecodeOperand(a_decode); err.failure()) return err;
   const bool given_scale = a_decode.element_count() == 1;
   if (!(a_kind == JBS_NVFP4 && a_scales_plain == 1) && !k_ordered)
     return g_state.InvalidArgument(
         "the activation is quantized to NVFP4 with plain scales, or dequantized in the "
         "register-weight kernel's K order");
   if (a_e5m2 != 0 || l != 1) return g_state.InvalidArgument("a_e5m2 = 0 and l = 1");
-  if (x.element_type() != ffi::DataType::BF16 || m < 1 || k < 16 || k % (k_ordered ? 64 : 16) ||
-      static_cast<int64_t>(x.element_count()) != m * k)
-    return g_state.InvalidArgument("x must be bf16 [M, K], K a multiple of 16 (64 K-ordered)");
+  if (auto err = CheckActivation(x, m, k, k_ordered ? 64 : 16); err.failure()) return err;
   const int64_t blocks = m * k / 16;
-  if (blocks / jbs_quantize::kStaticThreads >= 0x7FFFFFFF)  // one CTA per 128 blocks: a grid
-    return g_state.InvalidArgument("the activation is too large to quantize in the GEMM's call");
   // ws holds the quantized activation first, then (from a 256-byte boundary) the GEMM's own
   // split-K workspace: one result, so XLA cannot place the two anywhere near each other
   const ScratchLayout lay = QuantizedActivationScratch(blocks, k_ordered ? 32 : 8);
@@ -486,8 +551,8 @@ ffi::Error ExecuteQuantizedActivation(
     return g_state.InvalidArgument("b_alpha must be one float32");
   // the data must be aligned as the kernel reads it (XLA's buffers are)
   char* base = static_cast<char*>(ws->untyped_data());
-  if (reinterpret_cast<uint64_t>(x.untyped_data()) % 16 || reinterpret_cast<uint64_t>(base) % 16)
-    return g_state.InvalidArgument("x and scratch must be 16-byte aligned");
+  if (reinterpret_cast<uint64_t>(base) % 16)
+    return g_state.InvalidArgument("the scratch must be 16-byte aligned");
   const BufferView a_view(base, k_ordered ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_U8,
                           k_ordered ? m * k : blocks * 8);
   // the register-weight kernel reads no activation scales: b's stand in (as in gemm's call)
@@ -497,29 +562,12 @@ ffi::Error ExecuteQuantizedActivation(
 
   QuantizerChoice q;
   if (auto err = ChooseQuantizer(blocks, given_scale, k_ordered, &q); err.failure()) return err;
-  const void* x_ptr = x.untyped_data();
-  void* elements = base;
-  void* scales = base + lay.scales;
-  void* amax_partials = q.amax_ctas > 0 ? base + lay.amax : nullptr;
-  void* alpha_out = base + lay.alpha;
-  const void* b_alpha_ptr = b_alpha.untyped_data();
-  const void* a_decode_ptr = a_decode.untyped_data();  // the static kernels' arguments
-  int amax_count = q.amax_ctas;
-  long long count = blocks;
-  if (q.amax_ctas > 0) {
-    void* amax_args[] = {&x_ptr, &count, &amax_partials};
-    const QuantizerLaunch amax(q.amax_ctas, jbs_quantize::kAmaxThreads, stream,
-                               /*dependent=*/false);
-    cudaError_t e = cudaLaunchKernelExC(&amax.config, reinterpret_cast<const void*>(q.amax_kernel),
-                                        amax_args);
-    if (e != cudaSuccess) return g_state.CudaError("jbs_nvfp4_activation_amax", e);
-  }
-  void* args[] = {&x_ptr,     &count,        &elements,      &scales,     &alpha_out,
-                  &b_alpha_ptr, &a_decode_ptr, &amax_partials, &amax_count};
-  const QuantizerLaunch launch(q.ctas, q.threads, stream, /*dependent=*/q.amax_ctas > 0);
-  cudaError_t e =
-      cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(q.kernel), args);
-  if (e != cudaSuccess) return g_state.CudaError("jbs_quantize_nvfp4_activation", e);
+  const QuantizerOutputs out{base, base + lay.scales, base + lay.amax, base + lay.alpha};
+  if (auto err = LaunchQuantizer(stream, q, x.untyped_data(), blocks, out,
+                                 static_cast<const float*>(b_alpha.untyped_data()),
+                                 a_decode.untyped_data());
+      err.failure())
+    return err;
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
   BufferView gemm_ws(base + lay.gemm_ws, XLA_FFI_DataType_F32, gemm_ws_floats);
   // the chained decode variant: launched while the quantizer runs, it waits for it before
@@ -529,6 +577,49 @@ ffi::Error ExecuteQuantizedActivation(
              a_kind, b_kind, a_e5m2, b_e5m2, m, n, k, l, a_scales_plain, nt, tile_m, tile_n,
              splits, /*index_items=*/0, /*stack=*/0, /*layer=*/0, /*alpha_at=*/nullptr,
              /*chained=*/!k_ordered, /*sizes_items=*/0, /*tiles_per_cta=*/1, partials);
+}
+
+// Loads the quantizer kernels jbs.quantize's target launches once, before any call runs (a call
+// may be recorded into a CUDA graph).
+ffi::Error InstantiateQuantizeNvfp4() {
+  cudaKernel_t kernel = nullptr;
+  for (PtxKernel* k :
+       {&g_quantize_activation_cta, &g_activation_amax, &g_quantize_activation_static})
+    if (auto err = k->Get(&kernel); err.failure()) return err;
+  return ffi::Error::Success();
+}
+
+// jbs.quantize(x, "nvfp4") of a bf16 x [M, K] (the global scale calibrated, or given: a_decode
+// [1]) by the same quantizer kernels: the packed elements, the plain scales and the stored decode
+// factor, each a result of its own; amax: the partial amaxes' scratch.
+ffi::Error ExecuteQuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer a_decode,
+                                ffi::Result<ffi::AnyBuffer> elements,
+                                ffi::Result<ffi::AnyBuffer> scales,
+                                ffi::Result<ffi::AnyBuffer> decode,
+                                ffi::Result<ffi::AnyBuffer> amax, int64_t m, int64_t k) {
+  if (auto err = CheckDecodeOperand(a_decode); err.failure()) return err;
+  if (auto err = CheckActivation(x, m, k, 16); err.failure()) return err;
+  const int64_t blocks = m * k / 16;
+  if (elements->element_type() != ffi::DataType::U8 ||
+      static_cast<int64_t>(elements->element_count()) != blocks * 8 ||
+      scales->element_type() != ffi::DataType::U8 ||
+      static_cast<int64_t>(scales->element_count()) != blocks ||
+      decode->element_type() != ffi::DataType::F32 || decode->element_count() != 1 ||
+      amax->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(amax->element_count()) < jbs_quantize::AmaxPartials(blocks))
+    return g_state.InvalidArgument(
+        "results: elements u8 [M * K / 2], scales u8 [M * K / 16], decode f32 [1], amax f32 "
+        "[one per 1024 blocks]");
+  if (reinterpret_cast<uint64_t>(elements->untyped_data()) % 8)
+    return g_state.InvalidArgument("elements must be 8-byte aligned");
+  QuantizerChoice q;
+  if (auto err = ChooseQuantizer(blocks, a_decode.element_count() == 1, /*k_ordered=*/false, &q);
+      err.failure())
+    return err;
+  const QuantizerOutputs out{elements->untyped_data(), scales->untyped_data(),
+                             amax->untyped_data(), decode->untyped_data()};
+  return LaunchQuantizer(stream, q, x.untyped_data(), blocks, out, /*b_alpha=*/nullptr,
+                         a_decode.untyped_data());
 }
 
 }  // namespace
@@ -633,6 +724,22 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantized_act_gemm_sm90, jbs::ExecuteQuant
                                .Ret<ffi::AnyBuffer>(),   // ws (the quantized x, then the GEMM's)
                            "l")
                            .Attr<int32_t>("partials"),  // as for gemm
+                       {ffi::Traits::kCmdBufferCompatible});
+
+JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantize_nvfp4_sm90_instantiate,
+                       jbs::InstantiateQuantizeNvfp4, ffi::Ffi::BindInstantiate());
+
+JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantize_nvfp4_sm90, jbs::ExecuteQuantizeNvfp4,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()   // x (bf16 [M, K])
+                           .Arg<ffi::AnyBuffer>()   // a_decode: [0] or the given [1]
+                           .Ret<ffi::AnyBuffer>()   // elements (u8, two per byte)
+                           .Ret<ffi::AnyBuffer>()   // scales (u8 e4m3, plain)
+                           .Ret<ffi::AnyBuffer>()   // decode (f32 [1])
+                           .Ret<ffi::AnyBuffer>()   // amax (f32 partials' scratch)
+                           .Attr<int64_t>("m")
+                           .Attr<int64_t>("k"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 // ---- plain C entry points (ctypes): introspection and the pure validation, no GPU needed ----

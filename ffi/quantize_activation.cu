@@ -185,8 +185,9 @@ __device__ __forceinline__ GlobalScale GivenScale(float decode) {
 
 // alpha = decode * b_alpha, the product of the two stored decode factors: jbs.quantize puts an
 // optimization barrier on its decode factor so that XLA multiplies exactly these two values.
+// Without b_alpha (jbs.quantize's own target) the decode factor itself.
 __device__ __forceinline__ float Alpha(const GlobalScale& gs, const float* b_alpha) {
-  return gs.decode * b_alpha[0];
+  return b_alpha != nullptr ? gs.decode * b_alpha[0] : gs.decode;
 }
 
 // The largest of amax_count partial amaxes (float bits; non-negative floats order as their

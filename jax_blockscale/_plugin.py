@@ -31,6 +31,8 @@ RAGGED_SM90_TARGET = "jax_blockscale_ragged_gemm_sm90"  # ragged_gemm's grouped 
 LAYER_SM90_TARGET = "jax_blockscale_layer_gemm_sm90"  # gemm(..., layer=i): one layer of a stack
 # gemm(x, w, quantize_a="nvfp4"): the activation quantized in the GEMM's call
 QUANTIZED_ACT_SM90_TARGET = "jax_blockscale_quantized_act_gemm_sm90"
+# jbs.quantize(x, "nvfp4") of a bf16 activation by the same quantizer kernels
+QUANTIZE_NVFP4_SM90_TARGET = "jax_blockscale_quantize_nvfp4_sm90"
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -137,6 +139,12 @@ def register_targets() -> bool:
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm90_instantiate),
                     "execute": jax.ffi.pycapsule(lib.jax_blockscale_quantized_act_gemm_sm90),
                 }, platform="CUDA")
+            if has_quantize_nvfp4(lib):
+                jax.ffi.register_ffi_target(QUANTIZE_NVFP4_SM90_TARGET, {
+                    "instantiate": jax.ffi.pycapsule(
+                        lib.jax_blockscale_quantize_nvfp4_sm90_instantiate),
+                    "execute": jax.ffi.pycapsule(lib.jax_blockscale_quantize_nvfp4_sm90),
+                }, platform="CUDA")
             if has_sm100(lib):
                 jax.ffi.register_ffi_target(SM100_TARGET, {
                     "instantiate": jax.ffi.pycapsule(lib.jax_blockscale_gemm_sm100_instantiate),
@@ -239,6 +247,12 @@ def has_quantized_act_gemm(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has the target that quantizes the activation in the GEMM's call."""
     lib = lib if lib is not None else load()
     return lib is not None and hasattr(lib, "jax_blockscale_quantized_act_gemm_sm90")
+
+
+def has_quantize_nvfp4(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has jbs.quantize's NVFP4 target (the quantizer kernels alone)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, "jax_blockscale_quantize_nvfp4_sm90")
 
 
 def quantized_activation_scratch(blocks: int, block_bytes: int = 8) -> tuple[int, int, int, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .. import _plugin
 from .. import config as _config
@@ -181,6 +182,29 @@ def quantized_activation_scratch_bytes(blocks: int, block_bytes: int = 8) -> int
         return -(-x // 256) * 256
     partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
     return up(up(up(block_bytes * blocks) + blocks) + 4 * partials) + 4
+
+
+def quantize_nvfp4_call(x, a_decode=None):
+    """jbs.quantize(x, "nvfp4", global_scale=a_decode or "auto") of a bf16 x (M, K) on the
+    quantizer kernels (target `jax_blockscale_quantize_nvfp4_sm90`): (elements
+    float4_e2m1fn (M, K), plain e4m3 scales (M, K // 16), the stored decode factor f32 ())."""
+    if not _plugin.register_targets():
+        raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
+    m, k = x.shape
+    blocks = m * k // 16
+    partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
+    call = jax.ffi.ffi_call(
+        _plugin.QUANTIZE_NVFP4_SM90_TARGET,
+        (jax.ShapeDtypeStruct((blocks * 8,), jnp.uint8),
+         jax.ShapeDtypeStruct((blocks,), jnp.uint8),
+         jax.ShapeDtypeStruct((1,), jnp.float32),
+         jax.ShapeDtypeStruct((partials,), jnp.float32)))
+    a_decode = (jnp.zeros((0,), jnp.float32) if a_decode is None
+                else jnp.reshape(a_decode.astype(jnp.float32), (1,)))
+    elements, scales, decode, _ = call(x, a_decode, m=np.int64(m), k=np.int64(k))
+    data = lax.bitcast_convert_type(elements.reshape(m, k // 2), jnp.float4_e2m1fn)
+    return (data.reshape(m, k), lax.bitcast_convert_type(scales.reshape(m, k // 16),
+                                                         jnp.float8_e4m3fn), decode[0])
 
 
 def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):

@@ -197,6 +197,10 @@ class Library:
         from .. import _plugin
         return _plugin.has_quantized_act_gemm()
 
+    def has_quantize_nvfp4(self) -> bool:
+        from .. import _plugin
+        return _plugin.has_quantize_nvfp4()
+
     def has(self, variant_name: str) -> bool:
         from .. import _plugin
         return variant_name in _plugin.variant_names()

@@ -23,6 +23,7 @@ if _plugin.load() is None or not _plugin.has_quantized_act_gemm():
                 allow_module_level=True)
 
 FUSED = _plugin.QUANTIZED_ACT_SM90_TARGET
+QUANTIZE = _plugin.QUANTIZE_NVFP4_SM90_TARGET
 
 
 def _weight(n, k, fmt="nvfp4", lead=()):
@@ -144,8 +145,11 @@ def test_everything_else_is_the_composition(monkeypatch, case):
     x = jnp.ones((2, m, k) if case == "weight stack" else (m, k), dtype)
     text = lower_for_cuda(monkeypatch, lambda x, w: jbs.gemm(x, w, quantize_a=fmt), x, w)
     assert FUSED not in text
-    assert "stablehlo.reduce" in text, "the composition quantizes x in XLA (its amax)"
-    assert _calls(text), "the composition's gemm still runs on a kernel"
+    if fmt == "nvfp4" and dtype == jnp.bfloat16:  # jbs.quantize's own target quantizes x
+        assert "@" + QUANTIZE + "(" in text and "stablehlo.reduce" not in text
+    else:
+        assert "stablehlo.reduce" in text, "the composition quantizes x in XLA (its amax)"
+    assert any(QUANTIZE not in c for c in _calls(text)), "the composition's gemm runs a kernel"
 
 
 def test_under_vmap_each_slice_is_the_composition(monkeypatch):
@@ -154,3 +158,55 @@ def test_under_vmap_each_slice_is_the_composition(monkeypatch):
     f = jax.vmap(lambda x: jbs.gemm(x, w, quantize_a="nvfp4"))
     text = lower_for_cuda(monkeypatch, f, xs)
     assert FUSED not in text and _calls(text)
+
+
+# ---- jbs.quantize(x, "nvfp4") on the quantizer kernels alone ----
+
+def _quantize_calls(text):
+    return [c for c in _calls(text) if "@" + QUANTIZE + "(" in c]
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (16, 14336), (2, 3, 64), (64, 4096)])
+def test_quantize_of_a_bf16_activation_is_one_call(monkeypatch, shape):
+    """Rows folded into one (M, K) call; XLA computes no amax, scale or element; a given
+    decode factor is the call's second operand, an empty one calibrates."""
+    x = jnp.ones(shape, jnp.bfloat16)
+    m = int(np.prod(shape[:-1]))
+    for g, operand in (("auto", "tensor<0xf32>"), (0.01, "tensor<1xf32>")):
+        text = lower_for_cuda(monkeypatch, lambda x: jbs.quantize(x, "nvfp4", global_scale=g), x)
+        calls = _calls(text)
+        assert len(calls) == 1 and "@" + QUANTIZE + "(" in calls[0], calls
+        assert f"tensor<{m}x{shape[-1]}xbf16>, {operand})" in calls[0], calls[0]
+        assert f"m = {m} : i64" in calls[0] and "stablehlo.reduce" not in text
+        assert "stablehlo.divide" not in text
+
+
+def test_scanned_w4a4_quantizes_on_the_kernels(monkeypatch):
+    """gemm(x, w_stack, quantize_a="nvfp4", layer=i) (a scanned model's W4A4): the composition,
+    whose quantization is the quantizer target feeding the layer target."""
+    x, w = jnp.ones((4, 2048), jnp.bfloat16), _weight(512, 2048, lead=(3,))
+    f = lambda x, w, i: jbs.gemm(x, w, quantize_a="nvfp4", layer=i)  # noqa: E731
+    text = lower_for_cuda(monkeypatch, f, x, w, jnp.int32(1))
+    targets = [re.search(r"@(\w+)\(", c).group(1) for c in _calls(text)]
+    assert targets == [QUANTIZE, _plugin.LAYER_SM90_TARGET], targets
+    assert "stablehlo.reduce" not in text
+
+
+@pytest.mark.parametrize("case", ["f32", "per_matrix", "per-matrix given", "mxfp4",
+                                  "under vmap"])
+def test_other_quantizations_stay_in_xla(monkeypatch, case):
+    x = jnp.ones((2, 4, 64), jnp.bfloat16)
+    kw, fmt = {}, "nvfp4"
+    if case == "f32":
+        x = x.astype(jnp.float32)
+    elif case == "per_matrix":
+        kw = dict(global_scale="per_matrix")
+    elif case == "per-matrix given":
+        kw = dict(global_scale=jnp.full((2,), 0.01, jnp.float32))
+    elif case == "mxfp4":
+        fmt = "mxfp4"
+    if case == "under vmap":
+        text = lower_for_cuda(monkeypatch, jax.vmap(lambda x: jbs.quantize(x, fmt, **kw)), x)
+    else:
+        text = lower_for_cuda(monkeypatch, lambda x: jbs.quantize(x, fmt, **kw), x)
+    assert not _quantize_calls(text) and "stablehlo.reduce" in text

@@ -214,8 +214,9 @@ def _check_given(x, w, g, out_dtype=jnp.float32, traced=True, fused=True):
     return got
 
 
-# small and large (32 x 16384, 24 x 12288); from 33 rows the register-weight kernel reads the activation dequantized in its K order (64 x 4096 x 14336
-# with split K, 40 x 1000 x 2048 a partial tile, 128 x 512 x 8192)
+# small and large (32 x 16384, 24 x 12288); from 33 rows the register-weight kernel reads the
+# activation dequantized in its K order (64 x 4096 x 14336 with split K, 40 x 1000 x 2048 a
+# partial tile, 128 x 512 x 8192)
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 14336), (7, 1000, 1024),
                                    (5, 256, 64), (32, 4096, 16384), (24, 768, 12288),
                                    (3, 256, 21856), (64, 4096, 14336), (64, 28672, 4096),
@@ -300,11 +301,67 @@ def test_given_scale_per_layer_in_a_loop():
 @pytest.mark.memcheck
 def test_fused_calls_pass_memcheck():
     """The quantizer (one CTA, the amax kernel and the one-block-per-thread kernel, a given
-    scale, K-ordered) and the chained decode kernel (one K range and split K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error, and each call
-    still equals the composition (tests/support/quantized_activation_calls_for_memcheck.py)."""
+    scale, K-ordered), jbs.quantize's own target and the chained decode kernel (one K range
+    and split K) under compute-sanitizer's memcheck: no out-of-bounds access or launch error,
+    and each call still equals the XLA composition
+    (tests/support/quantized_activation_calls_for_memcheck.py)."""
     from sanitizer import run_under_memcheck  # tests/support/sanitizer.py
 
     out = run_under_memcheck("quantized_activation_calls_for_memcheck.py")
     calls = [ln for ln in out.splitlines() if ln.startswith("call ")]
-    assert len(calls) == 10, out[-2000:]
+    assert len(calls) == 12, out[-2000:]
     assert all("fused=True equal=True" in ln for ln in calls), calls
+
+
+# ---- jbs.quantize(x, "nvfp4") of a bf16 activation on the quantizer kernels alone ----
+
+QUANTIZE = "jax_blockscale_quantize_nvfp4_sm90"
+
+
+def _check_quantize(x, global_scale="auto"):
+    """jbs.quantize on the quantizer target against quantize.py's XLA computation
+    (_quantize_nvfp4, jitted on this GPU), bit for bit: elements, scales, decode factor."""
+    from jax_blockscale.formats import get_format
+    from jax_blockscale.quantize import _quantize_nvfp4
+
+    x = jnp.asarray(x, jnp.bfloat16)
+    f = jax.jit(lambda x: jbs.quantize(x, "nvfp4", global_scale=global_scale))
+    assert QUANTIZE in f.lower(x).compile().as_text()
+    xla = jax.jit(lambda x: _quantize_nvfp4(x, get_format("nvfp4"), global_scale))
+    poison()
+    q = f(x)
+    data, scales, g = xla(x)
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))  # noqa: E731
+    np.testing.assert_array_equal(bits(q.scales), bits(scales))
+    np.testing.assert_array_equal(np.asarray(q.data.astype(jnp.float32)),
+                                  np.asarray(data.astype(jnp.float32)))
+    assert np.float32(q.global_scale).tobytes() == np.float32(g).tobytes()
+    return q
+
+
+# one CTA (1 x 4096, 2 x 3 x 64 folded), the amax kernel and one block per thread past it
+# (16 x 14336, 3 x 21856 with a partial last amax CTA, 64 x 4096, 256 x 4096)
+@pytest.mark.parametrize("shape", [(1, 4096), (2, 3, 64), (16, 14336), (3, 21856), (64, 4096),
+                                   (256, 4096), (1, 16)])
+def test_quantize_on_the_kernels_equals_xla(shape):
+    rng = _rng()
+    x = _activation(int(np.prod(shape[:-1])), shape[-1], rng).reshape(shape)
+    q = _check_quantize(x)
+    amax = float(np.abs(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)).max())
+    _check_quantize(x, amax / 2688 / 4)  # a given scale, the largest blocks saturating
+    # and against the float64 oracle: within NVFP4's rounding of x
+    back = np.asarray(jbs.dequantize(q, jnp.float32), np.float64)
+    xs = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    assert np.linalg.norm(back - xs) / np.linalg.norm(xs) < 0.12
+
+
+@pytest.mark.parametrize("m,k", [(2, 512), (16, 4096)])
+def test_quantize_on_the_kernels_extremes_and_non_finite(m, k):
+    rng = _rng()
+    for scale in (0.0, 1e-30, 3e38):
+        x = _activation(m, k, rng, spread=1.0) * scale
+        _check_quantize(x)
+    x = _activation(m, k, rng)
+    x[0, 5], x[1, 40] = np.nan, -np.inf
+    q = _check_quantize(x)
+    assert np.isnan(np.asarray(jbs.dequantize(q))[:2]).any()

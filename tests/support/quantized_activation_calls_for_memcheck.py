@@ -1,10 +1,11 @@
-"""gemm(x, w, quantize_a="nvfp4") calls on the fused target, small and large, for
-compute-sanitizer (tests/gpu/test_quantized_activation.py runs this file under it): the one-CTA
-quantizer, the amax kernel and the one-block-per-thread kernel behind it (packing, and writing
-the register-weight kernel's K order with split K), the given-scale quantizer (a_global_scale,
-one partial CTA, large, K-ordered), the chained decode kernel with one K range and with split
-K, every output dtype, N not a multiple of the tile. Prints one line per call: whether it ran on
-the fused target and whether it equals quantize-then-gemm bit for bit."""
+"""gemm(x, w, quantize_a="nvfp4") calls on the fused target, small and large, and jbs.quantize
+on the quantizer kernels alone, for compute-sanitizer (tests/gpu/test_quantized_activation.py
+runs this file under it): the one-CTA quantizer, the amax kernel and the one-block-per-thread
+kernel behind it (packing, and writing the register-weight kernel's K order with split K), the
+given-scale quantizer (a_global_scale, one partial CTA, large, K-ordered), the chained decode
+kernel with one K range and with split K, every output dtype, N not a multiple of the tile.
+Prints one line per call: whether it ran on its target and whether it equals the XLA
+composition bit for bit."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,3 +33,20 @@ for m, n, k, out, g in [(1, 256, 4096, jnp.bfloat16, None), (3, 1000, 64, jnp.fl
     same = bool(np.array_equal(np.asarray(fused(x, w), np.float32),
                                np.asarray(composed(x, w), np.float32), equal_nan=True))
     print(f"call m={m} n={n} k={k} given_scale={g}: fused={on_target} equal={same}", flush=True)
+
+# jbs.quantize's own target (the quantizer kernels alone): one CTA, and the amax kernel behind
+# which one block per thread quantizes (a partial last amax CTA)
+from jax_blockscale.formats import get_format  # noqa: E402
+from jax_blockscale.quantize import _quantize_nvfp4  # noqa: E402
+
+for m, k in [(3, 1024), (3, 21856)]:
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    f = jax.jit(lambda x: jbs.quantize(x, "nvfp4"))
+    on_target = _plugin.QUANTIZE_NVFP4_SM90_TARGET in f.lower(x).as_text()
+    q = f(x)
+    data, scales, g = jax.jit(lambda x: _quantize_nvfp4(x, get_format("nvfp4"), "auto"))(x)
+    same = bool(np.array_equal(np.asarray(q.data, np.float32), np.asarray(data, np.float32))
+                and np.array_equal(np.asarray(q.scales, np.float32),
+                                   np.asarray(scales, np.float32), equal_nan=True)
+                and float(q.global_scale) == float(g))
+    print(f"call quantize m={m} k={k}: fused={on_target} equal={same}", flush=True)

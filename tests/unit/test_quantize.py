@@ -176,3 +176,83 @@ def test_decode_elements_every_code(fmt):
     got = np.asarray(jax.jit(lambda d: decode_elements(d, fmt))(jnp.asarray(data)))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+# ---- NVFP4 of a bf16 activation: through quantize_nvfp4_p (the quantizer kernels on Hopper) ----
+
+def _primitives(f, *args):
+    return {str(e.primitive) for e in jax.make_jaxpr(f)(*args).jaxpr.eqns}
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 37, 64), (5, 16)])
+def test_bf16_nvfp4_through_the_quantizer_primitive_matches_the_oracle(shape):
+    """One primitive call for all rows (one global scale), the oracle's values: on this CPU it
+    lowers to quantize.py's XLA computation."""
+    x = jnp.asarray(_random(len(shape), shape, "wide"), jnp.bfloat16)
+    assert "blockscale_quantize_nvfp4" in _primitives(lambda x: jbs.quantize(x, "nvfp4"), x)
+    q = jax.jit(lambda x: jbs.quantize(x, "nvfp4"))(x)
+    want_vals, want_scales, want_g = oracle.quantize(np.asarray(x, np.float32), "nvfp4")
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8),
+                                  want_scales.view(np.uint8))
+    np.testing.assert_array_equal(oracle.decode_elements(q.data, "nvfp4"), want_vals)
+    np.testing.assert_allclose(float(q.global_scale), float(want_g), rtol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 37, 64)])
+def test_bf16_nvfp4_with_a_given_scale_through_the_primitive(shape):
+    """A given decode factor (traced): the primitive's folded call equals quantize.py's
+    computation on the unfolded array, and the stored factor is the given one."""
+    from jax_blockscale.formats import get_format
+    from jax_blockscale.quantize import _quantize_nvfp4
+
+    x = jnp.asarray(_random(7, shape, "normal"), jnp.bfloat16)
+    g = jnp.float32(float(np.abs(np.asarray(x, np.float32)).max()) / 2688 / 2)
+    f = lambda x, g: jbs.quantize(x, "nvfp4", global_scale=g)  # noqa: E731
+    assert "blockscale_quantize_nvfp4" in _primitives(f, x, g)
+    q = jax.jit(f)(x, g)
+    d, s, _ = jax.jit(lambda x, g: _quantize_nvfp4(x, get_format("nvfp4"), g))(x, g)
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), np.asarray(s).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(q.data, np.float32), np.asarray(d, np.float32))
+    assert float(q.global_scale) == float(g)
+
+
+@pytest.mark.parametrize("case", ["f32", "per_matrix", "None", "per-matrix given", "mxfp4"])
+def test_other_quantizations_are_plain_jax(case):
+    x = jnp.ones((2, 4, 64), jnp.float32 if case == "f32" else jnp.bfloat16)
+    fmt = "mxfp4" if case == "mxfp4" else "nvfp4"
+    kw = {"per_matrix": dict(global_scale="per_matrix"), "None": dict(global_scale=None),
+          "per-matrix given": dict(global_scale=jnp.full((2,), 0.01))}.get(case, {})
+    assert "blockscale_quantize_nvfp4" not in _primitives(
+        lambda x: jbs.quantize(x, fmt, **kw), x)
+
+
+def test_bf16_nvfp4_under_vmap_quantizes_each_slice_on_its_own():
+    x = jnp.asarray(_random(9, (3, 4, 64), "wide"), jnp.bfloat16)
+    qs = jax.jit(jax.vmap(lambda x: jbs.quantize(x, "nvfp4")))(x)
+    for i in range(3):
+        q = jbs.quantize(x[i], "nvfp4")
+        assert float(qs.global_scale[i]) == float(q.global_scale)
+        np.testing.assert_array_equal(np.asarray(qs.scales[i]).view(np.uint8),
+                                      np.asarray(q.scales).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(qs.data[i], np.float32),
+                                      np.asarray(q.data, np.float32))
+
+
+def test_bf16_nvfp4_differentiates_as_plain_jax():
+    """jvp and grad through quantize-dequantize are quantize.py's own (the primitive's jvp is
+    that computation's)."""
+    from jax_blockscale.formats import get_format
+    from jax_blockscale.quantize import _quantize_nvfp4
+
+    x = jnp.asarray(_random(11, (4, 64), "normal"), jnp.bfloat16)
+
+    def through_primitive(x):
+        return jnp.sum(jbs.dequantize(jbs.quantize(x, "nvfp4")) * x.astype(jnp.float32))
+
+    def plain(x):
+        d, s, g = _quantize_nvfp4(x, get_format("nvfp4"), "auto")
+        q = jbs.BlockScaled(d, s, g, "nvfp4", "plain")
+        return jnp.sum(jbs.dequantize(q) * x.astype(jnp.float32))
+
+    np.testing.assert_array_equal(np.asarray(jax.grad(through_primitive)(x), np.float32),
+                                  np.asarray(jax.grad(plain)(x), np.float32))
