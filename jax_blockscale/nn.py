@@ -16,8 +16,9 @@ transposes them once.
     quantize_model(model, fmt)                NNX: both of the above in one call
 
 Activations are quantized on every call when ``act_fmt`` is set (NVFP4 activations calibrate
-their global scale on the whole batch, per call), or passed through as bf16/f16/f32
-(weight-only mode) when ``act_fmt=None``.
+their global scale on the whole batch, per call, or take a given one: ``act_global_scale``, a
+W4A4 checkpoint's ``input_scale``), or passed through as bf16/f16/f32 (weight-only mode) when
+``act_fmt=None``.
 """
 from __future__ import annotations
 
@@ -127,6 +128,28 @@ class QuantizedWeight(nnx.Variable):
     """
 
 
+class ActivationScale(nnx.Variable):
+    """An NNX variable holding an NVFP4 activation's given decode factor (an f32 scalar: static
+    W4A4). Not an ``nnx.Param``: optimizers leave it alone."""
+
+
+def _check_act_global_scale(act_global_scale, act_fmt):
+    """A layer's static activation scale: None, or a finite positive scalar with act_fmt
+    "nvfp4" (MX formats have no global scale). Raised at construction, naming the argument."""
+    if act_global_scale is None:
+        return None
+    if act_fmt != "nvfp4":
+        raise ValueError(f"act_global_scale is an NVFP4 activation's decode factor; it needs "
+                         f"act_fmt='nvfp4', got act_fmt={act_fmt!r}")
+    g = jnp.asarray(act_global_scale, jnp.float32)
+    if g.shape != ():
+        raise ValueError(f"act_global_scale must be one decode factor (a scalar), got shape "
+                         f"{g.shape}")
+    if not isinstance(g, jax.core.Tracer) and not (math.isfinite(float(g)) and float(g) > 0):
+        raise ValueError(f"act_global_scale must be finite and > 0, got {float(g)}")
+    return g
+
+
 class QuantizedLinear(nnx.Module):
     """A stand-in for ``nnx.Linear`` with a block-scaled weight.
 
@@ -134,9 +157,11 @@ class QuantizedLinear(nnx.Module):
     float kernel like nnx.Linear does and quantizes it; pass ``kernel=`` to use a given one:
     a float (in, out) array (nnx.Linear's layout, quantized here into `fmt`) or a BlockScaled
     (out, in) (e.g. from `quantize_params`; ``fmt=None`` takes its format, a different `fmt`
-    is an error). Attributes:
-    ``kernel`` (a QuantizedWeight holding a BlockScaled (out, in), blocked scales) and ``bias``
-    (an nnx.Param, or None).
+    is an error). ``act_global_scale`` (with ``act_fmt="nvfp4"``): the activation's given
+    decode factor (static W4A4, e.g. a checkpoint's ``input_scale``) instead of one calibrated
+    per call. Attributes: ``kernel`` (a QuantizedWeight holding a BlockScaled (out, in), blocked
+    scales), ``bias`` (an nnx.Param, or None) and ``act_global_scale`` (an ActivationScale, or
+    None).
     """
 
     def __init__(self, in_features: int, out_features: int, *, fmt: str | None = None,
@@ -145,7 +170,8 @@ class QuantizedLinear(nnx.Module):
                  kernel_init: Callable = nnx.initializers.lecun_normal(),
                  bias_init: Callable = nnx.initializers.zeros_init(),
                  global_scale: Any = "auto", backend: str | None = None,
-                 rngs: nnx.Rngs | None = None):
+                 act_global_scale=None, rngs: nnx.Rngs | None = None):
+        act_g = _check_act_global_scale(act_global_scale, act_fmt)
         if kernel is None:
             if rngs is None:
                 raise ValueError("QuantizedLinear needs rngs= to initialize a kernel, or kernel=")
@@ -179,6 +205,7 @@ class QuantizedLinear(nnx.Module):
         self.backend = backend
         self.kernel = QuantizedWeight(q)
         self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else None
+        self.act_global_scale = ActivationScale(act_g) if act_g is not None else None
 
     @classmethod
     def from_linear(cls, linear: nnx.Linear, fmt: str, *, act_fmt: str | None = None,
@@ -192,8 +219,9 @@ class QuantizedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         bias = self.bias[...] if self.bias is not None else None
+        act_g = self.act_global_scale[...] if self.act_global_scale is not None else None
         return dense(x, self.kernel.get_value(), bias, act_fmt=self.act_fmt, dtype=self.dtype,
-                     backend=self.backend)
+                     backend=self.backend, act_global_scale=act_g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,11 +234,13 @@ class QuantizedDense(linen.Module):
     Build the model with QuantizedDense where it had Dense (same names), then apply it to
     ``quantize_params(float_params, fmt)``; ``init`` creates a random quantized kernel in
     `fmt`. ``fmt=None`` (the default) accepts whatever format the given parameters hold; a
-    format makes ``apply`` check it.
+    format makes ``apply`` check it. ``act_global_scale`` (with ``act_fmt="nvfp4"``): the
+    activation's given decode factor (static W4A4) instead of one calibrated per call.
     """
     features: int
     fmt: str | None = None
     act_fmt: str | None = None
+    act_global_scale: Any = None
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -241,8 +271,9 @@ class QuantizedDense(linen.Module):
                              f"{kernel.fmt} (set fmt=None to accept any)")
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
+        act_g = _check_act_global_scale(self.act_global_scale, self.act_fmt)
         return dense(x, kernel, bias, act_fmt=self.act_fmt, dtype=self.dtype,
-                     backend=self.backend)
+                     backend=self.backend, act_global_scale=act_g)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -357,3 +357,51 @@ def test_exported_layer_on_hopper_holds_the_sm90_call():
     y = jax.export.deserialize(exp.serialize()).call(x)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(fn(x), np.float32),
                                rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A given activation scale (static W4A4)
+
+
+def test_layers_with_a_given_activation_scale():
+    """QuantizedLinear / QuantizedDense(act_global_scale=g) == gemm(quantize(x, "nvfp4",
+    global_scale=g), w) + bias, eagerly and under jit; the scale is an ActivationScale (not a
+    Param), in the model's state; a different scale gives a different result."""
+    k, n = 64, 48
+    x = normal(40, (3, 5, k))
+    g = float(np.abs(np.asarray(x)).max()) / 2688 / 2  # the largest blocks saturate
+    layer = jnn.QuantizedLinear(k, n, fmt="nvfp4", act_fmt="nvfp4", dtype=jnp.float32,
+                                kernel=normal(41, (k, n)), bias=normal(42, (n,)),
+                                act_global_scale=g)
+    w = layer.kernel.get_value()
+    a = jbs.quantize(x.reshape(15, k), "nvfp4", global_scale=g)
+    want = jbs.gemm(a, w, out_dtype=jnp.float32) + layer.bias[...]
+    got = layer(x)
+    np.testing.assert_allclose(got.reshape(15, n), want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(layer, x), got, rtol=TOL, atol=TOL)
+    assert isinstance(layer.act_global_scale, jnn.ActivationScale)
+    assert len(jax.tree.leaves(nnx.state(layer, jnn.ActivationScale))) == 1
+    assert len(jax.tree.leaves(nnx.state(layer, nnx.Param))) == 1  # the bias only
+    calibrated = jnn.QuantizedLinear(k, n, fmt="nvfp4", act_fmt="nvfp4", dtype=jnp.float32,
+                                     kernel=normal(41, (k, n)), bias=normal(42, (n,)))
+    assert rel_err(calibrated(x), got) > 1e-4
+
+    dense = jnn.QuantizedDense(n, act_fmt="nvfp4", act_global_scale=g, dtype=jnp.float32)
+    params = {"kernel": w, "bias": layer.bias[...]}
+    np.testing.assert_allclose(jax.jit(dense.apply)({"params": params}, x), got,
+                               rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("act_fmt,g,match", [
+    (None, 0.01, "needs act_fmt='nvfp4'"), ("mxfp8_e4m3", 0.01, "needs act_fmt='nvfp4'"),
+    ("nvfp4", [0.01, 0.02], "one decode factor"), ("nvfp4", 0.0, "finite and > 0"),
+    ("nvfp4", float("nan"), "finite and > 0"), ("nvfp4", -1.0, "finite and > 0")])
+def test_layers_reject_a_bad_activation_scale(act_fmt, g, match):
+    fmt = "mxfp8_e4m3" if act_fmt == "mxfp8_e4m3" else "nvfp4"
+    with pytest.raises(ValueError, match=match):
+        jnn.QuantizedLinear(32, 16, fmt=fmt, act_fmt=act_fmt, act_global_scale=g,
+                            rngs=nnx.Rngs(0))
+    params = {"kernel": jbs.quantize(normal(3, (16, 32)), fmt, layout="blocked")}
+    with pytest.raises(ValueError, match=match):
+        jnn.QuantizedDense(16, act_fmt=act_fmt, act_global_scale=g, use_bias=False).apply(
+            {"params": params}, normal(4, (2, 32)))
