@@ -161,7 +161,7 @@ class QuantizedLinear(nnx.Module):
     decode factor (static W4A4, e.g. a checkpoint's ``input_scale``) instead of one calibrated
     per call. Attributes: ``kernel`` (a QuantizedWeight holding a BlockScaled (out, in), blocked
     scales), ``bias`` (an nnx.Param, or None) and ``act_global_scale`` (an ActivationScale, or
-    None).
+    None; assignable on a built layer).
     """
 
     def __init__(self, in_features: int, out_features: int, *, fmt: str | None = None,
@@ -205,7 +205,9 @@ class QuantizedLinear(nnx.Module):
         self.backend = backend
         self.kernel = QuantizedWeight(q)
         self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else None
-        self.act_global_scale = ActivationScale(act_g) if act_g is not None else None
+        # data either way, so that a scale calibrated later can be set on a built layer:
+        # layer.act_global_scale = ActivationScale(g)
+        self.act_global_scale = nnx.data(ActivationScale(act_g) if act_g is not None else None)
 
     @classmethod
     def from_linear(cls, linear: nnx.Linear, fmt: str, *, act_fmt: str | None = None,

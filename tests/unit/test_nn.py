@@ -385,6 +385,9 @@ def test_layers_with_a_given_activation_scale():
     calibrated = jnn.QuantizedLinear(k, n, fmt="nvfp4", act_fmt="nvfp4", dtype=jnp.float32,
                                      kernel=normal(41, (k, n)), bias=normal(42, (n,)))
     assert rel_err(calibrated(x), got) > 1e-4
+    calibrated.act_global_scale = jnn.ActivationScale(jnp.float32(g))  # set on a built layer
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(calibrated, x), got, rtol=TOL,
+                               atol=TOL)
 
     dense = jnn.QuantizedDense(n, act_fmt="nvfp4", act_global_scale=g, dtype=jnp.float32)
     params = {"kernel": w, "bias": layer.bias[...]}
