@@ -72,7 +72,7 @@
 //   operands: x (bf16) [M, K]; a_decode (f32): [0] to calibrate, or [1] the given decode factor
 //   results:  elements (u8 [M * K / 2], two per byte), scales (u8 [M * K / 16], e4m3, plain),
 //             decode (f32 [1], the stored decode factor), amax (f32, the partial amaxes'
-//             scratch: one per 1024 blocks)
+//             scratch: one per kAmaxCtaBlocks blocks)
 //   attrs:    m, k
 //   The same quantizer kernels, alone: what a composition (`layer=`, a call the fused target
 //   does not take) or a user's jbs.quantize runs instead of XLA's four kernels.
@@ -609,7 +609,7 @@ ffi::Error ExecuteQuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
       static_cast<int64_t>(amax->element_count()) < jbs_quantize::AmaxPartials(blocks))
     return g_state.InvalidArgument(
         "results: elements u8 [M * K / 2], scales u8 [M * K / 16], decode f32 [1], amax f32 "
-        "[one per 1024 blocks]");
+        "[one per 256 blocks]");
   if (reinterpret_cast<uint64_t>(elements->untyped_data()) % 8)
     return g_state.InvalidArgument("elements must be 8-byte aligned");
   QuantizerChoice q;

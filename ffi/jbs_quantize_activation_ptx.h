@@ -3079,634 +3079,200 @@ $L__BB1_167:
 )
 .maxntid 256, 1, 1
 {
-	.reg .pred 	%p<74>;
-	.reg .f32 	%f<343>;
-	.reg .b32 	%r<243>;
-	.reg .b64 	%rd<54>;
+	.reg .pred 	%p<23>;
+	.reg .f32 	%f<85>;
+	.reg .b32 	%r<84>;
+	.reg .b64 	%rd<16>;
 	.shared .align 4 .b8 _ZZ7CtaAmaxILi256EEffE9warp_amax[32];
 	.shared .align 4 .u32 _ZZ7CtaAmaxILi256EEffE8cta_amax;
-	ld.param.u64 	%rd2, [jbs_nvfp4_activation_amax_param_1];
+	ld.param.u64 	%rd1, [jbs_nvfp4_activation_amax_param_0];
+	ld.param.u64 	%rd3, [jbs_nvfp4_activation_amax_param_1];
+	ld.param.u64 	%rd2, [jbs_nvfp4_activation_amax_param_2];
 	griddepcontrol.launch_dependents;
-	mov.u32 	%r37, %ctaid.x;
-	mul.wide.u32 	%rd4, %r37, 1024;
-	mov.u32 	%r38, %tid.x;
-	cvt.u64.u32 	%rd5, %r38;
+	mov.u32 	%r18, %ctaid.x;
+	mul.wide.u32 	%rd4, %r18, 256;
+	mov.u32 	%r19, %tid.x;
+	cvt.u64.u32 	%rd5, %r19;
 	add.s64 	%rd6, %rd4, %rd5;
-	setp.ge.s64 	%p1, %rd6, %rd2;
-	mov.f32 	%f308, 0f00000000;
+	setp.ge.s64 	%p1, %rd6, %rd3;
+	mov.u32 	%r82, 0;
 	@%p1 bra 	$L__BB2_34;
-	ld.param.u64 	%rd53, [jbs_nvfp4_activation_amax_param_0];
-	cvta.to.global.u64 	%rd7, %rd53;
+	cvta.to.global.u64 	%rd10, %rd1;
 	shl.b64 	%rd11, %rd6, 5;
-	add.s64 	%rd12, %rd7, %rd11;
-	ld.global.v4.u32 	{%r41, %r42, %r43, %r44}, [%rd12];
-	ld.global.v4.u32 	{%r45, %r46, %r47, %r48}, [%rd12+16];
-	and.b32  	%r49, %r41, 32640;
-	setp.eq.s32 	%p2, %r49, 32640;
-	mov.f32 	%f276, 0f00000000;
+	add.s64 	%rd12, %rd10, %rd11;
+	ld.global.v4.u32 	{%r22, %r23, %r24, %r25}, [%rd12];
+	ld.global.v4.u32 	{%r26, %r27, %r28, %r29}, [%rd12+16];
+	and.b32  	%r30, %r22, 32640;
+	setp.eq.s32 	%p2, %r30, 32640;
+	mov.f32 	%f70, 0f00000000;
 	@%p2 bra 	$L__BB2_3;
-	shl.b32 	%r50, %r41, 16;
-	mov.b32 	%f139, %r50;
-	abs.f32 	%f140, %f139;
-	mov.f32 	%f141, 0f00000000;
-	max.f32 	%f276, %f141, %f140;
+	shl.b32 	%r31, %r22, 16;
+	mov.b32 	%f34, %r31;
+	abs.f32 	%f35, %f34;
+	mov.f32 	%f36, 0f00000000;
+	max.f32 	%f70, %f36, %f35;
 $L__BB2_3:
-	and.b32  	%r51, %r41, 2139095040;
-	setp.eq.s32 	%p3, %r51, 2139095040;
+	and.b32  	%r32, %r22, 2139095040;
+	setp.eq.s32 	%p3, %r32, 2139095040;
 	@%p3 bra 	$L__BB2_5;
-	and.b32  	%r52, %r41, -65536;
-	mov.b32 	%f142, %r52;
-	abs.f32 	%f143, %f142;
-	max.f32 	%f276, %f276, %f143;
+	and.b32  	%r33, %r22, -65536;
+	mov.b32 	%f37, %r33;
+	abs.f32 	%f38, %f37;
+	max.f32 	%f70, %f70, %f38;
 $L__BB2_5:
-	and.b32  	%r53, %r42, 32640;
-	setp.eq.s32 	%p4, %r53, 32640;
+	and.b32  	%r34, %r23, 32640;
+	setp.eq.s32 	%p4, %r34, 32640;
 	@%p4 bra 	$L__BB2_7;
-	shl.b32 	%r54, %r42, 16;
-	mov.b32 	%f144, %r54;
-	abs.f32 	%f145, %f144;
-	max.f32 	%f276, %f276, %f145;
+	shl.b32 	%r35, %r23, 16;
+	mov.b32 	%f39, %r35;
+	abs.f32 	%f40, %f39;
+	max.f32 	%f70, %f70, %f40;
 $L__BB2_7:
-	and.b32  	%r55, %r42, 2139095040;
-	setp.eq.s32 	%p5, %r55, 2139095040;
+	and.b32  	%r36, %r23, 2139095040;
+	setp.eq.s32 	%p5, %r36, 2139095040;
 	@%p5 bra 	$L__BB2_9;
-	and.b32  	%r56, %r42, -65536;
-	mov.b32 	%f146, %r56;
-	abs.f32 	%f147, %f146;
-	max.f32 	%f276, %f276, %f147;
+	and.b32  	%r37, %r23, -65536;
+	mov.b32 	%f41, %r37;
+	abs.f32 	%f42, %f41;
+	max.f32 	%f70, %f70, %f42;
 $L__BB2_9:
-	and.b32  	%r57, %r43, 32640;
-	setp.eq.s32 	%p6, %r57, 32640;
+	and.b32  	%r38, %r24, 32640;
+	setp.eq.s32 	%p6, %r38, 32640;
 	@%p6 bra 	$L__BB2_11;
-	shl.b32 	%r58, %r43, 16;
-	mov.b32 	%f148, %r58;
-	abs.f32 	%f149, %f148;
-	max.f32 	%f276, %f276, %f149;
+	shl.b32 	%r39, %r24, 16;
+	mov.b32 	%f43, %r39;
+	abs.f32 	%f44, %f43;
+	max.f32 	%f70, %f70, %f44;
 $L__BB2_11:
-	and.b32  	%r59, %r43, 2139095040;
-	setp.eq.s32 	%p7, %r59, 2139095040;
+	and.b32  	%r40, %r24, 2139095040;
+	setp.eq.s32 	%p7, %r40, 2139095040;
 	@%p7 bra 	$L__BB2_13;
-	and.b32  	%r60, %r43, -65536;
-	mov.b32 	%f150, %r60;
-	abs.f32 	%f151, %f150;
-	max.f32 	%f276, %f276, %f151;
+	and.b32  	%r41, %r24, -65536;
+	mov.b32 	%f45, %r41;
+	abs.f32 	%f46, %f45;
+	max.f32 	%f70, %f70, %f46;
 $L__BB2_13:
-	and.b32  	%r61, %r44, 32640;
-	setp.eq.s32 	%p8, %r61, 32640;
+	and.b32  	%r42, %r25, 32640;
+	setp.eq.s32 	%p8, %r42, 32640;
 	@%p8 bra 	$L__BB2_15;
-	shl.b32 	%r62, %r44, 16;
-	mov.b32 	%f152, %r62;
-	abs.f32 	%f153, %f152;
-	max.f32 	%f276, %f276, %f153;
+	shl.b32 	%r43, %r25, 16;
+	mov.b32 	%f47, %r43;
+	abs.f32 	%f48, %f47;
+	max.f32 	%f70, %f70, %f48;
 $L__BB2_15:
-	and.b32  	%r63, %r44, 2139095040;
-	setp.eq.s32 	%p9, %r63, 2139095040;
+	and.b32  	%r44, %r25, 2139095040;
+	setp.eq.s32 	%p9, %r44, 2139095040;
 	@%p9 bra 	$L__BB2_17;
-	and.b32  	%r64, %r44, -65536;
-	mov.b32 	%f154, %r64;
-	abs.f32 	%f155, %f154;
-	max.f32 	%f276, %f276, %f155;
+	and.b32  	%r45, %r25, -65536;
+	mov.b32 	%f49, %r45;
+	abs.f32 	%f50, %f49;
+	max.f32 	%f70, %f70, %f50;
 $L__BB2_17:
-	and.b32  	%r65, %r45, 32640;
-	setp.eq.s32 	%p10, %r65, 32640;
+	and.b32  	%r46, %r26, 32640;
+	setp.eq.s32 	%p10, %r46, 32640;
 	@%p10 bra 	$L__BB2_19;
-	shl.b32 	%r66, %r45, 16;
-	mov.b32 	%f156, %r66;
-	abs.f32 	%f157, %f156;
-	max.f32 	%f276, %f276, %f157;
+	shl.b32 	%r47, %r26, 16;
+	mov.b32 	%f51, %r47;
+	abs.f32 	%f52, %f51;
+	max.f32 	%f70, %f70, %f52;
 $L__BB2_19:
-	and.b32  	%r67, %r45, 2139095040;
-	setp.eq.s32 	%p11, %r67, 2139095040;
+	and.b32  	%r48, %r26, 2139095040;
+	setp.eq.s32 	%p11, %r48, 2139095040;
 	@%p11 bra 	$L__BB2_21;
-	and.b32  	%r68, %r45, -65536;
-	mov.b32 	%f158, %r68;
-	abs.f32 	%f159, %f158;
-	max.f32 	%f276, %f276, %f159;
+	and.b32  	%r49, %r26, -65536;
+	mov.b32 	%f53, %r49;
+	abs.f32 	%f54, %f53;
+	max.f32 	%f70, %f70, %f54;
 $L__BB2_21:
-	and.b32  	%r69, %r46, 32640;
-	setp.eq.s32 	%p12, %r69, 32640;
+	and.b32  	%r50, %r27, 32640;
+	setp.eq.s32 	%p12, %r50, 32640;
 	@%p12 bra 	$L__BB2_23;
-	shl.b32 	%r70, %r46, 16;
-	mov.b32 	%f160, %r70;
-	abs.f32 	%f161, %f160;
-	max.f32 	%f276, %f276, %f161;
+	shl.b32 	%r51, %r27, 16;
+	mov.b32 	%f55, %r51;
+	abs.f32 	%f56, %f55;
+	max.f32 	%f70, %f70, %f56;
 $L__BB2_23:
-	and.b32  	%r71, %r46, 2139095040;
-	setp.eq.s32 	%p13, %r71, 2139095040;
+	and.b32  	%r52, %r27, 2139095040;
+	setp.eq.s32 	%p13, %r52, 2139095040;
 	@%p13 bra 	$L__BB2_25;
-	and.b32  	%r72, %r46, -65536;
-	mov.b32 	%f162, %r72;
-	abs.f32 	%f163, %f162;
-	max.f32 	%f276, %f276, %f163;
+	and.b32  	%r53, %r27, -65536;
+	mov.b32 	%f57, %r53;
+	abs.f32 	%f58, %f57;
+	max.f32 	%f70, %f70, %f58;
 $L__BB2_25:
-	and.b32  	%r73, %r47, 32640;
-	setp.eq.s32 	%p14, %r73, 32640;
+	and.b32  	%r54, %r28, 32640;
+	setp.eq.s32 	%p14, %r54, 32640;
 	@%p14 bra 	$L__BB2_27;
-	shl.b32 	%r74, %r47, 16;
-	mov.b32 	%f164, %r74;
-	abs.f32 	%f165, %f164;
-	max.f32 	%f276, %f276, %f165;
+	shl.b32 	%r55, %r28, 16;
+	mov.b32 	%f59, %r55;
+	abs.f32 	%f60, %f59;
+	max.f32 	%f70, %f70, %f60;
 $L__BB2_27:
-	and.b32  	%r75, %r47, 2139095040;
-	setp.eq.s32 	%p15, %r75, 2139095040;
+	and.b32  	%r56, %r28, 2139095040;
+	setp.eq.s32 	%p15, %r56, 2139095040;
 	@%p15 bra 	$L__BB2_29;
-	and.b32  	%r76, %r47, -65536;
-	mov.b32 	%f166, %r76;
-	abs.f32 	%f167, %f166;
-	max.f32 	%f276, %f276, %f167;
+	and.b32  	%r57, %r28, -65536;
+	mov.b32 	%f61, %r57;
+	abs.f32 	%f62, %f61;
+	max.f32 	%f70, %f70, %f62;
 $L__BB2_29:
-	and.b32  	%r77, %r48, 32640;
-	setp.eq.s32 	%p16, %r77, 32640;
+	and.b32  	%r58, %r29, 32640;
+	setp.eq.s32 	%p16, %r58, 32640;
 	@%p16 bra 	$L__BB2_31;
-	shl.b32 	%r78, %r48, 16;
-	mov.b32 	%f168, %r78;
-	abs.f32 	%f169, %f168;
-	max.f32 	%f276, %f276, %f169;
+	shl.b32 	%r59, %r29, 16;
+	mov.b32 	%f63, %r59;
+	abs.f32 	%f64, %f63;
+	max.f32 	%f70, %f70, %f64;
 $L__BB2_31:
-	and.b32  	%r79, %r48, 2139095040;
-	setp.eq.s32 	%p17, %r79, 2139095040;
+	and.b32  	%r60, %r29, 2139095040;
+	setp.eq.s32 	%p17, %r60, 2139095040;
 	@%p17 bra 	$L__BB2_33;
-	and.b32  	%r80, %r48, -65536;
-	mov.b32 	%f170, %r80;
-	abs.f32 	%f171, %f170;
-	max.f32 	%f276, %f276, %f171;
+	and.b32  	%r61, %r29, -65536;
+	mov.b32 	%f65, %r61;
+	abs.f32 	%f66, %f65;
+	max.f32 	%f70, %f70, %f66;
 $L__BB2_33:
-	mov.f32 	%f172, 0f00000000;
-	max.f32 	%f308, %f172, %f276;
+	mov.f32 	%f67, 0f00000000;
+	max.f32 	%f68, %f67, %f70;
+	mov.b32 	%r82, %f68;
 $L__BB2_34:
-	ld.param.u64 	%rd46, [jbs_nvfp4_activation_amax_param_1];
-	add.s64 	%rd16, %rd6, 256;
-	setp.ge.s64 	%p18, %rd16, %rd46;
-	@%p18 bra 	$L__BB2_68;
-	ld.param.u64 	%rd52, [jbs_nvfp4_activation_amax_param_0];
-	cvta.to.global.u64 	%rd17, %rd52;
-	shl.b64 	%rd21, %rd6, 5;
-	add.s64 	%rd22, %rd17, %rd21;
-	ld.global.v4.u32 	{%r85, %r86, %r87, %r88}, [%rd22+8192];
-	ld.global.v4.u32 	{%r89, %r90, %r91, %r92}, [%rd22+8208];
-	and.b32  	%r93, %r85, 32640;
-	setp.eq.s32 	%p19, %r93, 32640;
-	mov.f32 	%f293, 0f00000000;
-	@%p19 bra 	$L__BB2_37;
-	shl.b32 	%r94, %r85, 16;
-	mov.b32 	%f174, %r94;
-	abs.f32 	%f175, %f174;
-	mov.f32 	%f176, 0f00000000;
-	max.f32 	%f293, %f176, %f175;
-$L__BB2_37:
-	and.b32  	%r95, %r85, 2139095040;
-	setp.eq.s32 	%p20, %r95, 2139095040;
+	mov.u32 	%r62, -1;
+	redux.sync.max.u32 %r13, %r82, %r62;
+	and.b32  	%r64, %r19, 31;
+	setp.ne.s32 	%p18, %r64, 0;
+	@%p18 bra 	$L__BB2_36;
+	shr.u32 	%r66, %r19, 3;
+	and.b32  	%r67, %r66, 536870908;
+	mov.u32 	%r68, _ZZ7CtaAmaxILi256EEffE9warp_amax;
+	add.s32 	%r69, %r68, %r67;
+	st.shared.u32 	[%r69], %r13;
+$L__BB2_36:
+	bar.sync 	0;
+	setp.gt.u32 	%p19, %r19, 31;
+	@%p19 bra 	$L__BB2_41;
+	setp.gt.u32 	%p20, %r19, 7;
+	mov.u32 	%r83, 0;
 	@%p20 bra 	$L__BB2_39;
-	and.b32  	%r96, %r85, -65536;
-	mov.b32 	%f177, %r96;
-	abs.f32 	%f178, %f177;
-	max.f32 	%f293, %f293, %f178;
+	shl.b32 	%r74, %r19, 2;
+	mov.u32 	%r75, _ZZ7CtaAmaxILi256EEffE9warp_amax;
+	add.s32 	%r76, %r75, %r74;
+	ld.shared.u32 	%r83, [%r76];
 $L__BB2_39:
-	and.b32  	%r97, %r86, 32640;
-	setp.eq.s32 	%p21, %r97, 32640;
+	mov.u32 	%r77, -1;
+	redux.sync.max.u32 %r16, %r83, %r77;
+	setp.ne.s32 	%p21, %r19, 0;
 	@%p21 bra 	$L__BB2_41;
-	shl.b32 	%r98, %r86, 16;
-	mov.b32 	%f179, %r98;
-	abs.f32 	%f180, %f179;
-	max.f32 	%f293, %f293, %f180;
+	st.shared.u32 	[_ZZ7CtaAmaxILi256EEffE8cta_amax], %r16;
 $L__BB2_41:
-	and.b32  	%r99, %r86, 2139095040;
-	setp.eq.s32 	%p22, %r99, 2139095040;
+	bar.sync 	0;
+	setp.ne.s32 	%p22, %r19, 0;
 	@%p22 bra 	$L__BB2_43;
-	and.b32  	%r100, %r86, -65536;
-	mov.b32 	%f181, %r100;
-	abs.f32 	%f182, %f181;
-	max.f32 	%f293, %f293, %f182;
+	ld.shared.u32 	%r80, [_ZZ7CtaAmaxILi256EEffE8cta_amax];
+	cvta.to.global.u64 	%rd13, %rd2;
+	mul.wide.u32 	%rd14, %r18, 4;
+	add.s64 	%rd15, %rd13, %rd14;
+	st.global.u32 	[%rd15], %r80;
 $L__BB2_43:
-	and.b32  	%r101, %r87, 32640;
-	setp.eq.s32 	%p23, %r101, 32640;
-	@%p23 bra 	$L__BB2_45;
-	shl.b32 	%r102, %r87, 16;
-	mov.b32 	%f183, %r102;
-	abs.f32 	%f184, %f183;
-	max.f32 	%f293, %f293, %f184;
-$L__BB2_45:
-	and.b32  	%r103, %r87, 2139095040;
-	setp.eq.s32 	%p24, %r103, 2139095040;
-	@%p24 bra 	$L__BB2_47;
-	and.b32  	%r104, %r87, -65536;
-	mov.b32 	%f185, %r104;
-	abs.f32 	%f186, %f185;
-	max.f32 	%f293, %f293, %f186;
-$L__BB2_47:
-	and.b32  	%r105, %r88, 32640;
-	setp.eq.s32 	%p25, %r105, 32640;
-	@%p25 bra 	$L__BB2_49;
-	shl.b32 	%r106, %r88, 16;
-	mov.b32 	%f187, %r106;
-	abs.f32 	%f188, %f187;
-	max.f32 	%f293, %f293, %f188;
-$L__BB2_49:
-	and.b32  	%r107, %r88, 2139095040;
-	setp.eq.s32 	%p26, %r107, 2139095040;
-	@%p26 bra 	$L__BB2_51;
-	and.b32  	%r108, %r88, -65536;
-	mov.b32 	%f189, %r108;
-	abs.f32 	%f190, %f189;
-	max.f32 	%f293, %f293, %f190;
-$L__BB2_51:
-	and.b32  	%r109, %r89, 32640;
-	setp.eq.s32 	%p27, %r109, 32640;
-	@%p27 bra 	$L__BB2_53;
-	shl.b32 	%r110, %r89, 16;
-	mov.b32 	%f191, %r110;
-	abs.f32 	%f192, %f191;
-	max.f32 	%f293, %f293, %f192;
-$L__BB2_53:
-	and.b32  	%r111, %r89, 2139095040;
-	setp.eq.s32 	%p28, %r111, 2139095040;
-	@%p28 bra 	$L__BB2_55;
-	and.b32  	%r112, %r89, -65536;
-	mov.b32 	%f193, %r112;
-	abs.f32 	%f194, %f193;
-	max.f32 	%f293, %f293, %f194;
-$L__BB2_55:
-	and.b32  	%r113, %r90, 32640;
-	setp.eq.s32 	%p29, %r113, 32640;
-	@%p29 bra 	$L__BB2_57;
-	shl.b32 	%r114, %r90, 16;
-	mov.b32 	%f195, %r114;
-	abs.f32 	%f196, %f195;
-	max.f32 	%f293, %f293, %f196;
-$L__BB2_57:
-	and.b32  	%r115, %r90, 2139095040;
-	setp.eq.s32 	%p30, %r115, 2139095040;
-	@%p30 bra 	$L__BB2_59;
-	and.b32  	%r116, %r90, -65536;
-	mov.b32 	%f197, %r116;
-	abs.f32 	%f198, %f197;
-	max.f32 	%f293, %f293, %f198;
-$L__BB2_59:
-	and.b32  	%r117, %r91, 32640;
-	setp.eq.s32 	%p31, %r117, 32640;
-	@%p31 bra 	$L__BB2_61;
-	shl.b32 	%r118, %r91, 16;
-	mov.b32 	%f199, %r118;
-	abs.f32 	%f200, %f199;
-	max.f32 	%f293, %f293, %f200;
-$L__BB2_61:
-	and.b32  	%r119, %r91, 2139095040;
-	setp.eq.s32 	%p32, %r119, 2139095040;
-	@%p32 bra 	$L__BB2_63;
-	and.b32  	%r120, %r91, -65536;
-	mov.b32 	%f201, %r120;
-	abs.f32 	%f202, %f201;
-	max.f32 	%f293, %f293, %f202;
-$L__BB2_63:
-	and.b32  	%r121, %r92, 32640;
-	setp.eq.s32 	%p33, %r121, 32640;
-	@%p33 bra 	$L__BB2_65;
-	shl.b32 	%r122, %r92, 16;
-	mov.b32 	%f203, %r122;
-	abs.f32 	%f204, %f203;
-	max.f32 	%f293, %f293, %f204;
-$L__BB2_65:
-	and.b32  	%r123, %r92, 2139095040;
-	setp.eq.s32 	%p34, %r123, 2139095040;
-	@%p34 bra 	$L__BB2_67;
-	and.b32  	%r124, %r92, -65536;
-	mov.b32 	%f205, %r124;
-	abs.f32 	%f206, %f205;
-	max.f32 	%f293, %f293, %f206;
-$L__BB2_67:
-	max.f32 	%f308, %f308, %f293;
-$L__BB2_68:
-	ld.param.u64 	%rd47, [jbs_nvfp4_activation_amax_param_1];
-	add.s64 	%rd26, %rd6, 512;
-	setp.ge.s64 	%p35, %rd26, %rd47;
-	@%p35 bra 	$L__BB2_102;
-	ld.param.u64 	%rd51, [jbs_nvfp4_activation_amax_param_0];
-	cvta.to.global.u64 	%rd27, %rd51;
-	shl.b64 	%rd31, %rd6, 5;
-	add.s64 	%rd32, %rd27, %rd31;
-	ld.global.v4.u32 	{%r129, %r130, %r131, %r132}, [%rd32+16384];
-	ld.global.v4.u32 	{%r133, %r134, %r135, %r136}, [%rd32+16400];
-	and.b32  	%r137, %r129, 32640;
-	setp.eq.s32 	%p36, %r137, 32640;
-	mov.f32 	%f310, 0f00000000;
-	@%p36 bra 	$L__BB2_71;
-	shl.b32 	%r138, %r129, 16;
-	mov.b32 	%f208, %r138;
-	abs.f32 	%f209, %f208;
-	mov.f32 	%f210, 0f00000000;
-	max.f32 	%f310, %f210, %f209;
-$L__BB2_71:
-	and.b32  	%r139, %r129, 2139095040;
-	setp.eq.s32 	%p37, %r139, 2139095040;
-	@%p37 bra 	$L__BB2_73;
-	and.b32  	%r140, %r129, -65536;
-	mov.b32 	%f211, %r140;
-	abs.f32 	%f212, %f211;
-	max.f32 	%f310, %f310, %f212;
-$L__BB2_73:
-	and.b32  	%r141, %r130, 32640;
-	setp.eq.s32 	%p38, %r141, 32640;
-	@%p38 bra 	$L__BB2_75;
-	shl.b32 	%r142, %r130, 16;
-	mov.b32 	%f213, %r142;
-	abs.f32 	%f214, %f213;
-	max.f32 	%f310, %f310, %f214;
-$L__BB2_75:
-	and.b32  	%r143, %r130, 2139095040;
-	setp.eq.s32 	%p39, %r143, 2139095040;
-	@%p39 bra 	$L__BB2_77;
-	and.b32  	%r144, %r130, -65536;
-	mov.b32 	%f215, %r144;
-	abs.f32 	%f216, %f215;
-	max.f32 	%f310, %f310, %f216;
-$L__BB2_77:
-	and.b32  	%r145, %r131, 32640;
-	setp.eq.s32 	%p40, %r145, 32640;
-	@%p40 bra 	$L__BB2_79;
-	shl.b32 	%r146, %r131, 16;
-	mov.b32 	%f217, %r146;
-	abs.f32 	%f218, %f217;
-	max.f32 	%f310, %f310, %f218;
-$L__BB2_79:
-	and.b32  	%r147, %r131, 2139095040;
-	setp.eq.s32 	%p41, %r147, 2139095040;
-	@%p41 bra 	$L__BB2_81;
-	and.b32  	%r148, %r131, -65536;
-	mov.b32 	%f219, %r148;
-	abs.f32 	%f220, %f219;
-	max.f32 	%f310, %f310, %f220;
-$L__BB2_81:
-	and.b32  	%r149, %r132, 32640;
-	setp.eq.s32 	%p42, %r149, 32640;
-	@%p42 bra 	$L__BB2_83;
-	shl.b32 	%r150, %r132, 16;
-	mov.b32 	%f221, %r150;
-	abs.f32 	%f222, %f221;
-	max.f32 	%f310, %f310, %f222;
-$L__BB2_83:
-	and.b32  	%r151, %r132, 2139095040;
-	setp.eq.s32 	%p43, %r151, 2139095040;
-	@%p43 bra 	$L__BB2_85;
-	and.b32  	%r152, %r132, -65536;
-	mov.b32 	%f223, %r152;
-	abs.f32 	%f224, %f223;
-	max.f32 	%f310, %f310, %f224;
-$L__BB2_85:
-	and.b32  	%r153, %r133, 32640;
-	setp.eq.s32 	%p44, %r153, 32640;
-	@%p44 bra 	$L__BB2_87;
-	shl.b32 	%r154, %r133, 16;
-	mov.b32 	%f225, %r154;
-	abs.f32 	%f226, %f225;
-	max.f32 	%f310, %f310, %f226;
-$L__BB2_87:
-	and.b32  	%r155, %r133, 2139095040;
-	setp.eq.s32 	%p45, %r155, 2139095040;
-	@%p45 bra 	$L__BB2_89;
-	and.b32  	%r156, %r133, -65536;
-	mov.b32 	%f227, %r156;
-	abs.f32 	%f228, %f227;
-	max.f32 	%f310, %f310, %f228;
-$L__BB2_89:
-	and.b32  	%r157, %r134, 32640;
-	setp.eq.s32 	%p46, %r157, 32640;
-	@%p46 bra 	$L__BB2_91;
-	shl.b32 	%r158, %r134, 16;
-	mov.b32 	%f229, %r158;
-	abs.f32 	%f230, %f229;
-	max.f32 	%f310, %f310, %f230;
-$L__BB2_91:
-	and.b32  	%r159, %r134, 2139095040;
-	setp.eq.s32 	%p47, %r159, 2139095040;
-	@%p47 bra 	$L__BB2_93;
-	and.b32  	%r160, %r134, -65536;
-	mov.b32 	%f231, %r160;
-	abs.f32 	%f232, %f231;
-	max.f32 	%f310, %f310, %f232;
-$L__BB2_93:
-	and.b32  	%r161, %r135, 32640;
-	setp.eq.s32 	%p48, %r161, 32640;
-	@%p48 bra 	$L__BB2_95;
-	shl.b32 	%r162, %r135, 16;
-	mov.b32 	%f233, %r162;
-	abs.f32 	%f234, %f233;
-	max.f32 	%f310, %f310, %f234;
-$L__BB2_95:
-	and.b32  	%r163, %r135, 2139095040;
-	setp.eq.s32 	%p49, %r163, 2139095040;
-	@%p49 bra 	$L__BB2_97;
-	and.b32  	%r164, %r135, -65536;
-	mov.b32 	%f235, %r164;
-	abs.f32 	%f236, %f235;
-	max.f32 	%f310, %f310, %f236;
-$L__BB2_97:
-	and.b32  	%r165, %r136, 32640;
-	setp.eq.s32 	%p50, %r165, 32640;
-	@%p50 bra 	$L__BB2_99;
-	shl.b32 	%r166, %r136, 16;
-	mov.b32 	%f237, %r166;
-	abs.f32 	%f238, %f237;
-	max.f32 	%f310, %f310, %f238;
-$L__BB2_99:
-	and.b32  	%r167, %r136, 2139095040;
-	setp.eq.s32 	%p51, %r167, 2139095040;
-	@%p51 bra 	$L__BB2_101;
-	and.b32  	%r168, %r136, -65536;
-	mov.b32 	%f239, %r168;
-	abs.f32 	%f240, %f239;
-	max.f32 	%f310, %f310, %f240;
-$L__BB2_101:
-	max.f32 	%f308, %f308, %f310;
-$L__BB2_102:
-	ld.param.u64 	%rd48, [jbs_nvfp4_activation_amax_param_1];
-	add.s64 	%rd36, %rd6, 768;
-	setp.ge.s64 	%p52, %rd36, %rd48;
-	@%p52 bra 	$L__BB2_136;
-	ld.param.u64 	%rd50, [jbs_nvfp4_activation_amax_param_0];
-	cvta.to.global.u64 	%rd37, %rd50;
-	shl.b64 	%rd41, %rd6, 5;
-	add.s64 	%rd42, %rd37, %rd41;
-	ld.global.v4.u32 	{%r173, %r174, %r175, %r176}, [%rd42+24576];
-	ld.global.v4.u32 	{%r177, %r178, %r179, %r180}, [%rd42+24592];
-	and.b32  	%r181, %r173, 32640;
-	setp.eq.s32 	%p53, %r181, 32640;
-	mov.f32 	%f327, 0f00000000;
-	@%p53 bra 	$L__BB2_105;
-	shl.b32 	%r182, %r173, 16;
-	mov.b32 	%f242, %r182;
-	abs.f32 	%f243, %f242;
-	mov.f32 	%f244, 0f00000000;
-	max.f32 	%f327, %f244, %f243;
-$L__BB2_105:
-	and.b32  	%r183, %r173, 2139095040;
-	setp.eq.s32 	%p54, %r183, 2139095040;
-	@%p54 bra 	$L__BB2_107;
-	and.b32  	%r184, %r173, -65536;
-	mov.b32 	%f245, %r184;
-	abs.f32 	%f246, %f245;
-	max.f32 	%f327, %f327, %f246;
-$L__BB2_107:
-	and.b32  	%r185, %r174, 32640;
-	setp.eq.s32 	%p55, %r185, 32640;
-	@%p55 bra 	$L__BB2_109;
-	shl.b32 	%r186, %r174, 16;
-	mov.b32 	%f247, %r186;
-	abs.f32 	%f248, %f247;
-	max.f32 	%f327, %f327, %f248;
-$L__BB2_109:
-	and.b32  	%r187, %r174, 2139095040;
-	setp.eq.s32 	%p56, %r187, 2139095040;
-	@%p56 bra 	$L__BB2_111;
-	and.b32  	%r188, %r174, -65536;
-	mov.b32 	%f249, %r188;
-	abs.f32 	%f250, %f249;
-	max.f32 	%f327, %f327, %f250;
-$L__BB2_111:
-	and.b32  	%r189, %r175, 32640;
-	setp.eq.s32 	%p57, %r189, 32640;
-	@%p57 bra 	$L__BB2_113;
-	shl.b32 	%r190, %r175, 16;
-	mov.b32 	%f251, %r190;
-	abs.f32 	%f252, %f251;
-	max.f32 	%f327, %f327, %f252;
-$L__BB2_113:
-	and.b32  	%r191, %r175, 2139095040;
-	setp.eq.s32 	%p58, %r191, 2139095040;
-	@%p58 bra 	$L__BB2_115;
-	and.b32  	%r192, %r175, -65536;
-	mov.b32 	%f253, %r192;
-	abs.f32 	%f254, %f253;
-	max.f32 	%f327, %f327, %f254;
-$L__BB2_115:
-	and.b32  	%r193, %r176, 32640;
-	setp.eq.s32 	%p59, %r193, 32640;
-	@%p59 bra 	$L__BB2_117;
-	shl.b32 	%r194, %r176, 16;
-	mov.b32 	%f255, %r194;
-	abs.f32 	%f256, %f255;
-	max.f32 	%f327, %f327, %f256;
-$L__BB2_117:
-	and.b32  	%r195, %r176, 2139095040;
-	setp.eq.s32 	%p60, %r195, 2139095040;
-	@%p60 bra 	$L__BB2_119;
-	and.b32  	%r196, %r176, -65536;
-	mov.b32 	%f257, %r196;
-	abs.f32 	%f258, %f257;
-	max.f32 	%f327, %f327, %f258;
-$L__BB2_119:
-	and.b32  	%r197, %r177, 32640;
-	setp.eq.s32 	%p61, %r197, 32640;
-	@%p61 bra 	$L__BB2_121;
-	shl.b32 	%r198, %r177, 16;
-	mov.b32 	%f259, %r198;
-	abs.f32 	%f260, %f259;
-	max.f32 	%f327, %f327, %f260;
-$L__BB2_121:
-	and.b32  	%r199, %r177, 2139095040;
-	setp.eq.s32 	%p62, %r199, 2139095040;
-	@%p62 bra 	$L__BB2_123;
-	and.b32  	%r200, %r177, -65536;
-	mov.b32 	%f261, %r200;
-	abs.f32 	%f262, %f261;
-	max.f32 	%f327, %f327, %f262;
-$L__BB2_123:
-	and.b32  	%r201, %r178, 32640;
-	setp.eq.s32 	%p63, %r201, 32640;
-	@%p63 bra 	$L__BB2_125;
-	shl.b32 	%r202, %r178, 16;
-	mov.b32 	%f263, %r202;
-	abs.f32 	%f264, %f263;
-	max.f32 	%f327, %f327, %f264;
-$L__BB2_125:
-	and.b32  	%r203, %r178, 2139095040;
-	setp.eq.s32 	%p64, %r203, 2139095040;
-	@%p64 bra 	$L__BB2_127;
-	and.b32  	%r204, %r178, -65536;
-	mov.b32 	%f265, %r204;
-	abs.f32 	%f266, %f265;
-	max.f32 	%f327, %f327, %f266;
-$L__BB2_127:
-	and.b32  	%r205, %r179, 32640;
-	setp.eq.s32 	%p65, %r205, 32640;
-	@%p65 bra 	$L__BB2_129;
-	shl.b32 	%r206, %r179, 16;
-	mov.b32 	%f267, %r206;
-	abs.f32 	%f268, %f267;
-	max.f32 	%f327, %f327, %f268;
-$L__BB2_129:
-	and.b32  	%r207, %r179, 2139095040;
-	setp.eq.s32 	%p66, %r207, 2139095040;
-	@%p66 bra 	$L__BB2_131;
-	and.b32  	%r208, %r179, -65536;
-	mov.b32 	%f269, %r208;
-	abs.f32 	%f270, %f269;
-	max.f32 	%f327, %f327, %f270;
-$L__BB2_131:
-	and.b32  	%r209, %r180, 32640;
-	setp.eq.s32 	%p67, %r209, 32640;
-	@%p67 bra 	$L__BB2_133;
-	shl.b32 	%r210, %r180, 16;
-	mov.b32 	%f271, %r210;
-	abs.f32 	%f272, %f271;
-	max.f32 	%f327, %f327, %f272;
-$L__BB2_133:
-	and.b32  	%r211, %r180, 2139095040;
-	setp.eq.s32 	%p68, %r211, 2139095040;
-	@%p68 bra 	$L__BB2_135;
-	and.b32  	%r212, %r180, -65536;
-	mov.b32 	%f273, %r212;
-	abs.f32 	%f274, %f273;
-	max.f32 	%f327, %f327, %f274;
-$L__BB2_135:
-	max.f32 	%f308, %f308, %f327;
-$L__BB2_136:
-	mov.u32 	%r234, %tid.x;
-	mov.b32 	%r213, %f308;
-	mov.u32 	%r214, -1;
-	redux.sync.max.u32 %r33, %r213, %r214;
-	and.b32  	%r216, %r234, 31;
-	setp.ne.s32 	%p69, %r216, 0;
-	@%p69 bra 	$L__BB2_138;
-	mov.u32 	%r241, %tid.x;
-	shr.u32 	%r218, %r241, 3;
-	and.b32  	%r219, %r218, 536870908;
-	mov.u32 	%r220, _ZZ7CtaAmaxILi256EEffE9warp_amax;
-	add.s32 	%r221, %r220, %r219;
-	st.shared.u32 	[%r221], %r33;
-$L__BB2_138:
-	mov.u32 	%r235, %tid.x;
-	bar.sync 	0;
-	setp.gt.u32 	%p70, %r235, 31;
-	@%p70 bra 	$L__BB2_143;
-	mov.u32 	%r238, %tid.x;
-	setp.gt.u32 	%p71, %r238, 7;
-	mov.u32 	%r242, 0;
-	@%p71 bra 	$L__BB2_141;
-	mov.u32 	%r240, %tid.x;
-	shl.b32 	%r226, %r240, 2;
-	mov.u32 	%r227, _ZZ7CtaAmaxILi256EEffE9warp_amax;
-	add.s32 	%r228, %r227, %r226;
-	ld.shared.u32 	%r242, [%r228];
-$L__BB2_141:
-	mov.u32 	%r239, %tid.x;
-	mov.u32 	%r229, -1;
-	redux.sync.max.u32 %r36, %r242, %r229;
-	setp.ne.s32 	%p72, %r239, 0;
-	@%p72 bra 	$L__BB2_143;
-	st.shared.u32 	[_ZZ7CtaAmaxILi256EEffE8cta_amax], %r36;
-$L__BB2_143:
-	mov.u32 	%r236, %tid.x;
-	bar.sync 	0;
-	setp.ne.s32 	%p73, %r236, 0;
-	@%p73 bra 	$L__BB2_145;
-	mov.u32 	%r237, %ctaid.x;
-	ld.param.u64 	%rd49, [jbs_nvfp4_activation_amax_param_2];
-	ld.shared.u32 	%r232, [_ZZ7CtaAmaxILi256EEffE8cta_amax];
-	cvta.to.global.u64 	%rd43, %rd49;
-	mul.wide.u32 	%rd44, %r237, 4;
-	add.s64 	%rd45, %rd43, %rd44;
-	st.global.u32 	[%rd45], %r232;
-$L__BB2_145:
 	ret;
 }
 .visible .entry jbs_quantize_nvfp4_activation_static(

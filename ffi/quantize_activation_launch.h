@@ -16,7 +16,7 @@ constexpr int kStaticThreads = 128;
 // threads, each reading kAmaxBlocksPerThread blocks, and the one-block-per-thread kernel reduces
 // those partial amaxes before it quantizes.
 constexpr int kAmaxThreads = 256;
-constexpr int kAmaxBlocksPerThread = 4;
+constexpr int kAmaxBlocksPerThread = 1;
 constexpr long long kAmaxCtaBlocks = static_cast<long long>(kAmaxThreads) * kAmaxBlocksPerThread;
 constexpr long long AmaxPartials(long long blocks) {
   return (blocks + kAmaxCtaBlocks - 1) / kAmaxCtaBlocks;

@@ -367,7 +367,7 @@ INDEX_MODE_MAX_ROWS = 64
 # quantize_activation_launch.h holds the kernels' side of these numbers.
 QUANTIZE_A_FORMATS = ("nvfp4",)
 QUANTIZE_A_CTA_ELEMENTS = 512 * 4 * 16
-QUANTIZE_A_AMAX_CTA_BLOCKS = 256 * 4
+QUANTIZE_A_AMAX_CTA_BLOCKS = 256 * 1
 # The decode kernels the quantizer hands its result to: the chained twins (DecodeVariant.chained)
 # of the decode variants of each quantized pair, every output dtype and M tile.
 CHAINED_DECODE_VARIANTS = tuple(DecodeVariant(a, a, out, nt, chained=True)

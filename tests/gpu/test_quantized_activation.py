@@ -153,7 +153,7 @@ def test_every_e2m1_midpoint_and_its_bf16_neighbours():
 @pytest.mark.parametrize("m,k", [(16, 4096), (3, 21856), (64, 4096)])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_the_amax_from_any_partial(m, k, where):
-    """Past one CTA the tensor's amax is reduced from one partial per 1,024 blocks: put the
+    """Past one CTA the tensor's amax is reduced from one partial per 256 blocks: put the
     largest value in the first, a middle or the last partial's blocks (3 x 21856: a last one
     of 2 blocks), each time the only value that sets the global scale."""
     rng = _rng()
