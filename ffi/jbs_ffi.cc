@@ -69,10 +69,11 @@
 //   instead, and the kernel runs after it on the stream.
 //
 //   target "jax_blockscale_quantize_nvfp4_sm90" (`jbs.quantize(x, "nvfp4")` of a bf16 x)
-//   operands: x (bf16) [M, K]; a_decode (f32): [0] to calibrate, or [1] the given decode factor
+//   operands: x (bf16) [M, K]; a_decode (f32): [0] to calibrate, or [1] the given decode factor;
+//             b_alpha (f32): [0], or the L global scales of a stacked weight
 //   results:  elements (u8 [M * K / 2], two per byte), scales (u8 [M * K / 16], e4m3, plain),
-//             decode (f32 [1], the stored decode factor), amax (f32, the partial amaxes'
-//             scratch: one per kAmaxCtaBlocks blocks)
+//             alpha (f32: [1] the stored decode factor, or [L] its products with b_alpha),
+//             amax (f32, the partial amaxes' scratch: one per kAmaxCtaBlocks blocks)
 //   attrs:    m, k
 //   The same quantizer kernels, alone: what a composition (`layer=`, a call the fused target
 //   does not take) or a user's jbs.quantize runs instead of XLA's four kernels.
@@ -472,10 +473,11 @@ struct QuantizerOutputs {
 
 // Launches the quantizer `q` chose for x's `blocks` blocks on `stream`: the amax kernel first
 // where it has one, then the quantizing kernel (its programmatic dependent). a_decode: the given
-// decode factor, or an empty buffer to calibrate.
+// decode factor, or an empty buffer to calibrate. alpha: alpha_count products decode *
+// b_alpha[i] (b_alpha null: one entry, decode).
 ffi::Error LaunchQuantizer(cudaStream_t stream, const QuantizerChoice& q, const void* x,
                            int64_t blocks, const QuantizerOutputs& out, const float* b_alpha,
-                           const void* a_decode) {
+                           int alpha_count, const void* a_decode) {
   const void* x_ptr = x;
   long long count = blocks;
   void* amax_partials = q.amax_ctas > 0 ? out.amax_partials : nullptr;
@@ -491,8 +493,8 @@ ffi::Error LaunchQuantizer(cudaStream_t stream, const QuantizerChoice& q, const 
   void* elements = out.elements;
   void* scales = out.scales;
   void* alpha_out = out.alpha;
-  void* args[] = {&x_ptr,   &count,    &elements,      &scales,    &alpha_out,
-                  &b_alpha, &a_decode, &amax_partials, &amax_count};
+  void* args[] = {&x_ptr,    &count,         &elements,   &scales,     &alpha_out,
+                  &b_alpha,  &a_decode,      &amax_partials, &amax_count, &alpha_count};
   const QuantizerLaunch launch(q.ctas, q.threads, stream, /*dependent=*/q.amax_ctas > 0);
   cudaError_t e =
       cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(q.kernel), args);
@@ -565,7 +567,7 @@ ffi::Error ExecuteQuantizedActivation(
   const QuantizerOutputs out{base, base + lay.scales, base + lay.amax, base + lay.alpha};
   if (auto err = LaunchQuantizer(stream, q, x.untyped_data(), blocks, out,
                                  static_cast<const float*>(b_alpha.untyped_data()),
-                                 a_decode.untyped_data());
+                                 /*alpha_count=*/1, a_decode.untyped_data());
       err.failure())
     return err;
   const int64_t gemm_ws_floats = (static_cast<int64_t>(ws->size_bytes()) - lay.gemm_ws) / 4;
@@ -590,26 +592,33 @@ ffi::Error InstantiateQuantizeNvfp4() {
 }
 
 // jbs.quantize(x, "nvfp4") of a bf16 x [M, K] (the global scale calibrated, or given: a_decode
-// [1]) by the same quantizer kernels: the packed elements, the plain scales and the stored decode
-// factor, each a result of its own; amax: the partial amaxes' scratch.
+// [1]) by the same quantizer kernels: the packed elements, the plain scales and alpha, each a
+// result of its own; amax: the partial amaxes' scratch. alpha: the stored decode factor (b_alpha
+// [0]), or its products with the L global scales of a stacked weight (b_alpha [L]: what the
+// layer target reads, so that no XLA kernel multiplies them).
 ffi::Error ExecuteQuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer a_decode,
-                                ffi::Result<ffi::AnyBuffer> elements,
+                                ffi::AnyBuffer b_alpha, ffi::Result<ffi::AnyBuffer> elements,
                                 ffi::Result<ffi::AnyBuffer> scales,
-                                ffi::Result<ffi::AnyBuffer> decode,
+                                ffi::Result<ffi::AnyBuffer> alpha,
                                 ffi::Result<ffi::AnyBuffer> amax, int64_t m, int64_t k) {
   if (auto err = CheckDecodeOperand(a_decode); err.failure()) return err;
+  const int64_t layers = static_cast<int64_t>(b_alpha.element_count());
+  if (b_alpha.element_type() != ffi::DataType::F32 || layers > 0x7FFFFFFF)
+    return g_state.InvalidArgument("b_alpha must be float32 [0] or [L] (a stack's scales)");
+  const int alpha_count = layers > 0 ? static_cast<int>(layers) : 1;
   if (auto err = CheckActivation(x, m, k, 16); err.failure()) return err;
   const int64_t blocks = m * k / 16;
   if (elements->element_type() != ffi::DataType::U8 ||
       static_cast<int64_t>(elements->element_count()) != blocks * 8 ||
       scales->element_type() != ffi::DataType::U8 ||
       static_cast<int64_t>(scales->element_count()) != blocks ||
-      decode->element_type() != ffi::DataType::F32 || decode->element_count() != 1 ||
+      alpha->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(alpha->element_count()) != alpha_count ||
       amax->element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(amax->element_count()) < jbs_quantize::AmaxPartials(blocks))
     return g_state.InvalidArgument(
-        "results: elements u8 [M * K / 2], scales u8 [M * K / 16], decode f32 [1], amax f32 "
-        "[one per 256 blocks]");
+        "results: elements u8 [M * K / 2], scales u8 [M * K / 16], alpha f32 [max(L, 1)], amax "
+        "f32 [one per 256 blocks]");
   if (reinterpret_cast<uint64_t>(elements->untyped_data()) % 8)
     return g_state.InvalidArgument("elements must be 8-byte aligned");
   QuantizerChoice q;
@@ -617,9 +626,10 @@ ffi::Error ExecuteQuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
       err.failure())
     return err;
   const QuantizerOutputs out{elements->untyped_data(), scales->untyped_data(),
-                             amax->untyped_data(), decode->untyped_data()};
-  return LaunchQuantizer(stream, q, x.untyped_data(), blocks, out, /*b_alpha=*/nullptr,
-                         a_decode.untyped_data());
+                             amax->untyped_data(), alpha->untyped_data()};
+  return LaunchQuantizer(stream, q, x.untyped_data(), blocks, out,
+                         layers > 0 ? static_cast<const float*>(b_alpha.untyped_data()) : nullptr,
+                         alpha_count, a_decode.untyped_data());
 }
 
 }  // namespace
@@ -734,9 +744,10 @@ JBS_FFI_EXPORT_HANDLER(jax_blockscale_quantize_nvfp4_sm90, jbs::ExecuteQuantizeN
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()   // x (bf16 [M, K])
                            .Arg<ffi::AnyBuffer>()   // a_decode: [0] or the given [1]
+                           .Arg<ffi::AnyBuffer>()   // b_alpha: [0] or a stack's [L]
                            .Ret<ffi::AnyBuffer>()   // elements (u8, two per byte)
                            .Ret<ffi::AnyBuffer>()   // scales (u8 e4m3, plain)
-                           .Ret<ffi::AnyBuffer>()   // decode (f32 [1])
+                           .Ret<ffi::AnyBuffer>()   // alpha (f32 [max(L, 1)])
                            .Ret<ffi::AnyBuffer>()   // amax (f32 partials' scratch)
                            .Attr<int64_t>("m")
                            .Attr<int64_t>("k"),

@@ -11,8 +11,8 @@
 //   elem   e2m1(clip(x * (enc / scale), -6, 6)), rounded to nearest-even; 0 where the scale is
 //          0 or x is not finite; x * enc / scale where enc / scale overflows
 // and writes the elements packed two per byte (element 2i in the low nibble), the scales in the
-// plain layout (one byte per block, in block order) and alpha = decode * b_alpha[0], the GEMM's
-// epilogue factor. Every step is the same f32 operation XLA's GPU code performs (its divisions
+// plain layout (one byte per block, in block order) and alpha = decode * b_alpha[i] for each of
+// the weight's global scales (the GEMM's epilogue factor; one per layer of a stacked weight). Every step is the same f32 operation XLA's GPU code performs (its divisions
 // are PTX div.full.f32, not IEEE quotients: XLA compiles with -nvptx-prec-divf32=1; XlaDiv
 // below), so the bytes are those of jbs.quantize run by XLA on the GPU
 // (tests/gpu/test_quantized_activation.py compares the GEMMs bit for bit).
@@ -183,11 +183,16 @@ __device__ __forceinline__ GlobalScale GivenScale(float decode) {
   return {XlaDiv(1.0f, decode), decode};
 }
 
-// alpha = decode * b_alpha, the product of the two stored decode factors: jbs.quantize puts an
-// optimization barrier on its decode factor so that XLA multiplies exactly these two values.
-// Without b_alpha (jbs.quantize's own target) the decode factor itself.
-__device__ __forceinline__ float Alpha(const GlobalScale& gs, const float* b_alpha) {
-  return b_alpha != nullptr ? gs.decode * b_alpha[0] : gs.decode;
+// alpha[i] = decode * b_alpha[i] for the alpha_count entries of b_alpha (the weight's global
+// scale, or one per layer of a stacked weight), the product of the stored decode factors:
+// jbs.quantize puts an optimization barrier on its decode factor so that XLA multiplies exactly
+// these values. Without b_alpha, one entry: the decode factor itself. Thread t of `threads`
+// writes every threads-th entry.
+__device__ __forceinline__ void WriteAlpha(const GlobalScale& gs, const float* b_alpha,
+                                           int alpha_count, float* alpha_out, long long t,
+                                           long long threads) {
+  for (long long i = t; i < alpha_count; i += threads)
+    alpha_out[i] = b_alpha != nullptr ? gs.decode * b_alpha[i] : gs.decode;
 }
 
 // The largest of amax_count partial amaxes (float bits; non-negative floats order as their
@@ -218,12 +223,15 @@ __device__ __forceinline__ float CtaAmax(float amax) {
   return __uint_as_float(cta_amax);
 }
 
-// The whole quantization, the global scale calibrated, on one CTA: up to kCtaBlocks blocks.
+// The whole quantization, the global scale calibrated, on one CTA: up to kCtaBlocks blocks. The
+// quantizing kernels share one signature (jbs_ffi.cc: LaunchQuantizer); this one reads no given
+// scale and no partial amaxes.
 extern "C" __global__ void __launch_bounds__(kThreads)
     jbs_quantize_nvfp4_activation_cta(const uint4* __restrict__ x, long long blocks,
                                       uint2* __restrict__ elements, uint8_t* __restrict__ scales,
                                       float* __restrict__ alpha_out,
-                                      const float* __restrict__ b_alpha) {
+                                      const float* __restrict__ b_alpha, const float*,
+                                      const uint32_t*, int, int alpha_count) {
   // the chained decode kernel may launch now: it streams weights, which this kernel does not
   // write, and waits (griddepcontrol.wait) for this grid's end before it reads what it writes
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -243,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(kThreads)
   }
 
   const GlobalScale gs = CalibratedScale(CtaAmax<kThreads>(amax));
-  if (first == 0) alpha_out[0] = Alpha(gs, b_alpha);
+  WriteAlpha(gs, b_alpha, alpha_count, alpha_out, first, kThreads);
 
 #pragma unroll
   for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -286,18 +294,20 @@ __device__ __forceinline__ GlobalScale StaticGlobalScale(const float* a_decode,
 }
 
 // The start both one-block-per-thread kernels share: thread j's block loaded (x is no earlier
-// kernel's output, so before any wait), then the global scale, and alpha written by thread 0.
-// Returns false for a thread past the tensor.
+// kernel's output, so before any wait), then the global scale, and alpha written. Returns false
+// for a thread past the tensor.
 __device__ __forceinline__ bool LoadStaticBlock(const uint4* x, long long blocks,
                                                 float* alpha_out, const float* b_alpha,
                                                 const float* a_decode,
                                                 const uint32_t* amax_partials, int amax_count,
-                                                long long* j, Block* blk, GlobalScale* gs) {
+                                                int alpha_count, long long* j, Block* blk,
+                                                GlobalScale* gs) {
   *j = 1LL * blockIdx.x * jbs_quantize::kStaticThreads + threadIdx.x;
   const bool inside = *j < blocks;
   if (inside) LoadBlock(x, *j, *blk);
   *gs = StaticGlobalScale(a_decode, amax_partials, amax_count);
-  if (*j == 0) alpha_out[0] = Alpha(*gs, b_alpha);
+  WriteAlpha(*gs, b_alpha, alpha_count, alpha_out, *j,
+             1LL * gridDim.x * jbs_quantize::kStaticThreads);
   return inside;
 }
 
@@ -308,13 +318,14 @@ extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
     jbs_quantize_nvfp4_activation_static(const uint4* x, long long blocks, uint2* elements,
                                          uint8_t* scales, float* alpha_out,
                                          const float* b_alpha, const float* a_decode,
-                                         const uint32_t* amax_partials, int amax_count) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as QuantizeNvfp4
+                                         const uint32_t* amax_partials, int amax_count,
+                                         int alpha_count) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as the one-CTA kernel
   long long j;
   Block blk;
   GlobalScale gs;
-  if (LoadStaticBlock(x, blocks, alpha_out, b_alpha, a_decode, amax_partials, amax_count, &j,
-                      &blk, &gs))
+  if (LoadStaticBlock(x, blocks, alpha_out, b_alpha, a_decode, amax_partials, amax_count,
+                      alpha_count, &j, &blk, &gs))
     StoreBlock(blk, j, gs.enc, elements, scales);
 }
 
@@ -329,12 +340,13 @@ extern "C" __global__ void __launch_bounds__(jbs_quantize::kStaticThreads)
                                                uint32_t* values, uint8_t* unused_scales,
                                                float* alpha_out, const float* b_alpha,
                                                const float* a_decode,
-                                               const uint32_t* amax_partials, int amax_count) {
+                                               const uint32_t* amax_partials, int amax_count,
+                                               int alpha_count) {
   long long j;
   Block blk;
   GlobalScale gs;
-  if (!LoadStaticBlock(x, blocks, alpha_out, b_alpha, a_decode, amax_partials, amax_count, &j,
-                       &blk, &gs))
+  if (!LoadStaticBlock(x, blocks, alpha_out, b_alpha, a_decode, amax_partials, amax_count,
+                       alpha_count, &j, &blk, &gs))
     return;
   const float enc = gs.enc;
   const BlockScale bs = ScaleBlock(blk, enc);

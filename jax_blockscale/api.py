@@ -8,7 +8,8 @@ import numpy as np
 from .formats import FORMATS, can_multiply, check_out_dtype, format_for, supported_pairs
 from .lowering import forced_backend
 from .primitive import gemm_p, join_operands
-from .quantize import BlockScaled, check_blockscaled, check_global_scale, quantize
+from .quantize import (BlockScaled, check_blockscaled, check_global_scale, one_global_scale,
+                       quantize)
 
 
 def _alpha(*operands) -> jax.Array:
@@ -121,14 +122,27 @@ def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer,
             raise ValueError(f"a_global_scale is an NVFP4 decode factor; quantize_a={fmt!r} has "
                              "no global scale (pass a_global_scale=None)")
         check_global_scale(a_global_scale, tuple(a.shape[:-2]), "a_global_scale")
+    gs = "auto" if a_global_scale is None else a_global_scale
+    if layer is not None and fmt == "nvfp4" and one_global_scale(a, gs) and b.ndim == 3 and (
+            b.global_scale is None or jnp.ndim(b.global_scale) == 1):
+        # a bf16 activation: its quantizer also multiplies its decode factor into each layer's
+        # global scale, the alpha the layer target reads (else one XLA kernel on every call)
+        from .nvfp4_quantizer import quantize_nvfp4  # noqa: PLC0415  (it imports quantize)
+
+        b_alpha = (np.ones((b.shape[0],), np.float32) if b.global_scale is None
+                   else b.global_scale)
+        data, scales, alpha = quantize_nvfp4(a, gs, b_alpha)
+        q = BlockScaled(data, scales, None, fmt, "plain")
+        return _layer_gemm(q, b, layer, out_dtype, backend, alpha=alpha)
     if layer is not None:
-        q = quantize(a, fmt, global_scale="auto" if a_global_scale is None else a_global_scale)
+        q = quantize(a, fmt, global_scale=gs)
         return gemm(q, b, out_dtype=out_dtype, backend=backend, layer=layer)
     return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend, a_global_scale)
 
 
-def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend) -> jax.Array:
-    """gemm(a, b[layer]) with b (L, N, K) read in place: ragged_gemm's index mode."""
+def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend, alpha=None) -> jax.Array:
+    """gemm(a, b[layer]) with b (L, N, K) read in place: ragged_gemm's index mode. alpha: each
+    layer's product of the global scales where the caller has it (a's quantizer)."""
     from .ragged import indexed_gemm  # noqa: PLC0415  (ragged imports this package's modules)
 
     if b.ndim != 3:
@@ -155,7 +169,8 @@ def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend) -> jax.Array:
     else:
         a = jnp.asarray(a)
         a = a.reshape((-1,) + a.shape[-1:])
-    y = indexed_gemm(a, b, layer.astype(jnp.int32), out_dtype=out_dtype, backend=backend)
+    y = indexed_gemm(a, b, layer.astype(jnp.int32), out_dtype=out_dtype, backend=backend,
+                     alpha=alpha)
     return y.reshape(lead + y.shape[-1:])
 
 

@@ -1,10 +1,13 @@
 """`jbs.quantize(x, "nvfp4")` of a bf16 activation on the quantizer kernels.
 
-`quantize_nvfp4_p` (x, [decode]) -> (elements, scales, decode) is `_quantize_nvfp4` of quantize.py
-for one (M, K) matrix: x quantized to NVFP4 with one global scale, calibrated from x's amax
-(``global_scale="auto"``) or the given decode factor (an f32 scalar, present when the param
-``given_scale`` is set); the elements float4_e2m1fn (M, K), the plain e4m3 scales (M, K // 16)
-and the stored decode factor. Where the sm90 quantizer kernels can run (a bf16 x, K a multiple
+`quantize_nvfp4_p` (x, [decode], [b_alpha]) -> (elements, scales, alpha) is `_quantize_nvfp4` of
+quantize.py for one (M, K) matrix: x quantized to NVFP4 with one global scale, calibrated from
+x's amax (``global_scale="auto"``) or the given decode factor (an f32 scalar, present when the
+param ``given_scale`` is set); the elements float4_e2m1fn (M, K), the plain e4m3 scales
+(M, K // 16) and the stored decode factor, or, with b_alpha (the (L,) global scales of a stacked
+weight, present when ``times_b_alpha`` is set), its products with them: gemm's alpha for each
+layer, which `gemm(x, w_stack, quantize_a="nvfp4", layer=i)` hands the layer target (XLA would
+multiply them in a kernel of its own on every call). Where the sm90 quantizer kernels can run (a bf16 x, K a multiple
 of 16, a Hopper GPU, a call no partitioner will split) it lowers to the target
 `jax_blockscale_quantize_nvfp4_sm90`: one launch up to 2,048 blocks, an amax kernel and a
 one-block-per-thread kernel past that (docs/design/quantized_activation.md), instead of XLA's
@@ -34,19 +37,30 @@ quantize_nvfp4_p = Primitive("blockscale_quantize_nvfp4")
 quantize_nvfp4_p.multiple_results = True
 
 
-def _reference(x, decode=None, *, given_scale):
-    """quantize.py's XLA computation (one matrix: one amax, or the given decode factor)."""
+def _split(args, given_scale, times_b_alpha):
+    """(x, decode or None, b_alpha or None) of the primitive's operands."""
+    x, rest = args[0], list(args[1:])
+    decode = rest.pop(0) if given_scale else None
+    b_alpha = rest.pop(0) if times_b_alpha else None
+    return x, decode, b_alpha
+
+
+def _reference(*args, given_scale, times_b_alpha):
+    """quantize.py's XLA computation (one matrix: one amax, or the given decode factor), and
+    alpha = decode * b_alpha as gemm computes it."""
+    x, decode, b_alpha = _split(args, given_scale, times_b_alpha)
     data, scales, g = _quantize_nvfp4(x, get_format("nvfp4"),
                                       decode if given_scale else "auto")
-    return data, scales, jnp.asarray(g, jnp.float32)
+    g = jnp.asarray(g, jnp.float32)
+    return data, scales, g if b_alpha is None else g * b_alpha.astype(jnp.float32)
 
 
-def _abstract_eval(x, *_, given_scale):
-    del given_scale
+def _abstract_eval(*args, given_scale, times_b_alpha):
+    x, _, b_alpha = _split(args, given_scale, times_b_alpha)
     m, k = x.shape
     return (jax.core.ShapedArray((m, k), jnp.float4_e2m1fn),
             jax.core.ShapedArray((m, k // 16), jnp.float8_e4m3fn),
-            jax.core.ShapedArray((), jnp.float32))
+            jax.core.ShapedArray(() if b_alpha is None else b_alpha.shape, jnp.float32))
 
 
 quantize_nvfp4_p.def_abstract_eval(_abstract_eval)
@@ -63,10 +77,14 @@ def runs_on_kernels(x_aval, platform: str, library=LIBRARY) -> bool:
             and library.unavailable_reason() is None and library.has_quantize_nvfp4())
 
 
-def _lowering(ctx, *args, platform, given_scale):
+def _lowering(ctx, *args, platform, given_scale, times_b_alpha):
     if runs_on_kernels(ctx.avals_in[0], platform) and not needs_partitioning(ctx, "quantize"):
-        return mlir.lower_fun(quantize_nvfp4_call, multiple_results=True)(ctx, *args)
-    return mlir.lower_fun(functools.partial(_reference, given_scale=given_scale),
+        def kernels(*args):
+            x, decode, b_alpha = _split(args, given_scale, times_b_alpha)
+            return quantize_nvfp4_call(x, decode, b_alpha)
+        return mlir.lower_fun(kernels, multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(functools.partial(_reference, given_scale=given_scale,
+                                            times_b_alpha=times_b_alpha),
                           multiple_results=True)(ctx, *args)
 
 
@@ -75,27 +93,30 @@ for _platform in ALL_PLATFORMS:
                            platform=_platform)
 
 
-def _batch_rule(args, dims, *, given_scale):
+def _batch_rule(args, dims, **params):
     # each mapped matrix quantized on its own, as vmap of quantize.py's computation does
-    f = functools.partial(_reference, given_scale=given_scale)
-    return jax.vmap(f, in_axes=dims)(*args), (0, 0, 0)
+    return jax.vmap(functools.partial(_reference, **params), in_axes=dims)(*args), (0, 0, 0)
 
 
-def _jvp(primals, tangents, *, given_scale):
+def _jvp(primals, tangents, **params):
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(functools.partial(_reference, given_scale=given_scale), primals, tangents)
+    return jax.jvp(functools.partial(_reference, **params), primals, tangents)
 
 
 batching.primitive_batchers[quantize_nvfp4_p] = _batch_rule
 ad.primitive_jvps[quantize_nvfp4_p] = _jvp
 
 
-def quantize_nvfp4(x: jax.Array, global_scale):
+def quantize_nvfp4(x: jax.Array, global_scale, b_alpha=None):
     """(elements, plain scales, decode factor) of x (..., K) quantized to NVFP4 with one global
     scale for all of it ("auto", or a given decode factor of shape ()), as _quantize_nvfp4
-    computes them; through `quantize_nvfp4_p` (the kernels where they run)."""
+    computes them; through `quantize_nvfp4_p` (the kernels where they run). With b_alpha (the
+    (L,) global scales of a stacked weight) the last result is decode * b_alpha instead."""
     given = not isinstance(global_scale, str)
     x2 = x.reshape((-1, x.shape[-1]))  # one global scale: folding the rows changes nothing
     extra = (jnp.asarray(global_scale, jnp.float32),) if given else ()
-    data, scales, g = quantize_nvfp4_p.bind(x2, *extra, given_scale=given)
+    if b_alpha is not None:
+        extra += (jnp.asarray(b_alpha, jnp.float32),)
+    data, scales, g = quantize_nvfp4_p.bind(x2, *extra, given_scale=given,
+                                            times_b_alpha=b_alpha is not None)
     return data.reshape(x.shape), scales.reshape(x.shape[:-1] + (x.shape[-1] // 16,)), g

@@ -458,7 +458,7 @@ def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto", layout: str 
             raise ValueError(f"{f.name} has no global scale (only nvfp4 does); pass "
                              "global_scale=None or leave it at 'auto'")
         check_global_scale(global_scale, tuple(x.shape[:-2]))
-    if f.has_global_scale and _one_global_scale(x, global_scale):
+    if f.has_global_scale and one_global_scale(x, global_scale):
         # a bf16 activation: on a Hopper GPU the quantizer kernels compute the same bits
         from .nvfp4_quantizer import quantize_nvfp4  # noqa: PLC0415  (it imports this module)
         data, scales, g = quantize_nvfp4(x, global_scale)
@@ -470,7 +470,7 @@ def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto", layout: str 
     return to_blocked(q) if layout == "blocked" else q
 
 
-def _one_global_scale(x: jax.Array, global_scale) -> bool:
+def one_global_scale(x: jax.Array, global_scale) -> bool:
     """Whether NVFP4's quantization of x is one bf16 matrix's (rows folded) with one global
     scale, calibrated or given: what nvfp4_quantizer's kernels take."""
     if x.dtype != jnp.bfloat16 or x.shape[-1] % 16 or x.size == 0:

@@ -97,11 +97,13 @@ def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
 
 
 def indexed_gemm(lhs, rhs: BlockScaled, index, *, out_dtype=jnp.bfloat16,
-                 backend: str | None = None) -> jax.Array:
+                 backend: str | None = None, alpha=None) -> jax.Array:
     """``lhs @ rhs[index].T`` for an (M, K) lhs and a stack rhs (G, N, K), reading rhs[index]
-    in place (index mode, see the module docstring); what ``jbs.gemm(..., layer=)`` calls."""
+    in place (index mode, see the module docstring); what ``jbs.gemm(..., layer=)`` calls.
+    alpha: the (G,) products of the operands' global scales where the caller has them (then
+    the operands' own are not multiplied again)."""
     operands, params = _operands_and_params(lhs, rhs, index, out_dtype, backend,
-                                            group_index=True)
+                                            group_index=True, alpha=alpha)
     return ragged_gemm_p.bind(*operands, **params)
 
 
@@ -114,9 +116,11 @@ def ragged_gemm_spec(lhs, rhs: BlockScaled, group_sizes, *,
     return ragged_spec(avals, **params)
 
 
-def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend, group_index=False):
+def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend, group_index=False,
+                         alpha=None):
     """ragged_gemm's arguments checked (naming the bad one) and turned into ragged_gemm_p's
-    operands and params (group_index: group_sizes is the index of index mode)."""
+    operands and params (group_index: group_sizes is the index of index mode; alpha: the (G,)
+    products of the global scales, computed by the caller, else here from the operands')."""
     if not isinstance(rhs, BlockScaled):
         raise TypeError(f"rhs must be a jbs.BlockScaled (G, N, K), got {type(rhs).__name__}; "
                         "quantize the expert weights with jbs.quantize(w, fmt, layout='blocked')")
@@ -134,13 +138,19 @@ def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend, group_index=
     else:
         l_elems, sl, fmt_lhs, layout_lhs = jnp.asarray(lhs), None, None, None
     group_sizes = jnp.asarray(group_sizes)
-    alpha = jnp.ones((groups,), jnp.float32)
-    no_global_scale = True
-    # check_blockscaled allowed a scalar lhs global scale, and a scalar or (G,) one for rhs
-    for q in (lhs, rhs):
-        if isinstance(q, BlockScaled) and q.global_scale is not None:
-            alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
-            no_global_scale = False
+    if alpha is not None:
+        alpha, no_global_scale = jnp.asarray(alpha, jnp.float32), False
+        if alpha.shape != (groups,):
+            raise ValueError(f"alpha must hold one f32 per group, shape ({groups},); got "
+                             f"{alpha.shape}")
+    else:
+        alpha = jnp.ones((groups,), jnp.float32)
+        no_global_scale = True
+        # check_blockscaled allowed a scalar lhs global scale, and a scalar or (G,) one for rhs
+        for q in (lhs, rhs):
+            if isinstance(q, BlockScaled) and q.global_scale is not None:
+                alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
+                no_global_scale = False
     operands = join_operands(l_elems, rhs.data, sl, rhs.scales, group_sizes, alpha)
     return operands, dict(fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt, layout_lhs=layout_lhs,
                           layout_rhs=rhs.layout, out_dtype=np.dtype(out_dtype), backend=backend,

@@ -184,27 +184,32 @@ def quantized_activation_scratch_bytes(blocks: int, block_bytes: int = 8) -> int
     return up(up(up(block_bytes * blocks) + blocks) + 4 * partials) + 4
 
 
-def quantize_nvfp4_call(x, a_decode=None):
+def quantize_nvfp4_call(x, a_decode=None, b_alpha=None):
     """jbs.quantize(x, "nvfp4", global_scale=a_decode or "auto") of a bf16 x (M, K) on the
     quantizer kernels (target `jax_blockscale_quantize_nvfp4_sm90`): (elements
-    float4_e2m1fn (M, K), plain e4m3 scales (M, K // 16), the stored decode factor f32 ())."""
+    float4_e2m1fn (M, K), plain e4m3 scales (M, K // 16), alpha): alpha the stored decode
+    factor f32 (), or with b_alpha (the (L,) global scales of a stacked weight) its products
+    with them, f32 (L,)."""
     if not _plugin.register_targets():
         raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
     m, k = x.shape
     blocks = m * k // 16
     partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
+    layers = 0 if b_alpha is None else b_alpha.shape[0]
     call = jax.ffi.ffi_call(
         _plugin.QUANTIZE_NVFP4_SM90_TARGET,
         (jax.ShapeDtypeStruct((blocks * 8,), jnp.uint8),
          jax.ShapeDtypeStruct((blocks,), jnp.uint8),
-         jax.ShapeDtypeStruct((1,), jnp.float32),
+         jax.ShapeDtypeStruct((max(layers, 1),), jnp.float32),
          jax.ShapeDtypeStruct((partials,), jnp.float32)))
     a_decode = (jnp.zeros((0,), jnp.float32) if a_decode is None
                 else jnp.reshape(a_decode.astype(jnp.float32), (1,)))
-    elements, scales, decode, _ = call(x, a_decode, m=np.int64(m), k=np.int64(k))
+    b_alpha = jnp.zeros((0,), jnp.float32) if b_alpha is None else b_alpha.astype(jnp.float32)
+    elements, scales, alpha, _ = call(x, a_decode, b_alpha, m=np.int64(m), k=np.int64(k))
     data = lax.bitcast_convert_type(elements.reshape(m, k // 2), jnp.float4_e2m1fn)
     return (data.reshape(m, k), lax.bitcast_convert_type(scales.reshape(m, k // 16),
-                                                         jnp.float8_e4m3fn), decode[0])
+                                                         jnp.float8_e4m3fn),
+            alpha if layers else alpha[0])
 
 
 def quantized_activation_gemm(x, b, sb, b_alpha, a_decode=None, *, plan: Plan):

@@ -181,15 +181,24 @@ def test_quantize_of_a_bf16_activation_is_one_call(monkeypatch, shape):
         assert "stablehlo.divide" not in text
 
 
-def test_scanned_w4a4_quantizes_on_the_kernels(monkeypatch):
-    """gemm(x, w_stack, quantize_a="nvfp4", layer=i) (a scanned model's W4A4): the composition,
-    whose quantization is the quantizer target feeding the layer target."""
+@pytest.mark.parametrize("given", [False, True])
+def test_scanned_w4a4_quantizes_on_the_kernels(monkeypatch, given):
+    """gemm(x, w_stack, quantize_a="nvfp4", layer=i) (a scanned model's W4A4): the quantizer
+    target feeding the layer target, the quantizer also writing each layer's alpha (a's decode
+    factor times the stack's global scales: its third operand, the layer call's alpha), so that
+    XLA multiplies no (L,) alpha on every call."""
     x, w = jnp.ones((4, 2048), jnp.bfloat16), _weight(512, 2048, lead=(3,))
-    f = lambda x, w, i: jbs.gemm(x, w, quantize_a="nvfp4", layer=i)  # noqa: E731
+    g = 0.01 if given else None
+    f = lambda x, w, i: jbs.gemm(x, w, quantize_a="nvfp4", layer=i, a_global_scale=g)  # noqa
     text = lower_for_cuda(monkeypatch, f, x, w, jnp.int32(1))
-    targets = [re.search(r"@(\w+)\(", c).group(1) for c in _calls(text)]
+    calls = _calls(text)
+    targets = [re.search(r"@(\w+)\(", c).group(1) for c in calls]
     assert targets == [QUANTIZE, _plugin.LAYER_SM90_TARGET], targets
     assert "stablehlo.reduce" not in text
+    assert calls[0].split("->")[0].rstrip().endswith("tensor<3xf32>)"), calls[0]
+    quantizer = re.match(r"\s*(%\w+):4 = ", calls[0]).group(1)
+    assert f"{quantizer}#2" in calls[1].split("{")[0], calls[1]  # its alpha, as it is
+    assert not re.search(r"stablehlo.multiply .*tensor<3xf32>", text)
 
 
 @pytest.mark.parametrize("case", ["f32", "per_matrix", "per-matrix given", "mxfp4",

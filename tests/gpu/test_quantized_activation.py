@@ -365,3 +365,33 @@ def test_quantize_on_the_kernels_extremes_and_non_finite(m, k):
     x[0, 5], x[1, 40] = np.nan, -np.inf
     q = _check_quantize(x)
     assert np.isnan(np.asarray(jbs.dequantize(q))[:2]).any()
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("given", [False, True])
+def test_scanned_layers_alpha_from_the_quantizer(m, given):
+    """gemm(x, w_stack, quantize_a="nvfp4", layer=i) in a scan over the layers: the quantizer
+    target writes each layer's alpha (a's decode factor times the stack's global scales) that
+    the layer target reads; equal bit for bit to the written-out composition
+    gemm(jbs.quantize(x), w_stack, layer=i), whose alpha XLA multiplies."""
+    rng = _rng()
+    layers, n, k = 3, 1024, 4096
+    w = rng.standard_normal((layers, n, k)).astype(np.float32) / np.sqrt(k)
+    stack = jbs.quantize(w, "nvfp4", global_scale="per_matrix", layout="blocked")
+    xs = jnp.asarray(_activation(layers * m, k, rng).reshape(layers, m, k), jnp.bfloat16)
+    g = jnp.float32(float(np.abs(np.asarray(xs, np.float32)).max()) / 2688) if given else None
+
+    def run(fused):
+        def body(i, x):
+            gs = "auto" if g is None else g
+            y = (jbs.gemm(x, stack, quantize_a="nvfp4", a_global_scale=g, layer=i,
+                          out_dtype=jnp.float32) if fused else
+                 jbs.gemm(jbs.quantize(x, "nvfp4", global_scale=gs), stack, layer=i,
+                          out_dtype=jnp.float32))
+            return i + 1, y
+        return jax.jit(lambda xs: lax.scan(body, jnp.int32(0), xs)[1])
+
+    fused, composed = run(True), run(False)
+    assert QUANTIZE in fused.lower(xs).compile().as_text()
+    poison()
+    np.testing.assert_array_equal(np.asarray(fused(xs)), np.asarray(composed(xs)))

@@ -161,3 +161,38 @@ def test_given_scale_bad_arguments_name_themselves():
             jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=bad)
     with pytest.raises(TypeError, match="a_global_scale must be a floating-point"):
         jbs.gemm(x, w, quantize_a="nvfp4", a_global_scale=jnp.int32(1))
+
+
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.parametrize("weight_scale", ["per_matrix", None])
+def test_layer_of_a_stack_in_a_scan_equals_the_composition(given, weight_scale):
+    """gemm(x, w_stack, quantize_a="nvfp4", layer=i) in a scan over the layers (the quantizer
+    then also writes each layer's alpha: a's decode factor times the stack's global scales, or
+    the decode factor alone for a stack without them) == the composition with the layer's own
+    weight, bit for bit, for a (2, 3, K) activation too."""
+    rng = np.random.default_rng(7 + given)
+    k, n, layers = 128, 40, 3
+    w = rng.standard_normal((layers, n, k)).astype(np.float32) / np.sqrt(k)
+    stack = jbs.quantize(w, "nvfp4", global_scale=weight_scale, layout="blocked")
+    x = jnp.asarray(rng.standard_normal((2, 3, k)) * 3.0, jnp.bfloat16)
+    g = jnp.float32(0.004) if given else None
+
+    def body(acc, i):
+        return acc, jbs.gemm(x, stack, quantize_a="nvfp4", a_global_scale=g, layer=i,
+                             out_dtype=jnp.float32)
+
+    _, ys = jax.jit(lambda: jax.lax.scan(body, 0.0, jnp.arange(layers)))()
+    q = jbs.quantize(x, "nvfp4", global_scale="auto" if g is None else g)
+    for i in range(layers):
+        w_i = jax.tree.map(lambda a: a[i], stack)
+        want = jbs.gemm(q, w_i, out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(want))
+
+
+def test_indexed_gemm_checks_a_given_alpha():
+    from jax_blockscale.ragged import indexed_gemm
+
+    x, w = _data(2, 16, 64, 31)
+    stack = jax.tree.map(lambda a: jnp.stack([a, a]), w)
+    with pytest.raises(ValueError, match=r"alpha must hold one f32 per group, shape \(2,\)"):
+        indexed_gemm(x, stack, jnp.int32(0), alpha=jnp.ones((3,)))
