@@ -169,14 +169,15 @@ def _quantize_calls(text):
 @pytest.mark.parametrize("shape", [(1, 4096), (16, 14336), (2, 3, 64), (64, 4096)])
 def test_quantize_of_a_bf16_activation_is_one_call(monkeypatch, shape):
     """Rows folded into one (M, K) call; XLA computes no amax, scale or element; a given
-    decode factor is the call's second operand, an empty one calibrates."""
+    decode factor is the call's second operand, an empty one calibrates; no weight's global
+    scales (an empty third operand) to multiply alpha by."""
     x = jnp.ones(shape, jnp.bfloat16)
     m = int(np.prod(shape[:-1]))
     for g, operand in (("auto", "tensor<0xf32>"), (0.01, "tensor<1xf32>")):
         text = lower_for_cuda(monkeypatch, lambda x: jbs.quantize(x, "nvfp4", global_scale=g), x)
         calls = _calls(text)
         assert len(calls) == 1 and "@" + QUANTIZE + "(" in calls[0], calls
-        assert f"tensor<{m}x{shape[-1]}xbf16>, {operand})" in calls[0], calls[0]
+        assert f"tensor<{m}x{shape[-1]}xbf16>, {operand}, tensor<0xf32>)" in calls[0], calls[0]
         assert f"m = {m} : i64" in calls[0] and "stablehlo.reduce" not in text
         assert "stablehlo.divide" not in text
 
