@@ -7,8 +7,9 @@ param ``given_scale`` is set); the elements float4_e2m1fn (M, K), the plain e4m3
 (M, K // 16) and the stored decode factor, or, with b_alpha (the (L,) global scales of a stacked
 weight, present when ``times_b_alpha`` is set), its products with them: gemm's alpha for each
 layer, which `gemm(x, w_stack, quantize_a="nvfp4", layer=i)` hands the layer target (XLA would
-multiply them in a kernel of its own on every call). Where the sm90 quantizer kernels can run (a bf16 x, K a multiple
-of 16, a Hopper GPU, a call no partitioner will split) it lowers to the target
+multiply them in a kernel of its own on every call). Where the sm90 quantizer kernels can run (a
+bf16 x, K a multiple of 16, a Hopper GPU, a call no partitioner will split) it lowers to the
+target
 `jax_blockscale_quantize_nvfp4_sm90`: one launch up to 2,048 blocks, an amax kernel and a
 one-block-per-thread kernel past that (docs/design/quantized_activation.md), instead of XLA's
 four kernels. Its results are XLA's bit for bit (the kernels perform the same f32 operations,

@@ -368,6 +368,14 @@ INDEX_MODE_MAX_ROWS = 64
 QUANTIZE_A_FORMATS = ("nvfp4",)
 QUANTIZE_A_CTA_ELEMENTS = 512 * 4 * 16
 QUANTIZE_A_AMAX_CTA_BLOCKS = 256 * 1
+
+
+def quantize_a_amax_partials(blocks: int) -> int:
+    """The partial amaxes the amax kernel writes for `blocks` blocks (one per CTA; the launch
+    header's AmaxPartials)."""
+    return -(-blocks // QUANTIZE_A_AMAX_CTA_BLOCKS)
+
+
 # The decode kernels the quantizer hands its result to: the chained twins (DecodeVariant.chained)
 # of the decode variants of each quantized pair, every output dtype and M tile.
 CHAINED_DECODE_VARIANTS = tuple(DecodeVariant(a, a, out, nt, chained=True)

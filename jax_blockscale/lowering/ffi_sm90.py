@@ -176,12 +176,11 @@ def quantized_activation_scratch_bytes(blocks: int, block_bytes: int = 8) -> int
     """Bytes of the quantized activation (`blocks` NVFP4 blocks) at the front of the fused
     target's workspace: its elements (`block_bytes` per block: 8 packed, or 32 as the
     register-weight kernel's bf16 values), then its plain scales, the calibrating amax kernel's
-    partial amaxes (one f32 per cat.QUANTIZE_A_AMAX_CTA_BLOCKS blocks) and alpha, each 256-byte
+    partial amaxes (cat.quantize_a_amax_partials f32s) and alpha, each 256-byte
     aligned (ffi/jbs_ffi.cc: QuantizedActivationScratch lays it out the same way)."""
     def up(x):
         return -(-x // 256) * 256
-    partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
-    return up(up(up(block_bytes * blocks) + blocks) + 4 * partials) + 4
+    return up(up(up(block_bytes * blocks) + blocks) + 4 * cat.quantize_a_amax_partials(blocks)) + 4
 
 
 def quantize_nvfp4_call(x, a_decode=None, b_alpha=None):
@@ -194,14 +193,13 @@ def quantize_nvfp4_call(x, a_decode=None, b_alpha=None):
         raise RuntimeError(f"jax_blockscale sm90: {_plugin.unavailable_reason()}")
     m, k = x.shape
     blocks = m * k // 16
-    partials = -(-blocks // cat.QUANTIZE_A_AMAX_CTA_BLOCKS)
     layers = 0 if b_alpha is None else b_alpha.shape[0]
     call = jax.ffi.ffi_call(
         _plugin.QUANTIZE_NVFP4_SM90_TARGET,
         (jax.ShapeDtypeStruct((blocks * 8,), jnp.uint8),
          jax.ShapeDtypeStruct((blocks,), jnp.uint8),
          jax.ShapeDtypeStruct((max(layers, 1),), jnp.float32),
-         jax.ShapeDtypeStruct((partials,), jnp.float32)))
+         jax.ShapeDtypeStruct((cat.quantize_a_amax_partials(blocks),), jnp.float32)))
     a_decode = (jnp.zeros((0,), jnp.float32) if a_decode is None
                 else jnp.reshape(a_decode.astype(jnp.float32), (1,)))
     b_alpha = jnp.zeros((0,), jnp.float32) if b_alpha is None else b_alpha.astype(jnp.float32)
