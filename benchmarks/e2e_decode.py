@@ -259,6 +259,7 @@ def main(argv=None):
                    help=f"comma-separated, of {list(VARIANTS)}")
     p.add_argument("--scan", action="store_true", help="also time scanned layers (layer=i)")
     p.add_argument("--no-per-gemm", action="store_true", help="skip the per-GEMM table")
+    p.add_argument("--gemm-rows", default="1,16,64", help="rows of the per-GEMM table")
     p.add_argument("--breakdown", type=int, default=12, help="kernels printed per step row")
     p.add_argument("--calls", type=int, default=10, help="profiled steps")
     p.add_argument("--tiny", action="store_true", help="1/32 of the shapes, 2 layers (CPU)")
@@ -308,8 +309,8 @@ def main(argv=None):
             for r in rows if r["variant"] == "bf16"}
     for r in rows:
         r["speedup_vs_bf16"] = base[("unrolled", r["batch"])] / r["us"]
-    gemms = [] if args.no_per_gemm else per_gemm_rows(variants, [1, 16, 64] if not args.tiny
-                                                      else [1, 2], scale, on_gpu, timing)
+    gemm_rows = [1, 2] if args.tiny else [int(r) for r in args.gemm_rows.split(",")]
+    gemms = [] if args.no_per_gemm else per_gemm_rows(variants, gemm_rows, scale, on_gpu, timing)
     print_step_table(rows)
     if gemms:
         print_gemm_table(gemms)

@@ -265,7 +265,8 @@ class Tuning:
 # 256 bytes, 1 CTA per SM, the NVFP4 scale fold.
 DEFAULT_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=1, ctas_per_sm=1,
                         fold_scale=True, box_steps=4)
-# nt = 1 (M <= 8): the same ring with 128 rows per CTA (2 rows per thread) and 2 CTAs per SM.
+# nt = 1 (M <= 8), and nt = 2 for the weight kinds in NARROW_16_ROW_KINDS: the same ring with 128
+# rows per CTA (2 rows per thread) and 2 CTAs per SM.
 NARROW_TUNING = Tuning("tma", stages=2, sub_steps=4, min_blocks=2, ctas_per_sm=2,
                        fold_scale=True, rows_per_thread=2, box_steps=4)
 # nt = 4 / 8 (M <= 32 / 64): one row tile per warp (128 rows of N per CTA), so that 4-8 n8 tiles
@@ -274,9 +275,18 @@ WIDE_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
                      fold_scale=True, rows_per_thread=2)
 
 
-def tuning_for(nt: int) -> Tuning:
-    """The tuning the library builds a decode variant with n8-tile count `nt` with."""
-    return NARROW_TUNING if nt == 1 else DEFAULT_TUNING if nt == 2 else WIDE_TUNING
+# Weight kinds whose 9-16-row variants (nt = 2) take NARROW_TUNING too: MXFP8 weights (one byte
+# an element, twice the MMA work per weight byte of FP4) stream faster with twice the warps per SM
+# at every shape measured, FP4 weights slower (docs/design/sm90_decode.md, "What was tried").
+NARROW_16_ROW_KINDS = frozenset({"mxfp8"})
+
+
+def tuning_for(nt: int, b_kind: str) -> Tuning:
+    """The tuning the library builds a decode variant with n8-tile count `nt` and weight kind
+    `b_kind` with (the dense and the grouped decode kernel alike)."""
+    if nt == 1 or (nt == 2 and b_kind in NARROW_16_ROW_KINDS):
+        return NARROW_TUNING
+    return DEFAULT_TUNING if nt == 2 else WIDE_TUNING
 
 
 def nt_for(m: int) -> int:
@@ -291,7 +301,7 @@ def steps_elems(b_kind: str) -> int:
 
 def decode_chunk_elems(b_kind: str, nt: int, tuning: Tuning | None = None) -> int:
     """K elements of one sub-chunk (the unit a split covers a whole number of)."""
-    return (tuning or tuning_for(nt)).sub_steps * steps_elems(b_kind)
+    return (tuning or tuning_for(nt, b_kind)).sub_steps * steps_elems(b_kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +320,11 @@ class DecodeVariant:
     chained: bool = False
 
     @property
+    def tuning(self) -> Tuning:
+        """The tuning it is built with (its rows of N per CTA: tuning.bn)."""
+        return tuning_for(self.nt, self.b_kind)
+
+    @property
     def name(self) -> str:
         kind = "decode_chained" if self.chained else "decode"
         return f"jbs_sm90_{kind}_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
@@ -324,7 +339,7 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
 
     fmt_a is None/"bf16" for weight-only. splits: K ranges per output tile, so that the grid has
     about `tuning.ctas_per_sm` CTAs per SM (one wave, no tail), each range a whole number of
-    sub-chunks, every range the same length but the last. `tuning` defaults to tuning_for(nt)
+    sub-chunks, every range the same length but the last. `tuning` defaults to tuning_for(nt, b)
     (what the library ships)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
@@ -337,7 +352,7 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
     if m > DECODE_MAX_ROWS:
         return None
     nt = nt_for(m)
-    tuning = tuning or tuning_for(nt)
+    tuning = tuning or tuning_for(nt, b_kind)
     k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
     ctas = _ceil_div(n, tuning.bn) * _ceil_div(m, 8 * nt)
     splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
@@ -410,7 +425,7 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
                                 splits: int, sm_count: int) -> int:
     """Adjacent tiles of N per CTA for a grouped decode call of M rows over `groups` experts
     of (N, K) weights of `b_kind` on `splits` K ranges (1: a CTA per tile)."""
-    tuning = tuning_for(nt)
+    tuning = tuning_for(nt, b_kind)
     tiles = _ceil_div(n, tuning.bn)
     chunk = decode_chunk_elems(b_kind, nt, tuning)
     k_range = min(k, _ceil_div(_ceil_div(k, chunk), splits) * chunk)  # a split's K elements
@@ -447,7 +462,7 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
     nt = nt_for(max(avg, min(2 * avg, 32)))
-    tuning = tuning_for(nt)
+    tuning = tuning_for(nt, b_kind)
     k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
     ctas = _ceil_div(n, tuning.bn) * min(groups, m)
     splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
@@ -553,7 +568,7 @@ def fused_variant(a_kind: str, b_kind: str, out: str, tile_m: int, tile_n: int) 
 
 
 def decode_variant(v: DecodeVariant, kernel: str = "decode") -> Variant:
-    t = tuning_for(v.nt)
+    t = v.tuning
     return Variant(kernel, v.a_kind, v.b_kind, v.out, 8 * v.nt, t.bn, v.nt,
                    decode_chunk_elems(v.b_kind, v.nt, t), v.chained)
 

@@ -20,8 +20,8 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   brings each sub-chunk in with TMA (boxes of the CTA's 256 rows x box_steps * 64 bytes: one
   256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
-  reads its 16-byte pieces from there. M <= 8 (NARROW_TUNING): the same with 128 rows per CTA
-  and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes.
+  reads its 16-byte pieces from there. M <= 8, and MXFP8 weights up to M = 16 (NARROW_TUNING,
+  catalog/sm90.py: tuning_for): the same with 128 rows per CTA and 2 CTAs/SM. M <= 32 / 64 (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes.
   Measured alternatives, still buildable as tunings (docs/design/sm90_decode.md): "cpasync"
   (each thread cp.async-copies its own pieces into a per-thread ring) and "regs" (loads into
   registers one sub-chunk ahead).
@@ -82,7 +82,7 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DECODE_B_KINDS as B_KINDS, DECODE_PAIRS as PAIRS, DECODE_STEP_BYTES as STEP_BYTES,
     DECODE_THREADS as THREADS, DECODE_VARIANTS as VARIANTS, DECODE_WARPS as WARPS,
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
-    steps_elems, tuning_for)
+    steps_elems)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
 from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
@@ -100,7 +100,7 @@ class Sm90DecodeGemm:
     grouped = False  # Sm90RaggedDecodeGemm: rows of M come from a work table, one expert each
 
     def __init__(self, variant: DecodeVariant, tuning: Tuning | None = None):
-        tuning = tuning or tuning_for(variant.nt)
+        tuning = tuning or variant.tuning
         assert tuning.pipeline == "tma" or not self.grouped, tuning
         self.tuning = tuning
         self.sub = tuning.sub_steps

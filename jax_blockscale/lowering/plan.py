@@ -347,7 +347,7 @@ class _Sm90:
         if decode is not None:
             v, splits = decode
             return Plan("sm90", "decode", variant=v.name, a_kind=ka, b_kind=kb,
-                        tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), nt=v.nt, splits=splits,
+                        tile=(8 * v.nt, v.tuning.bn), nt=v.nt, splits=splits,
                         workspace=splits * l * m * spec.n, dequantize_a=dequantize_a,
                         a_scales_plain=kspec.fmt_a is not None and kspec.layout_a == "plain",
                         k=k, **common)
@@ -496,7 +496,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     per_cta = 1 if layer is not None else cat90.ragged_decode_tiles_per_cta(
         pm, pn, spec.k, pg, kb, v.nt, splits, device.sm_count)
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
-                      nt=v.nt, tile=(8 * v.nt, cat90.tuning_for(v.nt).bn), splits=splits,
+                      nt=v.nt, tile=(8 * v.nt, v.tuning.bn), splits=splits,
                       items=items, a_scales_plain=a_scales_plain, raw_sizes=raw_sizes,
                       tiles_per_cta=per_cta, layer=layer)
 

@@ -77,7 +77,7 @@ def problem(a="nvfp4", b="nvfp4", out="bf16", m=100, n=70, k=256, l=2, *, nt=0, 
     tile defaults to the fused kernel's 128x128 (or the decode variant's for nt > 0)."""
     block = cat.KINDS["bf16" if a == "bf16_kperm" else a]["block"]
     if tile is None:
-        tile = (8 * nt, cat.tuning_for(nt).bn) if nt else (128, 128)
+        tile = (8 * nt, cat.tuning_for(nt, b).bn) if nt else (128, 128)
     if a_scales_plain and block:
         sa = l * m * (k // block)
     else:

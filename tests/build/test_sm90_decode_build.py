@@ -256,11 +256,11 @@ def test_activation_dequant_group(kind, elem):
 def test_choose_decode_variant():
     v, s = cat.choose_decode_variant(1, 16384, 16384, None, "nvfp4", 132)
     assert (v.a_kind, v.b_kind, v.nt, v.out) == ("bf16", "nvfp4", 1, "bf16")
-    tun = cat.tuning_for(1)
+    tun = v.tuning
     assert 1 <= s and -(-16384 // tun.bn) * s <= 132 * tun.ctas_per_sm
     v, s = cat.choose_decode_variant(16, 8192, 8192, "bf16", "mxfp8_e5m2", 132, "f32")
     assert (v.b_kind, v.nt, v.out) == ("mxfp8", 2, "f32")
-    tun = cat.tuning_for(2)
+    tun = v.tuning
     tiles = 8192 // tun.bn  # CTAs over N: split K to fill the GPU
     assert tiles * s <= 132 * tun.ctas_per_sm and s >= 132 * tun.ctas_per_sm // tiles // 2
     v, s = cat.choose_decode_variant(12, 1000, 4192, "nvfp4", "nvfp4", 132)
@@ -269,14 +269,14 @@ def test_choose_decode_variant():
     for (m, n, k) in [(1, 256, 512), (3, 1000, 4192), (16, 300, 32 * 7), (8, 100000, 8192)]:
         for fmt in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
             v, s = cat.choose_decode_variant(m, n, k, None, fmt, 132)
-            chunk = cat.tuning_for(v.nt).sub_steps * cat.steps_elems(v.b_kind)
+            chunk = v.tuning.sub_steps * cat.steps_elems(v.b_kind)
             k_chunks = -(-k // chunk)
             per = -(-k_chunks // s)
             assert (s - 1) * per < k_chunks, (m, n, k, fmt, s)
     # M = 17..64: the wide variants (one row tile per warp, 128 rows of N per CTA)
     for m, nt in [(17, 4), (32, 4), (33, 8), (64, 8)]:
         v, s = cat.choose_decode_variant(m, 16384, 16384, None, "nvfp4", 132)
-        assert v.nt == nt and cat.tuning_for(nt) == cat.WIDE_TUNING and cat.WIDE_TUNING.bn == 128
+        assert v.nt == nt and v.tuning == cat.WIDE_TUNING and cat.WIDE_TUNING.bn == 128
         assert 1 <= s and -(-16384 // 128) * s <= 132 * cat.WIDE_TUNING.ctas_per_sm
     # not this kernel's job
     assert cat.choose_decode_variant(65, 4096, 4096, None, "nvfp4", 132) is None
@@ -330,7 +330,7 @@ def test_export_sm90a(variant, tmp_path):
                       "ws_ptr", "m", "n", "k", "l", "a_e5m2", "b_e5m2", "splits", "stream"]
     main = _main_kernel_sass(o, str(tmp_path))
     assert "HMMA.16816.F32.BF16" in main  # tensor cores, bf16 in / f32 accumulate
-    pipeline = cat.tuning_for(variant.nt).pipeline
+    pipeline = variant.tuning.pipeline
     if pipeline == "tma":  # weights and scales by TMA boxes, completing on mbarriers
         assert "UTMALDG.3D" in main and "UTMALDG.3D" in main.replace("UTMALDG.3D", "", 1)
         assert "SYNCS.PHASECHK.TRANS64" in main and "SYNCS.ARRIVE.TRANS64" in main
@@ -357,7 +357,7 @@ def test_chained_variants_are_the_quantized_pairs_decode_variants():
     for v in cat.CHAINED_DECODE_VARIANTS:
         twin = dataclasses.replace(v, chained=False)
         assert twin in cat.DECODE_VARIANTS and twin.name != v.name and "chained" in v.name
-        assert cat.tuning_for(v.nt).pipeline == "tma"  # the wait sits in the TMA main loop
+        assert v.tuning.pipeline == "tma"  # the wait sits in the TMA main loop
 
 
 @needs_dsl

@@ -166,6 +166,23 @@ def test_plan_fields_describe_the_call():
     assert p.kernel == "xla_dot" and p.variant is None
 
 
+@pytest.mark.parametrize("fmt_b, bn", [("nvfp4", 256), ("mxfp4", 256), ("mxfp8_e4m3", 128),
+                                        ("mxfp8_e5m2", 128)])
+def test_decode_tiles_at_16_rows_follow_the_weight_kind(fmt_b, bn):
+    # 9-16 rows: 256 weight rows per CTA at one CTA per SM for FP4 weights, 128 at two per SM for
+    # MXFP8 weights (catalog/sm90.py: NARROW_16_ROW_KINDS); the grid fills the same SMs either way
+    for fmt_a in (None, fmt_b):
+        p = _plan(_w(m=16, n=6144, k=4096, fmt_a=fmt_a, fmt_b=fmt_b))
+        assert (p.kernel, p.nt, p.tile) == ("decode", 2, (16, bn)), (fmt_a, p)
+        ctas = -(-6144 // bn) * p.splits
+        per_sm = 2 if bn == 128 else 1
+        assert ctas <= per_sm * H100.sm_count < ctas + per_sm * -(-6144 // bn) * 2
+        assert cat90.decode_variant(cat90.DecodeVariant(
+            "bf16", cat90.KIND_OF_FORMAT[fmt_b], "bf16", 2)).tile_n == bn
+    # 8 rows and fewer: 128 rows for every kind
+    assert _plan(_w(m=8, n=6144, k=4096, fmt_b=fmt_b)).tile == (8, 128)
+
+
 def test_register_weights_split_k_where_their_tiles_leave_sms_idle():
     # a decoder's down projection at 64 rows: 32 tiles of 64 x 128 on 132 SMs -> four K ranges
     # (two warp groups per SM), the f32 variant writing the partials to the workspace
