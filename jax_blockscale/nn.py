@@ -33,7 +33,7 @@ import numpy as np
 
 from .api import gemm
 from .formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
-from .quantize import BlockScaled, quantize, to_blocked
+from .quantize import BlockScaled, check_global_scale, quantize, to_blocked
 
 try:
     from flax import linen
@@ -141,13 +141,8 @@ def _check_act_global_scale(act_global_scale, act_fmt):
     if act_fmt != "nvfp4":
         raise ValueError(f"act_global_scale is an NVFP4 activation's decode factor; it needs "
                          f"act_fmt='nvfp4', got act_fmt={act_fmt!r}")
-    g = jnp.asarray(act_global_scale, jnp.float32)
-    if g.shape != ():
-        raise ValueError(f"act_global_scale must be one decode factor (a scalar), got shape "
-                         f"{g.shape}")
-    if not isinstance(g, jax.core.Tracer) and not (math.isfinite(float(g)) and float(g) > 0):
-        raise ValueError(f"act_global_scale must be finite and > 0, got {float(g)}")
-    return g
+    check_global_scale(act_global_scale, (), "act_global_scale")  # one finite decode factor > 0
+    return jnp.asarray(act_global_scale, jnp.float32)
 
 
 class QuantizedLinear(nnx.Module):

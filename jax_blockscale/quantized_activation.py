@@ -39,7 +39,7 @@ from .lowering.ffi_sm90 import quantized_activation_gemm
 from .lowering.plan import LIBRARY, plan as make_plan
 from .partitioning import needs_partitioning
 from .primitive import gemm_spec
-from .quantize import BlockScaled, quantize
+from .quantize import BlockScaled, one_global_scale, quantize
 
 qact_gemm_p = Primitive("blockscale_quantized_act_gemm")
 
@@ -150,8 +150,8 @@ def quantized_activation_gemm_call(a, b: BlockScaled, fmt: str, out_dtype, backe
     b_alpha = jnp.float32(1.0) if b.global_scale is None else jnp.asarray(b.global_scale,
                                                                           jnp.float32)
     extra = (jnp.asarray(a_global_scale, jnp.float32),) if given else ()
-    if (fmt not in cat.QUANTIZE_A_FORMATS or b.ndim != 2 or a.dtype != jnp.bfloat16
-            or b_alpha.shape != () or any(e.shape != () for e in extra)):
+    if (fmt not in cat.QUANTIZE_A_FORMATS or b.ndim != 2 or b_alpha.shape != ()
+            or not one_global_scale(a, a_global_scale if given else "auto")):
         return composed(a, b.data, b.scales, b_alpha, *extra, **params)
     lead = a.shape[:-1]
     x = a.reshape((-1, a.shape[-1]))  # one tensor, one global scale: folding rows changes nothing

@@ -397,8 +397,8 @@ def test_layers_with_a_given_activation_scale():
 
 @pytest.mark.parametrize("act_fmt,g,match", [
     (None, 0.01, "needs act_fmt='nvfp4'"), ("mxfp8_e4m3", 0.01, "needs act_fmt='nvfp4'"),
-    ("nvfp4", [0.01, 0.02], "one decode factor"), ("nvfp4", 0.0, "finite and > 0"),
-    ("nvfp4", float("nan"), "finite and > 0"), ("nvfp4", -1.0, "finite and > 0")])
+    ("nvfp4", [0.01, 0.02], "act_global_scale has shape"), ("nvfp4", 0.0, "finite and positive"),
+    ("nvfp4", float("nan"), "finite and positive"), ("nvfp4", -1.0, "finite and positive")])
 def test_layers_reject_a_bad_activation_scale(act_fmt, g, match):
     fmt = "mxfp8_e4m3" if act_fmt == "mxfp8_e4m3" else "nvfp4"
     with pytest.raises(ValueError, match=match):
