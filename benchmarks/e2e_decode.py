@@ -22,6 +22,13 @@ and per layer). Per GEMM (the four shapes at 1, 16 and 64 rows, each alone): dev
 bytes it must move, the read floor (a jitted reduction over as many bytes,
 benchmarks/sweep.py: read_time_us) and bf16 `jnp.dot`. The issue's targets are printed beside
 the numbers. Writes <tag>.json and <tag>.png under --out.
+
+The bound (`bounds` in the JSON): the step's time if every block-scaled GEMM took its read floor
+(alone, at the step's rows) and the step's other kernels (RMSNorm, residuals, SwiGLU, the split
+sums fused into them, an activation quantizer) took what they took; bf16's step over it is the
+most any GEMM kernel could give without also removing those kernels.
+    python benchmarks/e2e_decode.py --from-json benchmarks/results/e2e_decode_h100.json
+prints the tables and the bound of a saved run.
 """
 from __future__ import annotations
 
@@ -242,6 +249,47 @@ def print_step_table(rows):
               f"{target} |")
 
 
+def is_gemm_kernel(name: str) -> bool:
+    """This package's GEMM kernels in a profile (CuTeDSL kernels: the decode, fused and
+    register-weight kernels; not the activation quantizer, which is CUDA C++)."""
+    return name.startswith("kernel_cutlass")
+
+
+def step_bounds(rows, gemms):
+    """Per unrolled weight-only step with a kernel breakdown and read floors at its batch: the
+    step with every GEMM at its read floor and the other kernels as measured (module doc)."""
+    bf16 = {r["batch"]: r["us"] for r in rows if r["variant"] == "bf16" and r["mode"] == "unrolled"}
+    out = []
+    for r in rows:
+        fmt, act = VARIANTS[r["variant"]]
+        if fmt is None or act is not None or r["mode"] != "unrolled" or not r.get("kernels"):
+            continue
+        floors = [g["read_floor_us"] for g in gemms
+                  if g["variant"] == r["variant"] and g["rows"] == r["batch"]]
+        if len(floors) != len(SHAPES) or None in floors or r["batch"] not in bf16:
+            continue
+        gemm_us = sum(k["us_per_step"] for k in r["kernels"] if is_gemm_kernel(k["kernel"]))
+        other_us = r["us"] - gemm_us
+        bound = r["layers"] * sum(floors) + other_us
+        out.append(dict(variant=r["variant"], batch=r["batch"], us=r["us"], gemm_us=gemm_us,
+                        other_us=other_us, gemms_at_floor_us=bound - other_us, bound_us=bound,
+                        speedup_now=bf16[r["batch"]] / r["us"],
+                        speedup_bound=bf16[r["batch"]] / bound,
+                        target=TARGETS.get(r["variant"], {}).get(r["batch"])))
+    return out
+
+
+def print_bound_table(bounds):
+    print("\n| variant | batch | step us | GEMM kernels | other kernels | GEMMs at their read floor "
+          "| bound us | vs bf16 now | at the bound | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for b in bounds:
+        target = "-" if b["target"] is None else f">= {b['target']}x"
+        print(f"| {b['variant']} | {b['batch']} | {b['us']:.0f} | {b['gemm_us']:.0f} | "
+              f"{b['other_us']:.0f} | {b['gemms_at_floor_us']:.0f} | {b['bound_us']:.0f} | "
+              f"{b['speedup_now']:.2f}x | {b['speedup_bound']:.2f}x | {target} |")
+
+
 def print_gemm_table(rows):
     print("\n| GEMM | rows | variant | us | MB moved | x read floor | vs bf16 |")
     print("|---|---|---|---|---|---|---|")
@@ -265,7 +313,16 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="1/32 of the shapes, 2 layers (CPU)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default e2e_decode_<platform>)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="print the tables and the bound of a saved run; runs nothing")
     args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print_step_table(saved["steps"])
+        print_gemm_table(saved["gemms"])
+        print_bound_table(saved.get("bounds") or step_bounds(saved["steps"], saved["gemms"]))
+        return saved["steps"], saved["gemms"]
     on_gpu = jax.default_backend() == "gpu"
     scale = 32 if args.tiny else 1
     layers = 2 if args.tiny else args.layers
@@ -312,8 +369,11 @@ def main(argv=None):
     gemm_rows = [1, 2] if args.tiny else [int(r) for r in args.gemm_rows.split(",")]
     gemms = [] if args.no_per_gemm else per_gemm_rows(variants, gemm_rows, scale, on_gpu, timing)
     print_step_table(rows)
+    bounds = step_bounds(rows, gemms)
     if gemms:
         print_gemm_table(gemms)
+    if bounds:
+        print_bound_table(bounds)
     print_breakdown([dict(r, fmt=r["variant"], device_us=r["us"],
                           kernels=r.get("kernels", [])[:args.breakdown])
                      for r in rows if "kernels" in r])
@@ -329,7 +389,7 @@ def main(argv=None):
                        timing=("device: GPU kernel time per step from a profiler trace "
                                "(benchmarks/timing.py)" if on_gpu else
                                f"loop: benchmarks/timing.py time_us {timing}"),
-                       steps=rows, gemms=gemms), f, indent=1)
+                       steps=rows, gemms=gemms, bounds=bounds), f, indent=1)
     print(f"wrote {path}")
     plot([dict(r, fmt=r["variant"], device_us=r["us"]) if on_gpu else
           dict(r, fmt=r["variant"], loop_us=r["us"]) for r in rows],

@@ -103,3 +103,30 @@ def test_e2e_decode_writes_steps_gemms_json_and_plot(tmp_path):
     assert len(data["gemms"]) == 4 * 2 * len(variants)
     assert all(r["us"] > 0 and r["bytes"] > 0 for r in data["gemms"])
     assert (tmp_path / "e2e_decode_cpu.png").exists()
+
+
+def test_e2e_decode_bound_from_a_saved_run(tmp_path):
+    """--from-json recomputes the bound of a saved GPU run: the step with every GEMM kernel
+    replaced by its read floor (layers x the four floors) and every other kernel kept."""
+    kernels = [dict(kernel="kernel_cutlass_decode", us_per_step=600.0),
+               dict(kernel="jbs_quantize_nvfp4_activation_cta", us_per_step=30.0),
+               dict(kernel="loop_add_fusion", us_per_step=100.0)]
+    steps = [dict(variant="bf16", mode="unrolled", batch=1, layers=2, us=2000.0, kernels=[]),
+             dict(variant="nvfp4", mode="unrolled", batch=1, layers=2, us=800.0,
+                  kernels=kernels),
+             dict(variant="nvfp4", mode="scan", batch=1, layers=2, us=900.0, kernels=kernels),
+             dict(variant="nvfp4_w4a4", mode="unrolled", batch=1, layers=2, us=900.0,
+                  kernels=kernels)]
+    floors = {"qkv": 10.0, "o": 20.0, "gate_up": 30.0, "down": 40.0}
+    gemms = [dict(gemm=g, rows=1, variant="nvfp4", us=2 * f, read_floor_us=f, n=1, k=1,
+                  bytes=1, over_floor=2.0, speedup_vs_bf16=1.0) for g, f in floors.items()]
+    for r in steps:
+        r.update(weight_TBps=1.0, pct_copy_bw=50.0, speedup_vs_bf16=2000.0 / r["us"])
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(dict(steps=steps, gemms=gemms)))
+    out = run("benchmarks/e2e_decode.py", "--from-json", str(saved))
+    # GEMM kernels 600 of 800 us; the other 200 (the quantizer counts as other) stay; the floors
+    # give 2 layers x 100 us: bound 400 us, 5.00x bf16 against 2.50x now; one row (unrolled,
+    # weight-only, with floors at its batch)
+    rows = [line for line in out.splitlines() if line.startswith("| nvfp4 | 1 | 800 |")]
+    assert rows == ["| nvfp4 | 1 | 800 | 600 | 200 | 200 | 400 | 2.50x | 5.00x | >= 3.2x |"]
