@@ -230,7 +230,7 @@ def check_global_scale(gs, batch_shape: tuple, name: str = "global_scale", *,
                        values: bool = True) -> None:
     """A decode factor must be floating-point, a scalar or one per matrix (shape `batch_shape`),
     and, where its values are known now (and ``values``), finite and positive."""
-    shape = tuple(jnp.shape(gs))
+    shape = tuple(np.shape(gs))  # np: also a list, which jnp.shape will refuse
     if shape not in ((), tuple(batch_shape)):
         raise ValueError(f"{name} has shape {shape}; it must be a scalar or hold one decode "
                          f"factor per (MN, K) matrix, shape {tuple(batch_shape)}")
