@@ -12,9 +12,10 @@
 //          0 or x is not finite; x * enc / scale where enc / scale overflows
 // and writes the elements packed two per byte (element 2i in the low nibble), the scales in the
 // plain layout (one byte per block, in block order) and alpha = decode * b_alpha[i] for each of
-// the weight's global scales (the GEMM's epilogue factor; one per layer of a stacked weight). Every step is the same f32 operation XLA's GPU code performs (its divisions
-// are PTX div.full.f32, not IEEE quotients: XLA compiles with -nvptx-prec-divf32=1; XlaDiv
-// below), so the bytes are those of jbs.quantize run by XLA on the GPU
+// the weight's global scales (the GEMM's epilogue factor; one per layer of a stacked weight).
+// Every step is the same f32 operation XLA's GPU code performs (its divisions are PTX
+// div.full.f32, not IEEE quotients: XLA compiles with -nvptx-prec-divf32=1; XlaDiv below), so
+// the bytes are those of jbs.quantize run by XLA on the GPU
 // (tests/gpu/test_quantized_activation.py compares the GEMMs bit for bit).
 //
 // Up to kCtaBlocks blocks one CTA does it all (jbs_quantize_nvfp4_activation_cta): each thread
