@@ -49,14 +49,26 @@ from jax_blockscale import nn as jnn
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 NORMS = ("input_layernorm", "post_attention_layernorm")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms: self_attn.{q,k}_norm.weight (head_dim,)
 # An MoE layer's MLP: the fused expert weights QuantizedMoE / MoE hold -> the per-expert HF
 # projections they are made of (gate_up: gate rows first, then up rows, as nn_moe computes it)
 EXPERT_WEIGHTS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+# config.json model types this model implements: Llama, and Qwen3 / Qwen3-MoE (a Llama with
+# per-head RMSNorms on q and k, and for Qwen3-MoE sparse MLPs); "llama_moe" is this example's
+# own name for a Llama whose MLPs are Qwen3-MoE sparse blocks
+MODEL_TYPES = {"llama": False, "mistral": False, "llama_moe": False, "qwen3": True,
+               "qwen3_moe": True}  # -> per-head q / k norms
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The fields of a Hugging Face Llama config.json this model uses."""
+    """The fields of a Hugging Face Llama (or Qwen3 / Qwen3-MoE) config.json this model uses.
+
+    `from_json` reads a config.json written by transformers 4 or 5 and refuses, naming the
+    field, anything that would change the math and is not implemented here; the defaults below
+    are only for configs built in code (presets, tests)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +82,12 @@ class LlamaConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k
     moe_intermediate_size: int = 0  # one expert's SwiGLU width
+    # rope scaling: the rope parameters other than rope_theta, as sorted (key, value) pairs
+    # (hashable); () is the plain rope ("default")
+    rope_scaling: tuple = ()
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False  # the LM head is the token embedding
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before the rope
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -80,6 +98,9 @@ class LlamaConfig:
             raise ValueError(f"an MoE config needs 1 <= num_experts_per_tok <= num_experts "
                              f"and moe_intermediate_size > 0, got {self.num_experts_per_tok}, "
                              f"{self.num_experts}, {self.moe_intermediate_size}")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        self.rope_frequencies()  # an unknown rope type or a missing field fails here
 
     @classmethod
     def llama3_8b(cls, num_layers: int = 32, vocab_size: int = 128256) -> "LlamaConfig":
@@ -94,9 +115,9 @@ class LlamaConfig:
     @classmethod
     def qwen3_30b_a3b(cls, num_layers: int = 48, vocab_size: int = 151936) -> "LlamaConfig":
         """Qwen3-30B-A3B's shapes: hidden 2048, 32 query / 4 key-value heads of 128 (so the
-        attention is 4096 wide, twice the hidden size), 128 experts of width 768, top-8. Not
-        the model itself: Qwen3's per-head q/k RMSNorms are not modeled. intermediate_size is
-        its config's (unused: every layer is sparse)."""
+        attention is 4096 wide, twice the hidden size), 128 experts of width 768, top-8. Its
+        shapes only: the per-head q/k RMSNorms are off (a real Qwen3-MoE config.json turns them
+        on). intermediate_size is its config's (unused: every layer is sparse)."""
         return cls(vocab_size, 2048, 6144, num_layers, 32, 4, 128, rms_norm_eps=1e-6,
                    rope_theta=1e6, num_experts=128, num_experts_per_tok=8,
                    moe_intermediate_size=768)
@@ -110,6 +131,18 @@ class LlamaConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rope(self) -> dict:
+        """The rope parameters (transformers 5's ``rope_parameters``)."""
+        return {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
+
+    def rope_frequencies(self) -> tuple[np.ndarray, float]:
+        """(inv_freq f32 (head_dim/2,), the factor cos / sin are scaled by)."""
+        from jax_blockscale.interop import hf_config
+        return hf_config.rope_frequencies(hf_config.rope_parameters(
+            {"rope_parameters": self.rope}, "LlamaConfig"), self.head_dim,
+            self.max_position_embeddings)
 
     @property
     def projections(self) -> dict[str, str]:
@@ -134,22 +167,102 @@ class LlamaConfig:
                 "gate_up": (2 * i, h), "down": (h, i)}[name]
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        if not self.is_moe:
-            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        """A config.json (transformers 5 spelling: the rope under ``rope_parameters``) that
+        `from_json` reads back to this config."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("rope_theta", "rope_scaling", "qk_norm")}
+        d.update(rope_parameters=self.rope, hidden_act="silu", attention_bias=False,
+                 mlp_bias=False)
+        if d["max_position_embeddings"] is None:
+            del d["max_position_embeddings"]
+        moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if self.qk_norm:
+            model_type = "qwen3_moe" if self.is_moe else "qwen3"
+            arch = "Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"
+        elif self.is_moe:
+            # not a transformers architecture: a Llama whose MLPs are Qwen3-MoE sparse blocks
+            model_type, arch = "llama_moe", "LlamaMoeForCausalLM"
+        else:
+            model_type, arch = "llama", "LlamaForCausalLM"
+        if self.is_moe:  # norm_topk_prob: the chosen k weights are renormalized (nn_moe.route)
+            d.update(norm_topk_prob=True)
+        else:
+            for name in moe_fields:
                 del d[name]
-            return dict(d, architectures=["LlamaForCausalLM"], model_type="llama")
-        # not a transformers architecture: a Llama whose MLPs are Qwen3-MoE sparse blocks
-        # (norm_topk_prob: the chosen k weights are renormalized, as nn_moe.route does)
-        return dict(d, architectures=["LlamaMoeForCausalLM"], model_type="llama_moe",
-                    norm_topk_prob=True)
+        return dict(d, architectures=[arch], model_type=model_type)
 
     @classmethod
-    def from_json(cls, d: dict) -> "LlamaConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        d = dict(d)
-        d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def from_json(cls, d: dict, where: str = "config.json") -> "LlamaConfig":
+        """A config.json (dict) written by transformers 4 or 5. Every field that changes the
+        math is read under both spellings (``rope_theta`` / ``rope_scaling`` or
+        ``rope_parameters``; the expert count under ``num_experts``, ``num_local_experts``,
+        ``n_routed_experts``, ...) and honoured, or refused with an
+        ``interop.hf_config.ConfigError`` that names it: rope types other than default /
+        llama3 / yarn, sliding-window attention, attention or MLP biases, activations other
+        than SiLU, unnormalized top-k routing, shared experts, dense layers in an MoE model."""
+        from jax_blockscale.interop import hf_config
+        from jax_blockscale.interop.hf_config import ConfigError, require
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"{where}: model_type {model_type!r} is not implemented by this "
+                              f"model (implemented: {', '.join(MODEL_TYPES)})")
+        act = require(d, "hidden_act", where)
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act={act!r}; this model's MLP is SwiGLU (silu)")
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ConfigError(f"{where}: {key}=true; this model's projections have no bias")
+        if d.get("use_sliding_window") or ("use_sliding_window" not in d
+                                           and d.get("sliding_window") is not None):
+            raise ConfigError(f"{where}: sliding_window={d.get('sliding_window')!r} "
+                              f"(use_sliding_window={d.get('use_sliding_window')!r}); this "
+                              "model attends over the whole sequence")
+        layer_types = d.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))}; only "
+                              "'full_attention' layers are implemented")
+        rope = hf_config.rope_parameters(d, where)
+        theta = rope.pop("rope_theta")
+        if rope["rope_type"] == "default":
+            rope.pop("rope_type")
+        heads = require(d, "num_attention_heads", where)
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            head_dim = require(d, "hidden_size", where) // heads
+        experts = hf_config.expert_count(d, where)
+        moe = {}
+        if experts:
+            k = hf_config.top_k(d, where)
+            if not k:
+                raise ConfigError(f"{where} has {experts} experts but no experts-per-token "
+                                  f"(any of {list(hf_config.TOP_K_KEYS)})")
+            if require(d, "norm_topk_prob", where) is not True:
+                raise ConfigError(f"{where}: norm_topk_prob={d['norm_topk_prob']!r}; this model "
+                                  "renormalizes the top-k routing weights")
+            if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers"):
+                raise ConfigError(f"{where}: decoder_sparse_step="
+                                  f"{d.get('decoder_sparse_step')!r}, mlp_only_layers="
+                                  f"{d.get('mlp_only_layers')!r}; every layer must be sparse")
+            for key in ("n_shared_experts", "shared_expert_intermediate_size"):
+                if d.get(key):
+                    raise ConfigError(f"{where}: {key}={d[key]!r}; shared experts are not "
+                                      "implemented")
+            moe = dict(num_experts=experts, num_experts_per_tok=k,
+                       moe_intermediate_size=require(d, "moe_intermediate_size", where))
+        tie = d.get("tie_word_embeddings")
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{where}: tie_word_embeddings is {tie!r}; it must say true or "
+                              "false (whether the LM head is the token embedding)")
+        return cls(vocab_size=require(d, "vocab_size", where),
+                   hidden_size=require(d, "hidden_size", where),
+                   intermediate_size=require(d, "intermediate_size", where),
+                   num_hidden_layers=require(d, "num_hidden_layers", where),
+                   num_attention_heads=heads,
+                   num_key_value_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=head_dim, rms_norm_eps=float(require(d, "rms_norm_eps", where)),
+                   rope_theta=theta, rope_scaling=tuple(sorted(rope.items())),
+                   max_position_embeddings=d.get("max_position_embeddings"),
+                   tie_word_embeddings=tie, qk_norm=MODEL_TYPES[model_type], **moe)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,13 +306,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF Llama's rotate-half form. x (B, T, heads, hd), positions (T,)."""
+def rope(x: jax.Array, positions: jax.Array, inv_freq, scaling: float = 1.0) -> jax.Array:
+    """Rotary embedding, HF Llama's rotate-half form. x (B, T, heads, hd), positions (T,),
+    inv_freq (hd/2,) f32 (`LlamaConfig.rope_frequencies`: plain, llama3 or YaRN), cos and sin
+    scaled by `scaling` (YaRN's attention factor; 1 otherwise)."""
     hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None]
+    emb = jnp.concatenate([angles, angles], axis=-1)  # (T, hd)
+    cos = (jnp.cos(emb) * scaling)[None, :, None, :]
+    sin = (jnp.sin(emb) * scaling)[None, :, None, :]
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
@@ -256,7 +371,7 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16):
         self.cfg = cfg
-        for name in NORMS:
+        for name in NORMS + (QK_NORMS if cfg.qk_norm else ()):
             setattr(self, name, nnx.Param(params[name]))
         for name in cfg.projections:
             setattr(self, name, Weight(params[name]))
@@ -286,7 +401,11 @@ class DecoderLayer(nnx.Module):
         q = proj(x, "q_proj").reshape(b, t, kvh * group, hd)
         k = proj(x, "k_proj").reshape(b, t, kvh, hd)
         v = proj(x, "v_proj").reshape(b, t, kvh, hd)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head, before the rope
+            q = rms_norm(q, w("q_norm"), cfg.rms_norm_eps)
+            k = rms_norm(k, w("k_norm"), cfg.rms_norm_eps)
+        inv_freq, scaling = cfg.rope_frequencies()
+        q, k = rope(q, positions, inv_freq, scaling), rope(k, positions, inv_freq, scaling)
         # write this step's keys / values in place, then attend over the layer's cache
         new = jnp.stack([k, v])[None].astype(cache.kv.dtype)  # (1, 2, B, T, kvh, hd)
         kv = lax.dynamic_update_slice(cache.kv, new, (layer, 0, 0, pos, 0, 0))
@@ -442,33 +561,68 @@ def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading a ModelOpt NVFP4 checkpoint
+# Loading a checkpoint: unquantized, ModelOpt NVFP4 / W4A16_NVFP4, compressed-tensors NVFP4
 
 
-def checkpoint_spec(cfg: LlamaConfig, *, layout: str = "blocked", dtype=jnp.bfloat16,
-                    sharding=None) -> dict:
-    """What to read from a ModelOpt NVFP4 export of a Llama (HF tensor names), in the model's
-    params layout: the projections as stacked NVFP4 weights, the rest as plain tensors. An MoE
-    model's router (``mlp.gate``, (E, H) as stored) is here; its experts are not: they are read
-    by `load_experts`."""
+def _stored_quantized(ckpt, source, module: str) -> bool:
+    from jax_blockscale import interop
+    return ckpt is not None and source is not None and interop.is_quantized(ckpt, module,
+                                                                              source)
+
+
+def checkpoint_spec(cfg: LlamaConfig, *, source: str | None = "modelopt_nvfp4", ckpt=None,
+                    layout: str = "blocked", dtype=jnp.bfloat16, sharding=None) -> dict:
+    """What to read from a Hugging Face Llama checkpoint (HF tensor names), in the model's
+    params layout. source: the quantized layout (an `interop.SOURCES` name; None: an
+    unquantized checkpoint). With `ckpt` (an open SafetensorsCheckpoint), a module the tool
+    left unquantized (an LM head, a router) is read as a plain tensor; without it every
+    projection is taken to be quantized and the LM head not. A tied model
+    (`cfg.tie_word_embeddings`) has no LM head entry: `load_params` uses the embedding. An MoE
+    model's router (``mlp.gate``, (E, H) as stored) is here; its experts are read by
+    `load_experts`."""
     from jax_blockscale import interop
     layers = range(cfg.num_hidden_layers)
-    spec = {name: interop.Quantized(f"model.layers.{{layer}}.{module}.{name}", "modelopt_nvfp4",
-                                    layers=layers, shape=cfg.projection_shape(name),
-                                    layout=layout, sharding=sharding)
-            for name, module in cfg.projections.items()}
+
+    def entry(name, module):
+        pattern = f"model.layers.{{layer}}.{module}.{name}"
+        quantized = (source is not None if ckpt is None else
+                     _stored_quantized(ckpt, source, pattern.format(layer=0)))
+        if quantized:
+            return interop.Quantized(pattern, source, layers=layers,
+                                     shape=cfg.projection_shape(name), layout=layout,
+                                     sharding=sharding)
+        return interop.Tensor(pattern + ".weight", layers=layers, dtype=dtype,
+                              shape=cfg.projection_shape(name), sharding=sharding)
+
+    spec = {name: entry(name, module) for name, module in cfg.projections.items()}
     for name in NORMS:
         spec[name] = interop.Tensor(f"model.layers.{{layer}}.{name}.weight", layers=layers,
                                     dtype=jnp.float32, shape=(cfg.hidden_size,))
+    if cfg.qk_norm:
+        for name in QK_NORMS:
+            spec[name] = interop.Tensor(f"model.layers.{{layer}}.self_attn.{name}.weight",
+                                        layers=layers, dtype=jnp.float32, shape=(cfg.head_dim,))
     h, v = cfg.hidden_size, cfg.vocab_size
     if cfg.is_moe:
+        if _stored_quantized(ckpt, source, "model.layers.0.mlp.gate"):
+            raise interop.CheckpointError("the MoE router model.layers.0.mlp.gate is stored "
+                                          "quantized; this model keeps routers in float")
         spec["mlp"] = {"router": interop.Tensor("model.layers.{layer}.mlp.gate.weight",
                                                 layers=layers, dtype=dtype,
                                                 shape=(cfg.num_experts, h))}
-    return {"embed": interop.Tensor("model.embed_tokens.weight", dtype=dtype, shape=(v, h)),
-            "norm": interop.Tensor("model.norm.weight", dtype=jnp.float32, shape=(h,)),
-            "lm_head": interop.Tensor("lm_head.weight", dtype=dtype, shape=(v, h)),
-            "layers": spec}
+    out = {"embed": interop.Tensor("model.embed_tokens.weight", dtype=dtype, shape=(v, h)),
+           "norm": interop.Tensor("model.norm.weight", dtype=jnp.float32, shape=(h,)),
+           "layers": spec}
+    if not cfg.tie_word_embeddings:
+        if ckpt is not None and "lm_head.weight" not in ckpt and not _stored_quantized(
+                ckpt, source, "lm_head"):
+            raise interop.CheckpointError(
+                f"{ckpt.path} has no lm_head.weight and its config says "
+                "tie_word_embeddings=false: the LM head is missing")
+        out["lm_head"] = (interop.Quantized("lm_head", source, shape=(v, h), layout=layout)
+                          if _stored_quantized(ckpt, source, "lm_head") else
+                          interop.Tensor("lm_head.weight", dtype=dtype, shape=(v, h)))
+    return out
 
 
 def expert_prefix(layer: int, expert: int, proj: str) -> str:
@@ -476,23 +630,27 @@ def expert_prefix(layer: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{proj}"
 
 
-def load_experts(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", sharding=None,
+def load_experts(ckpt, cfg: LlamaConfig, *, source: str | None = "modelopt_nvfp4",
+                 layout: str = "blocked", dtype=jnp.bfloat16, sharding=None,
                  progress: bool = False) -> dict:
-    """Every layer's experts from ModelOpt's per-expert NVFP4 tensors, as the fused weights
-    QuantizedMoE takes: {"gate_up": (L, E, 2I, H), "down": (L, E, H, I)}, BlockScaled with one
-    global scale per expert and layer ((L, E)), bit-exact. sharding: None or a Sharding of the
-    (L, E, N, K) stacks, mapped onto the scales by `interop.blockscaled_shardings` (e.g.
-    ``NamedSharding(mesh, P(None, "e"))``: expert parallel, each device holds E / n experts).
+    """Every layer's experts from per-expert tensors (Qwen3-MoE's names), as the fused weights
+    the MoE block takes.
 
-    Each expert's ``weight`` (packed e2m1 bytes) and ``weight_scale`` (e4m3) are copied from the
+    Quantized (`source` "modelopt_nvfp4" or "compressed_tensors_nvfp4"): {"gate_up": (L, E, 2I,
+    H), "down": (L, E, H, I)}, BlockScaled with one global scale per expert and layer ((L, E)),
+    bit-exact. Each expert's packed e2m1 bytes and e4m3 block scales are copied from the
     memory-mapped files into one preallocated host stack (gate_proj's rows, then up_proj's),
-    which `interop.from_modelopt_nvfp4` converts once (nothing is dequantized: host memory peaks
-    at the packed stack plus one byte per element, the device gets each weight once).
+    converted once (nothing is dequantized). gate_proj and up_proj become one weight with one
+    global scale, so their stored per-tensor factors (``weight_scale_2`` /
+    ``weight_global_scale``) must be equal: ModelOpt's export and llm-compressor make them so
+    (modules that read the same input share one amax); a checkpoint where they differ raises
+    CheckpointError, as bit-exact loading would need two scales.
 
-    gate_proj and up_proj become one weight with one global scale, so their ``weight_scale_2``
-    must be equal. ModelOpt's export makes them so (the two share their input, and it gives
-    such modules one amax); a checkpoint where they differ raises CheckpointError, as bit-exact
-    loading would need two scales (vLLM warns and uses gate's for both)."""
+    Unquantized (`source` None): float stacks in `jnn.MoE`'s (in, out) layout, cast to `dtype`:
+    {"gate_up": (L, E, H, 2I), "down": (L, E, I, H)}.
+
+    sharding: None or a Sharding of the (L, E, N, K) stacks, mapped onto the scales by
+    `interop.blockscaled_shardings` (e.g. ``NamedSharding(mesh, P(None, "e"))``)."""
     from jax_blockscale import interop
     L, E = cfg.num_hidden_layers, cfg.num_experts
     layers = range(L)
@@ -502,12 +660,17 @@ def load_experts(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", sharding=No
             layers = tqdm(layers, desc="loading experts", unit="layer", leave=False)
         except ImportError:
             pass
+    if source is None or not _stored_quantized(ckpt, source, expert_prefix(0, 0, "down_proj")):
+        return _load_float_experts(ckpt, cfg, layers, dtype, sharding)
+    src = interop.SOURCES[source]
+    (_, (w_suffix, *_), _, _), (_, (s_suffix, *_), _, _), (g_role, (g_suffix, *_), _, _) = \
+        src.parts
     stacks = {}
     for fused, parts in EXPERT_WEIGHTS.items():
         n, k = cfg.expert_shape(parts[0])
         stacks[fused] = (np.empty((L, E, n * len(parts), k // 2), np.uint8),   # packed e2m1
                          np.empty((L, E, n * len(parts), k // 16), np.uint8),  # e4m3 bits
-                         np.empty((L, E), np.float32))                         # weight_scale_2
+                         np.empty((L, E), np.float32))                         # per-tensor factor
     for layer in layers:
         for fused, parts in EXPERT_WEIGHTS.items():
             packed, scales, factor = stacks[fused]
@@ -517,87 +680,134 @@ def load_experts(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", sharding=No
                 for j, proj in enumerate(parts):
                     m = expert_prefix(layer, e, proj)
                     rows = slice(j * n, (j + 1) * n)
-                    packed[layer, e, rows] = ckpt.read(m + ".weight", dtype="U8",
+                    packed[layer, e, rows] = ckpt.read(m + w_suffix, dtype="U8",
                                                        shape=(n, k // 2))
                     scales[layer, e, rows] = ckpt.read(
-                        m + ".weight_scale", dtype=("F8_E4M3", "U8"),
+                        m + s_suffix, dtype=("F8_E4M3", "U8"),
                         shape=(n, k // 16)).view(np.uint8)
-                    g = ckpt.read(m + ".weight_scale_2", dtype="F32")
+                    g = ckpt.read(m + g_suffix, dtype="F32")
                     if g.size != 1:
-                        raise interop.CheckpointError(f"{m}.weight_scale_2 has shape {g.shape}; "
+                        raise interop.CheckpointError(f"{m}{g_suffix} has shape {g.shape}; "
                                                       "expected one per-tensor factor")
                     factors[m] = np.float32(g.reshape(()))
                 values = list(factors.values())
                 if any(v.tobytes() != values[0].tobytes() for v in values):
                     raise interop.CheckpointError(
-                        f"weight_scale_2 differs between {' and '.join(factors)} "
+                        f"{g_role} differs between {' and '.join(factors)} "
                         f"({', '.join(map(str, values))}): they are fused into one weight with "
                         "one global scale, so they must be equal to load bit-exactly")
                 factor[layer, e] = values[0]
     out = {}
     for fused, (packed, scales, factor) in stacks.items():
-        q = interop.from_modelopt_nvfp4(packed, scales, factor, layout=layout)
+        q = src.convert(packed, scales, factor, layout=layout)
         if sharding is not None:
             q = jax.device_put(q, interop.blockscaled_shardings(sharding, q))
         out[fused] = q
     return out
 
 
-def load_params(ckpt, cfg: LlamaConfig, *, layout: str = "blocked", dtype=jnp.bfloat16,
-                sharding=None, expert_sharding=None, progress: bool = False,
-                w4a4: bool = False) -> dict:
-    """The model's params from a ModelOpt NVFP4 checkpoint (a path or an open
-    SafetensorsCheckpoint): `checkpoint_spec` through `interop.load_tree`, and for an MoE model
-    its experts (`load_experts`, placed by `expert_sharding`) with the router turned to
-    (L, H, E). `sharding` places the dense projections, as `checkpoint_spec` says. w4a4: also
-    each dense projection's `input_scale`, stacked (L,) in params["layers"]["input_scales"]
-    (the model then quantizes those projections' activations with them)."""
+def _load_float_experts(ckpt, cfg: LlamaConfig, layers, dtype, sharding) -> dict:
+    L, E = cfg.num_hidden_layers, cfg.num_experts
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    gate_up = np.empty((L, E, h, 2 * i), np.float32)
+    down = np.empty((L, E, i, h), np.float32)
+    for layer in layers:
+        for e in range(E):
+            read = lambda p: ckpt.read(expert_prefix(layer, e, p) + ".weight",  # noqa: E731
+                                       shape=cfg.expert_shape(p)).astype(np.float32)
+            gate_up[layer, e, :, :i] = read("gate_proj").T
+            gate_up[layer, e, :, i:] = read("up_proj").T
+            down[layer, e] = read("down_proj").T
+    put = (lambda a: jax.device_put(a, sharding)) if sharding is not None else jnp.asarray
+    return {"gate_up": put(gate_up.astype(dtype)), "down": put(down.astype(dtype))}
+
+
+def load_params(ckpt, cfg: LlamaConfig, *, source: str | None = "modelopt_nvfp4",
+                layout: str = "blocked", dtype=jnp.bfloat16, sharding=None,
+                expert_sharding=None, progress: bool = False, w4a4: bool = False) -> dict:
+    """The model's params from a checkpoint (a path or an open SafetensorsCheckpoint) whose
+    quantized modules are stored as `source` (None: an unquantized checkpoint):
+    `checkpoint_spec` through `interop.load_tree`, for a tied model the embedding as the LM
+    head, and for an MoE model its experts (`load_experts`, placed by `expert_sharding`) with
+    the router turned to (L, H, E). `sharding` places the dense projections, as
+    `checkpoint_spec` says. w4a4: also each quantized dense projection's activation global
+    scale (`interop.load_input_scale`), stacked (L,) in params["layers"]["input_scales"] (the
+    model then quantizes those projections' activations with them)."""
     from jax_blockscale import interop
     if not isinstance(ckpt, interop.SafetensorsCheckpoint):
         with interop.SafetensorsCheckpoint(ckpt) as opened:
-            return load_params(opened, cfg, layout=layout, dtype=dtype, sharding=sharding,
-                               expert_sharding=expert_sharding, progress=progress, w4a4=w4a4)
-    params = interop.load_tree(ckpt, checkpoint_spec(cfg, layout=layout, dtype=dtype,
-                                                     sharding=sharding), progress=progress)
+            return load_params(opened, cfg, source=source, layout=layout, dtype=dtype,
+                               sharding=sharding, expert_sharding=expert_sharding,
+                               progress=progress, w4a4=w4a4)
+    spec = checkpoint_spec(cfg, source=source, ckpt=ckpt, layout=layout, dtype=dtype,
+                           sharding=sharding)
+    params = interop.load_tree(ckpt, spec, progress=progress)
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = params["embed"]
     if w4a4:
+        if source is None:
+            raise interop.CheckpointError("w4a4=True needs a quantized checkpoint with "
+                                          "activation scales; this one is not quantized")
         layers = range(cfg.num_hidden_layers)
         params["layers"]["input_scales"] = {
             name: interop.load_input_scale(ckpt, f"model.layers.{{layer}}.{module}.{name}",
-                                           "modelopt_nvfp4", layers=layers)
-            for name, module in cfg.projections.items()}
+                                           source, layers=layers)
+            for name, module in cfg.projections.items()
+            if isinstance(spec["layers"][name], interop.Quantized)}
+        if len(params["layers"]["input_scales"]) != len(cfg.projections):
+            raise interop.CheckpointError("w4a4: some dense projections are not quantized; "
+                                          "W4A4 is run on all of them or none")
     if cfg.is_moe:
         mlp = params["layers"]["mlp"]
         mlp["router"] = jnp.swapaxes(mlp["router"], -1, -2)  # HF Linear (E, H) -> x @ (H, E)
-        mlp.update(load_experts(ckpt, cfg, layout=layout, sharding=expert_sharding,
-                                progress=progress))
+        mlp.update(load_experts(ckpt, cfg, source=source, layout=layout, dtype=dtype,
+                                sharding=expert_sharding, progress=progress))
     return params
 
 
 def load_llama(path, *, scan_layers: bool = True, dtype=jnp.bfloat16, layout: str = "blocked",
                sharding=None, expert_sharding=None, progress: bool = True,
-               w4a4: bool = False) -> tuple[LlamaConfig, Llama]:
-    """A Llama from a ModelOpt NVFP4 checkpoint directory (config.json, hf_quant_config.json,
-    *.safetensors with their index): projections (and MoE experts) bit-exact as NVFP4
-    BlockScaled weights. sharding / expert_sharding: see `load_params`. w4a4: the dense
-    projections' activations quantized to NVFP4 with the checkpoint's static input scales
-    (static W4A4, as the checkpoint was calibrated), else weight-only (bf16 activations)."""
+               w4a4: bool | None = None) -> tuple[LlamaConfig, Llama]:
+    """A Llama (or Qwen3 / Qwen3-MoE) from a Hugging Face checkpoint directory (config.json,
+    *.safetensors, their index if sharded). The layout is read from the checkpoint's own
+    metadata (`interop.checkpoint_quantization`: hf_quant_config.json or config.json's
+    quantization_config): unquantized (every weight cast to `dtype`), ModelOpt NVFP4 /
+    W4A16_NVFP4, or compressed-tensors NVFP4 / NVFP4A16 (nvfp4-pack-quantized); quantized
+    projections and experts load bit-exact as NVFP4 BlockScaled weights. The config is read
+    by `LlamaConfig.from_json`, which refuses what this model does not implement.
+
+    w4a4: None (default) runs the dense projections as the checkpoint was made: activations
+    quantized to NVFP4 with its static global scales if it is a W4A4 checkpoint (ModelOpt
+    NVFP4, compressed-tensors NVFP4), weight-only otherwise. False: weight-only even for a
+    W4A4 checkpoint. True: W4A4, refused for a weight-only checkpoint. An MoE's experts are
+    always weight-only (`QuantizedMoE`), so a W4A4 MoE checkpoint needs an explicit w4a4
+    (True: the attention projections W4A4) to say so. sharding / expert_sharding: see
+    `load_params`."""
     from jax_blockscale import interop
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    cfg = LlamaConfig.from_json(config)
-    quant = path / "hf_quant_config.json"
-    if quant.exists():
-        algo = json.loads(quant.read_text()).get("quantization", {}).get("quant_algo")
-        if algo != "NVFP4":
-            raise interop.CheckpointError(f"{quant} says quant_algo={algo!r}; this loader reads "
-                                          "ModelOpt NVFP4 checkpoints")
-    if cfg.is_moe and not config.get("norm_topk_prob", True):
-        raise interop.CheckpointError(f"{path / 'config.json'} has norm_topk_prob=false; this "
-                                      "model renormalizes the top-k routing weights")
+    cfg = LlamaConfig.from_json(config, where=str(path / "config.json"))
+    quant = interop.checkpoint_quantization(path)
+    source = None if quant is None else quant.source
+    stored_w4a4 = quant is not None and quant.activations
+    if w4a4 and not stored_w4a4:
+        raise interop.CheckpointError(
+            f"w4a4=True, but {path} is "
+            f"{'not quantized' if quant is None else quant.description + ' (weight-only)'}: "
+            "it stores no activation scales")
+    if w4a4 is None:
+        if stored_w4a4 and cfg.is_moe:
+            raise interop.CheckpointError(
+                f"{path} is {quant.description} (activations quantized), and this model runs "
+                "MoE experts weight-only: pass w4a4=True (attention projections W4A4, experts "
+                "weight-only) or w4a4=False (all weight-only)")
+        w4a4 = stored_w4a4
     with interop.SafetensorsCheckpoint(path) as ckpt:
-        if "model.layers.0.self_attn.q_norm.weight" in ckpt:  # e.g. a real Qwen3 export
-            raise interop.CheckpointError(f"{path} has per-head q/k RMSNorms (q_norm / k_norm, "
-                                          "as Qwen3 has), which this Llama does not model")
-        params = load_params(ckpt, cfg, layout=layout, dtype=dtype, sharding=sharding,
-                             expert_sharding=expert_sharding, progress=progress, w4a4=w4a4)
+        if not cfg.qk_norm and "model.layers.0.self_attn.q_norm.weight" in ckpt:
+            raise interop.CheckpointError(f"{path} has per-head q/k RMSNorms (q_norm / k_norm) "
+                                          f"but its model_type {config.get('model_type')!r} "
+                                          "has none")
+        params = load_params(ckpt, cfg, source=source, layout=layout, dtype=dtype,
+                             sharding=sharding, expert_sharding=expert_sharding,
+                             progress=progress, w4a4=w4a4)
     return cfg, Llama(cfg, params, scan_layers=scan_layers, dtype=dtype)

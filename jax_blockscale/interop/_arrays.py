@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from .. import layout as _layout
-from ..formats import get_format
-from ..quantize import BlockScaled, to_blocked, unpack_fp4
+from ..core import layout as _layout
+from ..core.formats import get_format
+from ..core.quantize import BlockScaled, to_blocked, unpack_fp4
 
 FP4 = np.dtype(ml_dtypes.float4_e2m1fn)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quantize import BlockScaled
+from ..core.quantize import BlockScaled
 from . import _arrays as A
 
 __all__ = ["compressed_tensors_input_scale", "from_compressed_tensors_nvfp4"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ..quantize import BlockScaled
+from ..core.quantize import BlockScaled
 from . import _arrays as A
 
 __all__ = ["deinterleave_gate_up", "from_gpt_oss_mxfp4"]

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .. import layout as _layout
-from ..formats import get_format
-from ..quantize import BlockScaled
+from ..core import layout as _layout
+from ..core.formats import get_format
+from ..core.quantize import BlockScaled
 from . import _arrays as A
 from .checkpoint import SafetensorsCheckpoint
 from .compressed_tensors import from_compressed_tensors_nvfp4
@@ -43,8 +43,8 @@ from .errors import CheckpointError
 from .gpt_oss import from_gpt_oss_mxfp4
 from .modelopt import from_modelopt_nvfp4
 
-__all__ = ["SOURCES", "Quantized", "Tensor", "blockscaled_shardings", "load_input_scale",
-           "load_quantized", "load_tensor", "load_tree"]
+__all__ = ["SOURCES", "Quantized", "Tensor", "blockscaled_shardings", "is_quantized",
+           "load_input_scale", "load_quantized", "load_tensor", "load_tree"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +97,14 @@ def _tensor_name(ckpt, prefix: str, suffixes) -> str:
         if prefix + s in ckpt:
             return prefix + s
     return prefix + suffixes[0]  # missing: `read` raises naming the first spelling
+
+
+def is_quantized(ckpt, prefix: str, source: str) -> bool:
+    """Whether module `prefix` is stored quantized as `source` stores it (its packed tensor is
+    there with the packed dtype): a module the tool left out (an LM head, a router) is not."""
+    _, suffixes, dtypes, _ = _source(source).parts[0]
+    name = _tensor_name(ckpt, prefix, suffixes)
+    return name in ckpt and ckpt.info(name)[0] in dtypes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quantize import BlockScaled
+from ..core.quantize import BlockScaled
 from . import _arrays as A
 
 __all__ = ["from_modelopt_nvfp4", "modelopt_input_scale"]

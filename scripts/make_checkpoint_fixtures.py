@@ -1,0 +1,221 @@
+"""Regenerate tests/fixtures/checkpoints/: tiny checkpoints written by the real tools, each with
+the tool's own reference logits.
+
+    pip install ".[fixtures]"        # torch, transformers 5, llm-compressor, compressed-tensors
+    python scripts/make_checkpoint_fixtures.py [--out tests/fixtures/checkpoints] [--only NAME]
+
+Every fixture is a directory as the tool saved it (config.json, model.safetensors, and for a
+quantized model the tool's quantization metadata), plus:
+  reference.npz   tokens (2, T) int32 and logits (2, T, vocab) f32: the checkpoint loaded back
+                  by transformers (compressed weights decompressed by compressed-tensors), run
+                  in f32 on the CPU
+  fixture.json    which tool and version wrote it, and what it covers
+Weights are random (the model's own initializer, std `INIT_STD`) and stored in bf16 where the
+tool allows, to keep the files small; the references run them in f32, so a loader that reads
+the bf16 weights exactly can match them to f32 rounding.
+
+Tools that cannot run here are skipped with the reason printed (ModelOpt's calibrated NVFP4
+export needs a CUDA device).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "fixtures" / "checkpoints"
+INIT_STD = 0.1
+SEQ = 24
+KEEP = {"config.json", "model.safetensors", "hf_quant_config.json", "recipe.yaml"}
+
+
+def _versions(*names):
+    import importlib.metadata as md
+    out = {}
+    for n in names:
+        try:
+            out[n] = md.version(n)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+    base = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=INIT_STD,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                tie_word_embeddings=False)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def _tokens(vocab, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, (2, SEQ)).astype(np.int32)
+
+
+def _reference(path: Path, tokens: np.ndarray) -> np.ndarray:
+    """The saved checkpoint loaded back by transformers and run in f32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
+
+
+def _finish(path: Path, tokens, logits, tool: dict, what: str):
+    for f in path.iterdir():
+        if f.name not in KEEP:
+            f.unlink() if f.is_file() else shutil.rmtree(f)
+    if logits is None:
+        logits = _reference(path, tokens)
+    np.savez_compressed(path / "reference.npz", tokens=tokens, logits=logits)
+    (path / "fixture.json").write_text(json.dumps({"written_by": tool, "covers": what},
+                                                  indent=1) + "\n")
+    size = sum(f.stat().st_size for f in path.iterdir())
+    print(f"{path.name}: {size / 1024:.0f} KiB, logits range "
+          f"{float(logits.max() - logits.min()):.3f}")
+
+
+def _save_float(model, path: Path, dtype):
+    import torch
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+
+
+def make_llama(out: Path, name: str, what: str, dtype="bfloat16", **cfg):
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    config = _llama_config(**cfg)
+    model = LlamaForCausalLM(config)
+    path = out / name
+    _save_float(model, path, dtype)
+    _finish(path, _tokens(config.vocab_size), None, _versions("transformers", "torch"), what)
+
+
+def make_qwen3_moe(out: Path):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                            moe_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+                            max_position_embeddings=256, initializer_range=INIT_STD,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                            tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config)
+    path = out / "transformers_qwen3_moe"
+    _save_float(model, path, "bfloat16")
+    _finish(path, _tokens(128), None, _versions("transformers", "torch"),
+            "Qwen3-MoE (per-head q/k norms, 4 experts top-2, expert count as "
+            "num_local_experts), bf16 weights")
+
+
+def _tokenizer(vocab: int):
+    """A word-level tokenizer over `vocab` made-up words (oneshot wants a processor beside a
+    dataset; the dataset here is already token ids)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0")
+
+
+def make_llm_compressor(out: Path, scheme: str):
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    import tempfile
+    torch.manual_seed(0)
+    config = _llama_config(num_hidden_layers=2)
+    base = Path(tempfile.mkdtemp())  # oneshot reads the model's config (and tokenizer) by path
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(base)
+    _tokenizer(config.vocab_size).save_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    if scheme == "NVFP4A16":  # weight-only: no calibration data
+        oneshot(model=model, recipe=recipe)
+    else:  # the activations' global scales are calibrated on random token ids
+        rng = np.random.default_rng(1)
+        calib = Dataset.from_dict({
+            "input_ids": [rng.integers(0, 128, 32).tolist() for _ in range(16)],
+            "attention_mask": [[1] * 32 for _ in range(16)]})
+        oneshot(model=model, dataset=calib, recipe=recipe, max_seq_length=32,
+                num_calibration_samples=16)
+    # The reference: llm-compressor's own quantized forward (weights, and for W4A4 the
+    # activations, quantized and dequantized by compressed-tensors with the calibrated scales)
+    # in f32. (transformers' reload of the compressed file decompresses to bf16 only.)
+    tokens = _tokens(128)
+    reference = copy.deepcopy(model).float().eval()
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(tokens).long()).logits.float().numpy()
+    del reference
+    path = out / f"llmcompressor_{scheme.lower()}"
+    model.save_pretrained(path, save_compressed=True)
+    _finish(path, tokens, logits, _versions("llmcompressor", "compressed-tensors", "transformers",
+                                         "torch"),
+            f"llm-compressor oneshot scheme {scheme!r}, saved compressed "
+            "(nvfp4-pack-quantized), 2 layers")
+
+
+def make_modelopt(out: Path, algo: str):
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError("ModelOpt's NVFP4 quantization and export need a CUDA device")
+    raise RuntimeError("ModelOpt fixtures are made on a GPU machine only")
+
+
+FIXTURES = {
+    "transformers_llama": lambda out: make_llama(
+        out, "transformers_llama", "Llama, transformers 5 config (rope_parameters, theta "
+        "10000), bf16 weights"),
+    "transformers_llama_f32": lambda out: make_llama(
+        out, "transformers_llama_f32", "Llama, f32 weights", dtype="float32",
+        intermediate_size=128),
+    "transformers_llama3_rope": lambda out: make_llama(
+        out, "transformers_llama3_rope", "Llama 3.1 rope scaling (rope_type llama3, factor 8)",
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}),
+    "transformers_llama_yarn": lambda out: make_llama(
+        out, "transformers_llama_yarn", "YaRN rope (factor 4, attention factor from it)",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64}),
+    "transformers_llama_tied": lambda out: make_llama(
+        out, "transformers_llama_tied", "tied embeddings (no lm_head.weight)",
+        tie_word_embeddings=True),
+    "transformers_qwen3_moe": make_qwen3_moe,
+    "llmcompressor_nvfp4": lambda out: make_llm_compressor(out, "NVFP4"),
+    "llmcompressor_nvfp4a16": lambda out: make_llm_compressor(out, "NVFP4A16"),
+    "modelopt_nvfp4": lambda out: make_modelopt(out, "NVFP4"),
+    "modelopt_w4a16_nvfp4": lambda out: make_modelopt(out, "W4A16_NVFP4"),
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--only", action="append", choices=sorted(FIXTURES))
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name in a.only or FIXTURES:
+        if (a.out / name).exists():
+            shutil.rmtree(a.out / name)
+        try:
+            FIXTURES[name](a.out)
+        except RuntimeError as e:
+            print(f"{name}: skipped: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Checkpoints written by the real tools (tests/fixtures/checkpoints/, made by
+scripts/make_checkpoint_fixtures.py) load through examples/llama's documented path,
+``load_llama(path)``, with logits matching the tool's own reference: f32 within 1e-5 of the
+logits' range, bf16 within 2e-2 of the range and the same top-1 token wherever the
+reference's best two tokens are further apart than that."""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("safetensors")
+
+import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale import interop  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"
+sys.path.insert(0, str(ROOT / "examples" / "llama"))
+import model as llama  # noqa: E402
+
+ALL = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").exists()) \
+    if FIXTURES.exists() else []
+
+
+def run(path, dtype, **kw):
+    cfg, model = llama.load_llama(path, dtype=dtype, progress=False, **kw)
+    ref = np.load(path / "reference.npz")
+    tokens = jnp.asarray(ref["tokens"])
+    cache = llama.init_cache(cfg, tokens.shape[0], tokens.shape[1], dtype)
+    logits, _ = jax.jit(lambda m, t, c: m(t, c, 0))(model, tokens, cache)
+    return cfg, model, np.asarray(logits), ref["logits"]
+
+
+def test_fixtures_present():
+    expected = {"transformers_llama", "transformers_llama_f32", "transformers_llama3_rope",
+                "transformers_llama_yarn", "transformers_llama_tied", "transformers_qwen3_moe",
+                "llmcompressor_nvfp4", "llmcompressor_nvfp4a16"}
+    assert expected <= set(ALL)
+    total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
+    assert total < 3 * 2**20
+    for name in ALL:
+        info = json.loads((FIXTURES / name / "fixture.json").read_text())
+        assert info["written_by"] and info["covers"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_f32_logits_match_the_tool(name):
+    _, _, got, want = run(FIXTURES / name, jnp.float32)
+    span = float(want.max() - want.min())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * span)
+
+
+# (not the MoE: in bf16 a token whose two best router logits are close may pick another
+# expert than the f32 reference, which is a different function, not a rounding error)
+@pytest.mark.parametrize("name", ["transformers_llama", "transformers_llama3_rope",
+                                  "transformers_llama_tied", "llmcompressor_nvfp4a16"])
+def test_bf16_logits_match_the_tool(name):
+    _, _, got, want = run(FIXTURES / name, jnp.bfloat16)
+    span = float(want.max() - want.min())
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * span)
+    # the same top-1 token wherever the reference's best two are further apart than bf16's
+    # tolerance (a closer pair may swap under bf16 rounding and still be within it)
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 2 * 2e-2 * span
+    assert clear.any()
+    np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_what_was_read():
+    cfg = llama.LlamaConfig.from_json(json.loads(
+        (FIXTURES / "transformers_qwen3_moe" / "config.json").read_text()))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.qk_norm) == (4, 2, True)
+    assert cfg.rope_theta == 1e6
+    cfg = llama.LlamaConfig.from_json(json.loads(
+        (FIXTURES / "transformers_llama3_rope" / "config.json").read_text()))
+    assert cfg.rope["rope_type"] == "llama3" and cfg.rope["factor"] == 8.0
+    tied = llama.LlamaConfig.from_json(json.loads(
+        (FIXTURES / "transformers_llama_tied" / "config.json").read_text()))
+    assert tied.tie_word_embeddings
+    q = interop.checkpoint_quantization(FIXTURES / "llmcompressor_nvfp4")
+    assert (q.source, q.activations) == ("compressed_tensors_nvfp4", True)
+    q = interop.checkpoint_quantization(FIXTURES / "llmcompressor_nvfp4a16")
+    assert (q.source, q.activations) == ("compressed_tensors_nvfp4", False)
+    assert interop.checkpoint_quantization(FIXTURES / "transformers_llama") is None
+
+
+def test_compressed_tensors_weights_are_block_scaled():
+    _, model = llama.load_llama(FIXTURES / "llmcompressor_nvfp4a16", dtype=jnp.float32,
+                                progress=False)
+    w = model.layers.down_proj.get_value()
+    assert isinstance(w, jbs.BlockScaled) and w.fmt == "nvfp4"
+    assert w.global_scale.shape == (2,)  # one per layer
+    assert not isinstance(model.lm_head.get_value(), jbs.BlockScaled)  # ignored: float
+    assert not model.layers.w4a4
+    _, model = llama.load_llama(FIXTURES / "llmcompressor_nvfp4", dtype=jnp.float32,
+                                progress=False)
+    assert model.layers.w4a4
+
+
+def test_wrong_rope_theta_would_be_caught():
+    """The check has teeth: the transformers 4 default theta gives logits far off."""
+    path = FIXTURES / "transformers_llama"
+    _, _, got, want = run(path, jnp.float32)
+    cfg, model = llama.load_llama(path, dtype=jnp.float32, progress=False)
+    import dataclasses
+    model.cfg = dataclasses.replace(cfg, rope_theta=500000.0)
+    model.layers.cfg = model.cfg
+    tokens = jnp.asarray(np.load(path / "reference.npz")["tokens"])
+    cache = llama.init_cache(cfg, 2, tokens.shape[1], jnp.float32)
+    off = np.asarray(model(tokens, cache, 0)[0])
+    span = float(want.max() - want.min())
+    assert np.abs(off - want).max() > 100 * 1e-5 * span
