@@ -130,8 +130,6 @@ def rope_parameters(d: dict, where: str = "config.json") -> dict[str, Any]:
         raise ConfigError(f"{where}: rope_type {rope_type!r} is not implemented (implemented: "
                           f"{', '.join(ROPE_TYPES)})")
     required, optional = _ROPE_FIELDS[rope_type]
-    if rope_type == "llama3" and "original_max_position_embeddings" not in params:
-        pass  # checked below with the rest of the required fields
     for key in required:
         if params.get(key) is None:
             raise ConfigError(f"{where}: rope_type {rope_type!r} needs "

@@ -115,3 +115,65 @@ def test_wrong_rope_theta_would_be_caught():
     off = np.asarray(model(tokens, cache, 0)[0])
     span = float(want.max() - want.min())
     assert np.abs(off - want).max() > 100 * 1e-5 * span
+
+
+def _config(**changes):
+    d = json.loads((FIXTURES / "transformers_llama" / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(rope_parameters=None), "rope_theta"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     "rope_type 'dynamic'"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+     "low_freq_factor"),
+    (dict(rope_theta=5e5), "disagree"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(sliding_window=4096), "sliding_window"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(tie_word_embeddings=None), "tie_word_embeddings"),
+    (dict(rms_norm_eps=None), "rms_norm_eps"),
+    (dict(model_type="gemma3"), "model_type"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(num_local_experts=4, num_experts=8), "expert count"),
+    (dict(num_local_experts=4, moe_intermediate_size=64), "experts-per-token"),
+])
+def test_config_fields_refused_by_name(changes, field):
+    with pytest.raises(interop.ConfigError, match=field):
+        llama.LlamaConfig.from_json(_config(**changes))
+
+
+def test_transformers4_spelling_reads_the_same():
+    v5 = llama.LlamaConfig.from_json(_config())
+    v4 = llama.LlamaConfig.from_json(_config(rope_parameters=None, rope_theta=10000.0,
+                                             rope_scaling=None))
+    assert v4 == v5
+    scaled = _config(rope_parameters=None, rope_theta=10000.0, rope_scaling={
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    assert llama.LlamaConfig.from_json(scaled).rope["rope_type"] == "llama3"
+
+
+def test_moe_refusals():
+    d = json.loads((FIXTURES / "transformers_qwen3_moe" / "config.json").read_text())
+    with pytest.raises(interop.ConfigError, match="norm_topk_prob"):
+        llama.LlamaConfig.from_json(dict(d, norm_topk_prob=False))
+    with pytest.raises(interop.ConfigError, match="mlp_only_layers"):
+        llama.LlamaConfig.from_json(dict(d, mlp_only_layers=[0]))
+
+
+def test_missing_lm_head_named(tmp_path):
+    src = FIXTURES / "transformers_llama_tied"
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    d = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(d, tie_word_embeddings=False)))
+    with pytest.raises(interop.CheckpointError, match="lm_head"):
+        llama.load_llama(tmp_path, progress=False)
