@@ -23,7 +23,7 @@ import numpy as np
 import jax_blockscale as jbs
 from jax_blockscale.lowering import get_backend
 from jax_blockscale.lowering.plan import device_for
-from jax_blockscale.primitive import gemm_spec, join_operands
+from jax_blockscale.dense.primitive import gemm_spec, join_operands
 
 from plotting import pyplot
 from timing import time_us  # the shared method (benchmarks/timing.py)

@@ -155,7 +155,7 @@ def ours_path(x, q, gs):
     """The ragged backend and kernel the planner picks for `ours` on this machine's platform
     (e.g. "sm90/ragged_decode", "reference/ragged_dot")."""
     from jax_blockscale.ragged import ragged_gemm_spec
-    from jax_blockscale.ragged_backends import select_ragged_backend
+    from jax_blockscale.lowering.plan import select_ragged_backend
 
     platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
     plan = select_ragged_backend(ragged_gemm_spec(x, q, gs), platform, None)

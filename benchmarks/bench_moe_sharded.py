@@ -43,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import nn as jnn  # noqa: E402
-from jax_blockscale.nn_moe import route, swiglu  # noqa: E402
+from jax_blockscale.nn.moe import route, swiglu  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 

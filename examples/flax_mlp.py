@@ -28,7 +28,7 @@ from flax import nnx
 
 import jax_blockscale as jbs
 from jax_blockscale import nn as jnn
-from jax_blockscale.serialization import load_params, save_params
+from jax_blockscale.interop.params_file import load_params, save_params
 
 NOISE = 0.7  # per-coordinate spread of each cluster (centers have norm 4): the task's difficulty
 

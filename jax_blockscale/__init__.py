@@ -1,24 +1,31 @@
-"""jax_blockscale: block-scaled low-precision GEMM (NVFP4, MXFP4, MXFP6, MXFP8) for JAX."""
+"""jax_blockscale: block-scaled low-precision GEMM (NVFP4, MXFP4, MXFP6, MXFP8) for JAX.
+
+The package's floors (docs/architecture.md), from the ground up:
+
+    config.py, core/      settings; the format table, scale layouts, `BlockScaled`, the pure-JAX
+                          quantize / dequantize (imports no backend)
+    catalog/, _plugin.py  what the compiled kernels are (pure data); the native library's loader
+    lowering/             specs, backend registries, the planner, the reference and FFI backends
+    quantization/, dense/, ragged/
+                          the operations: `quantize`, `gemm`, `ragged_gemm` (check, bind, shard)
+    nn/, interop/         Flax layers; checkpoint loading and saving
+    kernels/              CuTeDSL kernel sources and their AOT build (build time only)
+"""
 from . import config  # noqa: F401  (JAX_BLOCKSCALE_* variables, read once)
-from . import lowering as _lowering_registry  # noqa: F401  (the backend registry)
-from .lowering import reference as _reference_backend  # noqa: F401  (registers "reference")
-from .api import gemm, scaled_matmul
-from .formats import FORMATS, Format, can_multiply, get_format, supported_pairs
-from .layout import from_blocked_scales, to_blocked_scales
-from .lowering import GemmSpec, backend_names, register_backend
-from .primitive import gemm_p
-from .ragged import ragged_gemm, ragged_gemm_p  # grouped GEMM (MoE); registers its lowerings
-from .ragged_backends import RaggedSpec, ragged_backend_names, register_ragged_backend
-from . import sharding as _sharding  # noqa: F401,E402  (partitioned lowering of gemm_p for pjit)
-from .lowering import ffi_sm90 as _ffi_sm90_backend  # noqa: F401,E402  (Hopper; library loads lazily)
-from .lowering import ffi_sm100 as _ffi_sm100_backend  # noqa: F401,E402  (Blackwell backend)
-from .lowering import ragged_sm90 as _ragged_sm90_backend  # noqa: F401,E402  (ragged_gemm on Hopper)
-from .lowering import ragged_sm100 as _ragged_sm100_backend  # noqa: F401,E402  (Blackwell)
-from . import quantized_activation as _quantized_activation  # noqa: F401,E402  (gemm(quantize_a=))
-from .quantize import (BlockScaled, check_blockscaled, dequantize, pack_fp4, quantize, to_blocked,
-                       to_plain, unpack_fp4)
-from .serialization import CorruptFileError, ParamsFileError  # noqa: E402  (load_params' errors)
-from . import interop  # noqa: E402  (published checkpoint layouts; safetensors loads lazily)
+from .core.formats import FORMATS, Format, can_multiply, get_format, supported_pairs
+from .core.layout import from_blocked_scales, to_blocked_scales
+from .core.quantize import (BlockScaled, check_blockscaled, dequantize, pack_fp4, to_blocked,
+                            to_plain, unpack_fp4)
+from .lowering import (GemmSpec, RaggedSpec, backend_names, ragged_backend_names,
+                       register_backend, register_ragged_backend)
+from .quantization import quantize
+from .dense import gemm, gemm_p, scaled_matmul
+from .ragged import ragged_gemm, ragged_gemm_p
+from . import interop  # noqa: F401  (published checkpoint layouts; safetensors loads lazily)
+from .interop.params_file import CorruptFileError, ParamsFileError
+from ._moved import alias_old_module_paths
+
+alias_old_module_paths()
 
 __version__ = "0.1.0"
 

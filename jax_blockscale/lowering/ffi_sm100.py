@@ -29,9 +29,10 @@ import numpy as np
 
 from .. import _plugin
 from ..catalog.sm100 import FMT_CODES, FORMATS
-from . import register_backend
+from .registry import register_backend
 from .kernel_operands import element_bytes, kernel_batch_layout, kernel_scale_bytes
-from .plan import Plan, plan_sm100
+from .plan import plan_sm100
+from .specs import Plan
 
 
 def pack_fp6(codes):

@@ -29,12 +29,13 @@ from jax import lax
 from .. import _plugin
 from .. import config as _config
 from ..catalog import sm90 as cat
-from ..formats import get_format
-from . import register_backend
+from ..core.formats import get_format
+from .registry import register_backend
 from .kernel_operands import (element_bytes, kernel_batch_layout, kernel_plain_scale_bytes,
                               kernel_scale_bytes)
-from .plan import Plan, plan_sm90, with_dequantized_activation
+from .plan import plan_sm90, with_dequantized_activation
 from .reference import operand_values, reference_gemm
+from .specs import Plan
 
 # cuBLASLt's workspace, declared as a second result of the call (nothing is allocated at run
 # time): 32 MiB, what cuBLAS asks for on Hopper.

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import layout as _layout
-from ..formats import get_format
-from . import GemmSpec
+from ..core import layout as _layout
+from ..core.formats import get_format
+from .specs import GemmSpec
 
 
 def folds_batch(spec: GemmSpec) -> bool:

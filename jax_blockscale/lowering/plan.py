@@ -29,61 +29,20 @@ import logging
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from .. import _plugin
 from .. import config as _config
 from ..catalog import sm90 as cat90
 from ..catalog import sm100 as cat100
-from . import GemmSpec, backends_for, forced_backend, get_backend, log_once
+from .registry import (backends_for, forced_backend, get_backend, get_ragged_backend, log_once,
+                       ragged_backend_names, ragged_backends)
+from .specs import Device, GemmSpec, Plan, RaggedPlan, RaggedSpec
 from .kernel_operands import kernel_rows_and_batch
 from .reference import DIRECT_OUTPUT_MIN_OUTPUTS, direct_output, gemm_outputs
 
 _INT32_MAX = 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    """What the planner needs of the device a lowering targets."""
-    platform: str
-    arch: str | None  # "sm90", "sm100" or None (no kernel architecture; `reason` says why)
-    sm_count: int
-    reason: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one gemm problem runs. `kernel` names the path:
-
-      "reference"         the pure-JAX reference (dequantize exactly, one f32-accumulating dot)
-      "xla_dot"           dequantize to bf16 + XLA's GEMM (sm90 past the kernels' rows)
-      "dot_alpha"         dequantize to bf16 + the cuBLASLt GEMM with alpha in its epilogue
-      "fused"             the sm90 fused kernel (shared-memory weights)
-      "register_weights"  the sm90 fused kernel with the weights in wgmma's registers
-      "decode"            the sm90 split-K decode kernel
-      "sm100"             the Blackwell kernel
-    Operand transforms: `dequantize_a` (a quantized activation becomes bf16 first), `permute_k`
-    (the activation's K in the register-weight order), `a_scales_plain` (the decode kernel reads
-    the activation's plain scales as they are), `k` (K after padding to the kernel's multiple).
-    """
-    backend: str
-    kernel: str
-    spec: GemmSpec
-    platform: str = ""
-    variant: str | None = None
-    a_kind: str | None = None  # the kernel's operand kinds (catalogue names)
-    b_kind: str | None = None
-    tile: tuple[int, int] = (0, 0)
-    cluster: tuple[int, int] = (0, 0)
-    nt: int = 0  # decode: n8 tiles of M per CTA
-    splits: int = 0  # decode, register_weights: K ranges per output tile (0: no split)
-    workspace: int = 0  # f32 elements of the split-K workspace (splits * L * M * N)
-    dequantize_a: bool = False
-    permute_k: bool = False
-    a_scales_plain: bool = False
-    m: int = 0  # the kernel's rows (batch folded in) and batch
-    l: int = 0
-    k: int = 0
-    sm_count: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +125,37 @@ def as_shard(whole: Plan, spec: GemmSpec) -> Plan:
     return dataclasses.replace(whole, spec=spec, m=m, l=l, workspace=workspace)
 
 
+def select_ragged_backend(spec: RaggedSpec, platform: str, requested: str | None) -> RaggedPlan:
+    """The plan for `spec` on `platform`: the forced backend (`requested`, else the
+    JAX_BLOCKSCALE_BACKEND variable when it names a ragged backend), else the highest-priority
+    registered backend serving the platform that accepts the problem. Skips are logged once."""
+    if requested in (None, "auto"):
+        env = _config.get().backend
+        if env is not None and env not in ragged_backend_names():
+            log_once(logging.INFO, "jax_blockscale ragged_gemm: JAX_BLOCKSCALE_BACKEND=%s has no "
+                      "ragged_gemm implementation; choosing automatically", env)
+            env = None
+        requested = env
+    if requested not in (None, "auto"):
+        backend = get_ragged_backend(requested)
+        if platform not in backend.platforms:
+            raise ValueError(f"ragged_gemm backend {requested!r} does not run on {platform} "
+                             f"(it serves {backend.platforms})")
+        plan = backend.plan(spec, platform)
+        if isinstance(plan, str):
+            raise ValueError(f"ragged_gemm backend {requested!r} cannot run this problem: {plan}")
+        return plan
+    candidates = sorted((b for b in ragged_backends() if platform in b.platforms),
+                        key=lambda b: -b.priority)
+    for backend in candidates:
+        plan = backend.plan(spec, platform)
+        if not isinstance(plan, str):
+            return plan
+        log_once(logging.INFO, "jax_blockscale ragged_gemm: backend %s skipped: %s",
+                  backend.name, plan)
+    raise ValueError(f"no ragged_gemm backend serves platform {platform!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # What the loaded library holds (a fake stands in for it in the planner's tests)
 
@@ -174,39 +164,80 @@ class Library:
     """The variant names and targets of libjax_blockscale.so, read through `_plugin`."""
 
     def unavailable_reason(self) -> str | None:
-        from .. import _plugin
         return _plugin.unavailable_reason()
 
     def sm100_unavailable_reason(self) -> str | None:
-        from .. import _plugin
         return _plugin.sm100_unavailable_reason()
 
     def has_dot_alpha(self) -> bool:
-        from .. import _plugin
         return _plugin.has_dot_alpha()
 
     def has_ragged_sm100(self) -> bool:
-        from .. import _plugin
         return _plugin.has_ragged_sm100()
 
     def has_layer_gemm(self) -> bool:
-        from .. import _plugin
         return _plugin.has_layer_gemm()
 
     def has_quantized_act_gemm(self) -> bool:
-        from .. import _plugin
         return _plugin.has_quantized_act_gemm()
 
     def has_quantize_nvfp4(self) -> bool:
-        from .. import _plugin
         return _plugin.has_quantize_nvfp4()
 
     def has(self, variant_name: str) -> bool:
-        from .. import _plugin
         return variant_name in _plugin.variant_names()
 
 
 LIBRARY = Library()
+
+
+# ---------------------------------------------------------------------------------------------
+# gemm(x, w, quantize_a=...): the quantizer kernels and gemm's plan in one call
+
+
+def plan_quantized_activation(spec: GemmSpec, platform: str, backend, library=LIBRARY):
+    """`gemm(x, w, quantize_a=...)`'s plan (dense/quantized_activation.py): gemm's plan for the
+    composed problem `spec` when the fused target (the quantizer kernels, then that plan, in one
+    FFI call) can carry it out, else None: the composition runs. It can where the plan is the
+    sm90 decode kernel reading plain NVFP4 activation scales or the register-weight kernel
+    reading the activation dequantized in its K order (which the quantizer then writes), for one
+    matrix with K unpadded, whether the activation's global scale is given or calibrated, at any
+    size."""
+    if (platform != "cuda" or spec.fmt_a not in cat90.QUANTIZE_A_FORMATS
+            or np.dtype(spec.a_dtype) != np.dtype(jnp.float4_e2m1fn)
+            or library.unavailable_reason() is not None or not library.has_quantized_act_gemm()):
+        return None
+    p = plan(spec, platform, backend)
+    if p.backend != "sm90" or p.l != 1 or p.k != spec.k:
+        return None
+    decode = (p.kernel == "decode" and p.a_scales_plain and not p.dequantize_a
+              and not p.permute_k and library.has(chained_decode_name(p)))
+    register_weights = (p.kernel == "register_weights" and p.dequantize_a and p.permute_k
+                        and p.a_kind == "bf16_kperm")
+    return p if decode or register_weights else None
+
+
+def chained_decode_name(p) -> str:
+    """The chained twin (DecodeVariant.chained) of the decode variant plan `p` runs: what the
+    fused target launches behind the quantizer."""
+    out = cat90.OUT_OF_DTYPE[np.dtype(p.spec.out_dtype).name]
+    return cat90.DecodeVariant(p.a_kind, p.b_kind, out, p.nt, chained=True).name
+
+
+# ---------------------------------------------------------------------------------------------
+# jbs.quantize's NVFP4 quantizer
+
+
+def plan_quantize_nvfp4(x_aval, platform: str, library=LIBRARY) -> str:
+    """Where `quantize_nvfp4_p` (jax_blockscale/quantization) runs x (M, K): "sm90", the quantizer
+    kernels (a bf16 x, K a multiple of 16, a Hopper GPU and a library that has them, no other
+    backend forced), else "reference" (the same computation in XLA)."""
+    on_kernels = (platform == "cuda" and np.dtype(x_aval.dtype) == np.dtype(jnp.bfloat16)
+                  and x_aval.ndim == 2 and x_aval.shape[0] >= 1 and x_aval.shape[1] >= 16
+                  and x_aval.shape[1] % 16 == 0 and _config.get().backend in (None, "sm90")
+                  and device_for(platform).arch == "sm90"
+                  and library.unavailable_reason() is None and library.has_quantize_nvfp4())
+    return "sm90" if on_kernels else "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +442,6 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     choose_ragged_prefill_variant), else the grouped decode kernel (its operand pairs, K a
     multiple of 32 and of the blocks, 32-bit offsets; the variant, item height and split count
     from choose_ragged_decode_variant)."""
-    from ..ragged_backends import RaggedPlan  # noqa: PLC0415  (ragged_backends imports lowering)
 
     out = cat90.OUT_OF_DTYPE.get(np.dtype(spec.out_dtype).name)
     if spec.fmt_lhs is None and np.dtype(spec.lhs_dtype) != np.dtype("bfloat16"):
@@ -505,7 +535,6 @@ def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):
     """The sm90 RaggedPlan of the grouped register-weight kernel (prefill sizes; the catalogue
     chose variant v): the activation dequantized to bf16 first where it is quantized (exact),
     K-permuted; its own work table of at most tile_m rows per item."""
-    from ..ragged_backends import RaggedPlan  # noqa: PLC0415
 
     b_row = spec.k * cat90.KINDS[v.b_kind]["bits"] // 8
     if max(spec.m * spec.n, spec.m * 2 * spec.k, spec.groups * spec.n * b_row) > _INT32_MAX:
@@ -522,7 +551,6 @@ def _layer_slice_plan(spec, layer: Plan):
     """gemm(..., layer=i) in slice mode (lowering/ragged_sm90.py): the layer target runs
     `layer` on XLA's slices of the layer (in place at a loop counter) with the layer's alpha
     read from the stack of global scales, so no XLA kernel runs per call for it."""
-    from ..ragged_backends import RaggedPlan  # noqa: PLC0415
 
     return RaggedPlan("sm90", "layer_slice", spec, "cuda", variant=layer.variant,
                       a_kind=layer.a_kind, b_kind=layer.b_kind, tile=layer.tile,
@@ -568,7 +596,6 @@ def plan_ragged_sm100(spec, device: Device, *, library=LIBRARY):
     """The sm100 RaggedPlan for a `ragged_gemm` problem (a RaggedSpec): the contiguous grouped
     kernel (catalog/sm100.py: GROUPED_VARIANTS) over the activation padded to whole tiles per
     group (`items` M tiles, a static bound), or why it cannot run it."""
-    from ..ragged_backends import RaggedPlan  # noqa: PLC0415  (ragged_backends imports lowering)
 
     if spec.fmt_lhs is None:
         return ("weight-only (plain activation x quantized experts) has no block-scaled MMA on "

@@ -25,12 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _plugin
-from .. import layout as _layout
+from ..core import layout as _layout
 from ..catalog.sm100 import FMT_CODES
-from ..formats import get_format
-from ..ragged_backends import RaggedPlan, register_ragged_backend
+from ..core.formats import get_format
+from .registry import register_ragged_backend
 from .kernel_operands import blocked_scale_bytes, element_bytes
 from .plan import device_for, plan_ragged_sm100
+from .specs import RaggedPlan
 
 NO_GROUP = -1  # the table entry of an M tile no group owns (the kernel skips it)
 

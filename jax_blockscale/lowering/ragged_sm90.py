@@ -39,12 +39,14 @@ from jax import lax
 
 from .. import _plugin
 from ..catalog import sm90 as cat
-from ..ragged_backends import RaggedPlan, prefix_sum, register_ragged_backend
+from .ragged_reference import prefix_sum
+from .registry import register_ragged_backend
 from . import ffi_sm90
 from .ffi_sm90 import activation_operands, add_split_partials, permute_activation_k
 from .kernel_operands import blocked_scale_bytes, element_bytes, take_layer
 from .plan import device_for, plan_ragged_sm90
 from .reference import operand_values
+from .specs import RaggedPlan
 
 ZERO_ITEM = -1  # the expert of an item whose rows the kernel writes as zeros
 

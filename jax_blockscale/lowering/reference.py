@@ -13,8 +13,9 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from ..quantize import BlockScaled, dequantize
-from . import ALL_PLATFORMS, GemmSpec, register_backend
+from ..core.quantize import BlockScaled, dequantize
+from .registry import ALL_PLATFORMS, register_backend
+from .specs import GemmSpec, Plan
 
 
 def operand_values(x, s, fmt, layout, dtype):
@@ -76,8 +77,6 @@ class ReferenceBackend:
     priority = 0
 
     def plan(self, spec: GemmSpec, device):
-        from .plan import Plan  # noqa: PLC0415  (plan.py imports this module)
-
         return Plan("reference", "reference", spec)
 
     def __call__(self, a, b, sa, sb, alpha, *, plan):

@@ -18,7 +18,7 @@ from configure import set_env  # tests/support/configure.py
 from hopper import as_if_hopper, lower_for_cuda  # tests/support/hopper.py
 from jax_blockscale import _plugin
 from jax_blockscale.catalog import sm90 as cat
-from jax_blockscale.formats import get_format
+from jax_blockscale.core.formats import get_format
 from jax_blockscale.lowering import GemmSpec
 from jax_blockscale.lowering import ffi_sm90
 from jax_blockscale.lowering import plan as P
@@ -351,7 +351,7 @@ def test_every_plan_is_accepted_and_named_back():
 
 def _ragged_spec(fa, fb, layout_lhs, out, m, n, k, groups, group_index=False,
                  alpha_is_one=False):
-    from jax_blockscale.ragged_backends import RaggedSpec
+    from jax_blockscale.lowering.specs import RaggedSpec
     lhs_dtype = np.dtype("bfloat16") if fa is None else np.dtype(get_format(fa).storage_dtype)
     return RaggedSpec(fa, fb, layout_lhs if fa else None, "blocked", lhs_dtype, np.dtype(out),
                       m, n, k, groups, group_index=group_index, alpha_is_one=alpha_is_one)

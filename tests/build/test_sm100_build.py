@@ -177,7 +177,7 @@ def test_kinds_and_alignment_rules():
 
 
 def test_kinds_agree_with_the_format_table():
-    formats = pytest.importorskip("jax_blockscale.formats")
+    formats = pytest.importorskip("jax_blockscale.core.formats")
     for name, f in sm100.FORMATS.items():
         g = formats.FORMATS[name]
         assert g.block == f.block

@@ -8,7 +8,7 @@ GPU needed) and compare its index map, element by element, with
 * the formula of the FFI contract: plain s[l, mn, sk] lives at flat index of
   [l, mn//128, sk//4, mn%32, (mn%128)//32, sk%4] in a C-order
   (L, ceil(MN/128), ceil(SK/4), 32, 4, 4) array, and
-* `jax_blockscale.layout.to_blocked_scales`, the function users call,
+* `jax_blockscale.core.layout.to_blocked_scales`, the function users call,
 
 for shapes with and without padding in MN and in SK.
 """
@@ -82,7 +82,7 @@ def test_dsl_layout_is_the_blocked_formula(dsl_maps, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("scale_dtype", ["float8_e4m3fn", "float8_e8m0fnu"])
 def test_dsl_layout_reads_what_to_blocked_scales_writes(dsl_maps, shape, scale_dtype):
-    layout = pytest.importorskip("jax_blockscale.layout")
+    layout = pytest.importorskip("jax_blockscale.core.layout")
     import jax.numpy as jnp
     import ml_dtypes
 

@@ -16,7 +16,7 @@ from wgmma_hazards import register_a_hazards
 
 from jax_blockscale.catalog import sm90 as cat
 
-aot = pytest.importorskip("jax_blockscale.aot")
+aot = pytest.importorskip("jax_blockscale.kernels.aot_sm90")
 kern = pytest.importorskip("jax_blockscale.kernels.sm90_blockscaled",
                            reason="needs nvidia-cutlass-dsl (build-time dependency)")
 

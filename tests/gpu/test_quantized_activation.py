@@ -321,8 +321,8 @@ QUANTIZE = "jax_blockscale_quantize_nvfp4_sm90"
 def _check_quantize(x, global_scale="auto"):
     """jbs.quantize on the quantizer target against quantize.py's XLA computation
     (_quantize_nvfp4, jitted on this GPU), bit for bit: elements, scales, decode factor."""
-    from jax_blockscale.formats import get_format
-    from jax_blockscale.quantize import _quantize_nvfp4
+    from jax_blockscale.core.formats import get_format
+    from jax_blockscale.core.quantize import _quantize_nvfp4
 
     x = jnp.asarray(x, jnp.bfloat16)
     f = jax.jit(lambda x: jbs.quantize(x, "nvfp4", global_scale=global_scale))

@@ -29,7 +29,7 @@ from configure import set_env  # tests/support/configure.py
 from jax_blockscale import _plugin
 from jax_blockscale.catalog import sm100 as cat100
 from jax_blockscale.catalog.sm100 import ARCH_SM, FMT_CODES, OUT_CODES
-from jax_blockscale.formats import get_format
+from jax_blockscale.core.formats import get_format
 from jax_blockscale.lowering import GemmSpec
 from jax_blockscale.lowering import ffi_sm100
 from jax_blockscale.lowering import plan as P

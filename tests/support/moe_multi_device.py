@@ -34,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jax_blockscale as jbs
 from jax_blockscale import nn as jnn
 from jax_blockscale.lowering import ALL_PLATFORMS
-from jax_blockscale.ragged_backends import get_ragged_backend, register_ragged_backend
+from jax_blockscale.lowering.registry import get_ragged_backend, register_ragged_backend
 
 # Qwen3-30B-A3B has hidden 2048, intermediate 768, 128 experts, top-8. These are small enough
 # for a CPU and keep what matters: every expert gets rows (32 tokens x top-4 over 16 experts),

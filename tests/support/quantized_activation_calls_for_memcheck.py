@@ -36,8 +36,8 @@ for m, n, k, out, g in [(1, 256, 4096, jnp.bfloat16, None), (3, 1000, 64, jnp.fl
 
 # jbs.quantize's own target (the quantizer kernels alone): one CTA, and the amax kernel behind
 # which one block per thread quantizes (a partial last amax CTA)
-from jax_blockscale.formats import get_format  # noqa: E402
-from jax_blockscale.quantize import _quantize_nvfp4  # noqa: E402
+from jax_blockscale.core.formats import get_format  # noqa: E402
+from jax_blockscale.core.quantize import _quantize_nvfp4  # noqa: E402
 
 for m, k in [(3, 1024), (3, 21856)]:
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)

@@ -135,7 +135,7 @@ def _large_m_dot_types(a, b, out_dtype):
     """... of the dequantize + dot that the sm90 backend lowers large M to (`reference_gemm`
     with allow_direct_output), with bf16 operands as there."""
     from jax_blockscale.lowering.reference import reference_gemm
-    from jax_blockscale.primitive import gemm_spec
+    from jax_blockscale.dense.primitive import gemm_spec
 
     def f(a, b):
         a_elems, sa = (a.data, a.scales) if isinstance(a, jbs.BlockScaled) else (a, None)

@@ -1,4 +1,4 @@
-"""The Flax NNX mixture-of-experts layers (jax_blockscale.nn_moe) against a float64 per-token
+"""The Flax NNX mixture-of-experts layers (jax_blockscale.nn.moe) against a float64 per-token
 NumPy oracle, their parameter conversion, and examples/moe.py in smoke mode."""
 import os
 import re

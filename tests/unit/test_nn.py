@@ -175,7 +175,7 @@ def test_quantize_params_progress_bar_is_optional(monkeypatch, capsys):
 
 
 def test_import_does_not_pull_in_flax():
-    code = ("import sys, jax_blockscale, jax_blockscale.serialization; "
+    code = ("import sys, jax_blockscale, jax_blockscale.interop.params_file; "
             "assert 'flax' not in sys.modules, 'flax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

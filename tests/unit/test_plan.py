@@ -20,7 +20,7 @@ import jax_blockscale  # noqa: F401  (registers the backends)
 from jax_blockscale.catalog import sm90 as cat90
 from jax_blockscale.catalog import sm100 as cat100
 from jax_blockscale.config import Config
-from jax_blockscale.formats import get_format
+from jax_blockscale.core.formats import get_format
 from jax_blockscale.lowering import GemmSpec
 from jax_blockscale.lowering import plan as P
 
@@ -310,7 +310,7 @@ def test_the_planner_is_the_lowering_s_only_decision(monkeypatch):
     import jax.numpy as jnp
 
     import jax_blockscale as jbs
-    from jax_blockscale import primitive
+    from jax_blockscale.dense import primitive
 
     calls = []
     real = primitive.make_plan
@@ -374,7 +374,7 @@ def test_a_shard_the_whole_call_cannot_run_as_plans_itself(monkeypatch):
         def plan(self, spec, device):
             return "too large" if spec.n > 1024 else P.Plan(self.name, "test", spec)
 
-    monkeypatch.setitem(lowering._BACKENDS, SmallOnly.name, SmallOnly())
+    monkeypatch.setitem(lowering.registry._BACKENDS, SmallOnly.name, SmallOnly())
     shard = dataclasses.replace(_w(m=16, n=1024, k=256), plan_shape=((), (), 16, 2048))
     p = P.plan(shard, "cpu", SmallOnly.name)
     assert (p.backend, p.spec) == (SmallOnly.name, dataclasses.replace(shard, plan_shape=None))

@@ -161,7 +161,7 @@ def test_formats_table():
 def test_decode_elements_every_code(fmt):
     """Every storable element (all 16 fp4 codes incl. -0, all 64 fp6 codes, all 256 fp8 bit
     patterns but NaN) decodes to the value ml_dtypes gives it, sign of zero included."""
-    from jax_blockscale.quantize import decode_elements
+    from jax_blockscale.core.quantize import decode_elements
 
     f = jbs.get_format(fmt)
     if f.element_bits == 4:
@@ -202,8 +202,8 @@ def test_bf16_nvfp4_through_the_quantizer_primitive_matches_the_oracle(shape):
 def test_bf16_nvfp4_with_a_given_scale_through_the_primitive(shape):
     """A given decode factor (traced): the primitive's folded call equals quantize.py's
     computation on the unfolded array, and the stored factor is the given one."""
-    from jax_blockscale.formats import get_format
-    from jax_blockscale.quantize import _quantize_nvfp4
+    from jax_blockscale.core.formats import get_format
+    from jax_blockscale.core.quantize import _quantize_nvfp4
 
     x = jnp.asarray(_random(7, shape, "normal"), jnp.bfloat16)
     g = jnp.float32(float(np.abs(np.asarray(x, np.float32)).max()) / 2688 / 2)
@@ -241,8 +241,8 @@ def test_bf16_nvfp4_under_vmap_quantizes_each_slice_on_its_own():
 def test_bf16_nvfp4_differentiates_as_plain_jax():
     """jvp and grad through quantize-dequantize are quantize.py's own (the primitive's jvp is
     that computation's)."""
-    from jax_blockscale.formats import get_format
-    from jax_blockscale.quantize import _quantize_nvfp4
+    from jax_blockscale.core.formats import get_format
+    from jax_blockscale.core.quantize import _quantize_nvfp4
 
     x = jnp.asarray(_random(11, (4, 64), "normal"), jnp.bfloat16)
 

@@ -11,7 +11,9 @@ from jax import export, lax
 
 import jax_blockscale as jbs
 import oracle
-from jax_blockscale import ragged, ragged_backends
+from jax_blockscale import ragged
+from jax_blockscale.lowering import ragged_reference, registry
+from jax_blockscale.lowering.specs import RaggedPlan
 
 F32 = jnp.float32
 
@@ -173,7 +175,7 @@ def test_bad_group_sizes_are_clamped_at_run_time(gs):
     want = ragged_oracle(x.astype(np.float64), values(rhs), gs)
     check(jit_ragged(x, rhs, gsa, out_dtype=F32), want)
     np.testing.assert_array_equal(
-        np.asarray(ragged_backends.clamp_group_sizes(gsa, m)),
+        np.asarray(ragged_reference.clamp_group_sizes(gsa, m)),
         np.diff([0] + [min(sum(max(s, 0) for s in gs[:i + 1]), m) for i in range(3)]))
 
 
@@ -280,7 +282,7 @@ def test_grad_weight_only_matches_ragged_dot_on_dequantized_weights():
     gs = jnp.asarray([5, 0, 12], jnp.int32)  # sum 17 > 14: the clamped semantics apply
     t = rand(19, (14, 20))
     wv = jnp.asarray(values(rhs), F32)  # (G, N, K) with the per-expert global scales
-    safe = ragged_backends.clamp_group_sizes(gs, 14)
+    safe = ragged_reference.clamp_group_sizes(gs, 14)
 
     def loss(x, use_ours):
         y = (jbs.ragged_gemm(x, rhs, gs, out_dtype=F32) if use_ours else
@@ -354,19 +356,19 @@ class _SpyBackend:
     def plan(self, spec, platform):
         if spec.fmt_rhs != "mxfp4":
             return "spy only takes mxfp4 experts"
-        return ragged_backends.RaggedPlan("spy", "loop", spec, platform)
+        return RaggedPlan("spy", "loop", spec, platform)
 
     def __call__(self, lhs, rhs, sl, sr, gs, alpha, row_start, *, plan):
         self.seen.append(plan.spec)
         jax.debug.callback(lambda g, r: self.seen.append((np.asarray(g), int(r))), gs, row_start)
-        return ragged_backends.get_ragged_backend("reference")(
+        return registry.get_ragged_backend("reference")(
             lhs, rhs, sl, sr, gs, alpha, row_start, plan=plan)
 
 
 @pytest.fixture
 def spy_backend(monkeypatch):
     spy = _SpyBackend()
-    monkeypatch.setitem(ragged_backends._BACKENDS, "spy", spy)
+    monkeypatch.setitem(registry._RAGGED_BACKENDS, "spy", spy)
     return spy
 
 
@@ -419,7 +421,7 @@ def test_reference_methods_agree(method):
          (x, rhs.data, rhs.scales, gs, jnp.ones(4, F32))],
         fmt_lhs=None, fmt_rhs=rhs.fmt, layout_lhs=None, layout_rhs="plain",
         out_dtype=np.dtype(np.float32))
-    y = ragged_backends.reference_ragged_gemm(jnp.asarray(x), rhs.data, None, rhs.scales, gs,
+    y = ragged_reference.reference_ragged_gemm(jnp.asarray(x), rhs.data, None, rhs.scales, gs,
                                               jnp.ones(4, F32), jnp.int32(0), spec=spec,
                                               method=method)
     check(y, ragged_oracle(x.astype(np.float64), values(rhs), np.asarray(gs)))

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 import jax_blockscale as jbs
-from jax_blockscale import _plugin, layout
+from jax_blockscale import _plugin
+from jax_blockscale.core import layout
 from jax_blockscale.catalog import sm100 as cat100
 from jax_blockscale.lowering import plan as P
 from jax_blockscale.lowering import ragged_sm100
-from jax_blockscale.ragged_backends import get_ragged_backend
+from jax_blockscale.lowering.registry import get_ragged_backend
 from test_ragged_gemm import quantize, quantize_experts, ragged_oracle, rand, values
 
 FMT_OF_CODE = {code: name for name, code in cat100.FMT_CODES.items()}

@@ -1,5 +1,5 @@
 """The grouped sm90 kernels' work table (lowering/ragged_sm90.py: work_items) and the clamped
-group sizes it is built from (ragged_backends.clamp_group_sizes), against plain Python loops on
+group sizes it is built from (lowering/ragged_reference.py: clamp_group_sizes), against plain Python loops on
 random sizes: empty groups, one group holding every row, sizes past M, negative sizes and a
 shifted first row (an expert-parallel shard). The grouped decode kernel makes the same entries
 from the raw sizes on the device (kernels/grouped_work.py); tests/gpu/test_ragged_sm90.py checks
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jax_blockscale.catalog import sm90 as cat
 from jax_blockscale.lowering.ragged_sm90 import ZERO_ITEM, work_items
-from jax_blockscale.ragged_backends import clamp_group_sizes, prefix_sum
+from jax_blockscale.lowering.ragged_reference import clamp_group_sizes, prefix_sum
 
 
 def _clamped(sizes, m, row_start):

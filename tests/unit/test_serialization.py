@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jax_blockscale as jbs
-from jax_blockscale import serialization
-from jax_blockscale.serialization import (CorruptFileError, ParamsFileError, load_params,
+from jax_blockscale.interop import params_file as serialization
+from jax_blockscale.interop.params_file import (CorruptFileError, ParamsFileError, load_params,
                                           save_params)
 
 
@@ -214,7 +214,7 @@ def test_orbax_recipe_detects_a_wrong_target(tmp_path):
     """docs/serving.md: Orbax restores into any target (casting); the saved description of the
     params catches a wrong one."""
     ocp = pytest.importorskip("orbax.checkpoint")
-    from jax_blockscale.serialization import check_description, describe_params
+    from jax_blockscale.interop.params_file import check_description, describe_params
 
     x = normal(12, (32, 64))
     qparams = {"fc": {"kernel": jbs.quantize(x, "mxfp8_e4m3", layout="blocked"),

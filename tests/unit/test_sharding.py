@@ -67,7 +67,7 @@ else:
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
     import jax_blockscale as jbs
-    from jax_blockscale import sharding as jbs_sharding
+    from jax_blockscale.dense import sharding as jbs_sharding
     from jax_blockscale import lowering as jbs_lowering
 
     SHARDY = use_partitioner()

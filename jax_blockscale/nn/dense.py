@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import gemm
-from .formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
-from .quantize import BlockScaled, check_global_scale, quantize, to_blocked
+from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
+from ..core.quantize import BlockScaled, check_global_scale, to_blocked
+from ..dense.api import gemm
+from ..quantization.api import quantize
 
 try:
     from flax import linen
@@ -41,8 +42,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without flax installed
     raise ImportError("jax_blockscale.nn needs Flax: pip install 'jax_blockscale[flax]' "
                       "(or pip install flax)") from e
-
-from .nn_moe import MoE, QuantizedMoE, quantize_experts, quantize_moe_params  # noqa: E402,F401
 
 __all__ = ["QuantizedDense", "QuantizedLinear", "QuantizedWeight", "default_filter", "dense",
            "from_quantized_params", "quantize_kernel", "quantize_model", "quantize_params"]

@@ -1,15 +1,16 @@
-"""`jbs.quantize(x, "nvfp4")` of a bf16 activation on the quantizer kernels.
+"""`quantize_nvfp4_p`: NVFP4 quantization of one matrix with one global scale, a primitive whose
+lowering the planner chooses (the sm90 quantizer kernels, or the same computation in XLA).
 
 `quantize_nvfp4_p` (x, [decode], [b_alpha]) -> (elements, scales, alpha) is `_quantize_nvfp4` of
-quantize.py for one (M, K) matrix: x quantized to NVFP4 with one global scale, calibrated from
+core/quantize.py for one (M, K) matrix: x quantized to NVFP4 with one global scale, calibrated from
 x's amax (``global_scale="auto"``) or the given decode factor (an f32 scalar, present when the
 param ``given_scale`` is set); the elements float4_e2m1fn (M, K), the plain e4m3 scales
 (M, K // 16) and the stored decode factor, or, with b_alpha (the (L,) global scales of a stacked
 weight, present when ``times_b_alpha`` is set), its products with them: gemm's alpha for each
 layer, which `gemm(x, w_stack, quantize_a="nvfp4", layer=i)` hands the layer target (XLA would
-multiply them in a kernel of its own on every call). Where the sm90 quantizer kernels can run (a
-bf16 x, K a multiple of 16, a Hopper GPU, a call no partitioner will split) it lowers to the
-target
+multiply them in a kernel of its own on every call). Where the planner puts it on the sm90
+quantizer kernels (lowering/plan.py: `plan_quantize_nvfp4`: a bf16 x, K a multiple of 16, a
+Hopper GPU) and no partitioner will split the call, it lowers to the target
 `jax_blockscale_quantize_nvfp4_sm90`: one launch up to 2,048 blocks, an amax kernel and a
 one-block-per-thread kernel past that (docs/design/quantized_activation.md), instead of XLA's
 four kernels. Its results are XLA's bit for bit (the kernels perform the same f32 operations,
@@ -22,17 +23,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import config as _config
-from .formats import get_format
-from .lowering import ALL_PLATFORMS
-from .lowering.ffi_sm90 import quantize_nvfp4_call
-from .lowering.plan import LIBRARY, device_for
-from .partitioning import needs_partitioning
-from .quantize import _quantize_nvfp4
+from ..core.formats import get_format
+from ..lowering.registry import ALL_PLATFORMS
+from ..lowering.ffi_sm90 import quantize_nvfp4_call
+from ..lowering.plan import plan_quantize_nvfp4
+from ..lowering.partitioning import needs_partitioning
+from ..core.quantize import _quantize_nvfp4
 
 quantize_nvfp4_p = Primitive("blockscale_quantize_nvfp4")
 quantize_nvfp4_p.multiple_results = True
@@ -69,17 +68,9 @@ quantize_nvfp4_p.def_impl(lambda *args, **params: jax.jit(
     functools.partial(quantize_nvfp4_p.bind, **params))(*args))
 
 
-def runs_on_kernels(x_aval, platform: str, library=LIBRARY) -> bool:
-    """Whether the quantizer kernels take x (bf16 (M, K), K % 16 == 0) on `platform`."""
-    return (platform == "cuda" and np.dtype(x_aval.dtype) == np.dtype(jnp.bfloat16)
-            and x_aval.ndim == 2 and x_aval.shape[0] >= 1 and x_aval.shape[1] >= 16
-            and x_aval.shape[1] % 16 == 0 and _config.get().backend in (None, "sm90")
-            and device_for(platform).arch == "sm90"
-            and library.unavailable_reason() is None and library.has_quantize_nvfp4())
-
-
 def _lowering(ctx, *args, platform, given_scale, times_b_alpha):
-    if runs_on_kernels(ctx.avals_in[0], platform) and not needs_partitioning(ctx, "quantize"):
+    if plan_quantize_nvfp4(ctx.avals_in[0], platform) == "sm90" and not needs_partitioning(
+            ctx, "quantize"):
         def kernels(*args):
             x, decode, b_alpha = _split(args, given_scale, times_b_alpha)
             return quantize_nvfp4_call(x, decode, b_alpha)

@@ -3,27 +3,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .formats import FORMATS, can_multiply, check_out_dtype, format_for, supported_pairs
-from .lowering import forced_backend
-from .primitive import gemm_p, join_operands
-from .quantize import (BlockScaled, check_blockscaled, check_global_scale, one_global_scale,
-                       quantize)
-
-
-def _alpha(*operands) -> jax.Array:
-    """The product of the operands' global (decode) scales, f32.
-
-    A scalar (1.0 without global scales), or, when an operand keeps one global scale per matrix
-    (``global_scale="per_matrix"``, shape = its batch dims), an array that broadcasts, aligned
-    on the right, against the output's batch dims.
-    """
-    alpha = jnp.float32(1.0)
-    for q in operands:
-        if isinstance(q, BlockScaled) and q.global_scale is not None:
-            alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
-    return alpha
+from ..core.formats import FORMATS, can_multiply, check_out_dtype, format_for, supported_pairs
+from ..core.quantize import BlockScaled, check_blockscaled, check_global_scale
+from ..lowering.registry import forced_backend
+from ..quantization.api import quantize_for_layers
+from ..ragged.api import indexed_gemm
+from .primitive import bind_gemm
+from .quantized_activation import quantized_activation_gemm_call
 
 
 def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None,
@@ -76,31 +63,13 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
     check_blockscaled(b, "b")
     if isinstance(a, BlockScaled):
         check_blockscaled(a, "a")
-        a_elems, sa, fmt_a, layout_a = a.data, a.scales, a.fmt, a.layout
-    else:
-        a_elems, sa, fmt_a, layout_a = jnp.asarray(a), None, None, None
-    alpha = _alpha(a, b)
-    no_global_scale = all(not isinstance(q, BlockScaled) or q.global_scale is None
-                          for q in (a, b))
-    params = dict(fmt_a=fmt_a, fmt_b=b.fmt, layout_a=layout_a, layout_b=b.layout,
-                  out_dtype=np.dtype(out_dtype), backend=backend)
-    if alpha.shape == ():
-        operands = join_operands(a_elems, b.data, sa, b.scales, alpha)
-        return gemm_p.bind(*operands, **params, alpha_is_one=no_global_scale)
-    # One global scale per matrix: gemm_p's alpha is a scalar, so multiply the f32 result by the
-    # per-matrix product instead (as the batching rule does for a vmapped alpha), then round.
-    operands = join_operands(a_elems, b.data, sa, b.scales, jnp.float32(1.0))
-    y = gemm_p.bind(*operands, **dict(params, out_dtype=np.dtype(np.float32)), alpha_is_one=True)
-    y = y * jnp.reshape(alpha, alpha.shape + (1, 1))
-    return y.astype(out_dtype)
+    return bind_gemm(a, b, out_dtype, backend)
 
 
 def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer,
                                a_global_scale=None) -> jax.Array:
     """gemm(quantize(a, fmt, global_scale=a_global_scale or "auto"), b), the quantization in
     the GEMM's call where it can be."""
-    from .quantized_activation import quantized_activation_gemm_call  # noqa: PLC0415
-
     if isinstance(a, BlockScaled):
         raise TypeError(f"with quantize_a={fmt!r}, a must be the plain activation to quantize "
                         f"(got a BlockScaled of {a.fmt}); pass quantize_a=None to multiply it "
@@ -123,28 +92,15 @@ def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer,
                              "no global scale (pass a_global_scale=None)")
         check_global_scale(a_global_scale, tuple(a.shape[:-2]), "a_global_scale")
     gs = "auto" if a_global_scale is None else a_global_scale
-    if layer is not None and fmt == "nvfp4" and one_global_scale(a, gs) and b.ndim == 3 and (
-            b.global_scale is None or jnp.ndim(b.global_scale) == 1):
-        # a bf16 activation: its quantizer also multiplies its decode factor into each layer's
-        # global scale, the alpha the layer target reads (else one XLA kernel on every call)
-        from .nvfp4_quantizer import quantize_nvfp4  # noqa: PLC0415  (it imports quantize)
-
-        b_alpha = (np.ones((b.shape[0],), np.float32) if b.global_scale is None
-                   else b.global_scale)
-        data, scales, alpha = quantize_nvfp4(a, gs, b_alpha)
-        q = BlockScaled(data, scales, None, fmt, "plain")
-        return _layer_gemm(q, b, layer, out_dtype, backend, alpha=alpha)
     if layer is not None:
-        q = quantize(a, fmt, global_scale=gs)
-        return gemm(q, b, out_dtype=out_dtype, backend=backend, layer=layer)
+        q, alpha = quantize_for_layers(a, fmt, gs, b)
+        return _layer_gemm(q, b, layer, out_dtype, backend, alpha=alpha)
     return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend, a_global_scale)
 
 
 def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend, alpha=None) -> jax.Array:
     """gemm(a, b[layer]) with b (L, N, K) read in place: ragged_gemm's index mode. alpha: each
     layer's product of the global scales where the caller has it (a's quantizer)."""
-    from .ragged import indexed_gemm  # noqa: PLC0415  (ragged imports this package's modules)
-
     if b.ndim != 3:
         raise ValueError(f"layer= needs b stacked as (L, N, K) (one matrix per layer), got b of "
                          f"shape {b.shape}")

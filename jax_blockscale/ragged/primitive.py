@@ -1,19 +1,19 @@
-"""Grouped (ragged) block-scaled GEMM for mixtures of experts: `ragged_gemm`, the block-scaled
-counterpart of `jax.lax.ragged_dot`, and its primitives.
+"""The primitives of the grouped (ragged) block-scaled GEMM, `ragged_gemm` (api.py), the
+block-scaled counterpart of `jax.lax.ragged_dot` for mixtures of experts.
 
     y = jbs.ragged_gemm(lhs, rhs, group_sizes)     # lhs (M, K), rhs (G, N, K) -> y (M, N)
 
 Rows of `lhs` are sorted by group: group g owns the next ``group_sizes[g]`` rows, and
 ``y[m] = lhs[m] @ rhs[g].T`` (times the global scales) for those rows; rows past
 ``sum(group_sizes)`` are zero. At run time (values are not known when tracing) a negative size
-counts as 0 and a group running past row M is cut at M (`ragged_backends.clamp_group_sizes`).
+counts as 0 and a group running past row M is cut at M (`lowering.ragged_reference.clamp_group_sizes`).
 
-Two primitives, as for `gemm` (primitive.py):
+Two primitives, as for `gemm` (dense/primitive.py):
   * `ragged_gemm_p` is what `ragged_gemm` binds: shape rules, batching and differentiation;
-    its lowering (ragged_sharding.py) wraps the local computation in `custom_partitioning`
+    its lowering (sharding.py) wraps the local computation in `custom_partitioning`
     where an SPMD partitioner will split it, and is the local computation itself elsewhere.
   * `ragged_gemm_local_p` is the computation on one device. Its lowering (below) makes the
-    group sizes safe, picks a backend from the ragged registry (ragged_backends.py) once, and
+    group sizes safe, asks the planner for a ragged backend once (lowering/plan.py: select_ragged_backend), and
     lets it run. It takes one more operand, `row_start` (group 0's first row), which the
     expert-parallel rule sets per device.
 
@@ -36,7 +36,7 @@ runs it): a dense GEMM against one matrix of a stack (a layer of a scanned model
 where it lies. A backend whose plan accepts it runs it in place (sm90: the layer target, which
 runs gemm's plan on the layer it finds from an in-place probe, else the grouped decode kernel
 with no work table; lowering/ragged_sm90.py); otherwise the lowering slices that matrix out and
-runs `gemm`'s local primitive on it.
+runs gemm's plan for it (as `gemm`'s local primitive would).
 
 Differentiation: as `gemm` (primitive.py): quantized operands are not differentiable (a nonzero
 tangent reaching one raises); in weight-only mode the product is linear in lhs and in alpha,
@@ -59,102 +59,18 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .formats import can_multiply, check_out_dtype, supported_pairs
-from .lowering import ALL_PLATFORMS
-from .primitive import _check_elements, _check_scales
-from .quantize import BlockScaled, check_blockscaled
-from .ragged_backends import (RaggedSpec, check_backend_name, clamp_group_sizes,
-                              dequantized_rhs, get_ragged_backend, index_group_sizes, method_for,
-                              ragged_matmul, row_groups, select_ragged_backend)
+from ..core.formats import can_multiply, check_out_dtype, supported_pairs
+from ..core.quantize import check_elements, check_scales
+from ..lowering.kernel_operands import element_bytes, take_layer
+from ..lowering.plan import plan as plan_gemm
+from ..lowering.plan import select_ragged_backend
+from ..lowering.ragged_reference import (clamp_group_sizes, dequantized_rhs, index_group_sizes,
+                                         method_for, ragged_matmul, row_groups)
+from ..lowering.registry import ALL_PLATFORMS, get_backend, get_ragged_backend
+from ..lowering.specs import GemmSpec, RaggedSpec
 
 ragged_gemm_p = Primitive("blockscale_ragged_gemm")
 ragged_gemm_local_p = Primitive("blockscale_ragged_gemm_local")
-
-
-# ---------------------------------------------------------------------------------------------
-# The public function
-
-
-def ragged_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype=jnp.bfloat16,
-                backend: str | None = None) -> jax.Array:
-    """Grouped GEMM: ``y[m] = lhs[m] @ rhs[g].T`` for the rows m of group g (like lax.ragged_dot).
-
-    lhs: a `BlockScaled` (M, K) (its NVFP4 global scale, if any, a scalar), or a plain
-      bf16/f16/f32 (M, K) array (weight-only mode). Rows sorted by group.
-    rhs: a `BlockScaled` (G, N, K): one K-major weight per group (expert), as `gemm`'s b;
-      typically ``jbs.quantize(w, fmt, layout="blocked")`` of a (G, N, K) stack. An NVFP4
-      global scale may be a scalar or one per expert (shape (G,), ``global_scale="per_matrix"``).
-    group_sizes: int32 (G,): rows per group, in order. Rows past their sum are zero in the
-      output. At run time a negative size counts as 0, and a group running past row M is cut
-      at M (later groups then get no rows).
-    out_dtype: bf16 (default), f16 or f32; accumulation is always f32.
-    backend: force a ragged backend ("reference", "sm90" on Hopper); default: the
-      fastest that accepts the problem.
-    Returns (M, N) in out_dtype. Any format pair `gemm` takes (`jbs.can_multiply`) works.
-    """
-    operands, params = _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend)
-    return ragged_gemm_p.bind(*operands, **params)
-
-
-def indexed_gemm(lhs, rhs: BlockScaled, index, *, out_dtype=jnp.bfloat16,
-                 backend: str | None = None, alpha=None) -> jax.Array:
-    """``lhs @ rhs[index].T`` for an (M, K) lhs and a stack rhs (G, N, K), reading rhs[index]
-    in place (index mode, see the module docstring); what ``jbs.gemm(..., layer=)`` calls.
-    alpha: the (G,) products of the operands' global scales where the caller has them (then
-    the operands' own are not multiplied again)."""
-    operands, params = _operands_and_params(lhs, rhs, index, out_dtype, backend,
-                                            group_index=True, alpha=alpha)
-    return ragged_gemm_p.bind(*operands, **params)
-
-
-def ragged_gemm_spec(lhs, rhs: BlockScaled, group_sizes, *,
-                     out_dtype=jnp.bfloat16) -> RaggedSpec:
-    """The problem ``ragged_gemm(lhs, rhs, group_sizes, out_dtype=...)`` hands the backends'
-    planners (benchmarks and tests use it to ask which backend and kernel would run a call)."""
-    operands, params = _operands_and_params(lhs, rhs, group_sizes, out_dtype, None)
-    avals = [jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x)) for x in operands]
-    return ragged_spec(avals, **params)
-
-
-def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend, group_index=False,
-                         alpha=None):
-    """ragged_gemm's arguments checked (naming the bad one) and turned into ragged_gemm_p's
-    operands and params (group_index: group_sizes is the index of index mode; alpha: the (G,)
-    products of the global scales, computed by the caller, else here from the operands')."""
-    if not isinstance(rhs, BlockScaled):
-        raise TypeError(f"rhs must be a jbs.BlockScaled (G, N, K), got {type(rhs).__name__}; "
-                        "quantize the expert weights with jbs.quantize(w, fmt, layout='blocked')")
-    check_backend_name(backend)
-    if rhs.ndim != 3:
-        raise ValueError(f"rhs must have shape (G, N, K) (one weight per group), got {rhs.shape}")
-    check_blockscaled(rhs, "rhs")
-    groups = rhs.shape[0]
-    if isinstance(lhs, BlockScaled):
-        if lhs.ndim != 2:
-            raise ValueError(f"lhs must have shape (M, K) (tokens sorted by group), got "
-                             f"{lhs.shape}; fold leading axes into M, or vmap")
-        check_blockscaled(lhs, "lhs")
-        l_elems, sl, fmt_lhs, layout_lhs = lhs.data, lhs.scales, lhs.fmt, lhs.layout
-    else:
-        l_elems, sl, fmt_lhs, layout_lhs = jnp.asarray(lhs), None, None, None
-    group_sizes = jnp.asarray(group_sizes)
-    if alpha is not None:
-        alpha, no_global_scale = jnp.asarray(alpha, jnp.float32), False
-        if alpha.shape != (groups,):
-            raise ValueError(f"alpha must hold one f32 per group, shape ({groups},); got "
-                             f"{alpha.shape}")
-    else:
-        alpha = jnp.ones((groups,), jnp.float32)
-        no_global_scale = True
-        # check_blockscaled allowed a scalar lhs global scale, and a scalar or (G,) one for rhs
-        for q in (lhs, rhs):
-            if isinstance(q, BlockScaled) and q.global_scale is not None:
-                alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
-                no_global_scale = False
-    operands = join_operands(l_elems, rhs.data, sl, rhs.scales, group_sizes, alpha)
-    return operands, dict(fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt, layout_lhs=layout_lhs,
-                          layout_rhs=rhs.layout, out_dtype=np.dtype(out_dtype), backend=backend,
-                          alpha_is_one=no_global_scale, group_index=group_index)
 
 
 def split_operands(args, fmt_lhs):
@@ -187,8 +103,8 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
     if rhs.ndim != 3:
         raise ValueError(f"rhs must have shape (G, N, K) (one weight per group), got "
                          f"{tuple(rhs.shape)}")
-    _check_elements("lhs", lhs, fmt_lhs)
-    _check_elements("rhs", rhs, fmt_rhs)
+    check_elements("lhs", lhs, fmt_lhs)
+    check_elements("rhs", rhs, fmt_rhs)
     if lhs.shape[-1] != rhs.shape[-1]:
         raise ValueError(f"lhs and rhs must agree on K (their last axis): lhs is "
                          f"{tuple(lhs.shape)}, rhs is {tuple(rhs.shape)}")
@@ -196,8 +112,8 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
         raise ValueError(f"formats {fmt_lhs} x {fmt_rhs} cannot be multiplied; supported pairs: "
                          f"{supported_pairs()} and weight-only (plain lhs x any format)")
     if fmt_lhs is not None:
-        _check_scales("lhs scales", sl, lhs, fmt_lhs, layout_lhs)
-    _check_scales("rhs scales", sr, rhs, fmt_rhs, layout_rhs)
+        check_scales("lhs scales", sl, lhs, fmt_lhs, layout_lhs)
+    check_scales("rhs scales", sr, rhs, fmt_rhs, layout_rhs)
     groups = rhs.shape[0]
     if group_index:
         if np.dtype(gs.dtype) != np.int32 or gs.shape != ():
@@ -253,7 +169,8 @@ def local_lowering(ctx, *args, platform, **params):
     backend = get_ragged_backend(plan.backend)
     if spec.group_index and plan.backend == "reference":
         # no kernel reads the stack in place: slice the matrix out and run gemm's best backend
-        return mlir.lower_fun(functools.partial(_sliced_gemm, params=params),
+        return mlir.lower_fun(functools.partial(_sliced_gemm, spec=spec, platform=platform,
+                                                params=params),
                               multiple_results=False)(ctx, *args)
 
     def run(*xs):
@@ -278,12 +195,10 @@ for _platform in ALL_PLATFORMS:
                            platform=_platform)
 
 
-def _sliced_gemm(*xs, params):
-    """Index mode without an in-place kernel: gemm's local primitive on rhs[index] (a slice XLA
-    hands the kernel in place when the index is a loop counter, else a copy)."""
-    from .lowering.kernel_operands import element_bytes, take_layer  # noqa: PLC0415
-    from .primitive import gemm_local_p  # noqa: PLC0415
-    from .primitive import join_operands as join_gemm  # noqa: PLC0415
+def _sliced_gemm(*xs, spec: RaggedSpec, platform: str, params):
+    """Index mode without an in-place kernel: gemm's plan and backend on rhs[index] (a slice
+    XLA hands the kernel in place when the index is a loop counter, else a copy), as gemm's
+    local primitive lowers it."""
 
     lhs, rhs, sl, sr, index, alpha, _ = split_operands(xs, params["fmt_lhs"])
     take = lambda x: take_layer(x, index)  # noqa: E731
@@ -302,12 +217,12 @@ def _sliced_gemm(*xs, params):
     alpha_layer = take(jnp.pad(alpha, (0, 1), mode="edge"))
     # a shard of a sharded call runs the unsharded layer's plan (see RaggedSpec.plan_shape)
     whole = params["plan_shape"]
-    return gemm_local_p.bind(
-        *join_gemm(lhs, rhs_layer, sl, take(sr), alpha_layer),
-        fmt_a=params["fmt_lhs"], fmt_b=params["fmt_rhs"], layout_a=params["layout_lhs"],
-        layout_b=params["layout_rhs"], out_dtype=params["out_dtype"],
-        backend=params["backend"], alpha_is_one=params["alpha_is_one"],
-        plan_shape=None if whole is None else ((), (), whole[0], whole[1]))
+    layer_spec = GemmSpec(spec.fmt_lhs, spec.fmt_rhs, spec.layout_lhs, spec.layout_rhs,
+                          spec.lhs_dtype, spec.out_dtype, (), (), (), spec.m, spec.n, spec.k,
+                          spec.alpha_is_one,
+                          None if whole is None else ((), (), int(whole[0]), int(whole[1])))
+    plan = plan_gemm(layer_spec, platform, params["backend"])
+    return get_backend(plan.backend)(lhs, rhs_layer, sl, take(sr), alpha_layer, plan=plan)
 
 
 def bind_local(operands, params, row_start=None, plan_shape=None):
@@ -459,6 +374,3 @@ def _transpose(ct, *args, **params):
 ad.primitive_jvps[ragged_gemm_p] = _jvp
 ad.primitive_transposes[ragged_gemm_p] = _transpose
 
-
-# The outer primitive's lowering (custom partitioning where an SPMD partitioner splits it).
-from . import ragged_sharding as _ragged_sharding  # noqa: E402,F401

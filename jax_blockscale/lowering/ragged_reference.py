@@ -1,5 +1,5 @@
-"""The backends of `ragged_gemm` (grouped block-scaled GEMM): the problem description, a small
-registry, and the pure-JAX reference backend.
+"""The backends of `ragged_gemm` (grouped block-scaled GEMM): what a backend is handed, the
+group-size bookkeeping they share, and the pure-JAX reference backend.
 
 A ragged backend is any object with
 
@@ -33,134 +33,20 @@ and what it must return: ``y[m] = alpha[g] * lhs[m] @ rhs[g].T`` for the rows m 
 group g covering rows ``[row_start + sum(group_sizes[:g]), row_start + sum(group_sizes[:g+1]))``;
 every other row is zero. It must read and write nothing outside those rows and groups.
 
-The registry is separate from `gemm`'s (lowering/__init__.py): `register_ragged_backend` adds
-one, `select_ragged_backend` picks one per lowering (a forced name, else the highest priority
+The registry is separate from `gemm`'s (lowering/registry.py): `register_ragged_backend` adds
+one, `lowering.plan.select_ragged_backend` picks one per lowering (a forced name, else the highest priority
 whose `plan` accepts the problem; `reference` serves every platform and accepts everything).
 """
 from __future__ import annotations
-
-import dataclasses
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .lowering import ALL_PLATFORMS, log_once
-from .lowering.reference import operand_values
-
-@dataclasses.dataclass(frozen=True)
-class RaggedSpec:
-    """The static description of one grouped GEMM problem, as a backend sees it."""
-    fmt_lhs: str | None  # None: weight-only mode, lhs is a plain activation
-    fmt_rhs: str
-    layout_lhs: str | None
-    layout_rhs: str
-    lhs_dtype: np.dtype  # storage dtype of lhs (the activation dtype in weight-only mode)
-    out_dtype: np.dtype
-    m: int
-    n: int
-    k: int
-    groups: int  # G
-    alpha_is_one: bool = False  # no global scales: alpha is all ones
-    shifted: bool = False  # row_start may be nonzero (expert-parallel shards)
-    group_index: bool = False  # group_sizes is one index: every row belongs to that group
-    # A shard of a sharded call: (M, N, G) of the unsharded problem, whose kernel choice
-    # (variant, split count) the shard keeps so that its results equal the unsharded call's bit
-    # for bit; None: the problem is its own (ragged_sharding.py sets it where K is whole).
-    plan_shape: tuple[int, int, int] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RaggedPlan:
-    """How one grouped problem runs: the backend, its kernel (or method) and the spec; for a
-    kernel (lowering/plan.py: plan_ragged_sm90) the compiled variant, its operand kinds, n8
-    tiles of M per work item (`nt`), tile, split-K count, work-table entries (`items`) and
-    whether the activation's plain scales are read as they are."""
-    backend: str
-    kernel: str
-    spec: RaggedSpec
-    platform: str
-    variant: str | None = None
-    a_kind: str | None = None
-    b_kind: str | None = None
-    nt: int = 0
-    tile: tuple[int, int] = (0, 0)
-    splits: int = 0
-    items: int = 0
-    a_scales_plain: bool = False
-    # the kernel makes its work items from the raw group sizes (groups from row 0): the lowering
-    # hands the backend the sizes as they are (no clamping kernels before the call) and the
-    # kernel applies `clamp_group_sizes`'s semantics itself (kernels/grouped_work.py)
-    raw_sizes: bool = False
-    # the grouped decode kernel: adjacent tiles of N each CTA streams one after the other (the
-    # catalogue's ragged_decode_tiles_per_cta)
-    tiles_per_cta: int = 1
-    # index mode on sm90 (`gemm(..., layer=i)`): gemm's plan for one layer (lowering/plan.py:
-    # Plan), run when the handler finds the layer in place; the fields above are then index
-    # mode's, run when XLA copied the layer's probe (lowering/ragged_sm90.py)
-    layer: object = None
-
-
-_BACKENDS: dict[str, object] = {}
-
-
-def register_ragged_backend(backend) -> None:
-    """Add (or replace) a ragged backend; consulted when `ragged_gemm_local_p` is lowered."""
-    _BACKENDS[backend.name] = backend
-
-
-def ragged_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-def get_ragged_backend(name: str):
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown ragged_gemm backend {name!r}; registered: "
-                         f"{ragged_backend_names()}") from None
-
-
-def check_backend_name(requested: str | None) -> None:
-    """Raise at trace time for a `backend=` that names no ragged backend."""
-    if requested is not None and requested != "auto":
-        get_ragged_backend(requested)
-
-
-def select_ragged_backend(spec: RaggedSpec, platform: str, requested: str | None) -> RaggedPlan:
-    """The plan for `spec` on `platform`: the forced backend (`requested`, else the
-    JAX_BLOCKSCALE_BACKEND variable when it names a ragged backend), else the highest-priority
-    registered backend serving the platform that accepts the problem. Skips are logged once."""
-    from . import config  # noqa: PLC0415
-
-    if requested in (None, "auto"):
-        env = config.get().backend
-        if env is not None and env not in _BACKENDS:
-            log_once(logging.INFO, "jax_blockscale ragged_gemm: JAX_BLOCKSCALE_BACKEND=%s has no "
-                      "ragged_gemm implementation; choosing automatically", env)
-            env = None
-        requested = env
-    if requested not in (None, "auto"):
-        backend = get_ragged_backend(requested)
-        if platform not in backend.platforms:
-            raise ValueError(f"ragged_gemm backend {requested!r} does not run on {platform} "
-                             f"(it serves {backend.platforms})")
-        plan = backend.plan(spec, platform)
-        if isinstance(plan, str):
-            raise ValueError(f"ragged_gemm backend {requested!r} cannot run this problem: {plan}")
-        return plan
-    candidates = sorted((b for b in _BACKENDS.values() if platform in b.platforms),
-                        key=lambda b: -b.priority)
-    for backend in candidates:
-        plan = backend.plan(spec, platform)
-        if not isinstance(plan, str):
-            return plan
-        log_once(logging.INFO, "jax_blockscale ragged_gemm: backend %s skipped: %s",
-                  backend.name, plan)
-    raise ValueError(f"no ragged_gemm backend serves platform {platform!r}")
-
+from .reference import operand_values
+from .registry import ALL_PLATFORMS, register_ragged_backend
+from .specs import RaggedPlan, RaggedSpec
 
 # ---------------------------------------------------------------------------------------------
 # Group sizes and row bookkeeping (shared by the primitive's rules and the backends)

@@ -33,13 +33,14 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .catalog import sm90 as cat
-from .lowering import ALL_PLATFORMS
-from .lowering.ffi_sm90 import quantized_activation_gemm
-from .lowering.plan import LIBRARY, plan as make_plan
-from .partitioning import needs_partitioning
-from .primitive import gemm_spec
-from .quantize import BlockScaled, one_global_scale, quantize
+from ..core.formats import get_format
+from ..core.quantize import BlockScaled, one_global_scale
+from ..lowering.ffi_sm90 import quantized_activation_gemm
+from ..lowering.partitioning import needs_partitioning
+from ..lowering.plan import plan_quantized_activation
+from ..lowering.registry import ALL_PLATFORMS
+from ..quantization.api import quantize
+from .primitive import bind_gemm, gemm_spec
 
 qact_gemm_p = Primitive("blockscale_quantized_act_gemm")
 
@@ -48,11 +49,9 @@ def composed(x, b, sb, b_alpha, a_decode=None, *, fmt, fmt_b, layout_b, b_global
              out_dtype, backend):
     """The definition: quantize x (with its given decode factor, else one calibrated now), then
     gemm (api.gemm validated the arguments)."""
-    from .api import gemm  # noqa: PLC0415  (api imports this module)
-
     w = BlockScaled(b, sb, b_alpha if b_global else None, fmt_b, layout_b)
     q = quantize(x, fmt, global_scale=a_decode if given_scale else "auto")
-    return gemm(q, w, out_dtype=out_dtype, backend=backend)
+    return bind_gemm(q, w, out_dtype, backend)
 
 
 def _abstract_eval(x, b, *_, out_dtype, **__):
@@ -74,33 +73,6 @@ def quantized_spec(x_aval, b_aval, sb_aval, *, fmt, fmt_b, layout_b, out_dtype, 
                      layout_a="plain", layout_b=layout_b, out_dtype=out_dtype, backend=backend)
 
 
-def fused_plan(spec, platform: str, backend, library=LIBRARY):
-    """gemm's plan for the composed problem `spec` when the fused target can carry it out, else
-    None: the composition runs. It can where the plan is the sm90 decode kernel reading plain
-    NVFP4 activation scales or the register-weight kernel reading the activation dequantized
-    in its K order (which the quantizer then writes), for one matrix with K unpadded, whether
-    the activation's global scale is given or calibrated, at any size."""
-    if (platform != "cuda" or spec.fmt_a not in cat.QUANTIZE_A_FORMATS
-            or np.dtype(spec.a_dtype) != np.dtype(jnp.float4_e2m1fn)
-            or library.unavailable_reason() is not None or not library.has_quantized_act_gemm()):
-        return None
-    p = make_plan(spec, platform, backend)
-    if p.backend != "sm90" or p.l != 1 or p.k != spec.k:
-        return None
-    decode = (p.kernel == "decode" and p.a_scales_plain and not p.dequantize_a
-              and not p.permute_k and library.has(chained_decode_name(p)))
-    register_weights = (p.kernel == "register_weights" and p.dequantize_a and p.permute_k
-                        and p.a_kind == "bf16_kperm")
-    return p if decode or register_weights else None
-
-
-def chained_decode_name(p) -> str:
-    """The chained twin (DecodeVariant.chained) of the decode variant plan `p` runs: what the
-    fused target launches behind the quantizer."""
-    out = cat.OUT_OF_DTYPE[np.dtype(p.spec.out_dtype).name]
-    return cat.DecodeVariant(p.a_kind, p.b_kind, out, p.nt, chained=True).name
-
-
 def _lowering(ctx, *args, platform, **params):
     plan = None
     if (np.dtype(ctx.avals_in[0].dtype) == np.dtype(jnp.bfloat16)
@@ -108,7 +80,7 @@ def _lowering(ctx, *args, platform, **params):
         spec = quantized_spec(*ctx.avals_in[:3], fmt=params["fmt"], fmt_b=params["fmt_b"],
                               layout_b=params["layout_b"], out_dtype=params["out_dtype"],
                               backend=params["backend"])
-        plan = fused_plan(spec, platform, params["backend"])
+        plan = plan_quantized_activation(spec, platform, params["backend"])
     if plan is None:
         return mlir.lower_fun(functools.partial(composed, **params), multiple_results=False)(
             ctx, *args)
@@ -142,15 +114,16 @@ ad.primitive_jvps[qact_gemm_p] = _jvp
 def quantized_activation_gemm_call(a, b: BlockScaled, fmt: str, out_dtype, backend,
                                    a_global_scale=None):
     """gemm(quantize(a, fmt, global_scale=a_global_scale or "auto"), b) for a plain `a`
-    (..., M, K) and a 2-D `b`: through `qact_gemm_p` where its fused lowering may apply (NVFP4,
-    a bf16 activation, one global scale for all of `a`), else the composition itself."""
+    (..., M, K) and a 2-D `b`: through `qact_gemm_p` where `a` is quantized as one matrix with
+    one global scale (NVFP4, a bf16 activation; the planner then decides whether the fused target
+    runs it), else the composition itself."""
     given = a_global_scale is not None
     params = dict(fmt=fmt, fmt_b=b.fmt, layout_b=b.layout, b_global=b.global_scale is not None,
                   given_scale=given, out_dtype=np.dtype(out_dtype), backend=backend)
     b_alpha = jnp.float32(1.0) if b.global_scale is None else jnp.asarray(b.global_scale,
                                                                           jnp.float32)
     extra = (jnp.asarray(a_global_scale, jnp.float32),) if given else ()
-    if (fmt not in cat.QUANTIZE_A_FORMATS or b.ndim != 2 or b_alpha.shape != ()
+    if (not get_format(fmt).has_global_scale or b.ndim != 2 or b_alpha.shape != ()
             or not one_global_scale(a, a_global_scale if given else "auto")):
         return composed(a, b.data, b.scales, b_alpha, *extra, **params)
     lead = a.shape[:-1]

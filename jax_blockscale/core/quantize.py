@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from . import layout as _layout
-from .formats import Format, get_format
+from .formats import PLAIN_DTYPES, Format, get_format
 
 _E4M3_MAX = 448.0
 _E8M0_BIAS = 127
@@ -245,6 +243,44 @@ def check_global_scale(gs, batch_shape: tuple, name: str = "global_scale", *,
                              f"{', '.join(map(str, bad[:4]))}")
 
 
+def check_elements(name, x, fmt):
+    """Raise, naming `name`, unless x (an array or aval, (..., MN, K)) holds `fmt`'s elements
+    (fmt None: a plain bf16/f16/f32 activation)."""
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have shape (..., MN, K), got {x.shape}")
+    if fmt is None:
+        if np.dtype(x.dtype) not in PLAIN_DTYPES:
+            raise TypeError(f"{name} is a plain array of dtype {x.dtype}; weight-only mode takes "
+                            f"{[d.name for d in PLAIN_DTYPES]}, or pass a jbs.quantize(...) result")
+        return
+    f = get_format(fmt)
+    if np.dtype(x.dtype) != f.storage_dtype:
+        raise TypeError(f"{name} holds {x.dtype} elements but format {fmt} stores "
+                        f"{f.storage_dtype.name}; quantize with jbs.quantize(x, {fmt!r})")
+    if x.shape[-1] % f.block:
+        raise ValueError(f"{name} has K={x.shape[-1]}, not a multiple of the {fmt} block size "
+                         f"{f.block}; pad K with zeros to a multiple of {f.block}")
+
+
+def check_scales(name, s, x, fmt, layout):
+    """Raise, naming `name`, unless s is the scales of elements x in `fmt` and `layout`."""
+    f = get_format(fmt)
+    if layout not in _layout.LAYOUTS:
+        raise ValueError(f"{name} layout must be one of {_layout.LAYOUTS}, got {layout!r}")
+    if np.dtype(s.dtype) != f.scale_dtype:
+        raise TypeError(f"{name} has dtype {s.dtype} but format {fmt} uses "
+                        f"{f.scale_dtype.name} scales")
+    *batch, mn, k = x.shape
+    sk = k // f.block
+    want = (tuple(batch) + (mn, sk) if layout == "plain"
+            else tuple(batch) + _layout.blocked_shape(mn, sk))
+    if tuple(s.shape) != want:
+        raise ValueError(f"{name} has shape {tuple(s.shape)}; {layout} scales for elements of "
+                         f"shape {tuple(x.shape)} ({fmt}, block {f.block}) must have shape "
+                         f"{want}" + ("; convert with jbs.to_blocked" if layout == "blocked"
+                                      else ""))
+
+
 def check_blockscaled(q: BlockScaled, name: str = "q", *, values: bool = True) -> None:
     """Raise a ValueError/TypeError naming `name` unless `q` is a consistent BlockScaled.
 
@@ -415,23 +451,8 @@ def _quantize_nvfp4(x: jax.Array, fmt: Format, global_scale):
     return data.reshape(x.shape), scales, decode
 
 
-def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto", layout: str = "plain",
-             scale_rounding: str = "round_up") -> BlockScaled:
-    """Quantize `x` (..., MN, K) along its last axis into `fmt`.
-
-    global_scale (NVFP4's fp32 tier; MX formats have none and take "auto", "per_matrix" or
-      None):
-        "auto"        one decode factor ``amax(x) / (6 * 448)`` for the whole tensor (activations);
-        "per_matrix"  one per trailing (MN, K) matrix, shape ``x.shape[:-2]`` (stacked layers and
-                      experts: each matrix keeps its own, as published checkpoints store them);
-        None          no global tier (block scales must fit e4m3 on their own);
-        a number or array of shape () or ``x.shape[:-2]``: that decode factor (finite, > 0).
-      "auto" and "per_matrix" ignore NaN and Inf (they stay in their own block).
-    layout: "plain" or "blocked" (swizzled for the tensor cores; what weights should use).
-    scale_rounding (MX formats): "round_up" (default, ``2^ceil(log2(amax / elem_max))``, no
-      saturation, less error) or "ocp" (``2^(floor(log2 amax) - emax)``, OCP MX v1.0 as
-      written). NVFP4's e4m3 block scales are always rounded to nearest. See docs/formats.md.
-    """
+def check_quantize_args(x, fmt: str, global_scale, layout: str, scale_rounding: str):
+    """`jbs.quantize`'s arguments checked, naming the bad one: (the Format, x as an array)."""
     f = get_format(fmt)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -458,21 +479,20 @@ def quantize(x: jax.Array, fmt: str, *, global_scale: Any = "auto", layout: str 
             raise ValueError(f"{f.name} has no global scale (only nvfp4 does); pass "
                              "global_scale=None or leave it at 'auto'")
         check_global_scale(global_scale, tuple(x.shape[:-2]))
-    if f.has_global_scale and one_global_scale(x, global_scale):
-        # a bf16 activation: on a Hopper GPU the quantizer kernels compute the same bits
-        from .nvfp4_quantizer import quantize_nvfp4  # noqa: PLC0415  (it imports this module)
-        data, scales, g = quantize_nvfp4(x, global_scale)
-    elif f.has_global_scale:
-        data, scales, g = _quantize_nvfp4(x, f, global_scale)
-    else:
-        data, scales, g = _quantize_mx(x, f, scale_rounding)
-    q = BlockScaled(data, scales, g, f.name, "plain")
-    return to_blocked(q) if layout == "blocked" else q
+    return f, x
+
+
+def quantize_values(x: jax.Array, f: Format, global_scale, scale_rounding: str):
+    """(elements, plain scales, decode factor or None) of x quantized to `f` along its last axis:
+    the pure-JAX quantizer (arguments as `jbs.quantize` checked them)."""
+    if f.has_global_scale:
+        return _quantize_nvfp4(x, f, global_scale)
+    return _quantize_mx(x, f, scale_rounding)
 
 
 def one_global_scale(x: jax.Array, global_scale) -> bool:
     """Whether NVFP4's quantization of x is one bf16 matrix's (rows folded) with one global
-    scale, calibrated or given: what nvfp4_quantizer's kernels take."""
+    scale, calibrated or given: what the quantizer primitive (jax_blockscale/quantization) takes."""
     if x.dtype != jnp.bfloat16 or x.shape[-1] % 16 or x.size == 0:
         return False
     if isinstance(global_scale, str):

@@ -30,15 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
-from .quantize import BlockScaled, quantize, to_blocked
-from .ragged import ragged_gemm
+from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
+from ..core.quantize import BlockScaled, to_blocked
+from ..quantization.api import quantize
+from ..ragged.api import ragged_gemm
 
 try:
     from flax import nnx
 except ImportError as e:  # pragma: no cover - exercised only without flax installed
-    raise ImportError("jax_blockscale.nn_moe needs Flax: pip install 'jax_blockscale[flax]'") \
+    raise ImportError("jax_blockscale.nn needs Flax: pip install 'jax_blockscale[flax]'") \
         from e
+
+from .dense import QuantizedWeight  # noqa: E402  (after the Flax check)
 
 __all__ = ["MoE", "QuantizedMoE", "quantize_experts", "quantize_moe_params", "route"]
 
@@ -229,8 +232,6 @@ class QuantizedMoE(nnx.Module):
                              f"supported pairs: {supported_pairs()}, or act_fmt=None")
         if np.dtype(dtype) not in OUT_DTYPES:
             raise TypeError(f"dtype must be one of {[d.name for d in OUT_DTYPES]}")
-        from .nn import QuantizedWeight  # noqa: PLC0415  (nn.py imports this module)
-
         self.hidden, self.intermediate, self.experts, self.top_k = (hidden, intermediate,
                                                                     experts, top_k)
         self.fmt = gate_up.fmt

@@ -35,12 +35,12 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import layout as _layout
-from .formats import (PLAIN_DTYPES, can_multiply, check_out_dtype, get_format,
-                      supported_pairs)
-from .lowering import ALL_PLATFORMS, GemmSpec, get_backend
-from .lowering.plan import plan as make_plan
-from .lowering.reference import operand_values
+from ..core.formats import can_multiply, check_out_dtype, supported_pairs
+from ..core.quantize import BlockScaled, check_elements, check_scales
+from ..lowering.plan import plan as make_plan
+from ..lowering.reference import operand_values
+from ..lowering.registry import ALL_PLATFORMS, get_backend
+from ..lowering.specs import GemmSpec
 
 gemm_p = Primitive("blockscale_gemm")
 gemm_local_p = Primitive("blockscale_gemm_local")
@@ -60,42 +60,48 @@ def join_operands(a, b, sa, sb, alpha):
 
 
 # ---------------------------------------------------------------------------------------------
+# Binding (what jbs.gemm calls once its arguments are checked)
+
+
+def _alpha(*operands) -> jax.Array:
+    """The product of the operands' global (decode) scales, f32.
+
+    A scalar (1.0 without global scales), or, when an operand keeps one global scale per matrix
+    (``global_scale="per_matrix"``, shape = its batch dims), an array that broadcasts, aligned
+    on the right, against the output's batch dims.
+    """
+    alpha = jnp.float32(1.0)
+    for q in operands:
+        if isinstance(q, BlockScaled) and q.global_scale is not None:
+            alpha = alpha * jnp.asarray(q.global_scale, jnp.float32)
+    return alpha
+
+
+def bind_gemm(a, b: BlockScaled, out_dtype, backend) -> jax.Array:
+    """`gemm_p` bound on checked operands (`jbs.gemm` checks them): a `BlockScaled` or plain
+    activation `a` times the `BlockScaled` `b`, the product of their global scales applied."""
+    if isinstance(a, BlockScaled):
+        a_elems, sa, fmt_a, layout_a = a.data, a.scales, a.fmt, a.layout
+    else:
+        a_elems, sa, fmt_a, layout_a = jnp.asarray(a), None, None, None
+    alpha = _alpha(a, b)
+    no_global_scale = all(not isinstance(q, BlockScaled) or q.global_scale is None
+                          for q in (a, b))
+    params = dict(fmt_a=fmt_a, fmt_b=b.fmt, layout_a=layout_a, layout_b=b.layout,
+                  out_dtype=np.dtype(out_dtype), backend=backend)
+    if alpha.shape == ():
+        operands = join_operands(a_elems, b.data, sa, b.scales, alpha)
+        return gemm_p.bind(*operands, **params, alpha_is_one=no_global_scale)
+    # One global scale per matrix: gemm_p's alpha is a scalar, so multiply the f32 result by the
+    # per-matrix product instead (as the batching rule does for a vmapped alpha), then round.
+    operands = join_operands(a_elems, b.data, sa, b.scales, jnp.float32(1.0))
+    y = gemm_p.bind(*operands, **dict(params, out_dtype=np.dtype(np.float32)), alpha_is_one=True)
+    y = y * jnp.reshape(alpha, alpha.shape + (1, 1))
+    return y.astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Shape rules: every check raises at trace time with the argument named and the fix.
-
-
-def _check_elements(name, x, fmt):
-    if x.ndim < 2:
-        raise ValueError(f"{name} must have shape (..., MN, K), got {x.shape}")
-    if fmt is None:
-        if np.dtype(x.dtype) not in PLAIN_DTYPES:
-            raise TypeError(f"{name} is a plain array of dtype {x.dtype}; weight-only mode takes "
-                            f"{[d.name for d in PLAIN_DTYPES]}, or pass a jbs.quantize(...) result")
-        return
-    f = get_format(fmt)
-    if np.dtype(x.dtype) != f.storage_dtype:
-        raise TypeError(f"{name} holds {x.dtype} elements but format {fmt} stores "
-                        f"{f.storage_dtype.name}; quantize with jbs.quantize(x, {fmt!r})")
-    if x.shape[-1] % f.block:
-        raise ValueError(f"{name} has K={x.shape[-1]}, not a multiple of the {fmt} block size "
-                         f"{f.block}; pad K with zeros to a multiple of {f.block}")
-
-
-def _check_scales(name, s, x, fmt, layout):
-    f = get_format(fmt)
-    if layout not in _layout.LAYOUTS:
-        raise ValueError(f"{name} layout must be one of {_layout.LAYOUTS}, got {layout!r}")
-    if np.dtype(s.dtype) != f.scale_dtype:
-        raise TypeError(f"{name} has dtype {s.dtype} but format {fmt} uses "
-                        f"{f.scale_dtype.name} scales")
-    *batch, mn, k = x.shape
-    sk = k // f.block
-    want = (tuple(batch) + (mn, sk) if layout == "plain"
-            else tuple(batch) + _layout.blocked_shape(mn, sk))
-    if tuple(s.shape) != want:
-        raise ValueError(f"{name} has shape {tuple(s.shape)}; {layout} scales for elements of "
-                         f"shape {tuple(x.shape)} ({fmt}, block {f.block}) must have shape "
-                         f"{want}" + ("; convert with jbs.to_blocked" if layout == "blocked"
-                                      else ""))
 
 
 def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=None,
@@ -105,8 +111,8 @@ def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=Non
     if fmt_b is None:
         raise TypeError("b must be quantized (a jbs.BlockScaled); quantize the weight with "
                         "jbs.quantize(w, fmt)")
-    _check_elements("a", a, fmt_a)
-    _check_elements("b", b, fmt_b)
+    check_elements("a", a, fmt_a)
+    check_elements("b", b, fmt_b)
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"a and b must agree on K (their last axis): a is {tuple(a.shape)}, "
                          f"b is {tuple(b.shape)}")
@@ -114,8 +120,8 @@ def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=Non
         raise ValueError(f"formats {fmt_a} x {fmt_b} cannot be multiplied; supported pairs: "
                          f"{supported_pairs()} and weight-only (plain activation x any format)")
     if fmt_a is not None:
-        _check_scales("a scales", sa, a, fmt_a, layout_a)
-    _check_scales("b scales", sb, b, fmt_b, layout_b)
+        check_scales("a scales", sa, a, fmt_a, layout_a)
+    check_scales("b scales", sb, b, fmt_b, layout_b)
     if alpha.shape != () or np.dtype(alpha.dtype) != np.float32:
         raise TypeError(f"alpha must be an f32 scalar, got {alpha.dtype}{list(alpha.shape)}")
     check_out_dtype(out_dtype)

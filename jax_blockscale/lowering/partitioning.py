@@ -22,8 +22,8 @@ from jax.interpreters import mlir
 from jax._src import dispatch
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
-from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .lowering import log_once  # (partitioning callbacks run several times per compilation)
+from ..core.layout import COLS_PER_TILE, ROWS_PER_TILE
+from .registry import log_once  # (partitioning callbacks run several times per compilation)
 
 
 def _thread_mesh():

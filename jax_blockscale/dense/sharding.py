@@ -43,9 +43,9 @@ from jax import lax
 from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .formats import get_format
-from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
+from ..core.formats import get_format
+from ..core.layout import COLS_PER_TILE, ROWS_PER_TILE
+from ..lowering.partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
 from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")

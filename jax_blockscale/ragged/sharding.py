@@ -50,11 +50,11 @@ from jax import lax
 from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .formats import get_format
-from .partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
-from .layout import COLS_PER_TILE, ROWS_PER_TILE
-from .ragged import bind_local, join_operands, ragged_gemm_p, split_operands
-from .ragged_backends import clamp_group_sizes
+from ..core.formats import get_format
+from ..lowering.partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
+from ..core.layout import COLS_PER_TILE, ROWS_PER_TILE
+from .primitive import bind_local, join_operands, ragged_gemm_p, split_operands
+from ..lowering.ragged_reference import clamp_group_sizes
 
 log = logging.getLogger("jax_blockscale")
 

@@ -1,0 +1,14 @@
+"""Flax layers holding block-scaled weights (needs Flax: ``pip install 'jax_blockscale[flax]'``;
+``import jax_blockscale`` does not import it).
+
+    dense.py   the functional `dense`, `QuantizedLinear` (NNX), `QuantizedDense` (Linen), and the
+               one-time conversion of float parameters (`quantize_params`, `quantize_model`)
+    moe.py     `MoE` / `QuantizedMoE` (NNX) on `ragged_gemm`, `quantize_experts`, routing
+"""
+from .dense import (QuantizedDense, QuantizedLinear, QuantizedWeight, default_filter, dense,
+                    from_quantized_params, quantize_kernel, quantize_model, quantize_params)
+from .moe import MoE, QuantizedMoE, quantize_experts, quantize_moe_params, route
+
+__all__ = ["MoE", "QuantizedDense", "QuantizedLinear", "QuantizedMoE", "QuantizedWeight",
+           "default_filter", "dense", "from_quantized_params", "quantize_experts",
+           "quantize_kernel", "quantize_model", "quantize_moe_params", "quantize_params", "route"]
