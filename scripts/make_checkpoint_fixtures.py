@@ -175,6 +175,97 @@ def make_modelopt(out: Path, algo: str):
     raise RuntimeError("ModelOpt fixtures are made on a GPU machine only")
 
 
+# e2m1 magnitudes by code (bit 3 is the sign), as gpt-oss's MXFP4 tensors store them
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def _mxfp4_gpt_oss(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w (..., N, K) f32 -> gpt-oss's original MXFP4 layout: blocks uint8 (..., N, K/32, 16)
+    (two e2m1 codes a byte, element 2i in the low nibble) and scales uint8 (..., N, K/32)
+    (biased exponents, value = e2m1 * 2 ** (scale - 127)). The OCP MX recipe: each block of 32
+    along K shares the exponent floor(log2(amax)) - 2, codes round to nearest (ties to the even
+    code), magnitudes past 6 saturate."""
+    *lead, n, k = w.shape
+    blocks = w.reshape(*lead, n, k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=-1)
+    exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, -127)
+    exp = np.clip(exp, -127, 127).astype(np.int32)
+    scaled = np.abs(blocks) / np.ldexp(np.float32(1), exp)[..., None]
+    dist = np.abs(scaled[..., None] - E2M1)  # nearest magnitude; ties to the even code
+    best = dist.min(axis=-1, keepdims=True)
+    ties = dist == best
+    even = ties & (np.arange(8) % 2 == 0)
+    mag = np.where(even.any(axis=-1), even.argmax(axis=-1), ties.argmax(axis=-1))
+    codes = (mag | np.where(blocks < 0, 8, 0)).astype(np.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def make_gpt_oss(out: Path):
+    """gpt-oss with its experts in the original MXFP4 layout (as openai/gpt-oss-20b / -120b
+    publish them: ``*_blocks`` / ``*_scales`` per expert weight, biases and everything else in
+    bf16, config.json's quantization_config ``quant_method: mxfp4``), written here (transformers
+    cannot quantize to MXFP4 without its GPU kernels) and read back by transformers' own MXFP4
+    loader (dequantized on the CPU) for the reference. Expert gate_up weights are drawn wide
+    enough that the SwiGLU clamp (limit 7) is hit; biases and sinks are random, not zero."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=32, hidden_size=128, intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                          max_position_embeddings=64, rms_norm_eps=1e-5,
+                          initializer_range=INIT_STD, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                           "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False,
+                                           "original_max_position_embeddings": 16})
+    model = GptOssForCausalLM(config)
+    gen = torch.Generator().manual_seed(1)
+    state = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith(("_bias", ".bias", ".sinks")):
+                t = torch.randn(t.shape, generator=gen) * (1.0 if name.endswith("sinks")
+                                                           else INIT_STD)
+            if name.endswith("experts.gate_up_proj"):
+                t = t * 4  # gate / up values past the clamp
+            state[name] = t.to(torch.bfloat16)
+    path = out / "gpt_oss_tiny"
+    path.mkdir(parents=True)
+    tensors = {}
+    for name, t in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers holds (E, in, out); the checkpoint stores (E, out, in) in MXFP4
+            w = t.float().transpose(1, 2).numpy()
+            blocks, scales = _mxfp4_gpt_oss(w)
+            tensors[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            tensors[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+        else:
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config_json = json.loads(config.to_json_string())
+    config_json["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    # transformers' MXFP4 loader dequantizes the experts to bf16 (exact: e2m1 times a power of
+    # two) whatever dtype is asked for; the reference runs every weight in f32
+    from transformers import AutoModelForCausalLM
+    tokens = _tokens(config.vocab_size)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).float().eval()
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(tokens).long()).logits.float().numpy()
+    _finish(path, tokens, logits,
+            _versions("transformers", "torch", "safetensors"),
+            "gpt-oss: MXFP4 experts in the original layout (*_blocks / *_scales), expert and "
+            "attention biases, attention sinks, sliding-window (6) and full layers, YaRN rope "
+            "(factor 4, truncate false), 4 experts top-2, clamped SwiGLU; 2 layers")
+
+
 FIXTURES = {
     "transformers_llama": lambda out: make_llama(
         out, "transformers_llama", "Llama, transformers 5 config (rope_parameters, theta "
@@ -199,6 +290,7 @@ FIXTURES = {
     "llmcompressor_nvfp4a16": lambda out: make_llm_compressor(out, "NVFP4A16"),
     "modelopt_nvfp4": lambda out: make_modelopt(out, "NVFP4"),
     "modelopt_w4a16_nvfp4": lambda out: make_modelopt(out, "W4A16_NVFP4"),
+    "gpt_oss_tiny": make_gpt_oss,
 }
 
 
