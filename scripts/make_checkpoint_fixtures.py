@@ -264,6 +264,9 @@ def make_gpt_oss(out: Path):
             "gpt-oss: MXFP4 experts in the original layout (*_blocks / *_scales), expert and "
             "attention biases, attention sinks, sliding-window (6) and full layers, YaRN rope "
             "(factor 4, truncate false), 4 experts top-2, clamped SwiGLU; 2 layers")
+    # not reference.npz: tests/unit/test_real_checkpoints.py loads every fixture that has one
+    # through examples/llama; this one is read by tests/unit/test_gpt_oss.py
+    (path / "reference.npz").rename(path / "reference_gpt_oss.npz")
 
 
 FIXTURES = {
