@@ -26,13 +26,15 @@ weights are not scanned over: each step hands the whole stacks and its layer ind
 slice of FP4 weights is copied first).
 ``scan_layers=False`` keeps one module per layer and unrolls the loop (for comparison;
 benchmarks/e2e_model.py times both).
+
+Attention is ``jax.nn.dot_product_attention`` (`attend`): a decode step masks the cache by length
+and runs cuDNN's fused kernel on Hopper or newer (bf16), XLA's elsewhere; a prompt runs XLA's.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -320,6 +322,51 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq, scaling: float = 1.0) -> 
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+ATTENTION = ("auto", "xla", "cudnn")  # `attend`'s choices (Llama(attention=...))
+
+
+def attention_implementation(dtype, head_dim: int) -> str | None:
+    """"cudnn" where JAX's cuDNN fused attention takes a decode step (an NVIDIA GPU of compute
+    capability 9.0 or newer, bf16 / f16, head_dim a multiple of 8 up to 256), else None (XLA).
+    ``jax.nn.dot_product_attention(implementation=None)`` is XLA's attention in this JAX (it
+    does not pick cuDNN by itself), so the choice is made here."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or cc is None:
+        return None
+    try:
+        major = int(str(cc).split(".")[0])
+    except ValueError:
+        return None
+    ok = (major >= 9 and np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+          and head_dim % 8 == 0 and head_dim <= 256)
+    return "cudnn" if ok else None
+
+
+def attend(q, keys, values, positions, attention: str = "auto"):
+    """Causal grouped-query attention over a KV cache on ``jax.nn.dot_product_attention``.
+    q (B, T, heads, hd) at `positions` (T,) (consecutive); keys / values (B, S, kv_heads, hd),
+    the cache, positions past the last query unwritten. Returns (B, T, heads, hd) in q's dtype.
+
+    A decode step (T = 1) sees the cache's first pos + 1 entries: a length mask
+    (``key_value_seq_lengths``), which cuDNN's fused kernel takes (`attention_implementation`
+    for "auto"). Several tokens at once (a prompt) need a causal mask offset by their position
+    in the cache, which JAX's cuDNN path does not express (its causal mask is aligned to the
+    queries' indices in the call): they run XLA's implementation with a boolean mask.
+    attention: "auto", "xla" (XLA's everywhere) or "cudnn" (decode steps on cuDNN)."""
+    b, t = q.shape[:2]
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    if t == 1:
+        impl = (attention_implementation(q.dtype, q.shape[-1]) if attention == "auto"
+                else attention)
+        lengths = jnp.broadcast_to((positions[-1] + 1).astype(jnp.int32), (b,))
+        return jax.nn.dot_product_attention(q, keys, values, key_value_seq_lengths=lengths,
+                                            implementation=impl)
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # causal, (T, S)
+    return jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None],
+                                        implementation="xla")
+
+
 class KVCache(NamedTuple):
     """Keys and values of every layer in one array, (L, 2, B, max_len, kv_heads, head_dim): a
     layer's keys and values are written with one update and read with one slice (two would be
@@ -369,8 +416,10 @@ def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> n
 class DecoderLayer(nnx.Module):
     """One decoder layer, or (stacked) all of them: every variable may carry a leading L axis."""
 
-    def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16):
+    def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16,
+                 attention: str = "auto"):
         self.cfg = cfg
+        self.attention = attention  # `attend`'s implementation choice
         for name in NORMS + (QK_NORMS if cfg.qk_norm else ()):
             setattr(self, name, nnx.Param(params[name]))
         for name in cfg.projections:
@@ -410,13 +459,7 @@ class DecoderLayer(nnx.Module):
         new = jnp.stack([k, v])[None].astype(cache.kv.dtype)  # (1, 2, B, T, kvh, hd)
         kv = lax.dynamic_update_slice(cache.kv, new, (layer, 0, 0, pos, 0, 0))
         keys, values = lax.dynamic_index_in_dim(kv, layer, 0, keepdims=False)  # (B, S, kvh, hd)
-        qg = q.reshape(b, t, kvh, group, hd)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(hd)
-        visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # causal, (T, S)
-        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(q.dtype), values.astype(q.dtype),
-                          preferred_element_type=jnp.float32).astype(h.dtype)
+        attn = attend(q, keys, values, positions, self.attention).astype(h.dtype)
         h = h + proj(attn.reshape(b, t, kvh * group * hd), "o_proj")
 
         x = rms_norm(h, w("post_attention_layernorm"), cfg.rms_norm_eps)
@@ -448,7 +491,9 @@ class Llama(nnx.Module):
     `dtype` is the activations' (and a float MoE's compute) dtype."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], *, scan_layers: bool = True,
-                 dtype=jnp.bfloat16):
+                 dtype=jnp.bfloat16, attention: str = "auto"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.dtype = dtype
@@ -456,9 +501,10 @@ class Llama(nnx.Module):
         self.norm = nnx.Param(params["norm"])
         self.lm_head = Weight(params["lm_head"])
         if scan_layers:
-            self.layers = DecoderLayer(cfg, params["layers"], dtype)
+            self.layers = DecoderLayer(cfg, params["layers"], dtype, attention)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, _layer(params["layers"], i), dtype)
+            self.layers = nnx.List([DecoderLayer(cfg, _layer(params["layers"], i), dtype,
+                                                 attention)
                                     for i in range(cfg.num_hidden_layers)])
 
     def __call__(self, tokens: jax.Array, cache: KVCache, pos) -> tuple[jax.Array, KVCache]:

@@ -347,3 +347,30 @@ def test_e2e_benchmark_tiny_moe(tmp_path):
     nvfp4, bf16 = (next(r for r in result["rows"] if (r["fmt"], r["mode"]) == (f, "scan"))
                    for f in ("nvfp4", "bf16"))
     assert "speedup_vs_bf16" in nvfp4 and nvfp4["weight_bytes"] < bf16["weight_bytes"]
+
+
+def test_attend_equals_the_einsum_softmax():
+    """`attend` (jax.nn.dot_product_attention: a length mask at decode, a causal mask for a
+    prompt) equals the masked softmax attention written out, in f32 and bf16, with a cache
+    whose unwritten positions hold garbage."""
+    b, s, n, kvh, hd = 2, 16, 8, 2, 32
+    k0, k1, k2 = jax.random.split(jax.random.key(5), 3)
+    keys = jax.random.normal(k1, (b, s, kvh, hd)) * 3
+    values = jax.random.normal(k2, (b, s, kvh, hd))
+
+    def ref(q, positions):
+        qg = q.astype(jnp.float32).reshape(b, q.shape[1], kvh, n // kvh, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys) / np.sqrt(hd)
+        visible = jnp.arange(s)[None, :] <= positions[:, None]
+        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        return jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(q.shape)
+
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        for t, pos in ((1, 0), (1, 9), (1, s - 1), (6, 0), (4, 7)):
+            q = jax.random.normal(k0, (b, t, n, hd)).astype(dtype)
+            positions = pos + jnp.arange(t)
+            got = jax.jit(llama.attend)(q, keys.astype(dtype), values.astype(dtype), positions)
+            assert got.dtype == dtype and got.shape == q.shape
+            np.testing.assert_allclose(np.asarray(got, np.float32), ref(q, positions),
+                                       rtol=tol, atol=tol)
+    assert llama.attention_implementation(jnp.bfloat16, 128) is None  # CPU: XLA
