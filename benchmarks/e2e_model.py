@@ -9,6 +9,7 @@ activations) against the same model in bf16, scanned (and optionally unrolled) l
     python benchmarks/e2e_model.py --tiny --out /tmp/e2e_smoke         # CPU smoke run
     python benchmarks/e2e_model.py --tiny --moe --out /tmp/e2e_smoke   # CPU smoke run, MoE
     python benchmarks/e2e_model.py --breakdown --compare-unrolled --out /tmp/e2e  # + kernels
+    python benchmarks/e2e_model.py --breakdown --attention xla --tag e2e_model_xla_attn  # before
 
 The model is examples/llama/model.py: hidden 4096, 32 query / 8 key-value heads of 128, MLP
 14336 (SwiGLU), --layers layers (default 16), a --vocab-sized embedding and bf16 LM head (small
@@ -248,6 +249,9 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="record and print the step's GPU kernels (time and launches per step "
                    "and per layer) from the profiler trace")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="the model's decode attention (examples/llama/model.py attend): auto "
+                   "(cuDNN's fused kernel on Hopper+, XLA's elsewhere), xla, cudnn")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default e2e_model_<platform>)")
     args = p.parse_args(argv)
@@ -279,6 +283,7 @@ def main(argv=None):
                         f"e2e_model{'_moe' if args.moe else ''}_{device.platform}")
     meta = dict(jax=jax.__version__, device=device.device_kind, platform=device.platform,
                 config=cfg.__dict__, max_len=args.max_len, pos=args.pos,
+                attention=args.attention,
                 timing=dict(iters=args.iters, trials=args.trials, calls=args.calls,
                             method="benchmarks/timing.py: loop_us = median over trials of the "
                             "mean of back-to-back jitted decode steps (host cost included); "
@@ -294,7 +299,8 @@ def main(argv=None):
     for fmt in formats:
         params = float_params if fmt == "bf16" else quantize_params(float_params, fmt)
         for mode in modes:
-            model = Llama(cfg, params, scan_layers=mode == "scan", dtype=jnp.bfloat16)
+            model = Llama(cfg, params, scan_layers=mode == "scan", dtype=jnp.bfloat16,
+                          attention=args.attention)
             for batch in batches:
                 rows.append(bench(model, fmt, mode, batch, args, cfg))
                 print(json.dumps(rows[-1]), flush=True)
