@@ -8,6 +8,7 @@
     quantize_experts(w, fmt) float experts (E, in, out) -> BlockScaled (E, out, in), once
     quantize_moe_params      a parameter pytree's "gate_up" / "down" leaves -> BlockScaled
     route(x, router, top_k)  top-k routing: expert ids, combine weights, the token sort
+    top_k_experts(x, router, top_k)  the routing itself: expert ids and combine weights
     swiglu(h)                the SwiGLU of a fused gate+up output (gate columns, then up), f32
 
 The forward pass (both layers): router logits in f32, the top-k experts per token with softmax
@@ -15,7 +16,14 @@ weights over the chosen k (renormalized, as Qwen3-MoE and gpt-oss do); the T*k (
 pairs sorted by expert (stable), the group sizes counted; ``ragged_gemm`` gate+up (one fused
 weight, N = 2 * intermediate: gate rows first, then up), SwiGLU ``silu(gate) * up``,
 ``ragged_gemm`` down; then the pairs are put back in token order and each token's k outputs
-summed with their weights.
+summed with their weights (`jax_blockscale.ragged.dispatch.combine`: in f32, slot by slot).
+
+Placements on a mesh (docs/sharding.md): QuantizedMoE runs unchanged under `jax.jit` with its
+expert weights placed on a mesh (expert parallel by replicating rows and all-reducing, tensor
+parallel, Megatron: the grouped GEMM's sharding rule). ``QuantizedMoE(..., mesh=mesh,
+expert_axis="expert")`` instead dispatches tokens: each device routes its share of the tokens
+and sends each (token, expert) row only to the device holding that expert
+(`jax_blockscale.ragged.dispatch`).
 
 Weights are stored the way ragged_gemm reads them: expert e's weight K-major, (out, in), with
 blocked scales, so no call transposes or swizzles a weight. This module needs Flax.
@@ -34,6 +42,7 @@ from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
 from ..core.quantize import BlockScaled, to_blocked
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
+from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
 
 try:
     from flax import nnx
@@ -43,13 +52,23 @@ except ImportError as e:  # pragma: no cover - exercised only without flax insta
 
 from .dense import QuantizedWeight  # noqa: E402  (after the Flax check)
 
-__all__ = ["MoE", "QuantizedMoE", "quantize_experts", "quantize_moe_params", "route"]
+__all__ = ["MoE", "QuantizedMoE", "quantize_experts", "quantize_moe_params", "route",
+           "top_k_experts"]
 
 EXPERT_PARAMS = ("gate_up", "down")  # the leaves quantize_moe_params converts
 
 
 # ---------------------------------------------------------------------------------------------
 # Routing (shared by both layers)
+
+
+def top_k_experts(x, router, top_k: int):
+    """The top-k experts of tokens x (T, H) under router weights (H, E): (experts (T, k) int32,
+    weights (T, k) f32, the softmax of the chosen logits: they sum to 1 per token)."""
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+    top_logits, experts = lax.top_k(logits, top_k)  # (T, k)
+    return experts.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1)
 
 
 def route(x, router, top_k: int):
@@ -59,10 +78,7 @@ def route(x, router, top_k: int):
     pairs by expert (pair p is token p // k), `group_sizes` (E,) int32 counts the pairs per
     expert, `weights` (T, k) f32 are the softmax of the chosen logits (they sum to 1 per token).
     """
-    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
-    top_logits, experts = lax.top_k(logits, top_k)  # (T, k)
-    weights = jax.nn.softmax(top_logits, axis=-1)
+    experts, weights = top_k_experts(x, router, top_k)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
@@ -78,8 +94,7 @@ def _moe_forward(x, router, top_k, expert_mlp):
     rows = xt[order // top_k]  # (T*k, H): the token of each sorted pair
     out = expert_mlp(rows, group_sizes)  # (T*k, H), sorted
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to (token, slot) order
-    per_token = unsorted.reshape(xt.shape[0], top_k, -1).astype(jnp.float32)
-    y = jnp.einsum("tkh,tk->th", per_token, weights)
+    y = combine(unsorted.reshape(xt.shape[0], top_k, -1), weights)
     return y.astype(x.dtype).reshape(*lead, -1)
 
 
@@ -202,12 +217,23 @@ class QuantizedMoE(nnx.Module):
     act_fmt: quantize the sorted activations into this format on every call (NVFP4 activations
       calibrate one global scale per call), or None for weight-only (activations in `dtype`).
     dtype: activation and output dtype (bf16 default).
+    mesh, expert_axis: expert parallelism that dispatches tokens (`jax_blockscale.ragged.
+      dispatch`): the tokens are split over mesh axis `expert_axis`, each device holds
+      experts/d of the experts (place gate_up and down split on their expert axis over it,
+      ``P(expert_axis)``), and each routed (token, expert) row is sent only to the device that
+      owns its expert and back. The output is split over the axis along the tokens. Both or
+      neither; mesh=None with expert_axis uses the mesh set by ``jax.set_mesh``. Without them
+      the layer runs as placed (under jit, the grouped GEMM's sharding rule).
+    exchange: with expert_axis, how rows cross devices: "auto" (ragged_all_to_all on GPUs, a
+      padded all_to_all elsewhere), "ragged" or "padded".
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *,
                  fmt: str | None = "nvfp4", act_fmt: str | None = None, dtype=jnp.bfloat16,
                  router=None, gate_up=None, down=None, backend: str | None = None,
+                 mesh=None, expert_axis: str | None = None, exchange: str = "auto",
                  rngs: nnx.Rngs | None = None):
+        _check_expert_parallel(mesh, expert_axis, exchange, experts)
         if gate_up is None or down is None or router is None:
             if rngs is None:
                 raise ValueError("QuantizedMoE needs rngs= to initialize weights, or router=, "
@@ -238,6 +264,7 @@ class QuantizedMoE(nnx.Module):
         self.act_fmt = act_fmt
         self.dtype = dtype
         self.backend = backend
+        self.mesh, self.expert_axis, self.exchange = mesh, expert_axis, exchange
         self.router = nnx.Param(jnp.asarray(router))
         self.gate_up = QuantizedWeight(gate_up)
         self.down = QuantizedWeight(down)
@@ -260,18 +287,21 @@ class QuantizedMoE(nnx.Module):
 
     @classmethod
     def from_float(cls, moe: MoE, fmt: str, *, act_fmt: str | None = None, dtype=None,
-                   backend: str | None = None) -> "QuantizedMoE":
-        """Quantize a float `MoE`'s experts (its dtype carries over unless `dtype` is given)."""
+                   backend: str | None = None, **placement) -> "QuantizedMoE":
+        """Quantize a float `MoE`'s experts (its dtype carries over unless `dtype` is given).
+        placement: mesh=, expert_axis=, exchange= as for the constructor."""
         experts, hidden, two_i = moe.gate_up.shape
         return cls(hidden, two_i // 2, experts, moe.top_k, fmt=fmt, act_fmt=act_fmt,
                    dtype=dtype if dtype is not None else moe.dtype, router=moe.router[...],
-                   gate_up=moe.gate_up[...], down=moe.down[...], backend=backend)
+                   gate_up=moe.gate_up[...], down=moe.down[...], backend=backend, **placement)
 
     @classmethod
     def from_params(cls, qparams, top_k: int, *, act_fmt: str | None = None,
-                    dtype=jnp.bfloat16, backend: str | None = None) -> "QuantizedMoE":
+                    dtype=jnp.bfloat16, backend: str | None = None,
+                    **placement) -> "QuantizedMoE":
         """Build from ``{"router": (H, E), "gate_up": BlockScaled, "down": BlockScaled}`` (what
-        `quantize_moe_params` returns for a `MoE`'s parameters)."""
+        `quantize_moe_params` returns for a `MoE`'s parameters). placement: mesh=,
+        expert_axis=, exchange= as for the constructor."""
         gate_up, down, router = qparams["gate_up"], qparams["down"], qparams["router"]
         for name, w in (("gate_up", gate_up), ("down", down)):
             if not isinstance(w, BlockScaled):
@@ -279,7 +309,7 @@ class QuantizedMoE(nnx.Module):
                                 "convert the float params with quantize_moe_params first")
         experts, two_i, hidden = gate_up.shape
         return cls(hidden, two_i // 2, experts, top_k, fmt=None, act_fmt=act_fmt, dtype=dtype,
-                   router=router, gate_up=gate_up, down=down, backend=backend)
+                   router=router, gate_up=gate_up, down=down, backend=backend, **placement)
 
     def __call__(self, x, *, layer=None):
         """x (..., hidden) -> (..., hidden) in `dtype`.
@@ -298,6 +328,8 @@ class QuantizedMoE(nnx.Module):
         dt = np.dtype(self.dtype)
         gate_up, down = self.gate_up.get_value(), self.down.get_value()
         router = self.router[...]
+        if self.expert_axis is not None:
+            return self._dispatched(x.astype(dt), router, gate_up, down, layer)
         place = lambda gs: gs  # noqa: E731  (group sizes of the experts as stored)
         if layer is not None:
             if gate_up.ndim != 4 or down.ndim != 4 or jnp.ndim(router) != 3:
@@ -319,6 +351,40 @@ class QuantizedMoE(nnx.Module):
             return ragged_gemm(activation(a), down, gs, out_dtype=dt, backend=self.backend)
 
         return _moe_forward(x.astype(dt), router, self.top_k, experts)
+
+    def _dispatched(self, x, router, gate_up, down, layer):
+        """The expert-parallel forward that dispatches tokens (mesh= / expert_axis=)."""
+        if layer is not None:
+            raise ValueError("layer= (stacked weights) is not supported with expert_axis=: build "
+                             "one QuantizedMoE per layer, or leave expert_axis unset")
+        act = None if self.act_fmt is None else functools.partial(quantize, fmt=self.act_fmt)
+        lead = x.shape[:-1]
+        y = dispatch_moe(x.reshape(-1, self.hidden), router, gate_up, down,
+                         route=functools.partial(top_k_experts, top_k=self.top_k),
+                         activation=swiglu, mesh=self.mesh, axis=self.expert_axis, quantize=act,
+                         dtype=self.dtype, backend=self.backend, exchange=self.exchange)
+        return y.reshape(*lead, self.hidden)
+
+
+def _check_expert_parallel(mesh, expert_axis, exchange, experts):
+    """QuantizedMoE's mesh= / expert_axis= / exchange=, checked at construction."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if mesh is not None and expert_axis is None:
+        raise ValueError("mesh= is given without expert_axis=: name the mesh axis the experts "
+                         "are split over (or leave out mesh= and place the weights yourself)")
+    if expert_axis is None:
+        return
+    if not isinstance(expert_axis, str):
+        raise TypeError(f"expert_axis must be a mesh axis name (str), got {expert_axis!r}")
+    if mesh is None:
+        return  # the mesh set with jax.set_mesh, checked when called
+    if expert_axis not in mesh.axis_names:
+        raise ValueError(f"expert_axis={expert_axis!r} is not an axis of the mesh "
+                         f"{dict(mesh.shape)}")
+    if experts % mesh.shape[expert_axis]:
+        raise ValueError(f"experts={experts} cannot be split evenly over mesh axis "
+                         f"{expert_axis!r} of {mesh.shape[expert_axis]} devices")
 
 
 def flatten_layers(w: BlockScaled) -> BlockScaled:

@@ -1,0 +1,284 @@
+"""Expert parallelism that dispatches tokens: each routed (token, expert) row goes only to the
+device that owns its expert, runs there, and comes back.
+
+    y = dispatch_moe(x, router, gate_up, down, route=..., activation=..., mesh=mesh,
+                     axis="expert")
+
+Under `jax.shard_map` over the mesh axis `axis` (d devices), tokens are split over the axis
+(each device routes its T/d tokens) and so are the experts (each device holds E/d of them,
+contiguous: device j owns experts j*E/d ... (j+1)*E/d - 1). Per device:
+
+  1. route its tokens (`route(x, router)` -> expert ids (T/d, k), combine weights (T/d, k)),
+     sort its T/d * k (token, slot) rows by expert;
+  2. exchange the per-expert row counts (one small all-to-all of E int32), then the rows
+     themselves: each row goes to its expert's owner only, landing in the owner's buffer sorted
+     by expert (one slice per (device, expert): no local sort afterwards);
+  3. run `ragged_gemm` gate_up, `activation`, `ragged_gemm` down on the rows it received, with
+     its own E/d experts only;
+  4. send every result row back to the device its token lives on, put the rows back in
+     (token, slot) order and sum each token's k rows with its router weights (`combine`).
+
+Nothing is dropped: the receive buffer holds the most rows a device can get (every token's
+min(k, E/d) experts on it), so no routing overflows it ("capacity-free"). Nothing is reduced
+across devices: each output element is computed on one device, by the same kernel plan as the
+unsharded layer (the GEMMs are planned for the unsharded problem, `plan_shape`; each row's
+products do not depend on the other rows), so the result equals one device's bit for bit when
+the rest of the layer (routing, activation, combine) computes per token as on one device.
+
+The exchange (`exchange=`):
+  "ragged"  `jax.lax.ragged_all_to_all`: exactly the routed rows cross the interconnect
+            (GPUs; XLA's CPU backend does not implement it);
+  "padded"  the same exchange written with `jax.lax.all_to_all` on per-device buffers sized
+            for the worst case (d * T/d * min(k, E/d) rows each way): correct everywhere,
+            d times the bytes of the ragged exchange at best; for CPUs and tests;
+  "auto"    "ragged" on GPUs, "padded" elsewhere (decided by the mesh's devices).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ..core.quantize import BlockScaled
+from .api import _operands_and_params
+from .primitive import bind_local
+
+__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange"]
+
+EXCHANGES = ("auto", "ragged", "padded")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces shared with the one-device layer
+
+
+def combine(rows, weights):
+    """Each token's k rows summed with its router weights, in f32: rows (T, k, N), weights
+    (T, k) -> (T, N). An explicit sum over the k slots, in slot order, elementwise: every output
+    element is computed by the same operations whatever the shape around it (a dot over k would
+    let XLA pick its algorithm, and with it the summation order, from the shape)."""
+    rows = rows.astype(jnp.float32)
+    weights = weights.astype(jnp.float32)
+    out = rows[:, 0] * weights[:, 0:1]
+    for s in range(1, rows.shape[1]):
+        out = out + rows[:, s] * weights[:, s:s + 1]
+    return out
+
+
+def expert_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype, backend=None,
+                plan_shape=None):
+    """`ragged_gemm` on one device (inside `shard_map`), planned as the problem `plan_shape`
+    (M, N, G) would be on one device (None: as itself). A shard that runs the unsharded call's
+    plan sums every output element in the same order as the unsharded call."""
+    operands, params = _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend)
+    return bind_local(operands, params, None, plan_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange
+
+
+def _exclusive_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                              recv_sizes, *, axis_name, axis_size, peer_rows):
+    """`lax.ragged_all_to_all`'s semantics with `lax.all_to_all`: the rows this device sends
+    each peer are packed into a (peer_rows, ...) slot per peer, with each row's place on the
+    receiver beside it; the receiver writes them there. `peer_rows` must bound the rows sent to
+    one peer (the caller's worst case). Slices must not overlap."""
+    del recv_sizes  # implied by what arrives
+    d, n = axis_size, operand.shape[0]
+    slices = input_offsets.shape[0]
+    per_peer = slices // d
+    p = jnp.arange(n, dtype=jnp.int32)
+    # the slice each operand row lies in: the last slice starting at or before it (ties: the
+    # non-empty one, sorted last)
+    key = input_offsets * 2 + (send_sizes > 0)
+    by_start = jnp.argsort(key, stable=True)
+    starts = input_offsets[by_start]
+    pos = jnp.searchsorted(starts, p, side="right") - 1
+    s = by_start[jnp.clip(pos, 0, slices - 1)]
+    rank = p - input_offsets[s]
+    sent = (pos >= 0) & (rank < send_sizes[s])
+    peer = jnp.where(sent, s // per_peer, d)
+    target = output_offsets[s] + rank
+    # each sent row's place among the rows to its peer
+    counts = jnp.zeros((d + 1,), jnp.int32).at[peer].add(1)
+    first = _exclusive_cumsum(counts)
+    order = jnp.argsort(peer, stable=True)
+    place = jnp.zeros((n,), jnp.int32).at[order].set(p - first[peer[order]])
+    slot = jnp.where(sent, peer * peer_rows + place, d * peer_rows)  # past the end: dropped
+    trailing = operand.shape[1:]
+    buf = jnp.zeros((d * peer_rows,) + trailing, operand.dtype).at[slot].set(operand,
+                                                                             mode="drop")
+    where = jnp.full((d * peer_rows,), output.shape[0], jnp.int32).at[slot].set(
+        target.astype(jnp.int32), mode="drop")
+    buf = lax.all_to_all(buf.reshape((d, peer_rows) + trailing), axis_name, 0, 0, tiled=True)
+    where = lax.all_to_all(where.reshape(d, peer_rows), axis_name, 0, 0, tiled=True)
+    return output.at[where.reshape(-1)].set(buf.reshape((-1,) + trailing), mode="drop")
+
+
+def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                    axis_name, axis_size, exchange, peer_rows):
+    """`lax.ragged_all_to_all(operand, output, ...)` by the chosen method ("ragged" or
+    "padded", see the module docstring; `peer_rows` bounds the rows sent to one peer)."""
+    if exchange == "ragged":
+        return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                     recv_sizes, axis_name=axis_name)
+    return _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                                     output_offsets, recv_sizes, axis_name=axis_name,
+                                     axis_size=axis_size, peer_rows=peer_rows)
+
+
+def _exchange_for(mesh, exchange):
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange != "auto":
+        return exchange
+    platform = np.asarray(mesh.devices).flat[0].platform
+    return "ragged" if platform in ("gpu", "cuda", "rocm") else "padded"
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+def _weight_specs(w: BlockScaled, axis):
+    gs = w.global_scale
+    gs_spec = None if gs is None else (P(axis) if jnp.ndim(gs) == 1 else P())
+    return BlockScaled(P(axis), P(axis), gs_spec, w.fmt, w.layout)
+
+
+def _check(x, router, gate_up, down, mesh, axis):
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty:
+            raise ValueError("dispatch_moe needs mesh= (a jax.sharding.Mesh with the expert axis), "
+                             "or a mesh set with jax.set_mesh")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(w, BlockScaled) or w.ndim != 3:
+            raise TypeError(f"{name} must be a BlockScaled (experts, out, in), got "
+                            f"{type(w).__name__} {getattr(w, 'shape', '')}")
+    experts = gate_up.shape[0]
+    d = mesh.shape[axis]
+    if down.shape[0] != experts:
+        raise ValueError(f"gate_up has {experts} experts but down has {down.shape[0]}")
+    if experts % d:
+        raise ValueError(f"the {experts} experts cannot be split evenly over mesh axis "
+                         f"{axis!r} of {d} devices")
+    if x.ndim != 2 or x.shape[1] != gate_up.shape[2]:
+        raise ValueError(f"x must have shape (tokens, hidden={gate_up.shape[2]}), got {x.shape}")
+    return mesh, d, experts
+
+
+def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
+                 route: Callable, activation: Callable, mesh=None, axis: str,
+                 quantize: Callable | None = None, dtype=jnp.bfloat16,
+                 backend: str | None = None, exchange: str = "auto"):
+    """A mixture-of-experts feed-forward layer, expert parallel over mesh axis `axis`, tokens
+    dispatched to their experts' devices (see the module docstring).
+
+    x: (T, H) tokens (any placement; the computation splits them over `axis`; T need not be a
+      multiple of the axis size: padding tokens are routed nowhere).
+    router: whatever `route` needs, replicated on every device.
+    gate_up: BlockScaled (E, N1, H); down: BlockScaled (E, H, N2), with blocked scales, E a
+      multiple of the axis size; best placed split on E over `axis` (otherwise XLA moves them).
+    route(x, router) -> (experts (t, k) int32, weights (t, k) f32) for a device's t tokens.
+    activation(h) -> a: h (rows, N1) in `dtype`, a (rows, N2) (e.g. SwiGLU); must compute each
+      row from that row only.
+    quantize: rows (m, K) -> BlockScaled, applied before each GEMM (e.g.
+      ``lambda a: jbs.quantize(a, "nvfp4")``), or None for weight-only (rows cast to `dtype`). A
+      global scale it calibrates on its input ("auto") sees the amax of every device's rows,
+      as on one device.
+    dtype: activation and output dtype. backend: ragged backend to force.
+    exchange: "auto", "ragged" or "padded" (module docstring).
+    Returns (T, H) in `dtype`, split over `axis` along T.
+    """
+    x = jnp.asarray(x)
+    mesh, d, experts = _check(x, router, gate_up, down, mesh, axis)
+    method = _exchange_for(mesh, exchange)
+    tokens, hidden = x.shape
+    local_tokens = -(-tokens // d)
+    padded = local_tokens * d
+    valid = jnp.arange(padded) < tokens
+    if padded != tokens:
+        x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
+    local_experts = experts // d
+    dt = np.dtype(dtype)
+
+    def body(x, valid, router, gate_up, down):
+        ids, weights = route(x, router)
+        k = ids.shape[-1]
+        ids = jnp.where(valid[:, None], ids.astype(jnp.int32), experts)  # padding: nowhere
+        rows_n = x.shape[0] * k
+        per_peer = x.shape[0] * min(k, local_experts)  # most rows one device sends one peer
+        cap = d * per_peer  # most rows a device receives
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = x[order // k]
+        counts = jnp.zeros((experts + 1,), jnp.int32).at[flat].add(1)[:experts]  # (E,)
+        in_off = _exclusive_cumsum(counts)
+        # what each device sends me: recv[src * E/d + e] rows of my expert e from src
+        recv = lax.all_to_all(counts, axis, 0, 0, tiled=True)
+        by_src = recv.reshape(d, local_experts)
+        group_sizes = jnp.sum(by_src, axis=0)  # my experts' rows
+        starts = _exclusive_cumsum(group_sizes)
+        # my buffer: sorted by expert, then by source device
+        recv_off = (starts[None, :] + _exclusive_cumsum(by_src, axis=0)).reshape(-1)
+        out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where mine land
+        exchange_ = functools.partial(ragged_exchange, axis_name=axis, axis_size=d,
+                                      exchange=method, peer_rows=per_peer)
+        mine = exchange_(rows, jnp.zeros((cap, hidden), rows.dtype), in_off, counts, out_off,
+                         recv)
+
+        def act(a):
+            if quantize is None:
+                return a.astype(dt)
+            return _quantize_as_one_device(quantize, a, axis)
+
+        h = expert_gemm(act(mine), gate_up, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, gate_up.shape[1], experts))
+        y = expert_gemm(act(activation(h)), down, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, down.shape[1], experts))
+        # back to where each row came from: my slice (src, e) to src, at src's input offset
+        back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)
+        back = exchange_(y, jnp.zeros((rows_n, y.shape[1]), y.dtype), recv_off, recv,
+                         back_off, counts)
+        unsorted = jnp.zeros_like(back).at[order].set(back)
+        out = combine(unsorted.reshape(x.shape[0], k, -1), weights)
+        return out.astype(dt)
+
+    wspec = lambda w: _weight_specs(w, axis)  # noqa: E731
+    run = jax.shard_map(body, mesh=mesh,
+                        in_specs=(P(axis), P(axis), P(), wspec(gate_up), wspec(down)),
+                        out_specs=P(axis), check_vma=False)
+    y = run(x, valid, router, gate_up, down)
+    return y[:tokens] if padded != tokens else y
+
+
+def _quantize_as_one_device(quantize, a, axis):
+    """`quantize(a)` of this device's rows as the one-device layer quantizes all of them: a row
+    holding the amax of every device's rows is appended for the calibration of a global scale,
+    then dropped (each row's block scales and elements depend on that row only)."""
+    probe = jax.eval_shape(quantize, jax.ShapeDtypeStruct((1, a.shape[1]), a.dtype))
+    if not isinstance(probe, BlockScaled):
+        raise TypeError(f"quantize must map rows (m, K) to a BlockScaled, got {type(probe)}")
+    if probe.global_scale is None:  # nothing calibrated on the whole tensor
+        return quantize(a)
+    a32 = a.astype(jnp.float32)
+    amax = lax.pmax(jnp.max(jnp.where(jnp.isfinite(a32), jnp.abs(a32), 0.0), initial=0.0),
+                    axis)
+    extra = jnp.zeros((1, a.shape[1]), a.dtype).at[0, 0].set(amax.astype(a.dtype))
+    q = quantize(jnp.concatenate([a, extra]))
+    if not isinstance(q, BlockScaled) or q.shape != (a.shape[0] + 1, a.shape[1]):
+        raise TypeError("quantize must map rows (m, K) to a BlockScaled (m, K)")
+    return BlockScaled(q.data[:-1], q.scales[:-1], q.global_scale, q.fmt, q.layout)
