@@ -121,8 +121,8 @@ class Collective:
     shapes: tuple  # every (dtype, dims) in its result type (async starts list operands too)
 
 
-_INSTR = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                    r"collective-permute)(-start)?\(")
+_INSTR = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|"
+                    r"ragged-all-to-all|all-to-all|collective-permute)(-start)?\(")
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -152,20 +152,47 @@ def summary(found: list[Collective]) -> str:
                      for (name, dt, dims), n in sorted(counts.items())) or "none"
 
 
+def hlo_dtype(dtype) -> str:
+    """The name XLA's HLO text gives a numpy / ml_dtypes dtype: float32 -> f32, bfloat16 ->
+    bf16, int32 -> s32, uint8 -> u8, float4_e2m1fn -> f4e2m1fn, float8_e4m3fn -> f8e4m3fn."""
+    name = np.dtype(dtype).name
+    if name == "bfloat16":
+        return "bf16"
+    if name.startswith("float"):
+        return "f" + name[len("float"):].replace("_", "")
+    if name.startswith("uint"):
+        return "u" + name[len("uint"):]
+    if name.startswith("int"):
+        return "s" + name[len("int"):]
+    return name
+
+
 def weight_shapes(*weights):
-    """The dims of every array of the given BlockScaled weights, whole and as 2-device shards
-    (any one dim halved): a collective taking or producing one of these moves a weight."""
+    """(HLO dtype, dims) of every array of the given BlockScaled weights, whole and as a shard of
+    up to 8 devices (any one dim divided), each also flattened to 1-D (XLA's GPU pipeline hands
+    NCCL flat buffers) and, for packed FP4 elements, as the bytes XLA may move them as (u8 / s8,
+    last dim halved): a collective taking or producing one of these moves a weight. The dtype is
+    part of the match, so an activation (bf16 / f32) or an int32 count never matches a weight
+    (FP4 / FP8 elements and scales) by a coincidence of element counts."""
     out = set()
     for w in weights:
         for a in (w.data, w.scales, w.global_scale):
             if a is None or jnp.ndim(a) == 0:
                 continue
             dims = tuple(a.shape)
-            out.add(dims)
-            out.update(dims[:i] + (d // 2,) + dims[i + 1:] for i, d in enumerate(dims)
-                       if d % 2 == 0)
-    # XLA's GPU pipeline may flatten a collective's operand to one dim
-    return out | {(int(np.prod(dims)),) for dims in out}
+            forms = {dims}
+            forms.update(dims[:i] + (d // p,) + dims[i + 1:] for i, d in enumerate(dims)
+                         for p in (2, 4, 8) if d % p == 0)
+            dtypes = {hlo_dtype(a.dtype)}
+            if np.dtype(a.dtype).itemsize == 1 and "4" == hlo_dtype(a.dtype)[1:2]:
+                # FP4 elements moved as bytes: two per byte along the last dim
+                byte_forms = {f[:-1] + (f[-1] // 2,) for f in forms if f[-1] % 2 == 0}
+                out.update((dt, f) for dt in ("u8", "s8") for f in byte_forms)
+                out.update((dt, (int(np.prod(f)),)) for dt in ("u8", "s8") for f in byte_forms)
+            for dt in dtypes:
+                out.update((dt, f) for f in forms)
+                out.update((dt, (int(np.prod(f)),)) for f in forms)
+    return out
 
 
 def _unflattened(dims, expected):
@@ -187,7 +214,7 @@ def check_hlo(compiled_text, weights, expect: Expect, max_moved: int, scalar_red
     text = summary(found)
     wshapes = weight_shapes(*weights)
     for c in found:
-        bad = [s for s in c.shapes if s[1] in wshapes]
+        bad = [s for s in c.shapes if s in wshapes]
         assert not bad, f"{c.name} moves an expert weight {bad}; collectives: {text}"
     want = sorted(dims for dims, _ in expect.reductions)
     reductions = [(dt, _unflattened(dims, want)) for c in found if c.name == "all-reduce"
@@ -316,16 +343,24 @@ def check_shards_plan_as_unsharded(devices):
         assert {s.plan_shape for s in shards} == {plan_shape}, (case, shards)
         found[case] = plan_shape
     # gemm(x, stack, layer=i) past index mode's rows: the sliced layer's gemm keeps the plan of
-    # the unsharded layer too (lowering/plan.py: as_shard, recorded here)
+    # the unsharded layer too. Every plan made for the shard (M, N/2) is the unsharded layer's
+    # (M, N) plan run on it (lowering/plan.py: as_shard, recorded here with the plan it is given).
+    # More than one planner may ask: on Hopper the grouped planner's index mode first tries the
+    # layer's plan in place (as_shard on the shard's own spec, whose plan_shape it does not
+    # carry: it planned the whole layer itself), then hands the sliced layer to gemm's planner
+    # (the shard's spec with plan_shape). What matters is the plan each was given.
     from jax_blockscale.lowering import plan as planner  # noqa: PLC0415
     seen, as_shard = [], planner.as_shard
-    planner.as_shard = lambda whole, spec: seen.append(spec) or as_shard(whole, spec)
+    planner.as_shard = lambda whole, spec: (seen.append(((whole.spec.m, whole.spec.n),
+                                                         (spec.m, spec.n)))
+                                            or as_shard(whole, spec))
     try:
         f = jax.jit(lambda x, w: jbs.gemm(x, w, layer=3))
         f.lower(place(mesh, x, P(None, None)), place(mesh, w, P(None, "d", None))).compile()
     finally:
         planner.as_shard = as_shard
-    assert {(s.m, s.n, s.plan_shape) for s in seen} == {(M, N // 2, ((), (), M, N))}, seen
+    assert seen, "the shard of gemm(x, stack, layer=3) split on N was not planned as a shard"
+    assert set(seen) == {((M, N), (M, N // 2))}, seen
     found["layer, n"] = ((), (), M, N)
     return found
 
@@ -427,3 +462,83 @@ def check_layer(devices, case, fmt="nvfp4", act_fmt=None):
     return check_hlo(compiled.as_text(), weights, expect,
                      max_moved=ROWS * max(2 * INTERMEDIATE, HIDDEN),
                      scalar_reductions=act_global)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism that dispatches tokens (QuantizedMoE(mesh=, expert_axis=))
+
+# routing: how the router is rigged (a feature every token shares dominates the logits)
+#   "random"  the router as initialized: every expert gets rows
+#   "uneven"  every token's experts among the first top_k: one device gets every row
+#   "empty"   only even experts are chosen: odd experts get no rows (with 8 devices, every
+#             other device has nothing to compute)
+DISPATCH_ROUTINGS = ("random", "uneven", "empty")
+
+
+def dispatch_problem(fmt, routing, act_fmt=None, tokens=TOKENS, seed=0, mesh=None,
+                     exchange="auto"):
+    """(one-device layer, dispatching layer on `mesh`, tokens x) with the same weights."""
+    moe = jnn.MoE(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, rngs=nnx.Rngs(seed))
+    x = rand(7, (tokens, HIDDEN))
+    if routing != "random":
+        favoured = (np.arange(TOP_K) if routing == "uneven" else np.arange(0, EXPERTS, 2))
+        router = np.array(moe.router[...]) * 0.01
+        router[0, :] = -50.0
+        router[0, favoured] = 50.0
+        router[1:, favoured] += rand(seed + 3, (HIDDEN - 1, len(favoured)))  # among them: random
+        moe.router[...] = jnp.asarray(router)
+        x[:, 0] = 4.0
+    x = jnp.asarray(x, jnp.bfloat16)
+    one = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt)
+    ep = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt, mesh=mesh, expert_axis="d",
+                                     exchange=exchange)
+    return one, ep, x
+
+
+def dispatch_moves(found, weights, *, rows_dtype="bf16"):
+    """The dispatching layer's collectives move routed rows (bf16, or f32 on forced CPU
+    devices) and int32 counts / offsets only: no weight by (dtype, dims), no other dtype."""
+    wshapes = weight_shapes(*weights)
+    text = summary(found)
+    for c in found:
+        bad = [s for s in c.shapes if s in wshapes]
+        assert not bad, f"{c.name} moves an expert weight {bad}; collectives: {text}"
+        other = {dt for dt, dims in c.shapes if dims} - {rows_dtype, "f32", "s32", "u32"}
+        assert not other, f"{c.name} moves {other}: neither rows nor counts; {text}"
+
+
+def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exchange="auto",
+                   tokens=TOKENS):
+    """QuantizedMoE(mesh=, expert_axis=) over n devices: bit for bit the one-device layer; its
+    program exchanges rows with all-to-all (or ragged-all-to-all) only: no all-reduce of whole
+    outputs (only the scalar amax of NVFP4 activations), no all-gather (tokens a multiple of
+    n), no weight moved, every weight used where it was placed. Returns the collectives."""
+    mesh = mesh_of(devices, n)
+    one, ep, x = dispatch_problem(fmt, routing, act_fmt, tokens, mesh=mesh, exchange=exchange)
+    g1, s1 = nnx.split(one)
+    g2, s2 = nnx.split(ep)
+    f1 = jax.jit(lambda s, x: nnx.merge(g1, s)(x))
+    f2 = jax.jit(lambda s, x: nnx.merge(g2, s)(x))
+    want = f1(*jax.device_put((s1, x), devices[0]))
+    placed = shard_layer(s2, mesh, P("d", None, None), P("d", None, None))
+    xs = jax.device_put(x, NamedSharding(mesh, P()))
+    got = f2(placed, xs)
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    assert_match(got, want, "exact", f"dispatched QuantizedMoE on {n} devices ({fmt}, "
+                 f"{routing} routing, act {act_fmt}, {exchange} exchange)")
+    compiled = f2.lower(placed, xs).compile()
+    expect_sharded(compiled, (placed, xs))
+    found = collectives(compiled.as_text())
+    names = {c.name for c in found}
+    assert names & {"all-to-all", "ragged-all-to-all"}, summary(found)
+    act_global = act_fmt is not None and jbs.get_format(act_fmt).has_global_scale
+    reductions = [dims for c in found if c.name == "all-reduce" for _, dims in c.results]
+    if act_global:
+        assert reductions and all(d == () for d in reductions), summary(found)
+    else:
+        assert not reductions, f"an all-reduce in the dispatching layer: {summary(found)}"
+    if tokens % n == 0:
+        assert not names & {"all-gather", "reduce-scatter", "collective-permute"}, \
+            summary(found)
+    dispatch_moves(found, [ep.gate_up.get_value(), ep.down.get_value()])
+    return found

@@ -1,0 +1,113 @@
+"""Expert parallelism that dispatches tokens (jax_blockscale/ragged/dispatch.py,
+`QuantizedMoE(mesh=, expert_axis=)`) on 2, 4 and 8 forced CPU devices: bit for bit the
+one-device layer (weight-only NVFP4 / MXFP4, NVFP4 activations), with random, uneven (every row
+on one device) and empty-expert routing and a token count that does not split evenly; the
+compiled program exchanges rows with all-to-all only (no all-reduce of outputs, no weight
+moved); the padded exchange has `lax.ragged_all_to_all`'s semantics; the option's errors name
+the argument. The checks live in tests/support/moe_multi_device.py (check_dispatch), which
+tests/gpu/test_moe_multi_gpu.py runs on the GPUs.
+
+As tests/unit/test_moe_sharding.py: XLA reads the device count once per process, so the checks
+run in a child pytest (`JBS_DISPATCH_CHILD=1`, 8 host devices) started by the parent's test.
+"""
+import os
+
+import pytest
+
+from child_runs import finish, pytest_argv, start_all  # tests/support
+
+CHILD = os.environ.get("JBS_DISPATCH_CHILD") == "1"
+
+if not CHILD:
+    @pytest.fixture(scope="module")
+    def child():
+        yield from start_all({"dispatch": (pytest_argv(__file__), {"JBS_DISPATCH_CHILD": "1"})})
+
+    def test_expert_dispatch_on_cpu_devices(child):
+        rc, out = finish(child["dispatch"])
+        assert rc == 0, f"child pytest failed:\n{out[-12000:]}"
+        assert " passed" in out and "skipped" not in out and "failed" not in out, out[-3000:]
+
+else:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+    import moe_multi_device as mmd  # tests/support
+    from jax_blockscale import nn as jnn
+    from jax_blockscale.ragged import dispatch
+
+    DEVICES = jax.devices("cpu")
+    assert len(DEVICES) == 8, DEVICES
+
+    @pytest.mark.parametrize("n", [2, 4, 8])
+    def test_dispatch_equals_one_device(n):
+        found = mmd.check_dispatch(DEVICES, n, "nvfp4")
+        print(f"{n} devices: {mmd.summary(found)}")
+
+    @pytest.mark.parametrize("routing", ["uneven", "empty"])
+    def test_dispatch_uneven_and_empty_experts(routing):
+        # 8 devices, 2 experts each: "empty" leaves every other device without rows
+        mmd.check_dispatch(DEVICES, 8, "mxfp4", routing)
+
+    def test_dispatch_quantized_activations():
+        """NVFP4 activations: the global scale is calibrated on every device's rows (one scalar
+        all-reduce of the amax), so the quantized rows are one device's."""
+        mmd.check_dispatch(DEVICES, 4, "nvfp4", "uneven", act_fmt="nvfp4")
+
+    def test_dispatch_tokens_not_a_multiple_of_the_devices():
+        mmd.check_dispatch(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
+
+    def test_padded_exchange_has_ragged_all_to_all_semantics():
+        """The example of lax.ragged_all_to_all's documentation, through the padded exchange,
+        and a shuffled multi-slice one checked against the documented pseudocode."""
+        mesh = Mesh(np.asarray(DEVICES[:2]), ("d",), axis_types=(AxisType.Auto,))
+        args = [[[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1], [0, 1]], [[1, 2], [1, 1]],
+                [[0, 0], [1, 2]], [[1, 1], [2, 1]]]
+
+        def run(op, out, io, ss, oo, rs):
+            # peer_rows: the most rows one device sends one peer (5, below)
+            f = lambda *a: dispatch.ragged_exchange(*(v[0] for v in a), axis_name="d",  # noqa
+                                                    axis_size=2, exchange="padded",
+                                                    peer_rows=5)[None]
+            return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                         check_vma=False))(op, out, io, ss, oo, rs)
+
+        got = run(*(jnp.asarray(a, jnp.int32) for a in args))
+        np.testing.assert_array_equal(np.asarray(got), [[1, 3, 0, 0], [2, 2, 4, 0]])
+        # 2 slices per peer, out of order in the operand, into a nonzero output
+        rng = np.random.default_rng(0)
+        op = rng.integers(1, 99, (2, 8)).astype(np.int32)
+        io = np.array([[5, 0, 2, 7], [0, 6, 3, 1]], np.int32)
+        ss = np.array([[2, 1, 0, 1], [1, 2, 3, 2]], np.int32)
+        # receiver r gets from sender s slices s's [2r, 2r+1]; lay them out back to back
+        rs = np.stack([np.concatenate([ss[s, 2 * r:2 * r + 2] for s in range(2)])
+                       for r in range(2)])
+        recv_off = np.stack([np.cumsum(rs[r]) - rs[r] for r in range(2)]).astype(np.int32)
+        oo = np.stack([np.concatenate([recv_off[r, 2 * s:2 * s + 2] for r in range(2)])
+                       for s in range(2)])
+        out = np.full((2, 9), -1, np.int32)
+        want = out.copy()
+        for s in range(2):
+            for i in range(4):
+                r = i // 2
+                want[r, oo[s, i]:oo[s, i] + ss[s, i]] = op[s, io[s, i]:io[s, i] + ss[s, i]]
+        got = run(*(jnp.asarray(a) for a in (op, out, io, ss, oo, rs)))
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+    def test_dispatch_option_errors_name_the_argument():
+        mesh = Mesh(np.asarray(DEVICES[:4]), ("d",), axis_types=(AxisType.Auto,))
+        kw = dict(fmt="mxfp4", rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="expert_axis='x'"):
+            jnn.QuantizedMoE(256, 256, 8, 2, mesh=mesh, expert_axis="x", **kw)
+        with pytest.raises(ValueError, match="experts=6"):
+            jnn.QuantizedMoE(256, 256, 6, 2, mesh=mesh, expert_axis="d", **kw)
+        with pytest.raises(ValueError, match="without expert_axis"):
+            jnn.QuantizedMoE(256, 256, 8, 2, mesh=mesh, **kw)
+        with pytest.raises(ValueError, match="exchange"):
+            jnn.QuantizedMoE(256, 256, 8, 2, mesh=mesh, expert_axis="d", exchange="nccl", **kw)
+        layer = jnn.QuantizedMoE(256, 256, 8, 2, expert_axis="d", **kw)  # no mesh set
+        with pytest.raises(ValueError, match="mesh="):
+            layer(jnp.zeros((4, 256), jnp.bfloat16))
