@@ -2,6 +2,8 @@
 parallel, tensor parallel (N of both weights) and Megatron-style (gate_up on N, down on K), under
 jax.jit on a mesh of the first 2 GPUs, equal the same call on one GPU (bit for bit where no
 partial sums are added), with exactly the expected collectives (NCCL) and no expert weight moved.
+The dispatching expert-parallel layer (QuantizedMoE(mesh=, expert_axis=)) runs on 2 and, where
+there are 4, on 4 GPUs, with both exchanges (ragged_all_to_all, padded all_to_all).
 The checks are tests/support/moe_multi_device.py's, as tests/unit/test_moe_sharding.py runs them
 on forced CPU devices; here they run in this process. Skipped with fewer than 2 GPUs.
 
@@ -66,6 +68,28 @@ def test_moe_layer_parallel_on_2_gpus(devices, case, fmt):
 def test_moe_layer_w4a4_megatron_on_2_gpus(devices):
     found = mmd.check_layer(devices, "tensor_k", "nvfp4", act_fmt="nvfp4")
     print(f"layer tensor_k nvfp4 W4A4: {mmd.summary(found)}")
+
+
+@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dispatching_expert_parallel_layer(n, fmt, exchange):
+    gpus = _gpus()
+    if len(gpus) < n:
+        pytest.skip(f"needs {n} GPUs, found {len(gpus)}")
+    found = mmd.check_dispatch(gpus, n, fmt, "random", exchange=exchange)
+    print(f"dispatch {n} GPUs {fmt} {exchange}: {mmd.summary(found)}")
+    if exchange == "ragged":
+        assert any(c.name == "ragged-all-to-all" for c in found), mmd.summary(found)
+
+
+@pytest.mark.parametrize("routing", ["uneven", "empty"])
+def test_dispatching_layer_uneven_routing_on_2_gpus(devices, routing):
+    mmd.check_dispatch(devices, 2, "nvfp4", routing)
+
+
+def test_dispatching_layer_w4a4_on_2_gpus(devices):
+    mmd.check_dispatch(devices, 2, "nvfp4", "random", act_fmt="nvfp4")
 
 
 def test_hlo_check_catches_a_gathered_weight_on_2_gpus(devices):
