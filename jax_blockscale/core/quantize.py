@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,6 @@ GLOBAL_SCALE_MODES = ("auto", "per_matrix")
 SCALE_ROUNDINGS = ("round_up", "ocp")
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockScaled:
     """A block-scaled tensor: ``value[..., i, k] = data[..., i, k] * scale(i, k // block) * g``.
@@ -63,8 +63,13 @@ class BlockScaled:
     fmt, layout:   static metadata; a blocked tensor is never swizzled again.
 
     Leading (batch) axes behave like an array's: ``q[i]`` (or vmap / scan over them) gives the
-    i-th matrix, with its own global scale when there is one per matrix. `check_blockscaled`
+    i-th matrix, with its own global scale when there is one per matrix, and the stack's when
+    there is one for the whole stack (`jbs.quantize`'s default "auto"). `check_blockscaled`
     validates a hand-built one; `gemm` and `dequantize` call it.
+
+    As a pytree its leaves are data, scales and the global scale. A stack's single (scalar)
+    global scale is handed over broadcast to the batch shape, so that `lax.scan`, `vmap` and
+    `nnx.scan` can slice it with the matrices; rebuilt, it is one scalar again.
     """
     data: jax.Array
     scales: jax.Array
@@ -118,11 +123,57 @@ class BlockScaled:
         return (self[i] for i in range(self.shape[0]))
 
 
-# Let jax.export serialize functions that take or return BlockScaled (aux data: fmt, layout).
+def _shares_global_scale(q: BlockScaled) -> bool:
+    """A stack (batch dims, none empty) with one scalar global scale for all of it."""
+    gs = q.global_scale
+    return (gs is not None and np.ndim(gs) == 0 and q.data.ndim > 2
+            and math.prod(q.data.shape[:-2]) > 0)
+
+
+def _global_scale_leaf(q: BlockScaled):
+    """The global scale as the pytree hands it over: a stack's shared scalar broadcast to the
+    batch shape (made once per BlockScaled), else as it is."""
+    if not _shares_global_scale(q):
+        return q.global_scale
+    cached = q.__dict__.get("_global_scale_leaf")
+    if cached is None:
+        cached = jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32), q.data.shape[:-2])
+        object.__setattr__(q, "_global_scale_leaf", cached)
+    return cached
+
+
+def _flatten_with_keys(q: BlockScaled):
+    key = jax.tree_util.GetAttrKey
+    leaves = ((key("data"), q.data), (key("scales"), q.scales),
+              (key("global_scale"), _global_scale_leaf(q)))
+    return leaves, (q.fmt, q.layout, _shares_global_scale(q))
+
+
+def _unflatten(aux, leaves):
+    fmt, layout, shared = aux
+    data, scales, gs = leaves
+    if shared and isinstance(gs, (jax.Array, np.ndarray)) and gs.ndim > 0:
+        gs = gs[(0,) * gs.ndim]  # every element is the stack's one scale
+    return BlockScaled(data, scales, gs, fmt, layout)
+
+
+jax.tree_util.register_pytree_with_keys(
+    BlockScaled, _flatten_with_keys, _unflatten,
+    flatten_func=lambda q: ([leaf for _, leaf in _flatten_with_keys(q)[0]],
+                            _flatten_with_keys(q)[1]))
+
+
+# Let jax.export serialize functions that take or return BlockScaled (aux data: fmt, layout,
+# whether a stack's global scale is shared).
 jax.export.register_pytree_node_serialization(
     BlockScaled, serialized_name="jax_blockscale.BlockScaled",
     serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
-    deserialize_auxdata=lambda raw: tuple(json.loads(raw.decode())))
+    deserialize_auxdata=lambda raw: _auxdata(json.loads(raw.decode())))
+
+
+def _auxdata(aux: list) -> tuple:
+    """Aux data read back from a serialized export (older ones have no shared flag)."""
+    return tuple(aux) + (False,) * (3 - len(aux))
 
 
 def to_blocked(q: BlockScaled) -> BlockScaled:

@@ -67,6 +67,8 @@ def _matrix(only="*"):
 def _build_one(job):
     """Compile and export one (variant, arch) (runs in a worker process)."""
     out_dir, v, arch = job
+    # imported here, in the worker process: the parent (and anything that reads this module's
+    # generators) never loads the DSL
     from jax_blockscale.kernels.sm100_blockscaled import export_variant
 
     name = default_function_prefix(v, arch)

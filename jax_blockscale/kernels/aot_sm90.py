@@ -126,22 +126,20 @@ def _build_one(job) -> float:
     """Compile and export one variant (runs in this process or a worker)."""
     out_dir, v = job
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    # imported here, in the worker, after the target arch is set: the DSL reads it on import
+    from jax_blockscale.kernels import export, sm90_blockscaled, sm90_decode
+
     t0 = time.time()
     if v.kernel in ("decode", "ragged_decode"):
-        from jax_blockscale.kernels import sm90_decode
-
         sm90_decode.export_variant(v.decode_variant, out_dir,
                                    function_prefix=v.name, arch="sm_90a",
                                    grouped=v.kernel == "ragged_decode")
     else:
-        from jax_blockscale.kernels.export import export_compiled
-        from jax_blockscale.kernels.sm90_blockscaled import compile_variant
-
         reg_w = v.kernel in ("register_weights", "ragged_prefill")
-        compiled = compile_variant("bf16" if reg_w else v.a_kind, v.b_kind, v.out,
+        compiled = sm90_blockscaled.compile_variant("bf16" if reg_w else v.a_kind, v.b_kind, v.out,
                                    (v.tile_m, v.tile_n), weights_in_registers=reg_w,
                                    grouped=v.kernel == "ragged_prefill")
-        export_compiled(compiled, out_dir, v.name)
+        export.export_compiled(compiled, out_dir, v.name)
     return time.time() - t0
 
 

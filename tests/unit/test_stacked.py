@@ -207,3 +207,41 @@ def test_indexing_and_iterating_a_stack():
         q[0, 1]
     with pytest.raises(TypeError, match="not iterable"):
         iter(q[0])
+
+
+@pytest.mark.parametrize("layout", ["plain", "blocked"])
+def test_a_stack_with_one_global_scale_scans_and_vmaps_as_its_slices(layout):
+    """jbs.quantize's default ("auto": one global scale for the whole stack) gives a pytree that
+    lax.scan and vmap slice: each slice carries the stack's scale, and the results equal the
+    per-slice ones (q[i]) bit for bit."""
+    w = _stack(7)
+    q = jbs.quantize(w, "nvfp4", layout=layout)
+    assert q.global_scale.shape == ()
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((M, K)), jnp.bfloat16)
+    want = np.stack([np.asarray(jbs.gemm(x, q[i], out_dtype=jnp.float32)) for i in range(L)])
+
+    def step(carry, wl):
+        assert wl.global_scale.shape == ()
+        return carry, jbs.gemm(x, wl, out_dtype=jnp.float32)
+
+    _, scanned = jax.lax.scan(step, 0, q)
+    mapped = jax.vmap(lambda wl: jbs.gemm(x, wl, out_dtype=jnp.float32))(q)
+    np.testing.assert_array_equal(np.asarray(scanned), want)
+    np.testing.assert_array_equal(np.asarray(mapped), want)
+    deq = jax.vmap(jbs.dequantize)(q)
+    np.testing.assert_array_equal(np.asarray(deq), np.asarray(jbs.dequantize(q)))
+
+
+def test_a_shared_global_scale_stays_one_scalar_through_jit_and_tree_maps():
+    q = jbs.quantize(_stack(9).reshape(1, L, N, K), "nvfp4")
+    back = jax.jit(lambda q: q)(q)
+    assert back.global_scale.shape == () and float(back.global_scale) == float(q.global_scale)
+    leaves = jax.tree.leaves(q)
+    assert leaves[2].shape == (1, L)  # handed over broadcast, so scan and vmap can slice it
+    assert jax.tree.map(lambda a: a, q).global_scale.shape == ()
+    # scanning the outer axis leaves (L, N, K) stacks that still share the scale
+    _, gs = jax.lax.scan(lambda c, wl: (c, wl.global_scale), 0, q)
+    np.testing.assert_array_equal(np.asarray(gs), np.full((1,), float(q.global_scale)))
+    # shardings and other non-array leaves pass through a tree map untouched
+    specs = jax.tree.map(lambda a: "spec", q)
+    assert specs.global_scale == "spec"
