@@ -4,13 +4,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..core.formats import FORMATS, can_multiply, check_out_dtype, format_for, supported_pairs
-from ..core.quantize import BlockScaled, check_blockscaled, check_global_scale
+from ..core.formats import can_multiply, check_out_dtype, format_for, supported_pairs
+from ..core.quantize import BlockScaled, check_blockscaled
 from ..lowering.registry import forced_backend
-from ..quantization.api import quantize_for_layers
-from ..ragged.api import indexed_gemm
+from ..ragged.api import layer_gemm
 from .primitive import bind_gemm
-from .quantized_activation import quantized_activation_gemm_call
+from .quantized_activation import gemm_with_quantized_activation
 
 
 def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = None,
@@ -50,84 +49,21 @@ def gemm(a, b: BlockScaled, *, out_dtype=jnp.bfloat16, backend: str | None = Non
         raise TypeError(f"b must be a jbs.BlockScaled (got {type(b).__name__}); quantize the "
                         "weight with jbs.quantize(w, fmt, layout='blocked')")
     if quantize_a is not None:
-        return _quantized_activation_gemm(a, b, quantize_a, out_dtype, backend, layer,
-                                          a_global_scale)
+        return gemm_with_quantized_activation(a, b, quantize_a, out_dtype=out_dtype,
+                                              backend=backend, layer=layer,
+                                              a_global_scale=a_global_scale)
     if a_global_scale is not None:
         raise ValueError("a_global_scale is the decode factor to quantize a with; it needs "
                          "quantize_a='nvfp4' (to multiply an already quantized a, give it its "
                          "global scale in jbs.quantize)")
     if layer is not None:
-        return _layer_gemm(a, b, layer, out_dtype, backend)
+        return layer_gemm(a, b, layer, out_dtype=out_dtype, backend=backend)
     forced_backend(backend)  # an unknown name fails here, at trace time
     check_out_dtype(out_dtype)
     check_blockscaled(b, "b")
     if isinstance(a, BlockScaled):
         check_blockscaled(a, "a")
     return bind_gemm(a, b, out_dtype, backend)
-
-
-def _quantized_activation_gemm(a, b, fmt, out_dtype, backend, layer,
-                               a_global_scale=None) -> jax.Array:
-    """gemm(quantize(a, fmt, global_scale=a_global_scale or "auto"), b), the quantization in
-    the GEMM's call where it can be."""
-    if isinstance(a, BlockScaled):
-        raise TypeError(f"with quantize_a={fmt!r}, a must be the plain activation to quantize "
-                        f"(got a BlockScaled of {a.fmt}); pass quantize_a=None to multiply it "
-                        "as it is")
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise ValueError(f"quantize_a must be a format name, one of {sorted(FORMATS)}; got "
-                         f"{fmt!r}")
-    a = jnp.asarray(a)
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-        raise TypeError(f"with quantize_a, a must be a floating-point activation, got {a.dtype}")
-    check_blockscaled(b, "b")
-    if not can_multiply(fmt, b.fmt):
-        raise ValueError(f"quantize_a={fmt!r} cannot multiply b in {b.fmt}; supported pairs: "
-                         f"{supported_pairs()}")
-    forced_backend(backend)
-    check_out_dtype(out_dtype)
-    if a_global_scale is not None:
-        if not FORMATS[fmt].has_global_scale:
-            raise ValueError(f"a_global_scale is an NVFP4 decode factor; quantize_a={fmt!r} has "
-                             "no global scale (pass a_global_scale=None)")
-        check_global_scale(a_global_scale, tuple(a.shape[:-2]), "a_global_scale")
-    gs = "auto" if a_global_scale is None else a_global_scale
-    if layer is not None:
-        q, alpha = quantize_for_layers(a, fmt, gs, b)
-        return _layer_gemm(q, b, layer, out_dtype, backend, alpha=alpha)
-    return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend, a_global_scale)
-
-
-def _layer_gemm(a, b: BlockScaled, layer, out_dtype, backend, alpha=None) -> jax.Array:
-    """gemm(a, b[layer]) with b (L, N, K) read in place: ragged_gemm's index mode. alpha: each
-    layer's product of the global scales where the caller has it (a's quantizer)."""
-    if b.ndim != 3:
-        raise ValueError(f"layer= needs b stacked as (L, N, K) (one matrix per layer), got b of "
-                         f"shape {b.shape}")
-    layer = jnp.asarray(layer)
-    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise TypeError(f"layer must be an integer scalar (the index into b's {b.shape[0]} "
-                        f"layers), got {layer.dtype}{list(layer.shape)}")
-    lead = tuple(a.shape[:-1])  # the rows of y, whatever their dims
-    if isinstance(a, BlockScaled):
-        check_blockscaled(a, "a")
-        if a.ndim > 2:
-            if a.layout == "blocked":
-                raise ValueError(f"with layer=, a BlockScaled a of shape {a.shape} must be 2-D "
-                                 "when its scales are blocked (quantize it with "
-                                 "layout='plain', or fold its leading dims before quantizing)")
-            if a.global_scale is not None and jnp.ndim(a.global_scale):
-                raise ValueError("with layer=, a's global scale must be one scalar (got shape "
-                                 f"{jnp.shape(a.global_scale)})")
-            a = BlockScaled(a.data.reshape((-1,) + a.shape[-1:]),
-                            a.scales.reshape((-1,) + a.scales.shape[-1:]), a.global_scale,
-                            a.fmt, a.layout)
-    else:
-        a = jnp.asarray(a)
-        a = a.reshape((-1,) + a.shape[-1:])
-    y = indexed_gemm(a, b, layer.astype(jnp.int32), out_dtype=out_dtype, backend=backend,
-                     alpha=alpha)
-    return y.reshape(lead + y.shape[-1:])
 
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):

@@ -33,13 +33,15 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..core.formats import get_format
-from ..core.quantize import BlockScaled, one_global_scale
+from ..core.formats import FORMATS, can_multiply, check_out_dtype, get_format, supported_pairs
+from ..core.quantize import BlockScaled, check_blockscaled, check_global_scale, one_global_scale
 from ..lowering.ffi_sm90 import quantized_activation_gemm
 from ..lowering.partitioning import needs_partitioning
 from ..lowering.plan import plan_quantized_activation
 from ..lowering.registry import ALL_PLATFORMS
-from ..quantization.api import quantize
+from ..lowering.registry import forced_backend
+from ..quantization.api import quantize, quantize_for_layers
+from ..ragged.api import layer_gemm
 from .primitive import bind_gemm, gemm_spec
 
 qact_gemm_p = Primitive("blockscale_quantized_act_gemm")
@@ -130,3 +132,35 @@ def quantized_activation_gemm_call(a, b: BlockScaled, fmt: str, out_dtype, backe
     x = a.reshape((-1, a.shape[-1]))  # one tensor, one global scale: folding rows changes nothing
     y = qact_gemm_p.bind(x, b.data, b.scales, b_alpha, *extra, **params)
     return y.reshape(lead + (y.shape[-1],))
+
+
+def gemm_with_quantized_activation(a, b: BlockScaled, fmt, *, out_dtype, backend, layer=None,
+                                   a_global_scale=None) -> jax.Array:
+    """gemm(quantize(a, fmt, global_scale=a_global_scale or "auto"), b), the quantization in
+    the GEMM's call where it can be."""
+    if isinstance(a, BlockScaled):
+        raise TypeError(f"with quantize_a={fmt!r}, a must be the plain activation to quantize "
+                        f"(got a BlockScaled of {a.fmt}); pass quantize_a=None to multiply it "
+                        "as it is")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ValueError(f"quantize_a must be a format name, one of {sorted(FORMATS)}; got "
+                         f"{fmt!r}")
+    a = jnp.asarray(a)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"with quantize_a, a must be a floating-point activation, got {a.dtype}")
+    check_blockscaled(b, "b")
+    if not can_multiply(fmt, b.fmt):
+        raise ValueError(f"quantize_a={fmt!r} cannot multiply b in {b.fmt}; supported pairs: "
+                         f"{supported_pairs()}")
+    forced_backend(backend)
+    check_out_dtype(out_dtype)
+    if a_global_scale is not None:
+        if not FORMATS[fmt].has_global_scale:
+            raise ValueError(f"a_global_scale is an NVFP4 decode factor; quantize_a={fmt!r} has "
+                             "no global scale (pass a_global_scale=None)")
+        check_global_scale(a_global_scale, tuple(a.shape[:-2]), "a_global_scale")
+    gs = "auto" if a_global_scale is None else a_global_scale
+    if layer is not None:
+        q, alpha = quantize_for_layers(a, fmt, gs, b)
+        return layer_gemm(q, b, layer, out_dtype=out_dtype, backend=backend, alpha=alpha)
+    return quantized_activation_gemm_call(a, b, fmt, out_dtype, backend, a_global_scale)

@@ -34,8 +34,9 @@ group g covering rows ``[row_start + sum(group_sizes[:g]), row_start + sum(group
 every other row is zero. It must read and write nothing outside those rows and groups.
 
 The registry is separate from `gemm`'s (lowering/registry.py): `register_ragged_backend` adds
-one, `lowering.plan.select_ragged_backend` picks one per lowering (a forced name, else the highest priority
-whose `plan` accepts the problem; `reference` serves every platform and accepts everything).
+one, `lowering.plan.select_ragged_backend` picks one per lowering (a forced name, else the
+highest priority whose `plan` accepts the problem; `reference` serves every platform and accepts
+everything).
 """
 from __future__ import annotations
 

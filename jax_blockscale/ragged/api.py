@@ -1,6 +1,7 @@
-"""`jbs.ragged_gemm`, the grouped block-scaled GEMM of mixtures of experts, and `indexed_gemm`
-(what `jbs.gemm(x, w_stack, layer=i)` calls): check the arguments and bind `ragged_gemm_p`
-(primitive.py, where the semantics, operands and rules are described).
+"""`jbs.ragged_gemm`, the grouped block-scaled GEMM of mixtures of experts, and its index mode
+(`indexed_gemm`, and `layer_gemm`, what `jbs.gemm(x, w_stack, layer=i)` calls): check the
+arguments and bind `ragged_gemm_p` (primitive.py, where the semantics, operands and rules are
+described).
 
     y = jbs.ragged_gemm(lhs, rhs, group_sizes)     # lhs (M, K), rhs (G, N, K) -> y (M, N)
 """
@@ -96,3 +97,37 @@ def _operands_and_params(lhs, rhs, group_sizes, out_dtype, backend, group_index=
     return operands, dict(fmt_lhs=fmt_lhs, fmt_rhs=rhs.fmt, layout_lhs=layout_lhs,
                           layout_rhs=rhs.layout, out_dtype=np.dtype(out_dtype), backend=backend,
                           alpha_is_one=no_global_scale, group_index=group_index)
+
+
+def layer_gemm(a, b: BlockScaled, layer, *, out_dtype=jnp.bfloat16, backend=None,
+               alpha=None) -> jax.Array:
+    """`jbs.gemm(a, b, layer=...)`: gemm(a, b[layer]) with b (L, N, K) read in place, the index
+    mode of the grouped GEMM (a's leading dims fold into its rows). alpha: each layer's product
+    of the global scales where the caller has it (a's quantizer)."""
+    if b.ndim != 3:
+        raise ValueError(f"layer= needs b stacked as (L, N, K) (one matrix per layer), got b of "
+                         f"shape {b.shape}")
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise TypeError(f"layer must be an integer scalar (the index into b's {b.shape[0]} "
+                        f"layers), got {layer.dtype}{list(layer.shape)}")
+    lead = tuple(a.shape[:-1])  # the rows of y, whatever their dims
+    if isinstance(a, BlockScaled):
+        check_blockscaled(a, "a")
+        if a.ndim > 2:
+            if a.layout == "blocked":
+                raise ValueError(f"with layer=, a BlockScaled a of shape {a.shape} must be 2-D "
+                                 "when its scales are blocked (quantize it with "
+                                 "layout='plain', or fold its leading dims before quantizing)")
+            if a.global_scale is not None and jnp.ndim(a.global_scale):
+                raise ValueError("with layer=, a's global scale must be one scalar (got shape "
+                                 f"{jnp.shape(a.global_scale)})")
+            a = BlockScaled(a.data.reshape((-1,) + a.shape[-1:]),
+                            a.scales.reshape((-1,) + a.scales.shape[-1:]), a.global_scale,
+                            a.fmt, a.layout)
+    else:
+        a = jnp.asarray(a)
+        a = a.reshape((-1,) + a.shape[-1:])
+    y = indexed_gemm(a, b, layer.astype(jnp.int32), out_dtype=out_dtype, backend=backend,
+                     alpha=alpha)
+    return y.reshape(lead + y.shape[-1:])

@@ -6,14 +6,16 @@ block-scaled counterpart of `jax.lax.ragged_dot` for mixtures of experts.
 Rows of `lhs` are sorted by group: group g owns the next ``group_sizes[g]`` rows, and
 ``y[m] = lhs[m] @ rhs[g].T`` (times the global scales) for those rows; rows past
 ``sum(group_sizes)`` are zero. At run time (values are not known when tracing) a negative size
-counts as 0 and a group running past row M is cut at M (`lowering.ragged_reference.clamp_group_sizes`).
+counts as 0 and a group running past row M is cut at M
+(`lowering.ragged_reference.clamp_group_sizes`).
 
 Two primitives, as for `gemm` (dense/primitive.py):
   * `ragged_gemm_p` is what `ragged_gemm` binds: shape rules, batching and differentiation;
     its lowering (sharding.py) wraps the local computation in `custom_partitioning`
     where an SPMD partitioner will split it, and is the local computation itself elsewhere.
   * `ragged_gemm_local_p` is the computation on one device. Its lowering (below) makes the
-    group sizes safe, asks the planner for a ragged backend once (lowering/plan.py: select_ragged_backend), and
+    group sizes safe, asks the planner for a ragged backend once (lowering/plan.py:
+    select_ragged_backend), and
     lets it run. It takes one more operand, `row_start` (group 0's first row), which the
     expert-parallel rule sets per device.
 
