@@ -1,30 +1,42 @@
-"""The QuantizedMoE layer on 1 device and sharded over 2 (expert parallel, tensor parallel), at
-Qwen3-30B-A3B's expert shapes (hidden 2048, intermediate 768, 128 experts, top-8), 16 and 256
-tokens, NVFP4 (one global scale per expert) and MXFP4 experts, bf16 activations.
+"""The QuantizedMoE layer on 1 device and sharded over N (expert parallel by the grouped GEMM's
+rule, expert parallel dispatching tokens, tensor parallel, Megatron) at the gpt-oss-120b layer
+shape (128 experts, hidden 2880, intermediate 2880, top-4; MXFP4 experts) and Qwen3-30B-A3B's
+(128 experts, hidden 2048, intermediate 768, top-8; NVFP4 experts with one global scale each),
+16, 256 and 4096 tokens, bf16 activations.
 
-    python benchmarks/bench_moe_sharded.py --out benchmarks/results --tag bench_moe_sharded_h200x2
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        python benchmarks/bench_moe_sharded.py --smoke --out /tmp/moe_sharded   # CPU smoke run
+    python benchmarks/bench_moe_sharded.py --devices 2 --out benchmarks/results \
+        --tag bench_moe_sharded_h200x2
+    python benchmarks/bench_moe_sharded.py --devices 2,4 ...      # 2 and 4 GPUs in one run
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+        python benchmarks/bench_moe_sharded.py --smoke --devices 2,4 --out /tmp/moe_sharded
 
 Each row is one jitted layer call (routing, both ragged GEMMs, SwiGLU, the combine) with its
 expert weights (elements, blocked scales, global scales) placed as
   1 device      everything on the first device (the baseline)
-  expert        gate_up and down split on the expert axis over 2 devices (half the experts each)
-  tensor        gate_up and down split on N (their output features) over 2 devices
+  expert        gate_up and down split on the expert axis over N devices; the grouped GEMM's
+                rule gives each device every routed row and all-reduces the (rows, N) outputs
+  dispatch      the experts split as for "expert", the layer built with
+                QuantizedMoE(mesh=, expert_axis=): tokens split over the devices, each routed
+                row sent only to its expert's device and back (ragged_all_to_all on GPUs, a
+                padded all_to_all on CPUs; --exchange picks); output split along the tokens
+  tensor        gate_up and down split on N (their output features)
   tensor_k      gate_up on N, down on K = intermediate (Megatron's pairing)
-and the router and tokens replicated. It needs 2 devices (the first two of jax.devices()); with
-fewer it stops, unless --allow-one (then only the 1-device rows run).
+and the router and tokens replicated. A placement whose shards are not whole blocked-scale tiles
+at a shape is left out with a note (the rule would gather the weight): gpt-oss's hidden 2880 / 2
+= 1440 rows are not whole 128-row tiles, so its tensor-parallel rows are absent.
+--devices N (or a list) sets the device counts of the sharded rows; it stops when fewer devices
+are present, unless --allow-one (then only the 1-device rows run).
 
 Timing: benchmarks/timing.py. "device_us": the time per call during which a GPU ran a kernel
-(the union of the kernel intervals on every stream of both GPUs, NCCL's kernels included), from
-a profiler trace; absent on the CPU. "loop_us": median over --trials of the mean of --iters
-back-to-back calls from Python (host and dispatch cost included). Weights smaller than ~3x L2
-are rotated through copies. Each sharded row also records the compiled program's collectives,
-its largest difference to the 1-device output (0 where the math allows: expert, tensor), and
-how many outputs differ: of the layer, and of its two ragged GEMMs given the same inputs in both
-programs (gate_up on the same routed rows, down on the same SwiGLU output), which tells the
-kernels' share of a difference from the share of what XLA compiles around them.
-Prints a table; writes <tag>.json and <tag>.png under --out.
+(the union of the kernel intervals on every stream of all N GPUs, NCCL's kernels included),
+from a profiler trace; absent on the CPU. "loop_us": median over --trials of the mean of
+--iters back-to-back calls from Python (host and dispatch cost included). Weights smaller than
+~3x L2 are rotated through copies. Each sharded row also records the compiled program's
+collectives, its largest difference to the 1-device output (0 where the math allows: expert,
+dispatch, tensor), how many outputs differ (for the rule's placements also of its two ragged
+GEMMs given the same inputs in both programs, which tells the kernels' share of a difference
+from the share of what XLA compiles around them), and the speedup over 1 device. A row that
+fails records its error and the run goes on. Prints a table; writes <tag>.json and <tag>.png.
 """
 from __future__ import annotations
 
@@ -47,19 +59,25 @@ from jax_blockscale.nn.moe import route, swiglu  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 
-QWEN3_30B_A3B = dict(hidden=2048, intermediate=768, experts=128, top_k=8)
-# N / 2 and K / 2 whole blocked-scale tiles for every format (MX: K / 2 a multiple of 128)
-SMOKE = dict(hidden=256, intermediate=256, experts=8, top_k=2)
-TOKENS, SMOKE_TOKENS = (16, 256), (4, 16)
-FORMATS = ("nvfp4", "mxfp4")
-# placement: (gate_up (E, 2I, H) spec, down (E, H, I) spec) on the 2-device mesh axis "d"
+# name: (layer shape, expert formats)
+SHAPES = {
+    "qwen3-30b-a3b": (dict(hidden=2048, intermediate=768, experts=128, top_k=8), ("nvfp4",)),
+    "gpt-oss-120b": (dict(hidden=2880, intermediate=2880, experts=128, top_k=4), ("mxfp4",)),
+}
+# N / d and K / d whole blocked-scale tiles for every format up to d = 2 (MX: K / 2 a multiple
+# of 128); 16 experts split over up to 8 devices
+SMOKE_SHAPES = {"smoke": (dict(hidden=256, intermediate=256, experts=16, top_k=2),
+                          ("nvfp4", "mxfp4"))}
+TOKENS, SMOKE_TOKENS = (16, 256, 4096), (4, 16)
+# placement: (gate_up (E, 2I, H) spec, down (E, H, I) spec) on the mesh axis "d"
 PLACEMENTS = {
     "expert": (P("d", None, None), P("d", None, None)),
+    "dispatch": (P("d", None, None), P("d", None, None)),
     "tensor": (P(None, "d", None), P(None, "d", None)),
     "tensor_k": (P(None, "d", None), P(None, None, "d")),
 }
-COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                        r"collective-permute)(?:-start)?\(")
+COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|"
+                        r"ragged-all-to-all|all-to-all|collective-permute)(?:-start)?\(")
 SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -135,19 +153,43 @@ def differing(got, want) -> int:
     return int(np.sum(bits(got) != bits(want)))
 
 
-def bench_format(fmt, moe, shape, tokens, devices, placements, timing):
+def tile_aligned(name, shape, fmt, n):
+    """Why placement `name` cannot keep every weight shard whole blocked-scale tiles over n
+    devices at `shape` (None: it can)."""
+    h, i, e = shape["hidden"], shape["intermediate"], shape["experts"]
+    k_tile = 4 * jbs.get_format(fmt).block
+    if name in ("expert", "dispatch"):
+        return None if e % n == 0 else f"{e} experts over {n} devices"
+    if (2 * i) % (128 * n):
+        return f"gate_up's {2 * i} rows over {n} devices are not whole 128-row tiles"
+    if name == "tensor" and h % (128 * n):
+        return f"down's {h} rows over {n} devices are not whole 128-row tiles"
+    if name == "tensor_k" and i % (k_tile * n):
+        return f"down's K = {i} over {n} devices is not whole {k_tile}-column tiles"
+    return None
+
+
+def bench_format(label, fmt, moe, shape, tokens, devices, counts, placements, timing,
+                 exchange):
     layer = jnn.QuantizedMoE.from_float(moe, fmt)
     graphdef, state = nnx.split(layer)
     forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
     n_copies = rotation_count(expert_bytes(layer))
-    mesh = Mesh(np.asarray(devices[:2]), ("d",), axis_types=(AxisType.Auto,)) \
-        if len(devices) >= 2 else None
     one = copies(jax.device_put(state, devices[0]), n_copies)
+    meshes = {n: Mesh(np.asarray(devices[:n]), ("d",), axis_types=(AxisType.Auto,))
+              for n in counts}
+    dispatched = {}
+    for n, mesh in meshes.items():
+        if "dispatch" in placements and not tile_aligned("dispatch", shape, fmt, n):
+            q = jnn.QuantizedMoE.from_float(moe, fmt, mesh=mesh, expert_axis="d",
+                                            exchange=exchange)
+            g, st = nnx.split(q)
+            dispatched[n] = (jax.jit(lambda s, x, g=g: nnx.merge(g, s)(x)), st)
     rows = []
     for t in tokens:
         x = jax.random.normal(jax.random.PRNGKey(t), (t, shape["hidden"]), jnp.bfloat16)
         x1 = jax.device_put(x, devices[0])
-        base = dict(fmt=fmt, tokens=t, **shape, weight_copies=n_copies,
+        base = dict(shape_name=label, fmt=fmt, tokens=t, **shape, weight_copies=n_copies,
                     expert_bytes=expert_bytes(layer))
         baseline = dict(base, placement="1 device", devices=1)
         timed(baseline, forward, [(s, x1) for s in one], timing)
@@ -162,25 +204,50 @@ def bench_format(fmt, moe, shape, tokens, devices, placements, timing):
         want_down = down(one[0], a, group_sizes)
         rows.append(baseline)
         print_row(baseline)
-        for name in placements:
-            sharded = copies(shard_state(state, mesh, *PLACEMENTS[name]), n_copies)
-            x2 = jax.device_put(x, NamedSharding(mesh, P()))
-            row = dict(base, placement=name, devices=2)
-            got = np.asarray(forward(sharded[0], x2), np.float32)
-            row["max_abs_diff_vs_1_device"] = float(np.max(np.abs(got - want)))
-            xr, order_r, sizes_r, a_r = jax.device_put((x, order, group_sizes, a),
-                                                       NamedSharding(mesh, P()))
-            row["differing_outputs"] = dict(
-                layer=differing(got, want),
-                gate_up=differing(gate_up(sharded[0], xr, order_r, sizes_r), want_h),
-                down=differing(down(sharded[0], a_r, sizes_r), want_down))
-            row["collectives"] = collectives(forward.lower(sharded[0], x2).compile().as_text())
-            timed(row, forward, [(s, x2) for s in sharded], timing)
-            rows.append(row)
-            print_row(row, baseline)
-            del sharded
+        for n, mesh in meshes.items():
+            for name in placements:
+                row = dict(base, placement=name, devices=n)
+                why = tile_aligned(name, shape, fmt, n)
+                if why is not None:
+                    row["skipped"] = why
+                    rows.append(row)
+                    print(f"{fmt:<7}{t:>6}  {name:<10}{n:>3}  skipped: {why}", flush=True)
+                    continue
+                try:
+                    sharded_row(row, name, n, mesh, state, dispatched, forward, x, want,
+                                (gate_up, down, order, group_sizes, a, want_h, want_down),
+                                n_copies, timing)
+                except Exception as err:  # noqa: BLE001  (recorded; the run goes on)
+                    row["error"] = f"{type(err).__name__}: {str(err)[:2000]}"
+                    print(f"{fmt:<7}{t:>6}  {name:<10}{n:>3}  error: {row['error'][:300]}",
+                          flush=True)
+                    rows.append(row)
+                    continue
+                rows.append(row)
+                print_row(row, baseline)
     del one
     return rows
+
+
+def sharded_row(row, name, n, mesh, state, dispatched, forward, x, want, gemms, n_copies,
+                timing):
+    """Time and check one sharded placement; fills `row`."""
+    fwd, st = (dispatched[n] if name == "dispatch" else (forward, state))
+    sharded = copies(shard_state(st, mesh, *PLACEMENTS[name]), n_copies)
+    xs = jax.device_put(x, NamedSharding(mesh, P()))
+    got = np.asarray(fwd(sharded[0], xs), np.float32)
+    row["max_abs_diff_vs_1_device"] = float(np.max(np.abs(got - want)))
+    row["differing_outputs"] = dict(layer=differing(got, want))
+    if name != "dispatch":
+        gate_up, down, order, group_sizes, a, want_h, want_down = gemms
+        xr, order_r, sizes_r, a_r = jax.device_put((x, order, group_sizes, a),
+                                                   NamedSharding(mesh, P()))
+        row["differing_outputs"].update(
+            gate_up=differing(gate_up(sharded[0], xr, order_r, sizes_r), want_h),
+            down=differing(down(sharded[0], a_r, sizes_r), want_down))
+    row["collectives"] = collectives(fwd.lower(sharded[0], xs).compile().as_text())
+    timed(row, fwd, [(s, xs) for s in sharded], timing)
+    del sharded
 
 
 def print_row(row, baseline=None):
@@ -190,7 +257,9 @@ def print_row(row, baseline=None):
         clock = "device_us" if dev is not None else "loop_us"
         speedup = f"{baseline[clock] / row[clock]:.2f}x"
     diff = row.get("max_abs_diff_vs_1_device")
-    print(f"{row['fmt']:<7}{row['tokens']:>6}  {row['placement']:<10}"
+    if baseline is not None:
+        row["speedup_vs_1_device"] = float(speedup[:-1])
+    print(f"{row['fmt']:<7}{row['tokens']:>6}  {row['placement']:<10}{row['devices']:>3}"
           f"{(f'{dev:.1f}' if dev is not None else '-'):>11}{loop:>11.1f}{speedup:>9}"
           f"{('-' if diff is None else f'{diff:.3g}'):>10}  {row.get('collectives', '')}",
           flush=True)
@@ -199,28 +268,33 @@ def print_row(row, baseline=None):
 
 
 def plot(rows, path):
-    """One panel per format: time per layer call against tokens, one bar per placement."""
+    """One panel per (shape, format): time per layer call against tokens, one bar per placement
+    and device count."""
     plt = pyplot()
-    if plt is None:
+    rows = [r for r in rows if "loop_us" in r]
+    if plt is None or not rows:
         return
-    fmts = list(dict.fromkeys(r["fmt"] for r in rows))
-    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    panels = list(dict.fromkeys((r["shape_name"], r["fmt"]) for r in rows))
+    series = list(dict.fromkeys((r["placement"], r["devices"]) for r in rows))
     clock = "device_us" if all("device_us" in r for r in rows) else "loop_us"
-    fig, axes = plt.subplots(1, len(fmts), figsize=(4.6 * len(fmts), 3.6), squeeze=False)
-    for ax, fmt in zip(axes[0], fmts):
-        tokens = sorted({r["tokens"] for r in rows if r["fmt"] == fmt})
-        width = 0.8 / len(placements)
-        for i, name in enumerate(placements):
-            got = {r["tokens"]: r[clock] for r in rows
-                   if r["fmt"] == fmt and r["placement"] == name}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    for ax, (label, fmt) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["shape_name"], r["fmt"]) == (label, fmt)]
+        tokens = sorted({r["tokens"] for r in mine})
+        width = 0.8 / len(series)
+        for i, (name, n) in enumerate(series):
+            got = {r["tokens"]: r[clock] for r in mine
+                   if (r["placement"], r["devices"]) == (name, n)}
             xs = [j + i * width for j, t in enumerate(tokens) if t in got]
-            ax.bar(xs, [got[t] for t in tokens if t in got], width, label=name)
+            ax.bar(xs, [got[t] for t in tokens if t in got], width,
+                   label=name if n == 1 else f"{name}, {n} devices")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))],
                       [f"{t} tokens" for t in tokens])
-        ax.set_title(f"QuantizedMoE layer, {fmt} experts", fontsize=9)
+        ax.set_yscale("log")
+        ax.set_title(f"QuantizedMoE layer, {label}, {fmt} experts", fontsize=9)
         ax.set_ylabel(f"us per call ({clock})")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -229,12 +303,19 @@ def plot(rows, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few calls (CPU smoke run)")
-    p.add_argument("--formats", default=",".join(FORMATS))
-    p.add_argument("--tokens", help="comma-separated token counts (default 16,256)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated, from {list(SHAPES)} (default: all)")
+    p.add_argument("--formats", default=None,
+                   help="comma-separated expert formats (default: each shape's own)")
+    p.add_argument("--tokens", help="comma-separated token counts (default 16,256,4096)")
+    p.add_argument("--devices", default="2",
+                   help="device counts of the sharded rows, comma-separated (default 2)")
     p.add_argument("--placements", default=",".join(PLACEMENTS),
-                   help=f"2-device placements, from {list(PLACEMENTS)}")
+                   help=f"sharded placements, from {list(PLACEMENTS)}")
+    p.add_argument("--exchange", default="auto", choices=["auto", "ragged", "padded"],
+                   help="the dispatch row's exchange (QuantizedMoE exchange=)")
     p.add_argument("--allow-one", action="store_true",
-                   help="with fewer than 2 devices, time the 1-device layer only")
+                   help="with fewer devices than --devices, time the 1-device layer only")
     p.add_argument("--iters", type=int, default=None, help="calls per trial (default 20)")
     p.add_argument("--trials", type=int, default=None, help="trials, median (default 5)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -247,42 +328,61 @@ def main():
     for s in placements:
         if s not in PLACEMENTS:
             p.error(f"unknown placement {s!r}; choose from {list(PLACEMENTS)}")
-    if len(devices) < 2:
+    try:
+        counts = sorted({int(n) for n in args.devices.split(",") if n})
+    except ValueError:
+        p.error(f"--devices must be comma-separated device counts, got {args.devices!r}")
+    if any(n < 2 for n in counts):
+        p.error(f"--devices counts must be at least 2 (the 1-device row always runs): {counts}")
+    if counts and counts[-1] > len(devices):
         if not args.allow_one:
             raise SystemExit(
-                f"bench_moe_sharded.py needs 2 devices and found {len(devices)} "
-                f"({devices[0].device_kind}). Run it on a 2-GPU machine, or force 2 CPU devices "
-                "(XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu), or pass "
-                "--allow-one to time the 1-device layer only.")
+                f"bench_moe_sharded.py --devices {args.devices} needs {counts[-1]} devices and "
+                f"found {len(devices)} ({devices[0].device_kind}). Run it on a machine with that "
+                "many GPUs, or force CPU devices (XLA_FLAGS=--xla_force_host_platform_device_"
+                f"count={counts[-1]} JAX_PLATFORMS=cpu), or pass --allow-one to time the "
+                "1-device layer only.")
+        counts = [n for n in counts if n <= len(devices)]
+    if not counts:
         placements = []
-    shape = SMOKE if args.smoke else QWEN3_30B_A3B
+    table = SMOKE_SHAPES if args.smoke else SHAPES
+    names = [s for s in (args.shapes or ",".join(table)).split(",") if s]
+    for name in names:
+        if name not in table:
+            p.error(f"unknown shape {name!r}; choose from {list(table)}")
     tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens else
               list(SMOKE_TOKENS if args.smoke else TOKENS))
     timing = dict(iters=args.iters or (2 if args.smoke else 20),
                   trials=args.trials or (1 if args.smoke else 5))
     device = devices[0]
     print(f"{len(devices)} x {device.device_kind} ({device.platform}); jax {jax.__version__}; "
-          f"layer: {shape}; timing {timing}")
-    print(f"{'fmt':<7}{'tokens':>6}  {'placement':<10}{'device_us':>11}{'loop_us':>11}"
+          f"shapes {names}; sharded over {counts} devices; timing {timing}")
+    print(f"{'fmt':<7}{'tokens':>6}  {'placement':<10}{'n':>3}{'device_us':>11}{'loop_us':>11}"
           f"{'speedup':>9}{'max diff':>10}  collectives")
-    moe = jnn.MoE(shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"],
-                  rngs=nnx.Rngs(0))
     rows = []
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag or f"bench_moe_sharded_{device.platform}")
     meta = dict(device=device.device_kind, platform=device.platform, devices=len(devices),
-                jax=jax.__version__, ragged_backends=jbs.ragged_backend_names(),
+                sharded_over=counts, jax=jax.__version__,
+                ragged_backends=jbs.ragged_backend_names(), exchange=args.exchange,
+                shapes={n: dict(table[n][0], formats=list(table[n][1])) for n in names},
                 timing=dict(timing, method="benchmarks/timing.py: loop_us = median over trials "
                             "of the mean of back-to-back jitted calls (host cost included); "
                             "device_us = time per call during which any GPU ran a kernel "
-                            "(profiler trace, both GPUs' streams, NCCL included)"),
+                            "(profiler trace, every GPU's streams, NCCL included)"),
                 placements={k: [str(s) for s in v] for k, v in PLACEMENTS.items()},
                 env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE",
                                                      "XLA_PYTHON_CLIENT_PREALLOCATE")})
-    for fmt in args.formats.split(","):
-        rows += bench_format(fmt, moe, shape, tokens, devices, placements, timing)
-        with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    for name in names:
+        shape, formats = table[name]
+        moe = jnn.MoE(shape["hidden"], shape["intermediate"], shape["experts"],
+                      shape["top_k"], rngs=nnx.Rngs(0))
+        for fmt in (args.formats.split(",") if args.formats else formats):
+            rows += bench_format(name, fmt, moe, shape, tokens, devices, counts, placements,
+                                 timing, args.exchange)
+            with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        del moe
     print(f"wrote {stem}.json")
     plot(rows, stem + ".png")
 

@@ -25,6 +25,11 @@ Placements:
   expert parallel            gate_up and down split on the expert axis (64 experts each)
   tensor parallel            gate_up and down split on N (their output features)
   tensor parallel, down on K gate_up on N, down on K = intermediate (Megatron's pairing)
+  expert parallel, dispatched
+                             the experts split as in expert parallel, and the layer built with
+                             QuantizedMoE(..., mesh=mesh, expert_axis="d"): the tokens are split
+                             over the devices and each routed row is sent only to its expert's
+                             device and back (all-to-all; ragged_all_to_all on GPUs); bit for bit
 """
 from __future__ import annotations
 
@@ -60,8 +65,8 @@ PLACEMENTS = {
     "tensor parallel": (P(None, "d", None), P(None, "d", None), True),
     "tensor parallel, down on K": (P(None, "d", None), P(None, None, "d"), False),
 }
-COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                        r"collective-permute)(?:-start)?\(")
+COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|"
+                        r"ragged-all-to-all|all-to-all|collective-permute)(?:-start)?\(")
 SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -137,15 +142,28 @@ def collectives(hlo_text):
     return found
 
 
+def hlo_dtype(dtype):
+    """The HLO text's name of a dtype: float32 -> f32, bfloat16 -> bf16, float4_e2m1fn ->
+    f4e2m1fn, float8_e4m3fn -> f8e4m3fn."""
+    name = np.dtype(dtype).name
+    if name == "bfloat16":
+        return "bf16"
+    return "f" + name[5:].replace("_", "") if name.startswith("float") else name
+
+
 def weight_dims(*weights):
-    """Every expert-weight array's dims, whole and as a 2-device shard (one dim halved)."""
+    """(dtype, dims) of every expert-weight array, whole and as a 2-device shard (one dim
+    halved), and flattened: the dtype keeps an activation of the same element count from
+    matching."""
     out = set()
     for w in weights:
         for a in (w.data, w.scales, w.global_scale):
             if a is not None and a.ndim:
-                out.add(tuple(a.shape))
-                out.update(a.shape[:i] + (d // 2,) + a.shape[i + 1:]
-                           for i, d in enumerate(a.shape) if d % 2 == 0)
+                forms = {tuple(a.shape)}
+                forms.update(a.shape[:i] + (d // 2,) + a.shape[i + 1:]
+                              for i, d in enumerate(a.shape) if d % 2 == 0)
+                forms |= {(int(np.prod(f)),) for f in forms}
+                out.update((hlo_dtype(a.dtype), f) for f in forms)
     return out
 
 
@@ -180,9 +198,16 @@ def main():
     moved_dims = weight_dims(*weights)
     x_rep = jax.device_put(x, NamedSharding(mesh, P()))
 
-    for name, (gate_up_spec, down_spec, exact) in PLACEMENTS.items():
-        sharded = shard_state(state, mesh, gate_up_spec, down_spec)
-        got = np.asarray(forward(sharded, x_rep))
+    # the same weights, dispatching tokens to the experts' devices
+    dispatched = jnn.QuantizedMoE(args.hidden, args.intermediate, args.experts, args.top_k,
+                                  fmt=args.fmt, rngs=nnx.Rngs(0), mesh=mesh, expert_axis="d")
+    d_graphdef, d_state = nnx.split(dispatched)
+    d_forward = jax.jit(lambda s, x: nnx.merge(d_graphdef, s)(x))
+    runs = [(name, forward, state, specs) for name, specs in PLACEMENTS.items()]
+    runs.append(("expert parallel, dispatched", d_forward, d_state, PLACEMENTS["expert parallel"]))
+    for name, fwd, st, (gate_up_spec, down_spec, exact) in runs:
+        sharded = shard_state(st, mesh, gate_up_spec, down_spec)
+        got = np.asarray(fwd(sharded, x_rep))
         same = np.array_equal(got.view(np.uint16), want.view(np.uint16))
         diff = float(np.max(np.abs(got.astype(np.float32) - want.astype(np.float32))))
         scale = float(np.max(np.abs(want.astype(np.float32))))
@@ -193,8 +218,8 @@ def main():
                       for names, leaf in leaves_by_name(sharded) if names[-1] == "data"}
         print(f"  per device: gate_up elements {per_device['gate_up']} of "
               f"{weights[0].shape}, down elements {per_device['down']} of {weights[1].shape}")
-        found = collectives(forward.lower(sharded, x_rep).compile().as_text())
-        moved = [(c, s) for c, shapes in found for s in shapes if s[1] in moved_dims]
+        found = collectives(fwd.lower(sharded, x_rep).compile().as_text())
+        moved = [(c, s) for c, shapes in found for s in shapes if s in moved_dims]
         print(f"{name} collectives: {describe(found)}")
         print(f"  expert weights moved: {moved if moved else 'none'}")
     if platform == "cpu":

@@ -31,8 +31,9 @@ if not CHILD:
         "gspmd": (CHILD_PYTEST, dict(CHILD_ENV, JBS_PARTITIONER="gspmd")),
         # the example forces its own 2 host devices
         "example": ([sys.executable, "examples/moe_sharded.py", "--smoke"], {"XLA_FLAGS": ""}),
-        "bench": ([sys.executable, "benchmarks/bench_moe_sharded.py", "--smoke", "--out",
-                   BENCH_OUT], {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
+        "bench": ([sys.executable, "benchmarks/bench_moe_sharded.py", "--smoke", "--devices",
+                   "2", "--out", BENCH_OUT],
+                  {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
     }
 
     @pytest.fixture(scope="module")
@@ -50,30 +51,39 @@ if not CHILD:
         assert rc == 0, out[-6000:]
         assert "2 cpu devices" in out, out
         lines = {line.split(":")[0].strip(): line for line in out.splitlines() if ":" in line}
-        # expert and N-split placements are bit for bit; each prints its collectives
-        for placement in ("expert parallel", "tensor parallel"):
+        # expert, dispatched and N-split placements are bit for bit; each prints its collectives
+        for placement in ("expert parallel", "tensor parallel", "expert parallel, dispatched"):
             assert "bitwise equal: yes" in lines[placement], out
         assert "all-reduce" in lines["expert parallel collectives"], out
         assert "all-gather" not in lines["expert parallel collectives"], out
         assert "all-reduce" in lines["tensor parallel, down on K collectives"], out
-        assert out.count("expert weights moved: none") == 3, out  # one per placement
+        dispatched = lines["expert parallel, dispatched collectives"]
+        assert "all-to-all" in dispatched and "all-reduce" not in dispatched, out
+        assert "all-gather" not in dispatched, out
+        assert out.count("expert weights moved: none") == 4, out  # one per placement
 
     def test_moe_sharded_benchmark_smoke(children):
         """benchmarks/bench_moe_sharded.py on 2 CPU devices: every placement's row with its
-        difference to one device (0 for expert and tensor parallel), collectives, and a plot."""
+        difference to one device (0 for expert, dispatch and tensor parallel), collectives,
+        and a plot."""
         rc, out = finish(children["bench"])
         assert rc == 0, out[-6000:]
         with open(os.path.join(BENCH_OUT, "bench_moe_sharded_cpu.json")) as f:
             rows = json.load(f)["rows"]
         assert os.path.getsize(os.path.join(BENCH_OUT, "bench_moe_sharded_cpu.png")) > 0
-        placed = {(r["fmt"], r["tokens"], r["placement"]): r for r in rows}
-        assert len(placed) == 2 * 2 * 4, sorted(placed)
-        for (fmt, tokens, placement), r in placed.items():
+        placed = {(r["fmt"], r["tokens"], r["placement"], r["devices"]): r for r in rows}
+        assert len(placed) == 2 * 2 * 5, sorted(placed)  # formats x tokens x placements
+        for (fmt, tokens, placement, n), r in placed.items():
+            assert "error" not in r and "skipped" not in r, r
             assert r["loop_us"] > 0
             if placement in ("expert", "tensor"):
                 assert r["max_abs_diff_vs_1_device"] == 0, r
                 assert r["differing_outputs"] == dict(layer=0, gate_up=0, down=0), r
-            if placement != "1 device":
+            if placement == "dispatch":
+                assert r["differing_outputs"] == dict(layer=0), r
+                assert "all-to-all" in r["collectives"], r
+                assert "all-reduce" not in r["collectives"], r
+            elif placement != "1 device":
                 assert "all-reduce" in r["collectives"] or "all-gather" in r["collectives"], r
 
 else:
