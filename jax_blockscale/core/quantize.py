@@ -124,20 +124,32 @@ class BlockScaled:
 
 
 def _shares_global_scale(q: BlockScaled) -> bool:
-    """A stack (batch dims, none empty) with one scalar global scale for all of it."""
-    gs = q.global_scale
-    return (gs is not None and np.ndim(gs) == 0 and q.data.ndim > 2
-            and math.prod(q.data.shape[:-2]) > 0)
+    """A stack (batch dims, none empty) with one scalar global scale for all of it.
+
+    Decided once, from the arrays, and kept by the pytree's rebuilds: JAX also rebuilds a
+    BlockScaled around other leaves (avals, shardings, specs) and must flatten those to the same
+    tree structure."""
+    known = q.__dict__.get("_shared_global_scale")
+    if known is not None:
+        return known
+    gs, data = q.global_scale, q.data
+    shared = (isinstance(gs, (jax.Array, np.ndarray, np.generic, float, int))
+              and isinstance(data, (jax.Array, np.ndarray))
+              and np.ndim(gs) == 0 and data.ndim > 2 and math.prod(data.shape[:-2]) > 0)
+    object.__setattr__(q, "_shared_global_scale", shared)
+    return shared
 
 
 def _global_scale_leaf(q: BlockScaled):
     """The global scale as the pytree hands it over: a stack's shared scalar broadcast to the
     batch shape (made once per BlockScaled), else as it is."""
-    if not _shares_global_scale(q):
-        return q.global_scale
+    gs = q.global_scale
+    if not (_shares_global_scale(q) and isinstance(gs, (jax.Array, np.ndarray, np.generic, float,
+                                                        int)) and np.ndim(gs) == 0):
+        return gs
     cached = q.__dict__.get("_global_scale_leaf")
     if cached is None:
-        cached = jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32), q.data.shape[:-2])
+        cached = jnp.broadcast_to(jnp.asarray(gs, jnp.float32), q.data.shape[:-2])
         object.__setattr__(q, "_global_scale_leaf", cached)
     return cached
 
@@ -154,7 +166,11 @@ def _unflatten(aux, leaves):
     data, scales, gs = leaves
     if shared and isinstance(gs, (jax.Array, np.ndarray)) and gs.ndim > 0:
         gs = gs[(0,) * gs.ndim]  # every element is the stack's one scale
-    return BlockScaled(data, scales, gs, fmt, layout)
+    q = BlockScaled(data, scales, gs, fmt, layout)
+    # a slice of the stack (lax.scan, vmap) is one matrix: its scale is its own again
+    one_matrix = isinstance(data, (jax.Array, np.ndarray)) and data.ndim <= 2
+    object.__setattr__(q, "_shared_global_scale", bool(shared) and not one_matrix)
+    return q
 
 
 jax.tree_util.register_pytree_with_keys(
