@@ -1,8 +1,8 @@
 """The native library on a machine without a GPU: it loads, its FFI targets register, its variant
 table is the catalogue's, and the sm90 handler's validation (a pure function, reached through the
 exported C entry point `jbs_sm90_check_problem`) accepts exactly the planned calls the kernels
-can run. Skipped when the package was installed without the library
-(JAX_BLOCKSCALE_SKIP_NATIVE=1)."""
+can run. The library is the one the package loads (the installed one, in CI); without it these
+tests fail, unless the package was installed without it on purpose (tests/support/native.py)."""
 from __future__ import annotations
 
 import itertools
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import native  # tests/support/native.py
 from configure import set_env  # tests/support/configure.py
 from hopper import as_if_hopper, lower_for_cuda  # tests/support/hopper.py
 from jax_blockscale import _plugin
@@ -24,9 +25,7 @@ from jax_blockscale.lowering import ffi_sm90
 from jax_blockscale.lowering import plan as P
 from jax_blockscale.ragged import ragged_gemm_spec
 
-if _plugin.unavailable_reason() is not None:
-    pytest.skip(f"native library unavailable: {_plugin.unavailable_reason()}",
-                allow_module_level=True)
+native.need_library()
 
 KIND_CODES, OUT_CODES = cat.KIND_CODES, cat.OUT_CODES
 H100 = P.Device("cuda", "sm90", 132)
@@ -53,9 +52,21 @@ def test_variant_table_is_the_catalogue():
 
 
 def test_manifest_matches_library():
+    """The install puts the AOT build's variants.json next to the library as sm90_variants.json;
+    a library named by JAX_BLOCKSCALE_LIBRARY in a CMake build tree has it in aot/."""
+    import json
+    import os
+
     man = _plugin.manifest()
+    in_tree = os.path.join(os.path.dirname(_plugin.library_path()), "aot", "variants.json")
+    if man is None and os.path.exists(in_tree):
+        with open(in_tree) as f:
+            man = json.load(f)
     if man is None:
-        pytest.skip("no sm90_variants.json next to the library (library given by env var)")
+        if os.environ.get("JAX_BLOCKSCALE_LIBRARY"):
+            pytest.skip("no sm90_variants.json next to the library named by "
+                        "JAX_BLOCKSCALE_LIBRARY (nor aot/variants.json)")
+        pytest.fail(f"no sm90_variants.json next to the installed {_plugin.library_path()}")
     assert sorted(v["name"] for v in man["variants"]) == sorted(
         v["name"] for v in _plugin.variants())
     assert man["kind_codes"] == KIND_CODES and man["out_codes"] == OUT_CODES
@@ -502,13 +513,9 @@ def test_alpha_gather_ptx_assembles(tmp_path):
     """The layer target's one-thread alpha gather is PTX in ffi/jbs_ffi.cc, JIT-loaded at run
     time; ptxas (CUDA toolkit) assembles it for sm_90a here, so a typo fails on CPU CI."""
     import os
-    import shutil
     import subprocess
 
-    ptxas = shutil.which("ptxas") or next(
-        (p for p in ("/usr/local/cuda/bin/ptxas",) if os.path.exists(p)), None)
-    if ptxas is None:
-        pytest.skip("no ptxas (CUDA toolkit) on this machine")
+    ptxas = native.need_tool("ptxas")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     src = open(os.path.join(root, "ffi", "jbs_ffi.cc")).read()
     ptx = re.search(r'kGatherAlphaPtx\[\] = R"\((.*?)\)";', src, re.S).group(1)

@@ -3,7 +3,7 @@ ffi/quantize_activation.cu and loaded by the library at run time): the header is
 compiles to, and in the SASS ptxas makes of it the one-block-per-thread kernels load their x
 blocks before griddepcontrol.wait (ACQBULK) and the amax kernel's partials only after it (a load
 hoisted above the wait would race with the amax kernel). Needs the CUDA toolkit's nvcc / ptxas
-and cuobjdump; skipped without them."""
+and cuobjdump (tests/support/native.py: what a test does without them)."""
 from __future__ import annotations
 
 import os
@@ -14,15 +14,14 @@ import sys
 import pytest
 
 import cubins  # tests/support/cubins.py
+import native  # tests/support/native.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEADER = os.path.join(REPO, "ffi", "jbs_quantize_activation_ptx.h")
 
 
 def test_header_is_generated_from_the_source():
-    nvcc = cubins._tool("nvcc")
-    if nvcc is None:
-        pytest.skip("needs nvcc (the CUDA toolkit)")
+    nvcc = native.need_tool("nvcc")
     gen = os.path.join(REPO, "ffi", "gen_quantize_activation_ptx.py")
     res = subprocess.run([sys.executable, gen, "--check", "--nvcc", nvcc], capture_output=True,
                          text=True)
@@ -31,9 +30,8 @@ def test_header_is_generated_from_the_source():
 
 @pytest.fixture(scope="module")
 def sass(tmp_path_factory):
-    ptxas = cubins._tool("ptxas")
-    if ptxas is None or cubins.sass_tools_missing():
-        pytest.skip("needs ptxas and cuobjdump (the CUDA toolkit)")
+    ptxas = native.need_tool("ptxas")
+    native.need_sass_tools()
     text = open(HEADER).read()
     ptx = text[text.index('R"PTX(') + 6:text.rindex(')PTX"')]
     tmp = tmp_path_factory.mktemp("ptx")

@@ -1,7 +1,8 @@
 """`gemm(x, w, quantize_a="nvfp4")` lowered for CUDA on this GPU-less machine (as if on an H100):
 one call to the fused target where gemm would run the quantized problem on the sm90 decode
 kernel, the composition (quantize, then gemm's own target) everywhere else; the workspace the
-lowering allocates is the library's layout. The numerics run in tests/gpu."""
+lowering allocates is the library's layout. The numerics run in tests/gpu. Needs the library
+the package loads (tests/support/native.py)."""
 from __future__ import annotations
 
 import os
@@ -13,14 +14,15 @@ import numpy as np
 import pytest
 
 import jax_blockscale as jbs
+import native  # tests/support/native.py
 from hopper import lower_for_cuda  # tests/support/hopper.py
 from jax_blockscale import _plugin
 from jax_blockscale.catalog import sm90 as cat
 from jax_blockscale.lowering.ffi_sm90 import quantized_activation_scratch_bytes
 
-if _plugin.load() is None or not _plugin.has_quantized_act_gemm():
-    pytest.skip(f"native library without the fused target: {_plugin.unavailable_reason()}",
-                allow_module_level=True)
+native.need_library()
+native.need(None if _plugin.has_quantized_act_gemm() else "the library has no fused target",
+            "the quantized-activation targets")
 
 FUSED = _plugin.QUANTIZED_ACT_SM90_TARGET
 QUANTIZE = _plugin.QUANTIZE_NVFP4_SM90_TARGET

@@ -13,13 +13,16 @@ GPU needed) and compare its index map, element by element, with
 for shapes with and without padding in MN and in SK.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 
-sm100 = pytest.importorskip(
-    "jax_blockscale.kernels.sm100_blockscaled",
-    reason="needs nvidia-cutlass-dsl (build-time dependency)")
-import cutlass  # noqa: E402  (after the importorskip above)
+import native  # tests/support/native.py
+
+native.need_dsl()
+sm100 = importlib.import_module("jax_blockscale.kernels.sm100_blockscaled")
+import cutlass  # noqa: E402  (after the check above)
 import cutlass.cute as cute  # noqa: E402
 
 # (MN, SK, L, block): SK = K / block scale columns.

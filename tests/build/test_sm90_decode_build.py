@@ -1,7 +1,8 @@
 """sm90 decode kernel, no GPU needed: the PTX bit tricks and fragment bookkeeping (emulated on the
 CPU for every code), the variant heuristic, and that the variants compile and export for sm_90a.
 
-The export tests need nvidia-cutlass-dsl; they are skipped where it is not installed.
+The export tests need nvidia-cutlass-dsl (the [test] extra); without it they fail, or skip where
+the package was installed without its native library on purpose (tests/support/native.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import native  # tests/support/native.py
 import ptx_emu as emu
 
 from jax_blockscale.catalog import sm90 as cat  # pure Python: always importable
@@ -24,7 +26,13 @@ try:
     from jax_blockscale.kernels import sm90_ptx  # the device helpers (PTX text generators)
 except ImportError:  # no DSL here: only the pure-Python tests run
     dec = sm90_ptx = None
-needs_dsl = pytest.mark.skipif(dec is None, reason="needs nvidia-cutlass-dsl")
+needs_dsl = pytest.mark.usefixtures("_dsl")
+
+
+@pytest.fixture
+def _dsl():
+    native.need_dsl()
+    assert dec is not None, "nvidia-cutlass-dsl imports but jax_blockscale.kernels.sm90_decode not"
 
 FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -300,8 +308,7 @@ def test_variant_list():
 def _sass_of(obj, tmp):
     import cubins as _cubins
 
-    if _cubins.sass_tools_missing():
-        pytest.skip(_cubins.sass_tools_missing())
+    native.need_sass_tools()
     cubins = _cubins.find_cubins_in_file(obj)
     assert cubins and all(c.sm == 90 for c in cubins), [c.sm for c in cubins]
     return _cubins.dump_sass(cubins[0].write(os.path.join(tmp, "k.cubin")))

@@ -5,26 +5,28 @@ in-flight version: a loop over single k-tiles converted each k-tile into the reg
 previous k-tile's MMAs were still reading.
 
 Needs nvidia-cutlass-dsl, and for the SASS the pip packages nvidia-cuda-cuobjdump and
-nvidia-cuda-nvdisasm (skipped, with the reason, where absent).
+nvidia-cuda-nvdisasm (the [test] extra; tests/support/native.py says what a test does without
+them).
 """
 from __future__ import annotations
+
+import importlib
 
 import pytest
 
 import cubins as _cubins
+import native  # tests/support/native.py
 from wgmma_hazards import register_a_hazards
 
 from jax_blockscale.catalog import sm90 as cat
 
-aot = pytest.importorskip("jax_blockscale.kernels.aot_sm90")
-kern = pytest.importorskip("jax_blockscale.kernels.sm90_blockscaled",
-                           reason="needs nvidia-cutlass-dsl (build-time dependency)")
+native.need_dsl()
+aot = importlib.import_module("jax_blockscale.kernels.aot_sm90")
+kern = importlib.import_module("jax_blockscale.kernels.sm90_blockscaled")
 
 
 def _sass(tmp_path, b_kind, tile, kernel="register_weights"):
-    missing = _cubins.sass_tools_missing()
-    if missing:
-        pytest.skip(f"SASS not checked: {missing}")
+    native.need_sass_tools()
     v = cat.Variant(kernel, "bf16_kperm", b_kind, "bf16", *tile)
     aot._build_one((str(tmp_path), v))
     (sass,) = _cubins.sass_of_object(str(tmp_path / f"{v.name}.o"), str(tmp_path / "cubins"))
