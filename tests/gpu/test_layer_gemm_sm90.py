@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import jax_blockscale as jbs
 from jax_blockscale import _plugin
 from jax_blockscale.lowering import plan as planner
-from jax_blockscale.ragged import _operands_and_params, ragged_spec
+from jax_blockscale.ragged.api import _operands_and_params
+from jax_blockscale.ragged.primitive import ragged_spec
 from hopper import needs_sm90, poison  # tests/support/hopper.py
 
 pytestmark = [pytest.mark.gpu, needs_sm90]

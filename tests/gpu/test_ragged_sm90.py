@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_blockscale as jbs
-from jax_blockscale import ragged as ragged_mod
+from jax_blockscale.ragged import api as ragged_api
+from jax_blockscale.ragged import primitive as ragged_mod
 from jax_blockscale.ragged import ragged_gemm_spec
 from jax_blockscale.lowering import plan as planner
 from jax_blockscale.lowering import ragged_sm90
@@ -319,7 +320,7 @@ def test_vmap_grad_and_export_run_the_kernel(kernel):
 def _shards(lhs, rhs, gs, out_dtype, split, plan_shape):
     """The two shards of a 2-device expert (`split="experts"`) or N (`"n"`) split of this call,
     as ragged_sharding.py runs them, here one after the other on this GPU."""
-    operands, params = ragged_mod._operands_and_params(lhs, rhs, gs, out_dtype, None)
+    operands, params = ragged_api._operands_and_params(lhs, rhs, gs, out_dtype, None)
     params = dict(params, out_dtype=np.dtype(out_dtype))
     x, w, sl, sr, sizes, alpha = ragged_mod.split_operands(operands, params["fmt_lhs"])
     g, n = w.shape[0], w.shape[1]

@@ -615,7 +615,7 @@ def test_large_m_dequantize_and_dot(monkeypatch, fmt_a, fmt_b, global_scale):
 def _shard_gemm(a, b, plan_shape, out_dtype=jnp.bfloat16):
     """gemm_local_p on one shard's operands, as sharding.py binds it (plan_shape: the unsharded
     call's (a_batch, b_batch, m, n), or None: the shard plans for itself)."""
-    from jax_blockscale.dense.api import _alpha  # noqa: PLC0415
+    from jax_blockscale.dense.primitive import _alpha  # noqa: PLC0415
     from jax_blockscale.dense.primitive import gemm_local_p, join_operands  # noqa: PLC0415
     quantized = isinstance(a, jbs.BlockScaled)
     operands = join_operands(a.data if quantized else a, b.data, a.scales if quantized else None,

@@ -13,7 +13,8 @@ import numpy as np
 
 import jax_blockscale as jbs
 from jax_blockscale import config
-from jax_blockscale import ragged as ragged_mod
+from jax_blockscale.ragged import api as ragged_api
+from jax_blockscale.ragged import primitive as ragged_mod
 from jax_blockscale.catalog import sm90 as cat
 
 rng = np.random.default_rng(0)
@@ -42,7 +43,7 @@ for label, kernel, per_cta, (fmt, act, m, n, k) in [
         print(label, fmt, act, m, sizes, float(jnp.abs(y.astype(jnp.float32)).sum()),
               flush=True)
     # an expert-parallel shard's call: rows before row_start belong to other devices
-    operands, params = ragged_mod._operands_and_params(a, w, gs, jnp.bfloat16, None)
+    operands, params = ragged_api._operands_and_params(a, w, gs, jnp.bfloat16, None)
     params = dict(params, out_dtype=np.dtype(jnp.bfloat16))
     y = jax.jit(lambda *o: ragged_mod.bind_local(o, params, jnp.int32(m // 3)))(*operands)
     print(label, fmt, act, m, "row_start", float(jnp.abs(y.astype(jnp.float32)).sum()),

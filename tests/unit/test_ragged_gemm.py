@@ -11,7 +11,7 @@ from jax import export, lax
 
 import jax_blockscale as jbs
 import oracle
-from jax_blockscale import ragged
+from jax_blockscale.ragged import primitive as ragged
 from jax_blockscale.lowering import ragged_reference, registry
 from jax_blockscale.lowering.specs import RaggedPlan
 
