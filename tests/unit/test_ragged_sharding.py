@@ -33,7 +33,7 @@ else:
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
     import jax_blockscale as jbs
-    from jax_blockscale import lowering as jbs_lowering
+    from jax_blockscale.lowering import registry as jbs_lowering
 
     SHARDY = use_partitioner()
     DEVICES = jax.devices("cpu")

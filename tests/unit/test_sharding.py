@@ -68,7 +68,7 @@ else:
 
     import jax_blockscale as jbs
     from jax_blockscale.dense import sharding as jbs_sharding
-    from jax_blockscale import lowering as jbs_lowering
+    from jax_blockscale.lowering import registry as jbs_lowering
 
     SHARDY = use_partitioner()
     PLATFORM = os.environ.get("JBS_SHARDING_PLATFORM", "cpu")

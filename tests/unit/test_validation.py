@@ -84,7 +84,7 @@ def test_forced_backend_that_cannot_run_fails_clearly(monkeypatch):
         with pytest.raises(ValueError, match="cannot run this problem: this test backend"):
             jax.jit(lambda a, b: jbs.gemm(a, b)).lower(A, B)
     finally:
-        from jax_blockscale.lowering import _BACKENDS
+        from jax_blockscale.lowering.registry import _BACKENDS
         _BACKENDS.pop("never")
 
 
