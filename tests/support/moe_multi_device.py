@@ -508,8 +508,9 @@ def dispatch_moves(found, weights, *, rows_dtype="bf16"):
 
 
 def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exchange="auto",
-                   tokens=TOKENS):
-    """QuantizedMoE(mesh=, expert_axis=) over n devices: bit for bit the one-device layer; its
+                   tokens=TOKENS, match="exact"):
+    """QuantizedMoE(mesh=, expert_axis=) over n devices: the one-device layer (`match`: bit for
+    bit, or, where a platform does not give that yet, to one bf16 step); its
     program exchanges rows with all-to-all (or ragged-all-to-all) only: no all-reduce of whole
     outputs (only the scalar amax of NVFP4 activations), no all-gather (tokens a multiple of
     n), no weight moved, every weight used where it was placed. Returns the collectives."""
@@ -524,7 +525,7 @@ def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exch
     xs = jax.device_put(x, NamedSharding(mesh, P()))
     got = f2(placed, xs)
     assert got.dtype == jnp.bfloat16 and got.shape == want.shape
-    assert_match(got, want, "exact", f"dispatched QuantizedMoE on {n} devices ({fmt}, "
+    assert_match(got, want, match, f"dispatched QuantizedMoE on {n} devices ({fmt}, "
                  f"{routing} routing, act {act_fmt}, {exchange} exchange)")
     compiled = f2.lower(placed, xs).compile()
     expect_sharded(compiled, (placed, xs))
