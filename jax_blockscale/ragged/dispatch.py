@@ -9,7 +9,10 @@ Under `jax.shard_map` over the mesh axis `axis` (d devices), tokens are split ov
 contiguous: device j owns experts j*E/d ... (j+1)*E/d - 1). Per device:
 
   1. route its tokens (`route(x, router)` -> expert ids (T/d, k), combine weights (T/d, k)),
-     sort its T/d * k (token, slot) rows by expert;
+     sort its T/d * k (token, slot) rows by expert. The router runs on all T tokens, on every
+     device, and each keeps its own T/d: a GPU's dot picks its algorithm, so the order of its
+     f32 additions, by shape, and logits computed for T/d tokens could differ from the one-device
+     layer's in the last bit (moving a combine weight, now and then a bf16 output);
   2. exchange the per-expert row counts (one small all-to-all of E int32), then the rows
      themselves: each row goes to its expert's owner only, landing in the owner's buffer sorted
      by expert (one slice per (device, expert): no local sort afterwards);
@@ -215,8 +218,12 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
     local_experts = experts // d
     dt = np.dtype(dtype)
 
-    def body(x, valid, router, gate_up, down):
-        ids, weights = route(x, router)
+    def body(x, x_all, valid, router, gate_up, down):
+        # routed as the one-device layer routes: all tokens, then this device's share
+        ids, weights = route(x_all, router)
+        first = lax.axis_index(axis) * local_tokens
+        ids = lax.dynamic_slice_in_dim(ids, first, local_tokens)
+        weights = lax.dynamic_slice_in_dim(weights, first, local_tokens)
         k = ids.shape[-1]
         ids = jnp.where(valid[:, None], ids.astype(jnp.int32), experts)  # padding: nowhere
         rows_n = x.shape[0] * k
@@ -259,9 +266,9 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
 
     wspec = lambda w: _weight_specs(w, axis)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh,
-                        in_specs=(P(axis), P(axis), P(), wspec(gate_up), wspec(down)),
+                        in_specs=(P(axis), P(), P(axis), P(), wspec(gate_up), wspec(down)),
                         out_specs=P(axis), check_vma=False)
-    y = run(x, valid, router, gate_up, down)
+    y = run(x, x, valid, router, gate_up, down)
     return y[:tokens] if padded != tokens else y
 
 
