@@ -1,4 +1,6 @@
-"""Published block-scaled checkpoint layouts -> `BlockScaled`, bit-exact, and safetensors loading.
+"""Weights in and out: published block-scaled checkpoint layouts -> `BlockScaled` (element codes
+and block scales bit for bit; the per-tensor global factor as docs/checkpoints.md says),
+safetensors loading, Hugging Face config reading, and our own params file (params_file.py).
 
 Converters (NumPy or JAX arrays in; nothing re-quantized):
   from_modelopt_nvfp4(weight, weight_scale, weight_scale_2)       NVIDIA ModelOpt NVFP4
