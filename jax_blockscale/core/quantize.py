@@ -123,6 +123,12 @@ class BlockScaled:
         return (self[i] for i in range(self.shape[0]))
 
 
+# What a global scale or elements array may be when its value is known (not an aval, sharding
+# or spec that JAX rebuilds the pytree around)
+_ARRAYS = (jax.Array, np.ndarray)
+_SCALARS = _ARRAYS + (np.generic, float, int)
+
+
 def _shares_global_scale(q: BlockScaled) -> bool:
     """A stack (batch dims, none empty) with one scalar global scale for all of it.
 
@@ -133,9 +139,8 @@ def _shares_global_scale(q: BlockScaled) -> bool:
     if known is not None:
         return known
     gs, data = q.global_scale, q.data
-    shared = (isinstance(gs, (jax.Array, np.ndarray, np.generic, float, int))
-              and isinstance(data, (jax.Array, np.ndarray))
-              and np.ndim(gs) == 0 and data.ndim > 2 and math.prod(data.shape[:-2]) > 0)
+    shared = (isinstance(gs, _SCALARS) and isinstance(data, _ARRAYS) and np.ndim(gs) == 0
+              and data.ndim > 2 and math.prod(data.shape[:-2]) > 0)
     object.__setattr__(q, "_shared_global_scale", shared)
     return shared
 
@@ -144,8 +149,7 @@ def _global_scale_leaf(q: BlockScaled):
     """The global scale as the pytree hands it over: a stack's shared scalar broadcast to the
     batch shape (made once per BlockScaled), else as it is."""
     gs = q.global_scale
-    if not (_shares_global_scale(q) and isinstance(gs, (jax.Array, np.ndarray, np.generic, float,
-                                                        int)) and np.ndim(gs) == 0):
+    if not (_shares_global_scale(q) and isinstance(gs, _SCALARS) and np.ndim(gs) == 0):
         return gs
     cached = q.__dict__.get("_global_scale_leaf")
     if cached is None:
@@ -154,29 +158,32 @@ def _global_scale_leaf(q: BlockScaled):
     return cached
 
 
+_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in ("data", "scales", "global_scale"))
+
+
+def _flatten(q: BlockScaled):
+    return (q.data, q.scales, _global_scale_leaf(q)), (q.fmt, q.layout, _shares_global_scale(q))
+
+
 def _flatten_with_keys(q: BlockScaled):
-    key = jax.tree_util.GetAttrKey
-    leaves = ((key("data"), q.data), (key("scales"), q.scales),
-              (key("global_scale"), _global_scale_leaf(q)))
-    return leaves, (q.fmt, q.layout, _shares_global_scale(q))
+    leaves, aux = _flatten(q)
+    return tuple(zip(_KEYS, leaves)), aux
 
 
 def _unflatten(aux, leaves):
     fmt, layout, shared = aux
     data, scales, gs = leaves
-    if shared and isinstance(gs, (jax.Array, np.ndarray)) and gs.ndim > 0:
+    if shared and isinstance(gs, _ARRAYS) and gs.ndim > 0:
         gs = gs[(0,) * gs.ndim]  # every element is the stack's one scale
     q = BlockScaled(data, scales, gs, fmt, layout)
     # a slice of the stack (lax.scan, vmap) is one matrix: its scale is its own again
-    one_matrix = isinstance(data, (jax.Array, np.ndarray)) and data.ndim <= 2
+    one_matrix = isinstance(data, _ARRAYS) and data.ndim <= 2
     object.__setattr__(q, "_shared_global_scale", bool(shared) and not one_matrix)
     return q
 
 
-jax.tree_util.register_pytree_with_keys(
-    BlockScaled, _flatten_with_keys, _unflatten,
-    flatten_func=lambda q: ([leaf for _, leaf in _flatten_with_keys(q)[0]],
-                            _flatten_with_keys(q)[1]))
+jax.tree_util.register_pytree_with_keys(BlockScaled, _flatten_with_keys, _unflatten,
+                                        flatten_func=_flatten)
 
 
 # Let jax.export serialize functions that take or return BlockScaled (aux data: fmt, layout,

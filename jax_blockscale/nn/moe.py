@@ -21,7 +21,7 @@ summed with their weights (`jax_blockscale.ragged.dispatch.combine`: in f32, slo
 Placements on a mesh (docs/sharding.md): QuantizedMoE runs unchanged under `jax.jit` with its
 expert weights placed on a mesh (expert parallel by replicating rows and all-reducing, tensor
 parallel, Megatron: the grouped GEMM's sharding rule). ``QuantizedMoE(..., mesh=mesh,
-expert_axis="expert")`` instead dispatches tokens: each device routes its share of the tokens
+expert_axis="expert")`` instead dispatches tokens: each device takes its share of the tokens
 and sends each (token, expert) row only to the device holding that expert
 (`jax_blockscale.ragged.dispatch`).
 

@@ -5,7 +5,7 @@ device that owns its expert, runs there, and comes back.
                      axis="expert")
 
 Under `jax.shard_map` over the mesh axis `axis` (d devices), tokens are split over the axis
-(each device routes its T/d tokens) and so are the experts (each device holds E/d of them,
+(each device takes T/d of them) and so are the experts (each device holds E/d of them,
 contiguous: device j owns experts j*E/d ... (j+1)*E/d - 1). Per device:
 
   1. route its tokens (`route(x, router)` -> expert ids (T/d, k), combine weights (T/d, k)),
@@ -195,7 +195,8 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
     router: whatever `route` needs, replicated on every device.
     gate_up: BlockScaled (E, N1, H); down: BlockScaled (E, H, N2), with blocked scales, E a
       multiple of the axis size; best placed split on E over `axis` (otherwise XLA moves them).
-    route(x, router) -> (experts (t, k) int32, weights (t, k) f32) for a device's t tokens.
+    route(x, router) -> (experts (t, k) int32, weights (t, k) f32) for t tokens (called with
+      all T tokens on every device; each keeps the rows of its own share).
     activation(h) -> a: h (rows, N1) in `dtype`, a (rows, N2) (e.g. SwiGLU); must compute each
       row from that row only.
     quantize: rows (m, K) -> BlockScaled, applied before each GEMM (e.g.
