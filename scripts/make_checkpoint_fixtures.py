@@ -14,8 +14,17 @@ Weights are random (the model's own initializer, std `INIT_STD`) and stored in b
 tool allows, to keep the files small; the references run them in f32, so a loader that reads
 the bf16 weights exactly can match them to f32 rounding.
 
-Tools that cannot run here are skipped with the reason printed (ModelOpt's calibrated NVFP4
-export needs a CUDA device).
+Tools that cannot run here are skipped with the reason printed: ModelOpt's quantization needs a
+CUDA device, so its fixtures are made on a GPU machine. One without network takes the wheels
+downloaded elsewhere (torch, triton, numpy and scipy as the machine has them):
+
+    pip download -d wheels --python-version 3.12 --only-binary=:all: --no-deps \
+        nvidia-modelopt==0.47.0 transformers==5.17.0 huggingface-hub tokenizers safetensors \
+        regex tqdm pydantic pydantic-core annotated-types typing-inspection omegaconf \
+        antlr4-python3-runtime nvidia-ml-py pulp==3.3.2 hf-xet httpx httpcore h11 anyio \
+        sniffio idna certifi click typer shellingham
+    pip install --no-index --no-deps --target site wheels/*.whl   # on the GPU machine
+    PYTHONPATH=site python scripts/make_checkpoint_fixtures.py --only modelopt_nvfp4 ...
 """
 from __future__ import annotations
 
@@ -100,17 +109,22 @@ def make_llama(out: Path, name: str, what: str, dtype="bfloat16", **cfg):
     _finish(path, _tokens(config.vocab_size), None, _versions("transformers", "torch"), what)
 
 
+def _qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                          moe_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+                          max_position_embeddings=256, initializer_range=INIT_STD,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                          tie_word_embeddings=False)
+
+
 def make_qwen3_moe(out: Path):
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
-                            moe_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, num_experts=4,
-                            num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
-                            max_position_embeddings=256, initializer_range=INIT_STD,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                            tie_word_embeddings=False)
+    config = _qwen3_moe_config()
     model = Qwen3MoeForCausalLM(config)
     path = out / "transformers_qwen3_moe"
     _save_float(model, path, "bfloat16")
@@ -168,11 +182,105 @@ def make_llm_compressor(out: Path, scheme: str):
             "(nvfp4-pack-quantized), 2 layers")
 
 
-def make_modelopt(out: Path, algo: str):
+def make_modelopt(out: Path, algo: str, moe: bool = False):
+    """NVIDIA ModelOpt: ``mtq.quantize`` with NVFP4_DEFAULT_CFG (W4A4: the activations' global
+    scales calibrated on random token ids) or W4A16_NVFP4_CFG (weight-only), then
+    ``export_hf_checkpoint`` (hf_quant_config.json beside the weights). ModelOpt's NVFP4 fake
+    quantization (inside ``mtq.quantize``) runs only on a CUDA device, so this runs on a GPU
+    machine; the reference (`_modelopt_reference`) runs anywhere."""
     import torch
     if not torch.cuda.is_available():
-        raise RuntimeError("ModelOpt's NVFP4 quantization and export need a CUDA device")
-    raise RuntimeError("ModelOpt fixtures are made on a GPU machine only")
+        raise RuntimeError("ModelOpt's NVFP4 fake quantization (mtq.quantize) needs a CUDA device")
+    import tempfile
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    if moe:
+        from transformers import Qwen3MoeForCausalLM
+        model = Qwen3MoeForCausalLM(_qwen3_moe_config())
+    else:
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM(_llama_config())
+    base = Path(tempfile.mkdtemp())  # read back as a user's model is, by from_pretrained
+    model.to(torch.bfloat16).save_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).cuda().eval()
+    cfg = copy.deepcopy({"NVFP4": mtq.NVFP4_DEFAULT_CFG, "W4A16_NVFP4": mtq.W4A16_NVFP4_CFG}[algo])
+    rng = np.random.default_rng(1)
+    calib = [torch.from_numpy(rng.integers(0, 128, (4, 32))).long().cuda() for _ in range(4)]
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for batch in calib:
+                m(batch)
+
+    model = mtq.quantize(model, cfg, forward_loop)
+    path = out / f"modelopt_{'qwen3_moe_' if moe else ''}{algo.lower()}"
+    export_hf_checkpoint(model, export_dir=str(path))
+    tokens = _tokens(128)
+    _finish(path, tokens, _modelopt_reference(path, tokens),
+            _versions("nvidia-modelopt", "transformers", "torch"),
+            f"ModelOpt mtq.quantize {algo} + export_hf_checkpoint"
+            + (", Qwen3-MoE (4 experts top-2)" if moe else ", Llama, 1 layer")
+            + "; reference: the export dequantized by ModelOpt's NVFP4QTensor, run by "
+            "transformers in f32")
+
+
+def _modelopt_reference(path: Path, tokens: np.ndarray) -> np.ndarray:
+    """The exported checkpoint as ModelOpt itself reads it back, run by transformers in f32 on
+    the CPU: every packed weight dequantized by ModelOpt's ``NVFP4QTensor.dequantize`` (its
+    block scales times ``weight_scale_2``), and for a W4A4 export every quantized layer's input
+    quantized and dequantized by ModelOpt's ``NVFP4QTensor.quantize`` with the exported
+    ``input_scale`` (16-element blocks, E4M3 block scales), as a serving kernel does.
+
+    Not the fake-quantized model inside ``mtq.quantize``: the export is what is served, and it
+    differs from that model. The export gives layers that read one input (q/k/v, gate/up) one
+    shared global scale; even after that step the fake-quantized model (its GPU kernel) gave
+    logits 0.8-2% of their range away from the export's on these fixtures."""
+    import tempfile
+
+    import torch
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    stored = load_file(str(path / "model.safetensors"))
+    tensors, input_scales = {}, {}
+    for name, t in stored.items():
+        module, _, field = name.rpartition(".")
+        if field in ("weight_scale", "weight_scale_2"):
+            continue
+        if field == "input_scale":
+            input_scales[module] = t.float()
+        elif field == "weight" and t.dtype == torch.uint8:
+            rows, packed = t.shape
+            q = NVFP4QTensor(torch.Size((rows, 2 * packed)), torch.float32, t)
+            tensors[name] = q.dequantize(dtype=torch.float32,
+                                         scale=stored[module + ".weight_scale"],
+                                         double_scale=stored[module + ".weight_scale_2"].float(),
+                                         block_sizes={-1: 16})
+        else:
+            tensors[name] = t.float()
+    plain = Path(tempfile.mkdtemp())  # the same model, unquantized: transformers reads it
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization_config")
+    (plain / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+
+    def quantize_input(scale):
+        def hook(_, args):
+            x = args[0]
+            q, block_scale, global_scale = NVFP4QTensor.quantize(
+                x, 16, weights_scaling_factor_2=scale)
+            return (q.dequantize(dtype=x.dtype, scale=block_scale, double_scale=global_scale,
+                                 block_sizes={-1: 16}),)
+        return hook
+
+    for module, scale in input_scales.items():
+        model.get_submodule(module).register_forward_pre_hook(quantize_input(scale))
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
 
 
 # e2m1 magnitudes by code (bit 3 is the sign), as gpt-oss's MXFP4 tensors store them
@@ -293,6 +401,7 @@ FIXTURES = {
     "llmcompressor_nvfp4a16": lambda out: make_llm_compressor(out, "NVFP4A16"),
     "modelopt_nvfp4": lambda out: make_modelopt(out, "NVFP4"),
     "modelopt_w4a16_nvfp4": lambda out: make_modelopt(out, "W4A16_NVFP4"),
+    "modelopt_qwen3_moe_w4a16_nvfp4": lambda out: make_modelopt(out, "W4A16_NVFP4", moe=True),
     "gpt_oss_tiny": make_gpt_oss,
 }
 

@@ -39,10 +39,11 @@ def run(path, dtype, **kw):
 def test_fixtures_present():
     expected = {"transformers_llama", "transformers_llama_f32", "transformers_llama3_rope",
                 "transformers_llama_yarn", "transformers_llama_tied", "transformers_qwen3_moe",
-                "llmcompressor_nvfp4", "llmcompressor_nvfp4a16"}
+                "llmcompressor_nvfp4", "llmcompressor_nvfp4a16", "modelopt_nvfp4",
+                "modelopt_w4a16_nvfp4", "modelopt_qwen3_moe_w4a16_nvfp4"}
     assert expected <= set(ALL)
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
-    assert total < 3 * 2**20
+    assert total < 4 * 2**20
     for name in ALL:
         info = json.loads((FIXTURES / name / "fixture.json").read_text())
         assert info["written_by"] and info["covers"]
@@ -58,7 +59,8 @@ def test_f32_logits_match_the_tool(name):
 # (not the MoE: in bf16 a token whose two best router logits are close may pick another
 # expert than the f32 reference, which is a different function, not a rounding error)
 @pytest.mark.parametrize("name", ["transformers_llama", "transformers_llama3_rope",
-                                  "transformers_llama_tied", "llmcompressor_nvfp4a16"])
+                                  "transformers_llama_tied", "llmcompressor_nvfp4a16",
+                                  "modelopt_w4a16_nvfp4"])
 def test_bf16_logits_match_the_tool(name):
     _, _, got, want = run(FIXTURES / name, jnp.bfloat16)
     span = float(want.max() - want.min())
@@ -87,6 +89,11 @@ def test_what_was_read():
     q = interop.checkpoint_quantization(FIXTURES / "llmcompressor_nvfp4a16")
     assert (q.source, q.activations) == ("compressed_tensors_nvfp4", False)
     assert interop.checkpoint_quantization(FIXTURES / "transformers_llama") is None
+    q = interop.checkpoint_quantization(FIXTURES / "modelopt_nvfp4")
+    assert (q.source, q.activations) == ("modelopt_nvfp4", True)
+    for name in ("modelopt_w4a16_nvfp4", "modelopt_qwen3_moe_w4a16_nvfp4"):
+        q = interop.checkpoint_quantization(FIXTURES / name)
+        assert (q.source, q.activations) == ("modelopt_nvfp4", False)
 
 
 def test_compressed_tensors_weights_are_block_scaled():
@@ -100,6 +107,37 @@ def test_compressed_tensors_weights_are_block_scaled():
     _, model = llama.load_llama(FIXTURES / "llmcompressor_nvfp4", dtype=jnp.float32,
                                 progress=False)
     assert model.layers.w4a4
+
+
+def test_modelopt_weights_are_block_scaled():
+    """ModelOpt's exports load as NVFP4 BlockScaled weights (not dequantized to float): the
+    layers that read one input share the export's one global scale, the W4A4 export quantizes
+    activations, and the MoE export's experts are stacked (E, N, K) NVFP4 weights."""
+    _, model = llama.load_llama(FIXTURES / "modelopt_nvfp4", dtype=jnp.float32, progress=False)
+    assert model.layers.w4a4
+    q, k = model.layers.q_proj.get_value(), model.layers.k_proj.get_value()
+    assert isinstance(q, jbs.BlockScaled) and q.fmt == "nvfp4"
+    np.testing.assert_array_equal(q.global_scale, k.global_scale)
+    _, model = llama.load_llama(FIXTURES / "modelopt_w4a16_nvfp4", dtype=jnp.float32,
+                                progress=False)
+    assert not model.layers.w4a4
+    cfg, model = llama.load_llama(FIXTURES / "modelopt_qwen3_moe_w4a16_nvfp4",
+                                  dtype=jnp.float32, progress=False)
+    experts = [v for v in jax.tree.leaves(model, is_leaf=lambda x: isinstance(
+        x, jbs.BlockScaled)) if isinstance(v, jbs.BlockScaled) and v.ndim == 4]
+    assert experts and all(e.shape[:2] == (cfg.num_hidden_layers, cfg.num_experts)
+                           for e in experts)
+
+
+def test_modelopt_reference_has_teeth():
+    """The ModelOpt reference is the quantized export's math: the float model it was made from
+    (transformers_llama: the same seed, config and tokens) gives logits far from it, so a
+    loader that dropped the quantization could not pass the f32 check."""
+    want = np.load(FIXTURES / "modelopt_w4a16_nvfp4" / "reference.npz")
+    float_model = np.load(FIXTURES / "transformers_llama" / "reference.npz")
+    np.testing.assert_array_equal(want["tokens"], float_model["tokens"])
+    span = float(want["logits"].max() - want["logits"].min())
+    assert np.abs(float_model["logits"] - want["logits"]).max() > 100 * 1e-5 * span
 
 
 def test_wrong_rope_theta_would_be_caught():
@@ -177,3 +215,21 @@ def test_missing_lm_head_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(d, tie_word_embeddings=False)))
     with pytest.raises(interop.CheckpointError, match="lm_head"):
         llama.load_llama(tmp_path, progress=False)
+
+
+def test_w4a4_moe_export_needs_an_explicit_choice(tmp_path):
+    """A ModelOpt NVFP4 (W4A4) export of an MoE model: the experts run weight-only, so the
+    loader asks for w4a4=True / False instead of silently dropping the experts' input scales."""
+    src = FIXTURES / "modelopt_qwen3_moe_w4a16_nvfp4"
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    for name in ("hf_quant_config.json", "config.json"):
+        d = json.loads((tmp_path / name).read_text())
+        q = d["quantization"] if name == "hf_quant_config.json" else d["quantization_config"]
+        q["quant_algo"] = "NVFP4"
+        (tmp_path / name).write_text(json.dumps(d))
+    assert interop.checkpoint_quantization(tmp_path).activations
+    with pytest.raises(interop.CheckpointError, match="w4a4=True"):
+        llama.load_llama(tmp_path, progress=False)
+    _, model = llama.load_llama(tmp_path, dtype=jnp.float32, progress=False, w4a4=False)
+    assert not model.layers.w4a4
