@@ -27,6 +27,9 @@ at a shape is left out with a note (the rule would gather the weight): gpt-oss's
 --devices N (or a list) sets the device counts of the sharded rows; it stops when fewer devices
 are present, unless --allow-one (then only the 1-device rows run).
 
+--breakdown also records, per row, each GPU's busy time and the kernels that took longest
+(summed over the GPUs; an NCCL kernel's time includes its wait for the peers).
+
 Timing: benchmarks/timing.py. "device_us": the time per call during which a GPU ran a kernel
 (the union of the kernel intervals on every stream of all N GPUs, NCCL's kernels included),
 from a profiler trace; absent on the CPU. "loop_us": median over --trials of the mean of
@@ -57,7 +60,8 @@ import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import nn as jnn  # noqa: E402
 from jax_blockscale.nn.moe import route, swiglu  # noqa: E402
 from plotting import pyplot  # noqa: E402
-from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
+from timing import (copies, device_time_us, gpu_kernel_events, rotation_count,  # noqa: E402
+                    time_us, union_length)
 
 # name: (layer shape, expert formats)
 SHAPES = {
@@ -69,6 +73,7 @@ SHAPES = {
 SMOKE_SHAPES = {"smoke": (dict(hidden=256, intermediate=256, experts=16, top_k=2),
                           ("nvfp4", "mxfp4"))}
 TOKENS, SMOKE_TOKENS = (16, 256, 4096), (4, 16)
+BREAKDOWN_KERNELS = 12  # --breakdown: the kernels kept per row, by time
 # placement: (gate_up (E, 2I, H) spec, down (E, H, I) spec) on the mesh axis "d"
 PLACEMENTS = {
     "expert": (P("d", None, None), P("d", None, None)),
@@ -127,11 +132,30 @@ def expert_bytes(layer):
     return total
 
 
-def timed(row, f, arg_sets, timing):
+def timed(row, f, arg_sets, timing, calls=8):
+    """Fills row's loop_us and device_us; with timing["breakdown"] also each GPU's busy time
+    and the kernels that took the most time."""
+    timing = dict(timing)
+    breakdown = timing.pop("breakdown", False)
     row["loop_us"] = time_us(f, arg_sets=arg_sets, **timing)
-    dev = device_time_us(f, arg_sets=arg_sets)
-    if dev is not None:
-        row["device_us"] = dev
+    if not breakdown:
+        dev = device_time_us(f, arg_sets=arg_sets, calls=calls)
+        if dev is not None:
+            row["device_us"] = dev
+        return
+    events = gpu_kernel_events(f, arg_sets=arg_sets, calls=calls, with_device=True)
+    if not events:
+        return
+    row["device_us"] = union_length([(s, e) for *_, s, e in events]) / calls / 1e3
+    gpus = sorted({g for g, *_ in events})
+    row["busy_us_per_gpu"] = [round(union_length([(s, e) for g, _, s, e in events if g == gpu])
+                                    / calls / 1e3, 2) for gpu in gpus]
+    per_kernel = {}
+    for _, name, s, e in events:
+        per_kernel[name] = per_kernel.get(name, 0) + (e - s)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:BREAKDOWN_KERNELS]
+    # kernel time per call, summed over the GPUs (NCCL kernels include their waits)
+    row["kernels_us"] = {name[:120]: round(ns / calls / 1e3, 2) for name, ns in top}
 
 
 def expert_gemms(graphdef, top_k):
@@ -265,6 +289,10 @@ def print_row(row, baseline=None):
           flush=True)
     if "differing_outputs" in row:
         print(f"{'':<25}differing outputs: {row['differing_outputs']}", flush=True)
+    if "kernels_us" in row:
+        print(f"{'':<25}busy per GPU: {row['busy_us_per_gpu']} us", flush=True)
+        for name, us in row["kernels_us"].items():
+            print(f"{'':<25}{us:>9.1f} us  {name[:90]}", flush=True)
 
 
 def plot(rows, path):
@@ -314,6 +342,8 @@ def main():
                    help=f"sharded placements, from {list(PLACEMENTS)}")
     p.add_argument("--exchange", default="auto", choices=["auto", "ragged", "padded"],
                    help="the dispatch row's exchange (QuantizedMoE exchange=)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also record each GPU's busy time and the kernels that took longest")
     p.add_argument("--allow-one", action="store_true",
                    help="with fewer devices than --devices, time the 1-device layer only")
     p.add_argument("--iters", type=int, default=None, help="calls per trial (default 20)")
@@ -353,7 +383,7 @@ def main():
     tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens else
               list(SMOKE_TOKENS if args.smoke else TOKENS))
     timing = dict(iters=args.iters or (2 if args.smoke else 20),
-                  trials=args.trials or (1 if args.smoke else 5))
+                  trials=args.trials or (1 if args.smoke else 5), breakdown=args.breakdown)
     device = devices[0]
     print(f"{len(devices)} x {device.device_kind} ({device.platform}); jax {jax.__version__}; "
           f"shapes {names}; sharded over {counts} devices; timing {timing}")

@@ -75,10 +75,11 @@ def device_time_us(f, *args, arg_sets=None, calls=8):
     return union_length([(s, e) for _, s, e in events]) / calls / 1e3
 
 
-def gpu_kernel_events(f, *args, arg_sets=None, calls=8):
+def gpu_kernel_events(f, *args, arg_sets=None, calls=8, with_device=False):
     """(kernel name, start ns, end ns) of every GPU kernel that `calls` calls of f ran (after 2
-    warm-up calls), from a profiler trace; [] when there is no GPU. Same argument conventions as
-    time_us."""
+    warm-up calls), from a profiler trace; [] when there is no GPU. with_device: (GPU plane
+    name, kernel name, start ns, end ns) instead, for programs over several GPUs. Same argument
+    conventions as time_us."""
     arg_sets = _warm_calls(f, args, arg_sets, warmup=2)
     tmp = tempfile.mkdtemp(prefix="jbs_trace_")
     try:
@@ -90,7 +91,8 @@ def gpu_kernel_events(f, *args, arg_sets=None, calls=8):
         if not paths:
             return []
         data = jax.profiler.ProfileData.from_file(paths[0])
-        return [(e.name, e.start_ns, e.start_ns + e.duration_ns)
+        return [((plane.name,) if with_device else ()) +
+                (e.name, e.start_ns, e.start_ns + e.duration_ns)
                 for plane in data.planes if plane.name.startswith("/device:GPU")
                 for line in plane.lines if line.name.startswith("Stream")
                 for e in line.events]

@@ -13,7 +13,8 @@ contiguous: device j owns experts j*E/d ... (j+1)*E/d - 1). Per device:
      device, and each keeps its own T/d: a GPU's dot picks its algorithm, so the order of its
      f32 additions, by shape, and logits computed for T/d tokens could differ from the one-device
      layer's in the last bit (moving a combine weight, now and then a bf16 output);
-  2. exchange the per-expert row counts (one small all-to-all of E int32), then the rows
+  2. gather every device's per-expert row counts (one small all-gather of d x E int32, from
+     which each device works out every offset of both exchanges), then exchange the rows
      themselves: each row goes to its expert's owner only, landing in the owner's buffer sorted
      by expert (one slice per (device, expert): no local sort afterwards);
   3. run `ragged_gemm` gate_up, `activation`, `ragged_gemm` down on the rows it received, with
@@ -140,6 +141,30 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
                                      axis_size=axis_size, peer_rows=peer_rows)
 
 
+def _exchange_plan(all_counts, me, d, local_experts):
+    """Every size and offset of both exchanges, from every device's per-expert row counts
+    `all_counts` (d, E): all_counts[src, e] rows of expert e sorted on device src. Device j owns
+    experts j*E/d ... (j+1)*E/d - 1 and stores the rows it receives sorted by expert, then by
+    source device. Returns, for device `me` (each (d * E/d,) int32, indexed [peer * E/d + e]
+    for the peer's or my e-th local expert):
+      recv      rows of my expert e that peer sends me;
+      group     (E/d,) my experts' row counts (the grouped GEMM's group sizes);
+      recv_off  where peer's rows of my expert e start in my buffer;
+      out_off   where my rows of peer's expert e start in peer's buffer;
+      back_off  where peer's rows of my expert e sat in peer's sorted rows (their way back).
+    One all-gather of the counts replaces the three all-to-alls that would pass these around."""
+    per = all_counts.reshape(d, d, local_experts)           # [src, owner, e]
+    groups = jnp.sum(per, axis=0)                             # [owner, e]
+    starts = _exclusive_cumsum(groups, axis=1)                # owner's buffer, by expert
+    before = _exclusive_cumsum(per, axis=0)                   # earlier sources' rows
+    sorted_off = _exclusive_cumsum(all_counts, axis=1).reshape(d, d, local_experts)
+    recv = per[:, me].reshape(-1)
+    recv_off = (starts[me][None, :] + before[:, me]).reshape(-1)
+    out_off = (starts + before[me]).reshape(-1)
+    back_off = sorted_off[:, me].reshape(-1)
+    return recv, groups[me], recv_off, out_off, back_off
+
+
 def _exchange_for(mesh, exchange):
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
@@ -235,14 +260,8 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         rows = x[order // k]
         counts = jnp.zeros((experts + 1,), jnp.int32).at[flat].add(1)[:experts]  # (E,)
         in_off = _exclusive_cumsum(counts)
-        # what each device sends me: recv[src * E/d + e] rows of my expert e from src
-        recv = lax.all_to_all(counts, axis, 0, 0, tiled=True)
-        by_src = recv.reshape(d, local_experts)
-        group_sizes = jnp.sum(by_src, axis=0)  # my experts' rows
-        starts = _exclusive_cumsum(group_sizes)
-        # my buffer: sorted by expert, then by source device
-        recv_off = (starts[None, :] + _exclusive_cumsum(by_src, axis=0)).reshape(-1)
-        out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where mine land
+        recv, group_sizes, recv_off, out_off, back_off = _exchange_plan(
+            lax.all_gather(counts, axis), lax.axis_index(axis), d, local_experts)
         exchange_ = functools.partial(ragged_exchange, axis_name=axis, axis_size=d,
                                       exchange=method, peer_rows=per_peer)
         mine = exchange_(rows, jnp.zeros((cap, hidden), rows.dtype), in_off, counts, out_off,
@@ -258,7 +277,6 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         y = expert_gemm(act(activation(h)), down, group_sizes, out_dtype=dt, backend=backend,
                         plan_shape=(tokens * k, down.shape[1], experts))
         # back to where each row came from: my slice (src, e) to src, at src's input offset
-        back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)
         back = exchange_(y, jnp.zeros((rows_n, y.shape[1]), y.dtype), recv_off, recv,
                          back_off, counts)
         unsorted = jnp.zeros_like(back).at[order].set(back)

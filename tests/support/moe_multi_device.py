@@ -538,8 +538,14 @@ def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exch
         assert reductions and all(d == () for d in reductions), summary(found)
     else:
         assert not reductions, f"an all-reduce in the dispatching layer: {summary(found)}"
+    # one all-gather: every device's per-expert row counts, (n, E) int32 (the exchanges'
+    # offsets are worked out from it on each device); nothing else gathered
+    experts = ep.gate_up.get_value().shape[0]
+    gathers = [(str(t), tuple(dims)) for c in found if c.name == "all-gather"
+               for t, dims in c.results]
+    assert gathers.count(("s32", (n, experts))) == 1, summary(found)
     if tokens % n == 0:
-        assert not names & {"all-gather", "reduce-scatter", "collective-permute"}, \
-            summary(found)
+        assert len(gathers) == 1, summary(found)
+        assert not names & {"reduce-scatter", "collective-permute"}, summary(found)
     dispatch_moves(found, [ep.gate_up.get_value(), ep.down.get_value()])
     return found
