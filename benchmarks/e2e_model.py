@@ -8,6 +8,9 @@ activations) against the same model in bf16, scanned (and optionally unrolled) l
     python benchmarks/e2e_model.py --moe --compare-unrolled --out /tmp/e2e   # GPU: 8 MoE layers
     python benchmarks/e2e_model.py --tiny --out /tmp/e2e_smoke         # CPU smoke run
     python benchmarks/e2e_model.py --tiny --moe --out /tmp/e2e_smoke   # CPU smoke run, MoE
+    python benchmarks/e2e_model.py --moe --devices 2 --out /tmp/e2e    # GPU: + 2 GPUs, dispatch
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+        python benchmarks/e2e_model.py --tiny --moe --devices 2 --out /tmp/e2e_smoke  # CPU
     python benchmarks/e2e_model.py --breakdown --compare-unrolled --out /tmp/e2e  # + kernels
     python benchmarks/e2e_model.py --breakdown --attention xla --tag e2e_model_xla_attn  # before
 
@@ -37,6 +40,28 @@ a batch is expected to hit if its B * k choices were uniform and independent
 (E * (1 - (1 - k/E)^B) per layer: 8, 82 and 126 of 128 experts at batch 1, 16, 64).
 --breakdown adds each row's GPU kernels from the same trace (time and launches per step and per
 layer, most time first), printed after the table and stored as the row's "kernels".
+
+--devices N (with --moe; default 1, one device only): the block-scaled model's step also runs
+expert parallel over the first N devices, dispatching tokens: a `jax.sharding.Mesh` of them with
+one axis "expert", every MoE layer `QuantizedMoE(..., mesh=mesh, expert_axis="expert")`
+(`jax_blockscale.ragged.dispatch`: each device routes its share of the tokens and sends each
+(token, expert) row only to the device holding that expert, and back; ragged_all_to_all on GPUs,
+a padded all_to_all on CPUs), its gate_up and down weights (elements, blocked scales, per-expert
+global scales) split on their expert dim (``P("expert")``), everything else (embedding,
+attention, norms, routers, LM head, KV cache, tokens) replicated; the model pins each MoE
+layer's input and output replicated, so attention runs on every token on every device, as on
+one. The dispatched layer runs one layer's experts (it takes no ``layer=`` into a scanned
+stack), so the sharded step has its layers unrolled, and the run times the unrolled 1-device
+step too (--devices N > 1 implies --compare-unrolled). Every row records "devices" and
+"placement" ("1 device", or "dispatch"); a sharded row (mode "unrolled") also has
+speedup_vs_1_device (the 1-device unrolled step of the same format and batch over it) and its
+logits for one step from a fresh cache against that 1-device step's: max_abs_diff_vs_1_device,
+differing_logits (bitwise) and same_next_tokens (the dispatched layer is built to equal one
+device bit for bit; 0 on CPU devices). Its device_us is the time per step during which any of
+the N GPUs ran a kernel (the trace holds every GPU's streams; --breakdown sums their kernels),
+its weight_bytes all devices' together. tokens/s: batch / step time, as for one device.
+Output: <tag> defaults to e2e_model_moe_<platform>_x<N>. N beyond the devices present, N not
+dividing the experts, or N > 1 without --moe stops with an error naming --devices.
 """
 from __future__ import annotations
 
@@ -49,7 +74,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                                 "llama"))
@@ -60,6 +87,8 @@ from timing import gpu_kernel_events, time_us, union_length  # noqa: E402
 
 import jax_blockscale as jbs  # noqa: E402
 
+EXPERT_AXIS = "expert"  # the mesh axis --devices shards the experts over
+
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def decode_step(graphdef, state, tokens, cache, pos):
@@ -68,22 +97,40 @@ def decode_step(graphdef, state, tokens, cache, pos):
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def step_logits(graphdef, state, tokens, cache, pos):
+    """The decode step's logits (B, V) in f32 (the cache not donated)."""
+    logits, _ = nnx.merge(graphdef, state)(tokens, cache, pos)
+    return logits[:, -1]
+
+
 class Stepper:
     """Calls decode_step on its own previous cache (donated, so updated in place), like a
-    serving loop; a no-argument callable for timing.time_us / device_time_us."""
+    serving loop; a no-argument callable for timing.time_us / device_time_us. replicated: a
+    sharding for the tokens and the cache (a sharded model's mesh, everything on every device),
+    or None (the default device)."""
 
-    def __init__(self, model, batch, max_len, pos):
+    def __init__(self, model, batch, max_len, pos, replicated=None):
         self.graphdef, self.state = nnx.split(model)
-        self.cache = init_cache(model.cfg, batch, max_len, model.dtype)
+        self.place = ((lambda a: a) if replicated is None else
+                      (lambda a: jax.device_put(a, replicated)))
+        self.new_cache = lambda: self.place(init_cache(model.cfg, batch, max_len, model.dtype))
+        self.cache = self.new_cache()
         # distinct tokens per sequence: identical ones would all route to the same k experts
-        self.tokens = jax.random.randint(jax.random.key(batch), (batch, 1), 0,
-                                         model.cfg.vocab_size, jnp.int32)
-        self.pos = jnp.int32(pos)
+        self.tokens = self.place(jax.random.randint(jax.random.key(batch), (batch, 1), 0,
+                                                    model.cfg.vocab_size, jnp.int32))
+        self.pos = self.place(jnp.int32(pos))
 
     def __call__(self):
         tok, self.cache = decode_step(self.graphdef, self.state, self.tokens, self.cache,
                                       self.pos)
         return tok
+
+    def logits(self):
+        """The step's logits (B, V) f32 from a fresh cache (the same for every model of a
+        config and batch, whatever was timed before), on the host."""
+        return np.asarray(step_logits(self.graphdef, self.state, self.tokens, self.new_cache(),
+                                      self.pos))
 
 
 def matrix_bytes(n: int, k: int, fmt: str) -> int:
@@ -117,13 +164,29 @@ def model_on_gpu(model) -> bool:
                for d in getattr(leaf, "devices", lambda: ())())
 
 
-def bench(model, fmt, mode, batch, args, cfg):
-    step = Stepper(model, batch, args.max_len, args.pos)
+def bench(model, fmt, mode, batch, args, cfg, mesh=None, logits=None):
+    """One row: the model's decode step at `batch`, timed. mesh: the model's MoE layers
+    dispatch tokens over it (placement "dispatch"); None: one device. logits: a dict to store
+    the step's logits in under (fmt, batch) (a 1-device unrolled row, the reference), or to
+    compare them with (a sharded row)."""
+    replicated = None if mesh is None else NamedSharding(mesh, P())
+    step = Stepper(model, batch, args.max_len, args.pos, replicated)
     start = time.perf_counter()
     jax.block_until_ready(step())  # compile
     compile_s = time.perf_counter() - start
-    row = dict(fmt=fmt, mode=mode, batch=batch, compile_s=round(compile_s, 2),
-               weight_bytes=weight_bytes(cfg, fmt, batch))
+    devices = 1 if mesh is None else mesh.size
+    row = dict(fmt=fmt, mode=mode, batch=batch, devices=devices,
+               placement="1 device" if mesh is None else "dispatch",
+               compile_s=round(compile_s, 2), weight_bytes=weight_bytes(cfg, fmt, batch))
+    if logits is not None:
+        got = step.logits()
+        if mesh is None:
+            logits[(fmt, batch)] = got
+        elif (fmt, batch) in logits:
+            want = logits[(fmt, batch)]
+            row["max_abs_diff_vs_1_device"] = float(np.max(np.abs(got - want)))
+            row["differing_logits"] = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+            row["same_next_tokens"] = bool(np.array_equal(got.argmax(-1), want.argmax(-1)))
     if cfg.is_moe:
         row["experts_hit_est"] = round(experts_hit(cfg, batch), 1)
     row["loop_us"] = time_us(step, iters=args.iters, trials=args.trials)
@@ -138,6 +201,22 @@ def bench(model, fmt, mode, batch, args, cfg):
     clock = row.get("device_us", row["loop_us"])
     row["tokens_per_s"] = batch / (clock * 1e-6)
     return row
+
+
+def place_on_mesh(model, mesh, axis: str):
+    """The model with its MoE expert weights (elements, blocked scales, per-expert global
+    scales of every layer's gate_up and down) split on their leading expert dim over mesh axis
+    `axis`, and every other array (embedding, attention, norms, routers, LM head) replicated on
+    the mesh."""
+    graphdef, state = nnx.split(model)
+
+    def put(path, leaf):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        expert = ("mlp" in names and ("gate_up" in names or "down" in names)
+                  and jnp.ndim(leaf) >= 1)
+        return jax.device_put(leaf, NamedSharding(mesh, P(axis) if expert else P()))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, state))
 
 
 def kernel_breakdown(events, calls: int, layers: int, top: int = 25) -> list[dict]:
@@ -168,33 +247,49 @@ def print_breakdown(rows):
 
 
 def add_ratios(rows):
-    """speedup_vs_bf16: the bf16 step time / this one (same mode and batch); scan_over_unrolled:
-    scanned time / unrolled time (same format and batch). Device time when there is one."""
+    """speedup_vs_bf16: the bf16 step time / this one (same mode, batch and devices);
+    scan_over_unrolled: scanned time / unrolled time (same format, batch and devices);
+    speedup_vs_1_device (sharded rows): the 1-device step time / this one (same format, mode
+    and batch). Device time when there is one."""
     def clock(r):
         return r.get("device_us", r["loop_us"])
-    by = {(r["fmt"], r["mode"], r["batch"]): r for r in rows}
+    by = {(r["fmt"], r["mode"], r["batch"], r["devices"]): r for r in rows}
     for r in rows:
-        base = by.get(("bf16", r["mode"], r["batch"]))
+        n = r["devices"]
+        base = by.get(("bf16", r["mode"], r["batch"], n))
         if base is not None:
             r["speedup_vs_bf16"] = clock(base) / clock(r)
-        unrolled = by.get((r["fmt"], "unrolled", r["batch"]))
+        unrolled = by.get((r["fmt"], "unrolled", r["batch"], n))
         if r["mode"] == "scan" and unrolled is not None:
             r["scan_over_unrolled"] = clock(r) / clock(unrolled)
+        one = by.get((r["fmt"], r["mode"], r["batch"], 1))
+        if n > 1 and one is not None:
+            r["speedup_vs_1_device"] = clock(one) / clock(r)
 
 
 def print_table(rows):
     dev = any("device_us" in r for r in rows)
-    head = ["format", "layers", "batch", "device us" if dev else "", "loop us",
-            "vs bf16", "scan/unrolled", "weights TB/s" if dev else "", "tokens/s"]
+    sharded = any(r["devices"] > 1 for r in rows)
+    head = ["format", "layers", "devices" if sharded else "", "batch",
+            "device us" if dev else "", "loop us", "vs bf16", "scan/unrolled",
+            "vs 1 device" if sharded else "", "max diff" if sharded else "",
+            "weights TB/s" if dev else "", "tokens/s"]
     print("\n| " + " | ".join(h for h in head if h) + " |")
     print("|" + "---|" * sum(1 for h in head if h))
     for r in rows:
-        cells = [r["fmt"], r["mode"], str(r["batch"])]
+        cells = [r["fmt"], r["mode"]]
+        if sharded:
+            cells.append(f"{r['devices']} ({r['placement']})" if r["devices"] > 1 else "1")
+        cells.append(str(r["batch"]))
         if dev:
             cells.append(f"{r['device_us']:.0f}" if "device_us" in r else "-")
         cells += [f"{r['loop_us']:.0f}", f"{r['speedup_vs_bf16']:.2f}x"
                   if "speedup_vs_bf16" in r else "-",
                   f"{r['scan_over_unrolled']:.3f}" if "scan_over_unrolled" in r else "-"]
+        if sharded:
+            cells += [f"{r['speedup_vs_1_device']:.2f}x" if "speedup_vs_1_device" in r else "-",
+                      f"{r['max_abs_diff_vs_1_device']:.3g}"
+                      if "max_abs_diff_vs_1_device" in r else "-"]
         if dev:
             cells.append(f"{r['weight_TBps']:.2f}" if "weight_TBps" in r else "-")
         cells.append(f"{r['tokens_per_s']:.4g}")
@@ -202,20 +297,21 @@ def print_table(rows):
 
 
 def plot(rows, title, path):
-    """Step time per batch size, one bar per (format, layers mode)."""
+    """Step time per batch size, one bar per (format, layers mode, devices)."""
     plt = pyplot()
     if plt is None:
         return
     key = "device_us" if any("device_us" in r for r in rows) else "loop_us"
-    series = list(dict.fromkeys((r["fmt"], r["mode"]) for r in rows))
+    series = list(dict.fromkeys((r["fmt"], r["mode"], r["devices"]) for r in rows))
     batches = sorted({r["batch"] for r in rows})
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(batches)), 4.2))
-    for i, (fmt, mode) in enumerate(series):
-        vals = [next((r[key] for r in rows if (r["fmt"], r["mode"], r["batch"]) ==
-                      (fmt, mode, b) and key in r), 0.0) for b in batches]
+    for i, (fmt, mode, n) in enumerate(series):
+        vals = [next((r[key] for r in rows if (r["fmt"], r["mode"], r["batch"], r["devices"])
+                      == (fmt, mode, b, n) and key in r), 0.0) for b in batches]
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(batches))]
-        bars = ax.bar(xs, vals, width, label=f"{fmt}, {mode}")
+        label = f"{fmt}, {mode}" + (f", {n} devices (dispatch)" if n > 1 else "")
+        bars = ax.bar(xs, vals, width, label=label)
         ax.bar_label(bars, fmt="%.0f", fontsize=6)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel(("device" if key == "device_us" else "Python-loop") + " time per step (us)")
@@ -252,9 +348,24 @@ def main(argv=None):
     p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                    help="the model's decode attention (examples/llama/model.py attend): auto "
                    "(cuDNN's fused kernel on Hopper+, XLA's elsewhere), xla, cudnn")
+    p.add_argument("--devices", type=int, default=1,
+                   help="with --moe: also run the step with its MoE layers expert parallel over "
+                   "the first N devices, dispatching tokens (QuantizedMoE(mesh=, expert_axis=), "
+                   "layers unrolled), beside the 1-device step (default 1: one device only)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default e2e_model_<platform>)")
     args = p.parse_args(argv)
+    if args.devices < 1:
+        p.error(f"--devices must be at least 1, got {args.devices}")
+    if args.devices > 1 and not args.moe:
+        p.error("--devices N > 1 needs --moe: only the MoE layers are sharded (expert "
+                "parallel, dispatching tokens)")
+    present = jax.devices()
+    if args.devices > len(present):
+        p.error(f"--devices {args.devices} needs {args.devices} devices and found "
+                f"{len(present)} ({present[0].device_kind}); run it on a machine with that many "
+                "GPUs, or force CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{args.devices} JAX_PLATFORMS=cpu)")
 
     tiny = args.tiny
     layers = args.layers or (2 if tiny else 8 if args.moe else 16)
@@ -275,12 +386,26 @@ def main(argv=None):
     for f in formats[1:]:
         jbs.get_format(f)  # an unknown name fails before anything is built
     modes = ["scan", "unrolled"] if args.compare_unrolled else ["scan"]
+    mesh = None
+    if args.devices > 1:
+        if cfg.num_experts % args.devices:
+            p.error(f"--devices {args.devices}: the {cfg.num_experts} experts per layer do not "
+                    "split evenly over that many devices")
+        if len(formats) == 1:
+            p.error("--devices N > 1 shards block-scaled experts: give a block-scaled format "
+                    "in --formats")
+        mesh = Mesh(np.asarray(present[:args.devices]), (EXPERT_AXIS,))
+        # the dispatched layer runs one layer's experts (no layer= in a scan): the sharded step
+        # is unrolled, and its 1-device baseline is the unrolled step
+        modes = ["scan", "unrolled"]
 
     device = jax.devices()[0]
-    print(f"jax {jax.__version__}, {device.device_kind}; {cfg}", flush=True)
+    print(f"jax {jax.__version__}, {device.device_kind}"
+          f"{f' x {args.devices}' if mesh is not None else ''}; {cfg}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag or
-                        f"e2e_model{'_moe' if args.moe else ''}_{device.platform}")
+                        f"e2e_model{'_moe' if args.moe else ''}_{device.platform}"
+                        f"{f'_x{args.devices}' if mesh is not None else ''}")
     meta = dict(jax=jax.__version__, device=device.device_kind, platform=device.platform,
                 config=cfg.__dict__, max_len=args.max_len, pos=args.pos,
                 attention=args.attention,
@@ -293,16 +418,40 @@ def main(argv=None):
                        "jax_blockscale.nn.QuantizedMoE (weight-only ragged_gemm, NVFP4 with one "
                        "global scale per expert); router bf16 in both. weight_bytes counts the "
                        "experts_hit_est experts per layer (uniform independent routing)")
+    if mesh is not None:
+        meta["devices"] = args.devices
+        meta["sharded"] = (
+            f"placement 'dispatch': every MoE layer QuantizedMoE(mesh=, expert_axis="
+            f"{EXPERT_AXIS!r}) over the first {args.devices} devices (jax_blockscale.ragged."
+            "dispatch: each device routes its share of the tokens and sends each (token, "
+            "expert) row to the device holding that expert; exchange 'auto': "
+            "ragged_all_to_all on GPUs, a padded all_to_all elsewhere), the layers unrolled "
+            "(the dispatched layer takes one layer's experts, not a scanned stack's layer=); "
+            "the expert weights (elements, blocked scales, global scales) split P("
+            f"{EXPERT_AXIS!r}) on their expert dim, everything else replicated. device_us: "
+            "the time per step during which any of the devices ran a kernel; weight_bytes: all "
+            "devices together. speedup_vs_1_device: the 1-device unrolled step of the same "
+            "format and batch over this one; max_abs_diff_vs_1_device / differing_logits / "
+            "same_next_tokens: one step's logits from a fresh cache against that step's")
 
     float_params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     rows = []
+    logits = {}  # (fmt, batch) -> the 1-device unrolled step's logits, for the sharded rows
     for fmt in formats:
         params = float_params if fmt == "bf16" else quantize_params(float_params, fmt)
-        for mode in modes:
+        # (layers mode, mesh): the 1-device runs, then the sharded one for a block-scaled format
+        runs = [(mode, None) for mode in modes]
+        if mesh is not None and fmt != "bf16":
+            runs.append(("unrolled", mesh))
+        for mode, on in runs:
+            placement = None if on is None else dict(mesh=on, expert_axis=EXPERT_AXIS)
             model = Llama(cfg, params, scan_layers=mode == "scan", dtype=jnp.bfloat16,
-                          attention=args.attention)
+                          attention=args.attention, moe_placement=placement)
+            if on is not None:
+                model = place_on_mesh(model, on, EXPERT_AXIS)
+            check = logits if mesh is not None and mode == "unrolled" and fmt != "bf16" else None
             for batch in batches:
-                rows.append(bench(model, fmt, mode, batch, args, cfg))
+                rows.append(bench(model, fmt, mode, batch, args, cfg, on, check))
                 print(json.dumps(rows[-1]), flush=True)
                 add_ratios(rows)
                 with open(stem + ".json", "w") as f:  # keep what was measured if the run is cut

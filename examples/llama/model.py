@@ -25,7 +25,9 @@ weights are not scanned over: each step hands the whole stacks and its layer ind
 ``jbs.gemm(..., layer=i)`` / ``QuantizedMoE(layer=i)``, which read the layer in place (a scanned
 slice of FP4 weights is copied first).
 ``scan_layers=False`` keeps one module per layer and unrolls the loop (for comparison;
-benchmarks/e2e_model.py times both).
+benchmarks/e2e_model.py times both). It is also what ``moe_placement=`` needs: MoE layers that
+dispatch tokens over a mesh axis (`jax_blockscale.ragged.dispatch`) each run their own layer's
+experts.
 
 Attention is ``jax.nn.dot_product_attention`` (`attend`): a decode step masks the cache by length
 and runs cuDNN's fused kernel on Hopper or newer (bf16), XLA's elsewhere; a prompt runs XLA's.
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import jax_blockscale as jbs
 from jax_blockscale import nn as jnn
@@ -379,7 +382,8 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
     return KVCache(jnp.zeros(shape, dtype))
 
 
-def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> nnx.Module:
+def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16,
+              placement: dict | None = None) -> nnx.Module:
     """The sparse MLP of one layer, or of all layers stacked (every array with a leading L axis,
     which `lax.scan` slices per layer): `jnn.QuantizedMoE` when the experts are BlockScaled,
     `jnn.MoE` (lax.ragged_dot experts, computing in `dtype`) when they are float arrays.
@@ -390,10 +394,23 @@ def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> n
 
     The layer is built for one layer's shapes under `nnx.eval_shape` (its constructor checks
     them; nothing is initialized or quantized) and then handed `params` as its variables'
-    values, which may carry the stacked L axis: the forward pass is nn_moe's, unchanged."""
+    values, which may carry the stacked L axis: the forward pass is nn_moe's, unchanged.
+
+    placement: None, or ``QuantizedMoE``'s expert parallelism that dispatches tokens, as its
+    keywords (``dict(mesh=mesh, expert_axis="expert")``, optionally ``exchange=``): block-scaled
+    experts of one layer only (the dispatched layer takes no ``layer=``, so a scanned stack
+    cannot use it). The caller places the expert weights split on their expert axis."""
     k = cfg.num_experts_per_tok
     quantized = isinstance(params["gate_up"], jbs.BlockScaled)
     lead = jnp.ndim(params["router"]) - 2  # 1 for stacked layers
+    placement = dict(placement or {})
+    if placement and not quantized:
+        raise ValueError("expert parallelism that dispatches tokens (placement=) needs "
+                         "block-scaled experts (QuantizedMoE); these experts are float")
+    if placement and lead:
+        raise ValueError("expert parallelism that dispatches tokens (placement=) runs one "
+                         "layer's experts; these are stacked (scanned) layers: build the model "
+                         "with scan_layers=False")
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), params)
     e, h = cfg.num_experts, cfg.hidden_size
     want = {"router": (h, e)}
@@ -404,7 +421,8 @@ def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> n
     if got != want:
         raise ValueError(f"MoE params have per-layer shapes {got}; the config needs {want}")
     if quantized:
-        abstract = nnx.eval_shape(lambda p: jnn.QuantizedMoE.from_params(p, k, dtype=dtype), one)
+        abstract = nnx.eval_shape(
+            lambda p: jnn.QuantizedMoE.from_params(p, k, dtype=dtype, **placement), one)
     else:
         abstract = nnx.eval_shape(lambda: jnn.MoE(h, cfg.moe_intermediate_size, e, k,
                                                   dtype=dtype, rngs=nnx.Rngs(0)))
@@ -414,10 +432,11 @@ def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16) -> n
 
 
 class DecoderLayer(nnx.Module):
-    """One decoder layer, or (stacked) all of them: every variable may carry a leading L axis."""
+    """One decoder layer, or (stacked) all of them: every variable may carry a leading L axis.
+    moe_placement: an MoE layer's expert parallelism (`moe_block`'s placement)."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16,
-                 attention: str = "auto"):
+                 attention: str = "auto", moe_placement: dict | None = None):
         self.cfg = cfg
         self.attention = attention  # `attend`'s implementation choice
         for name in NORMS + (QK_NORMS if cfg.qk_norm else ()):
@@ -430,7 +449,7 @@ class DecoderLayer(nnx.Module):
             for name in cfg.projections:
                 setattr(self, name + "_input_scale", InputScale(params["input_scales"][name]))
         if cfg.is_moe:
-            self.mlp = moe_block(cfg, params["mlp"], dtype)
+            self.mlp = moe_block(cfg, params["mlp"], dtype, moe_placement)
 
     def __call__(self, h, cache: KVCache, layer, pos):
         """h (B, T, hidden) at positions pos..pos+T-1; `layer` indexes the stacked cache."""
@@ -467,7 +486,19 @@ class DecoderLayer(nnx.Module):
             # A scanned model hands its block-scaled MoE every layer's experts (see Llama): the
             # layer's are read in place, never sliced out of the stack.
             stacked = isinstance(self.mlp, jnn.QuantizedMoE) and self.mlp.router[...].ndim == 3
+            dispatched = getattr(self.mlp, "expert_axis", None) is not None
+            if dispatched:
+                # A layer that dispatches tokens splits them over its mesh axis and returns them
+                # split. Its input and output are pinned replicated (its output gathered back:
+                # one all-gather of (B*T, hidden)), so the rest of the model runs replicated,
+                # every token on every device as on one device; unpinned, XLA propagates the
+                # split into the attention and the KV cache.
+                mesh = self.mlp.mesh
+                everywhere = P() if mesh is None else jax.sharding.NamedSharding(mesh, P())
+                x = jax.lax.with_sharding_constraint(x, everywhere)
             y = self.mlp(x, layer=layer) if stacked else self.mlp(x)
+            if dispatched:
+                y = jax.lax.with_sharding_constraint(y, everywhere)
             return h + y.astype(h.dtype), KVCache(kv)
         mlp = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
         return h + proj(mlp, "down_proj"), KVCache(kv)
@@ -488,12 +519,23 @@ class Llama(nnx.Module):
     """params: {"embed": (V, H), "norm": (H,), "lm_head": (V, H) or BlockScaled,
     "layers": {norm / projection name: stacked (L, ...) array or BlockScaled,
                (MoE) "mlp": {"router", "gate_up", "down"} stacked as `moe_block` takes them}}.
-    `dtype` is the activations' (and a float MoE's compute) dtype."""
+    `dtype` is the activations' (and a float MoE's compute) dtype.
+
+    moe_placement: None, or ``dict(mesh=mesh, expert_axis="expert")`` (and optionally
+    ``exchange=``): every MoE layer a ``QuantizedMoE`` that dispatches tokens over that mesh
+    axis (`moe_block`). It needs scan_layers=False (the dispatched layer runs one layer's
+    experts, not a stack's ``layer=``); place the expert weights split on their expert axis
+    (``P(expert_axis)``) and the rest replicated before calling the model."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], *, scan_layers: bool = True,
-                 dtype=jnp.bfloat16, attention: str = "auto"):
+                 dtype=jnp.bfloat16, attention: str = "auto",
+                 moe_placement: dict | None = None):
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if moe_placement and scan_layers:
+            raise ValueError("moe_placement (MoE layers that dispatch tokens) needs "
+                             "scan_layers=False: the dispatched layer runs one layer's experts, "
+                             "not a scanned stack's")
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.dtype = dtype
@@ -504,7 +546,7 @@ class Llama(nnx.Module):
             self.layers = DecoderLayer(cfg, params["layers"], dtype, attention)
         else:
             self.layers = nnx.List([DecoderLayer(cfg, _layer(params["layers"], i), dtype,
-                                                 attention)
+                                                 attention, moe_placement)
                                     for i in range(cfg.num_hidden_layers)])
 
     def __call__(self, tokens: jax.Array, cache: KVCache, pos) -> tuple[jax.Array, KVCache]:

@@ -5,6 +5,8 @@ against a full-sequence forward pass, and that generation under jit yields token
 the mixture-of-experts variant (per-expert ModelOpt tensors stacked into QuantizedMoE weights),
 whose loaded experts are also compared bit for bit with the checkpoint's tensors."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -347,6 +349,64 @@ def test_e2e_benchmark_tiny_moe(tmp_path):
     nvfp4, bf16 = (next(r for r in result["rows"] if (r["fmt"], r["mode"]) == (f, "scan"))
                    for f in ("nvfp4", "bf16"))
     assert "speedup_vs_bf16" in nvfp4 and nvfp4["weight_bytes"] < bf16["weight_bytes"]
+
+
+def test_e2e_benchmark_tiny_moe_dispatched(tmp_path):
+    """benchmarks/e2e_model.py --tiny --moe --devices 2 on 2 forced CPU devices (a child
+    process: XLA reads the device count once per process): beside the 1-device rows, the step
+    with its MoE layers dispatching tokens over 2 devices (layers unrolled), timed as they are,
+    with its speedup over the 1-device unrolled step and its logits equal to that step's bit for
+    bit (0, as bench_moe_sharded's dispatch rows: the dispatched layer computes every output
+    as one device does, and the rest of the model runs replicated)."""
+    root = EXAMPLE.parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "e2e_model.py"), "--tiny",
+                          "--moe", "--devices", "2", "--layers", "1", "--batches", "2",
+                          "--iters", "2", "--trials", "1", "--calls", "1", "--out",
+                          str(tmp_path), "--tag", "smoke"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["devices"] == 2 and "dispatch" in result["sharded"]
+    rows = {(r["fmt"], r["mode"], r["devices"]): r for r in result["rows"]}
+    assert set(rows) == {("bf16", "scan", 1), ("bf16", "unrolled", 1), ("nvfp4", "scan", 1),
+                         ("nvfp4", "unrolled", 1), ("nvfp4", "unrolled", 2)}
+    sharded = rows[("nvfp4", "unrolled", 2)]
+    assert sharded["placement"] == "dispatch" and sharded["batch"] == 2
+    assert sharded["loop_us"] > 0 and sharded["tokens_per_s"] > 0
+    assert sharded["speedup_vs_1_device"] > 0
+    assert sharded["max_abs_diff_vs_1_device"] == 0 and sharded["differing_logits"] == 0
+    assert sharded["same_next_tokens"]
+    assert all(r["placement"] == "1 device" for key, r in rows.items() if key[2] == 1)
+    assert "nvfp4 | unrolled | 2 (dispatch)" in run.stdout
+
+
+def test_e2e_benchmark_devices_refused(capsys):
+    """--devices beyond the devices present, or without --moe, stops with an error naming it."""
+    sys.path.insert(0, str(EXAMPLE.parents[1] / "benchmarks"))
+    import e2e_model
+    for argv, message in ((["--tiny", "--moe", "--devices", "4096"], "--devices 4096 needs"),
+                          (["--tiny", "--devices", "2"], "--devices N > 1 needs --moe")):
+        with pytest.raises(SystemExit) as err:
+            e2e_model.main(argv)
+        assert err.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_moe_dispatch_placement_needs_unrolled_quantized_layers():
+    """Llama(moe_placement=...) (MoE layers that dispatch tokens) is refused for scanned layers
+    (the dispatched layer takes no layer=) and for float experts."""
+    cfg = llama.LlamaConfig.tiny_moe(num_layers=1)
+    float_params = llama.random_params(cfg, jax.random.key(0))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("expert",))
+    placement = dict(mesh=mesh, expert_axis="expert")
+    with pytest.raises(ValueError, match="needs scan_layers=False"):
+        llama.Llama(cfg, llama.quantize_params(float_params, "nvfp4"), moe_placement=placement)
+    with pytest.raises(ValueError, match="needs block-scaled experts"):
+        llama.Llama(cfg, float_params, scan_layers=False, moe_placement=placement)
 
 
 def test_attend_equals_the_einsum_softmax():
