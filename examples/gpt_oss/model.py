@@ -61,6 +61,7 @@ from jax_blockscale import interop
 from jax_blockscale.interop import hf_config
 from jax_blockscale.interop.hf_config import ConfigError, require
 from jax_blockscale.nn.moe import flatten_layers, layer_group_sizes
+from jax_blockscale.ragged.dispatch import unsort_rows
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (a constant of the architecture)
@@ -292,7 +293,7 @@ def moe(cfg: GptOssConfig, p: dict, x, i):
     y = jbs.ragged_gemm(act.astype(x.dtype), flatten_layers(p["down"]), gs,
                         out_dtype=jnp.float32)
     y = y + down_bias[row_expert].astype(jnp.float32)
-    unsorted = jnp.zeros_like(y).at[order].set(y).reshape(xt.shape[0], k, h)
+    unsorted = unsort_rows(y, order).reshape(xt.shape[0], k, h)
     out = jnp.einsum("tkh,tk->th", unsorted, weights)
     return out.astype(x.dtype).reshape(*lead, h)
 

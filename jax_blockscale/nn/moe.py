@@ -42,7 +42,7 @@ from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
 from ..core.quantize import BlockScaled, to_blocked
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
-from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
+from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe, unsort_rows
 
 try:
     from flax import nnx
@@ -93,7 +93,7 @@ def _moe_forward(x, router, top_k, expert_mlp):
     order, group_sizes, weights = route(xt, router, top_k)
     rows = xt[order // top_k]  # (T*k, H): the token of each sorted pair
     out = expert_mlp(rows, group_sizes)  # (T*k, H), sorted
-    unsorted = jnp.zeros_like(out).at[order].set(out)  # back to (token, slot) order
+    unsorted = unsort_rows(out, order)  # back to (token, slot) order
     y = combine(unsorted.reshape(xt.shape[0], top_k, -1), weights)
     return y.astype(x.dtype).reshape(*lead, -1)
 

@@ -52,7 +52,8 @@ from ..core.quantize import BlockScaled
 from .api import _operands_and_params
 from .primitive import bind_local
 
-__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange"]
+__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange",
+           "unsort_rows"]
 
 EXCHANGES = ("auto", "ragged", "padded")
 
@@ -74,6 +75,15 @@ def combine(rows, weights):
     return out
 
 
+def unsort_rows(rows, order):
+    """rows (n, ...) sorted by `order` (row i is pair order[i]) back in pair order: a gather by
+    the inverse permutation (an int scatter of n indices, then one coalesced row gather; a row
+    scatter of the (n, ...) rows themselves costs several times more on GPUs)."""
+    n = order.shape[0]
+    inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return rows[inverse]
+
+
 def expert_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype, backend=None,
                 plan_shape=None):
     """`ragged_gemm` on one device (inside `shard_map`), planned as the problem `plan_shape`
@@ -88,7 +98,7 @@ def expert_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype, backend=None,
 
 
 def _exclusive_cumsum(x, axis=0):
-    return jnp.cumsum(x, axis=axis) - x
+    return jnp.cumsum(x, axis=axis, dtype=x.dtype) - x
 
 
 def _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -153,11 +163,11 @@ def _exchange_plan(all_counts, me, d, local_experts):
       out_off   where my rows of peer's expert e start in peer's buffer;
       back_off  where peer's rows of my expert e sat in peer's sorted rows (their way back).
     One all-gather of the counts replaces the three all-to-alls that would pass these around."""
-    per = all_counts.reshape(d, d, local_experts)           # [src, owner, e]
-    groups = jnp.sum(per, axis=0)                             # [owner, e]
+    per = all_counts.astype(jnp.int32).reshape(d, d, local_experts)  # [src, owner, e]
+    groups = jnp.sum(per, axis=0, dtype=jnp.int32)            # [owner, e]
     starts = _exclusive_cumsum(groups, axis=1)                # owner's buffer, by expert
     before = _exclusive_cumsum(per, axis=0)                   # earlier sources' rows
-    sorted_off = _exclusive_cumsum(all_counts, axis=1).reshape(d, d, local_experts)
+    sorted_off = _exclusive_cumsum(per.reshape(d, -1), axis=1).reshape(d, d, local_experts)
     recv = per[:, me].reshape(-1)
     recv_off = (starts[me][None, :] + before[:, me]).reshape(-1)
     out_off = (starts + before[me]).reshape(-1)
@@ -279,8 +289,7 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         # back to where each row came from: my slice (src, e) to src, at src's input offset
         back = exchange_(y, jnp.zeros((rows_n, y.shape[1]), y.dtype), recv_off, recv,
                          back_off, counts)
-        unsorted = jnp.zeros_like(back).at[order].set(back)
-        out = combine(unsorted.reshape(x.shape[0], k, -1), weights)
+        out = combine(unsort_rows(back, order).reshape(x.shape[0], k, -1), weights)
         return out.astype(dt)
 
     wspec = lambda w: _weight_specs(w, axis)  # noqa: E731

@@ -497,13 +497,14 @@ def dispatch_problem(fmt, routing, act_fmt=None, tokens=TOKENS, seed=0, mesh=Non
 
 def dispatch_moves(found, weights, *, rows_dtype="bf16"):
     """The dispatching layer's collectives move routed rows (bf16, or f32 on forced CPU
-    devices) and int32 counts / offsets only: no weight by (dtype, dims), no other dtype."""
+    devices) and integer counts / offsets only: no weight by (dtype, dims), no other dtype.
+    (The layer's offsets are int32; XLA's GPU ragged all-to-all may carry them as s64.)"""
     wshapes = weight_shapes(*weights)
     text = summary(found)
     for c in found:
         bad = [s for s in c.shapes if s in wshapes]
         assert not bad, f"{c.name} moves an expert weight {bad}; collectives: {text}"
-        other = {dt for dt, dims in c.shapes if dims} - {rows_dtype, "f32", "s32", "u32"}
+        other = {dt for dt, dims in c.shapes if dims} - {rows_dtype, "f32", "s32", "s64", "u32"}
         assert not other, f"{c.name} moves {other}: neither rows nor counts; {text}"
 
 
