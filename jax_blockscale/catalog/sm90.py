@@ -487,6 +487,12 @@ RAGGED_PREFILL_WIDE_ROWS = 64
 RAGGED_PREFILL_MIN_ROWS = 32
 
 
+# The grouped decode kernel makes its own work items from the raw group sizes (one kernel, no
+# XLA table) except for a shard's buffer of more rows than this (lowering/plan.py): the zero
+# rows past its groups then go to XLA's table, as items of their own.
+SIZES_MODE_MAX_SHARD_ROWS = 512
+
+
 def ragged_items(m: int, groups: int, rows_per_item: int) -> int:
     """Entries of a work table for M rows over G groups in items of at most `rows_per_item`
     rows: an upper bound on the items the groups need (at most min(G, M) groups have rows, and

@@ -521,8 +521,12 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         a_scales_plain = layer.a_scales_plain
     # Groups from row 0 (not an expert-parallel shard): the kernel makes its items from the raw
     # sizes, so the call is one kernel (kernels/grouped_work.py). A shard's table, built by XLA,
-    # carries its row_start.
-    raw_sizes = layer is None and not spec.shifted
+    # carries its row_start. A shard's buffer past SIZES_MODE_MAX_SHARD_ROWS rows also takes
+    # XLA's table: a dispatched expert-parallel shard's receive buffer is sized for the worst
+    # routing and mostly holds unrouted rows past its groups, whose zeros the table spreads over
+    # many CTAs (the kernel's own items give them all to one CTA per tile of N).
+    big_shard = spec.plan_shape is not None and spec.m > cat90.SIZES_MODE_MAX_SHARD_ROWS
+    raw_sizes = layer is None and not spec.shifted and not big_shard
     # Tiles per CTA only schedule (each tile's sums are the same whichever CTA runs it), so a
     # shard's come from its own rows, experts and N: the unsharded call's would leave a shard
     # with half the experts half the CTAs it needs to fill the GPU.

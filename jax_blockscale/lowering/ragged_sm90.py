@@ -12,8 +12,9 @@ decides; this module prepares what the kernel reads and emits the call to the FF
     scale is in alpha); no split-K workspace;
   * the work table (`work_items`): int32 (items, 3) rows of (expert, first row, end row), at most
     8 nt rows (prefill: tile_m rows) each, an expert's items adjacent, built on the device from the group sizes, so
-    only the experts that own rows cost weight traffic; two entries with expert -1 cover the rows
-    no expert owns (before `row_start`, after the last group), which the kernel writes as zeros.
+    only the experts that own rows cost weight traffic; entries with expert -1, of as many rows
+    each, cover the rows no expert owns (before `row_start`, after the last group), which the
+    kernel writes as zeros.
     The decode kernel's sizes mode (`plan.raw_sizes`: groups from row 0) needs no table: it
     reads the raw group sizes and makes the same entries itself (kernels/grouped_work.py);
   * index mode (`spec.group_index`, `jbs.gemm(..., layer=i)`): the call goes to the layer
@@ -55,29 +56,40 @@ def work_items(group_sizes, row_start, m: int, rows_per_item: int, num_items: in
     """int32 (num_items, 3): (expert, first row, end row) of each work item.
 
     group_sizes must be safe (>= 0, row_start + sum <= M: `clamp_group_sizes`). Expert g's rows
-    [start_g, end_g) are cut into ceil(size_g / rows_per_item) items, in expert order; entries
-    past the last item have no rows (expert -2: the kernel writes nothing). The last two
-    entries are the zero items: rows [0, row_start) and [row_start + sum, M). Built from
-    comparisons and sums only (no sort, search loop or concatenation), so XLA makes few small
-    fusions of it: at decode sizes each is a visible part of the call.
+    [start_g, end_g) are cut into ceil(size_g / rows_per_item) items, in expert order; then the
+    rows no expert owns, [0, row_start) and [row_start + sum, M), as zero items (expert -1, the
+    kernel writes zeros) of at most rows_per_item rows each, so that many CTAs share them (an
+    expert-parallel shard's receive buffer is mostly such rows, and one CTA writing them all
+    was its call's tail); entries past those have no rows (expert -2: the kernel writes
+    nothing). Everything fits: the groups' items number at most sum / R + (groups with rows)
+    (R = rows_per_item) and the zero items (M - sum) / R + 2, which `ragged_items` bounds.
+    Built from comparisons and sums only (no sort, search loop or concatenation), so XLA makes
+    few small fusions of it: at decode sizes each is a visible part of the call.
     """
     gs = group_sizes.astype(jnp.int32)
     groups = gs.shape[0]
+    rows = rows_per_item
+    row_start = jnp.asarray(row_start, jnp.int32)
     ends = row_start + prefix_sum(gs)
-    per_group = (gs + rows_per_item - 1) // rows_per_item
+    per_group = (gs + rows - 1) // rows
     last_item = prefix_sum(per_group)  # one past each expert's last item
     i = jnp.arange(num_items, dtype=jnp.int32)
     # the expert of item i: how many experts end at or before it
     g = jnp.minimum(jnp.sum(last_item[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
                     groups - 1)
-    first = ends[g] - gs[g] + (i - (last_item[g] - per_group[g])) * rows_per_item
+    first = ends[g] - gs[g] + (i - (last_item[g] - per_group[g])) * rows
     valid = i < last_item[-1]
-    # the two zero items take the last two entries (the bound leaves them free)
-    lead, tail = i == num_items - 2, i == num_items - 1
-    expert = jnp.where(lead | tail, ZERO_ITEM, jnp.where(valid, g, -2))
-    r0 = jnp.where(tail, ends[-1], jnp.where(valid, first, 0))
-    r1 = jnp.where(lead, row_start, jnp.where(tail, m, jnp.where(
-        valid, jnp.minimum(first + rows_per_item, ends[g]), 0)))
+    # the zero items after the groups' items: the lead's chunks, then the tail's
+    j = i - last_item[-1]
+    lead_items = (row_start + rows - 1) // rows
+    tail_items = (m - ends[-1] + rows - 1) // rows
+    lead = (j >= 0) & (j < lead_items)
+    tail = (j >= lead_items) & (j < lead_items + tail_items)
+    z0 = jnp.where(lead, j * rows, ends[-1] + (j - lead_items) * rows)
+    z1 = jnp.minimum(z0 + rows, jnp.where(lead, row_start, m))
+    expert = jnp.where(valid, g, jnp.where(lead | tail, ZERO_ITEM, -2))
+    r0 = jnp.where(valid, first, jnp.where(lead | tail, z0, 0))
+    r1 = jnp.where(valid, jnp.minimum(first + rows, ends[g]), jnp.where(lead | tail, z1, 0))
     return jnp.stack([expert, r0, r1], axis=1).astype(jnp.int32)
 
 

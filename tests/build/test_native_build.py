@@ -665,6 +665,30 @@ def test_sizes_mode_is_planned_where_groups_start_at_row_0():
     assert not P.plan_ragged_sm90(dataclasses.replace(spec, shifted=True), H100).raw_sizes
     prefill = P.plan_ragged_sm90(dataclasses.replace(spec, m=8192), H100)
     assert prefill.kernel == "ragged_prefill" and not prefill.raw_sizes
+    # a shard (plan_shape: the unsharded call) keeps sizes mode up to SIZES_MODE_MAX_SHARD_ROWS
+    # rows; a bigger one (a dispatched shard's receive buffer, mostly unrouted rows) takes
+    # XLA's table, which spreads the zero rows over many items
+    small = dataclasses.replace(spec, m=256, groups=64, plan_shape=(256, 1536, 128))
+    assert P.plan_ragged_sm90(small, H100).raw_sizes
+    big = dataclasses.replace(spec, m=2048, groups=64, plan_shape=(2048, 1536, 128))
+    assert big.m > cat.SIZES_MODE_MAX_SHARD_ROWS
+    p = P.plan_ragged_sm90(big, H100)
+    assert p.kernel == "ragged_decode" and not p.raw_sizes
+
+
+def test_a_shard_schedules_its_own_tiles_per_cta():
+    """A shard keeps the unsharded call's variant and splits (its sums) but takes its tiles of
+    N per CTA from its own rows and experts: with half the experts, the unsharded call's count
+    would leave it half the CTAs."""
+    import dataclasses
+
+    whole = _ragged_spec(None, "mxfp4", None, "bfloat16", 128, 1536, 2048, 128)
+    shard = dataclasses.replace(whole, groups=64, plan_shape=(128, 1536, 128))
+    pw, ps = P.plan_ragged_sm90(whole, H100), P.plan_ragged_sm90(shard, H100)
+    own = P.plan_ragged_sm90(dataclasses.replace(shard, plan_shape=None), H100)
+    assert (ps.variant, ps.splits) == (pw.variant, pw.splits)
+    assert ps.tiles_per_cta == own.tiles_per_cta
+    assert pw.tiles_per_cta == 2 and ps.tiles_per_cta == 1
 
 
 @pytest.mark.parametrize("over,match", [
