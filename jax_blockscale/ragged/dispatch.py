@@ -249,14 +249,19 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
     local_tokens = -(-tokens // d)
     padded = local_tokens * d
     valid = jnp.arange(padded) < tokens
+    x_all = x  # routed unpadded: the router's dot sees the one-device layer's shape
     if padded != tokens:
         x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
     local_experts = experts // d
     dt = np.dtype(dtype)
 
     def body(x, x_all, valid, router, gate_up, down):
-        # routed as the one-device layer routes: all tokens, then this device's share
+        # routed as the one-device layer routes: all tokens (unpadded: a GPU's dot picks its
+        # algorithm, and with it the order of its sums, by shape), then this device's share
         ids, weights = route(x_all, router)
+        if padded != tokens:  # padding tokens: routed nowhere below
+            ids = jnp.pad(ids, ((0, padded - tokens), (0, 0)))
+            weights = jnp.pad(weights, ((0, padded - tokens), (0, 0)))
         first = lax.axis_index(axis) * local_tokens
         ids = lax.dynamic_slice_in_dim(ids, first, local_tokens)
         weights = lax.dynamic_slice_in_dim(weights, first, local_tokens)
@@ -296,7 +301,7 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
     run = jax.shard_map(body, mesh=mesh,
                         in_specs=(P(axis), P(), P(axis), P(), wspec(gate_up), wspec(down)),
                         out_specs=P(axis), check_vma=False)
-    y = run(x, x, valid, router, gate_up, down)
+    y = run(x, x_all, valid, router, gate_up, down)
     return y[:tokens] if padded != tokens else y
 
 
