@@ -5,7 +5,7 @@ shape (128 experts, hidden 2880, intermediate 2880, top-4; MXFP4 experts) and Qw
 16, 256 and 4096 tokens, bf16 activations.
 
     python benchmarks/bench_moe_sharded.py --devices 2 --out benchmarks/results \
-        --tag bench_moe_sharded_h200x2
+        --tag bench_moe_sharded_h200
     python benchmarks/bench_moe_sharded.py --devices 2,4 ...      # 2 and 4 GPUs in one run
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
         python benchmarks/bench_moe_sharded.py --smoke --devices 2,4 --out /tmp/moe_sharded
