@@ -297,10 +297,12 @@ def print_table(rows):
 
 
 def plot(rows, title, path):
-    """Step time per batch size, one bar per (format, layers mode, devices)."""
+    """Step time per batch size, one bar per (format, layers mode, devices). Rows without
+    "devices" (e2e_decode.py's) ran on one device."""
     plt = pyplot()
     if plt is None:
         return
+    rows = [dict(r, devices=r.get("devices", 1)) for r in rows]
     key = "device_us" if any("device_us" in r for r in rows) else "loop_us"
     series = list(dict.fromkeys((r["fmt"], r["mode"], r["devices"]) for r in rows))
     batches = sorted({r["batch"] for r in rows})
