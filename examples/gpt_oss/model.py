@@ -61,7 +61,7 @@ from jax_blockscale import interop
 from jax_blockscale.interop import hf_config
 from jax_blockscale.interop.hf_config import ConfigError, require
 from jax_blockscale.nn.moe import flatten_layers, layer_group_sizes
-from jax_blockscale.ragged.dispatch import unsort_rows
+from jax_blockscale.ragged.primitive import unsort_rows
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (a constant of the architecture)

@@ -42,7 +42,8 @@ from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
 from ..core.quantize import BlockScaled, to_blocked
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
-from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe, unsort_rows
+from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
+from ..ragged.primitive import unsort_rows
 
 try:
     from flax import nnx

@@ -50,10 +50,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.quantize import BlockScaled
 from .api import _operands_and_params
-from .primitive import bind_local
+from .primitive import bind_local, unsort_rows
 
-__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange",
-           "unsort_rows"]
+__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange"]
 
 EXCHANGES = ("auto", "ragged", "padded")
 
@@ -73,15 +72,6 @@ def combine(rows, weights):
     for s in range(1, rows.shape[1]):
         out = out + rows[:, s] * weights[:, s:s + 1]
     return out
-
-
-def unsort_rows(rows, order):
-    """rows (n, ...) sorted by `order` (row i is pair order[i]) back in pair order: a gather by
-    the inverse permutation (an int scatter of n indices, then one coalesced row gather; a row
-    scatter of the (n, ...) rows themselves costs several times more on GPUs)."""
-    n = order.shape[0]
-    inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    return rows[inverse]
 
 
 def expert_gemm(lhs, rhs: BlockScaled, group_sizes, *, out_dtype, backend=None,

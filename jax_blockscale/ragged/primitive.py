@@ -240,12 +240,22 @@ def bind_local(operands, params, row_start=None, plan_shape=None):
 # Batching (see the module docstring).
 
 
+def unsort_rows(rows, order):
+    """rows (n, ...) sorted by the permutation `order` (row i is row order[i] of the unsorted
+    array) back in their unsorted order: a gather by the inverse permutation (an int scatter of
+    n indices, then one coalesced row gather; a row scatter of the (n, ...) rows themselves
+    costs several times more on GPUs). Used by the batching rule below and by the MoE layers
+    (ragged/dispatch.py, nn/moe.py)."""
+    n = order.shape[0]
+    inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return rows[inverse]
+
+
 def _merged_rows(args, dims, size, params):
     """One grouped call for a batch of (lhs, group_sizes) sharing rhs and alpha."""
     fmt_lhs = params["fmt_lhs"]
     lhs, rhs, sl, sr, gs, alpha = split_operands(args, fmt_lhs)
     dl, _, dsl, _, dgs, _ = split_operands(dims, fmt_lhs)
-    groups = rhs.shape[0]
     lhs = batching.bdim_at_front(lhs, dl, size)  # (B, M, K)
     sl = None if sl is None else batching.bdim_at_front(sl, dsl, size)
     gs = batching.bdim_at_front(gs, dgs, size)  # (B, G)
@@ -260,8 +270,7 @@ def _merged_rows(args, dims, size, params):
     total_gs = jnp.sum(safe, axis=0).astype(jnp.int32)  # (G,): rows past it are past the sum
     y_sorted = ragged_gemm_p.bind(*join_operands(lhs_sorted, rhs, sl_sorted, sr, total_gs,
                                                  alpha), **params)
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
-    del groups
+    y = unsort_rows(y_sorted, order)
     return y.reshape(size, m, y.shape[-1])
 
 
