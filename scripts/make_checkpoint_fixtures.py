@@ -203,9 +203,9 @@ def make_modelopt(out: Path, algo: str, moe: bool = False):
     else:
         from transformers import LlamaForCausalLM
         model = LlamaForCausalLM(_llama_config())
-    base = Path(tempfile.mkdtemp())  # read back as a user's model is, by from_pretrained
-    model.to(torch.bfloat16).save_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).cuda().eval()
+    with tempfile.TemporaryDirectory() as base:  # read back as a user's model is
+        model.to(torch.bfloat16).save_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).cuda().eval()
     cfg = copy.deepcopy({"NVFP4": mtq.NVFP4_DEFAULT_CFG, "W4A16_NVFP4": mtq.W4A16_NVFP4_CFG}[algo])
     rng = np.random.default_rng(1)
     calib = [torch.from_numpy(rng.integers(0, 128, (4, 32))).long().cuda() for _ in range(4)]
@@ -261,12 +261,13 @@ def _modelopt_reference(path: Path, tokens: np.ndarray) -> np.ndarray:
                                          block_sizes={-1: 16})
         else:
             tensors[name] = t.float()
-    plain = Path(tempfile.mkdtemp())  # the same model, unquantized: transformers reads it
     config = json.loads((path / "config.json").read_text())
     config.pop("quantization_config")
-    (plain / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:  # the same model, unquantized, for transformers
+        plain = Path(tmp)
+        (plain / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
 
     def quantize_input(scale):
         def hook(_, args):
