@@ -19,6 +19,10 @@ expert weights (elements, blocked scales, global scales) placed as
                 QuantizedMoE(mesh=, expert_axis=): tokens split over the devices, each routed
                 row sent only to its expert's device and back (ragged_all_to_all on GPUs, a
                 padded all_to_all on CPUs; --exchange picks); output split along the tokens
+  reduce        the experts split as for "expert", the layer built with QuantizedMoE(mesh=,
+                expert_axis=, exchange="reduce"): every device keeps every token, runs only
+                its own experts' rows and its share of each token's combine; one f32
+                all-reduce of the (tokens, hidden) shares; output replicated
   tensor        gate_up and down split on N (their output features)
   tensor_k      gate_up on N, down on K = intermediate (Megatron's pairing)
 and the router and tokens replicated. A placement whose shards are not whole blocked-scale tiles
@@ -78,9 +82,13 @@ BREAKDOWN_KERNELS = 12  # --breakdown: the kernels kept per row, by time
 PLACEMENTS = {
     "expert": (P("d", None, None), P("d", None, None)),
     "dispatch": (P("d", None, None), P("d", None, None)),
+    "reduce": (P("d", None, None), P("d", None, None)),
     "tensor": (P(None, "d", None), P(None, "d", None)),
     "tensor_k": (P(None, "d", None), P(None, None, "d")),
 }
+# placements run by the layer built for them (QuantizedMoE(mesh=, expert_axis=, exchange=)):
+# "dispatch" with --exchange, "reduce" with exchange="reduce"
+LAYER_PLACEMENTS = ("dispatch", "reduce")
 COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|"
                         r"ragged-all-to-all|all-to-all|collective-permute)(?:-start)?\(")
 SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -182,7 +190,7 @@ def tile_aligned(name, shape, fmt, n):
     devices at `shape` (None: it can)."""
     h, i, e = shape["hidden"], shape["intermediate"], shape["experts"]
     k_tile = 4 * jbs.get_format(fmt).block
-    if name in ("expert", "dispatch"):
+    if name in ("expert",) + LAYER_PLACEMENTS:
         return None if e % n == 0 else f"{e} experts over {n} devices"
     if (2 * i) % (128 * n):
         return f"gate_up's {2 * i} rows over {n} devices are not whole 128-row tiles"
@@ -202,13 +210,15 @@ def bench_format(label, fmt, moe, shape, tokens, devices, counts, placements, ti
     one = copies(jax.device_put(state, devices[0]), n_copies)
     meshes = {n: Mesh(np.asarray(devices[:n]), ("d",), axis_types=(AxisType.Auto,))
               for n in counts}
-    dispatched = {}
+    dispatched = {}  # (placement, n): (jitted layer call, its state)
     for n, mesh in meshes.items():
-        if "dispatch" in placements and not tile_aligned("dispatch", shape, fmt, n):
-            q = jnn.QuantizedMoE.from_float(moe, fmt, mesh=mesh, expert_axis="d",
-                                            exchange=exchange)
-            g, st = nnx.split(q)
-            dispatched[n] = (jax.jit(lambda s, x, g=g: nnx.merge(g, s)(x)), st)
+        for name in LAYER_PLACEMENTS:
+            if name in placements and not tile_aligned(name, shape, fmt, n):
+                q = jnn.QuantizedMoE.from_float(
+                    moe, fmt, mesh=mesh, expert_axis="d",
+                    exchange=exchange if name == "dispatch" else name)
+                g, st = nnx.split(q)
+                dispatched[name, n] = (jax.jit(lambda s, x, g=g: nnx.merge(g, s)(x)), st)
     rows = []
     for t in tokens:
         x = jax.random.normal(jax.random.PRNGKey(t), (t, shape["hidden"]), jnp.bfloat16)
@@ -256,13 +266,13 @@ def bench_format(label, fmt, moe, shape, tokens, devices, counts, placements, ti
 def sharded_row(row, name, n, mesh, state, dispatched, forward, x, want, gemms, n_copies,
                 timing):
     """Time and check one sharded placement; fills `row`."""
-    fwd, st = (dispatched[n] if name == "dispatch" else (forward, state))
+    fwd, st = dispatched.get((name, n), (forward, state))
     sharded = copies(shard_state(st, mesh, *PLACEMENTS[name]), n_copies)
     xs = jax.device_put(x, NamedSharding(mesh, P()))
     got = np.asarray(fwd(sharded[0], xs), np.float32)
     row["max_abs_diff_vs_1_device"] = float(np.max(np.abs(got - want)))
     row["differing_outputs"] = dict(layer=differing(got, want))
-    if name != "dispatch":
+    if name not in LAYER_PLACEMENTS:
         gate_up, down, order, group_sizes, a, want_h, want_down = gemms
         xr, order_r, sizes_r, a_r = jax.device_put((x, order, group_sizes, a),
                                                    NamedSharding(mesh, P()))

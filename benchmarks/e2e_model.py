@@ -53,7 +53,7 @@ layer's input and output replicated, so attention runs on every token on every d
 one. The dispatched layer runs one layer's experts (it takes no ``layer=`` into a scanned
 stack), so the sharded step has its layers unrolled, and the run times the unrolled 1-device
 step too (--devices N > 1 implies --compare-unrolled). Every row records "devices" and
-"placement" ("1 device", or "dispatch"); a sharded row (mode "unrolled") also has
+"placement" ("1 device", "dispatch" or, with --exchange reduce, "reduce"); a sharded row (mode "unrolled") also has
 speedup_vs_1_device (the 1-device unrolled step of the same format and batch over it) and its
 logits for one step from a fresh cache against that 1-device step's: max_abs_diff_vs_1_device,
 differing_logits (bitwise) and same_next_tokens (the dispatched layer is built to equal one
@@ -86,6 +86,7 @@ from plotting import pyplot  # noqa: E402
 from timing import gpu_kernel_events, time_us, union_length  # noqa: E402
 
 import jax_blockscale as jbs  # noqa: E402
+from jax_blockscale.ragged.dispatch import EXCHANGES  # noqa: E402
 
 EXPERT_AXIS = "expert"  # the mesh axis --devices shards the experts over
 
@@ -165,8 +166,8 @@ def model_on_gpu(model) -> bool:
 
 
 def bench(model, fmt, mode, batch, args, cfg, mesh=None, logits=None):
-    """One row: the model's decode step at `batch`, timed. mesh: the model's MoE layers
-    dispatch tokens over it (placement "dispatch"); None: one device. logits: a dict to store
+    """One row: the model's decode step at `batch`, timed. mesh: the model's MoE layers are
+    expert parallel over it (placement `placement_name(args.exchange)`); None: one device. logits: a dict to store
     the step's logits in under (fmt, batch) (a 1-device unrolled row, the reference), or to
     compare them with (a sharded row)."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
@@ -176,7 +177,7 @@ def bench(model, fmt, mode, batch, args, cfg, mesh=None, logits=None):
     compile_s = time.perf_counter() - start
     devices = 1 if mesh is None else mesh.size
     row = dict(fmt=fmt, mode=mode, batch=batch, devices=devices,
-               placement="1 device" if mesh is None else "dispatch",
+               placement="1 device" if mesh is None else placement_name(args.exchange),
                compile_s=round(compile_s, 2), weight_bytes=weight_bytes(cfg, fmt, batch))
     if logits is not None:
         got = step.logits()
@@ -201,6 +202,12 @@ def bench(model, fmt, mode, batch, args, cfg, mesh=None, logits=None):
     clock = row.get("device_us", row["loop_us"])
     row["tokens_per_s"] = batch / (clock * 1e-6)
     return row
+
+
+def placement_name(exchange: str) -> str:
+    """A sharded row's placement: "reduce" (every device keeps every token, one all-reduce of
+    the combined outputs) or "dispatch" (rows sent to their experts' devices and back)."""
+    return "reduce" if exchange == "reduce" else "dispatch"
 
 
 def place_on_mesh(model, mesh, axis: str):
@@ -354,6 +361,11 @@ def main(argv=None):
                    help="with --moe: also run the step with its MoE layers expert parallel over "
                    "the first N devices, dispatching tokens (QuantizedMoE(mesh=, expert_axis=), "
                    "layers unrolled), beside the 1-device step (default 1: one device only)")
+    p.add_argument("--exchange", choices=EXCHANGES, default="auto",
+                   help="with --devices N > 1: the MoE layers' exchange (QuantizedMoE "
+                   "exchange=): auto / ragged / padded dispatch rows to their experts' devices "
+                   "(placement 'dispatch'); reduce keeps every token on every device and "
+                   "all-reduces the combined outputs (placement 'reduce')")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default e2e_model_<platform>)")
     args = p.parse_args(argv)
@@ -423,11 +435,13 @@ def main(argv=None):
     if mesh is not None:
         meta["devices"] = args.devices
         meta["sharded"] = (
-            f"placement 'dispatch': every MoE layer QuantizedMoE(mesh=, expert_axis="
-            f"{EXPERT_AXIS!r}) over the first {args.devices} devices (jax_blockscale.ragged."
-            "dispatch: each device routes its share of the tokens and sends each (token, "
-            "expert) row to the device holding that expert; exchange 'auto': "
-            "ragged_all_to_all on GPUs, a padded all_to_all elsewhere), the layers unrolled "
+            f"placement {placement_name(args.exchange)!r}: every MoE layer QuantizedMoE(mesh=, "
+            f"expert_axis={EXPERT_AXIS!r}, exchange={args.exchange!r}) over the first "
+            f"{args.devices} devices (jax_blockscale.ragged.dispatch: 'reduce' keeps every "
+            "token on every device, runs each device's experts' rows and all-reduces the "
+            "combined outputs; the others route each device's share of the tokens and send each "
+            "(token, expert) row to the device holding that expert, 'auto': ragged_all_to_all "
+            "on GPUs, a padded all_to_all elsewhere), the layers unrolled "
             "(the dispatched layer takes one layer's experts, not a scanned stack's layer=); "
             "the expert weights (elements, blocked scales, global scales) split P("
             f"{EXPERT_AXIS!r}) on their expert dim, everything else replicated. device_us: "
@@ -446,7 +460,8 @@ def main(argv=None):
         if mesh is not None and fmt != "bf16":
             runs.append(("unrolled", mesh))
         for mode, on in runs:
-            placement = None if on is None else dict(mesh=on, expert_axis=EXPERT_AXIS)
+            placement = (None if on is None else
+                         dict(mesh=on, expert_axis=EXPERT_AXIS, exchange=args.exchange))
             model = Llama(cfg, params, scan_layers=mode == "scan", dtype=jnp.bfloat16,
                           attention=args.attention, moe_placement=placement)
             if on is not None:

@@ -35,7 +35,16 @@ The exchange (`exchange=`):
   "padded"  the same exchange written with `jax.lax.all_to_all` on per-device buffers sized
             for the worst case (d * T/d * min(k, E/d) rows each way): correct everywhere,
             d times the bytes of the ragged exchange at best; for CPUs and tests;
-  "auto"    "ragged" on GPUs, "padded" elsewhere (decided by the mesh's devices).
+  "auto"    "ragged" on GPUs, "padded" elsewhere (decided by the mesh's devices);
+  "reduce"  no rows cross: every device keeps every token (x replicated, as tensor-parallel
+            attention leaves it), routes and sorts all of them as one device does, and runs
+            only the rows of its own experts (one contiguous run of the sorted rows) through
+            both GEMMs; each device then sums its share of every token's combine (the slots it
+            owns, the others 0) and one f32 all-reduce of the (T, H) shares gives every device
+            the output (replicated). The interconnect carries T x H f32 once, against
+            2 x T x k x H x (d - 1) / d rows for the dispatching exchanges; the shares are
+            added in another order than one device's slot-by-slot sum, so the output equals
+            one device's to f32 rounding (a few bf16 outputs one step apart), not bit for bit.
 """
 from __future__ import annotations
 
@@ -54,7 +63,7 @@ from .primitive import bind_local, unsort_rows
 
 __all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange"]
 
-EXCHANGES = ("auto", "ragged", "padded")
+EXCHANGES = ("auto", "ragged", "padded", "reduce")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +217,54 @@ def _check(x, router, gate_up, down, mesh, axis):
     return mesh, d, experts
 
 
+def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axis, quantize,
+                       dtype, backend, d, experts):
+    """exchange="reduce" (module docstring): every device holds every token, runs the rows of
+    its own experts only and sums its share of each token's combine; one f32 all-reduce of the
+    (T, H) shares gives every device the output."""
+    tokens, hidden = x.shape
+    local_experts = experts // d
+    dt = np.dtype(dtype)
+
+    def body(x, router, gate_up, down):
+        ids, weights = route(x, router)  # every token, as the one-device layer routes them
+        k = ids.shape[-1]
+        flat = ids.reshape(-1).astype(jnp.int32)
+        order = jnp.argsort(flat, stable=True)  # the one-device layer's sorted rows
+        counts = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
+        first_expert = lax.axis_index(axis) * local_experts
+        group_sizes = lax.dynamic_slice_in_dim(counts, first_expert, local_experts)
+        # my experts' rows are one contiguous run of the sorted rows, from `start`
+        start = jnp.sum(jnp.where(jnp.arange(experts) < first_expert, counts, 0))
+        cap = tokens * min(k, local_experts)  # the most rows my experts can get
+        take = jnp.minimum(start + jnp.arange(cap, dtype=jnp.int32), tokens * k - 1)
+        # rows past my groups are other experts' rows: the grouped GEMMs write zeros there
+        mine = x[order[take] // k]
+
+        def act(a):
+            if quantize is None:
+                return a.astype(dt)
+            return _quantize_as_one_device(quantize, a, axis)
+
+        h = expert_gemm(act(mine), gate_up, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, gate_up.shape[1], experts))
+        y = expert_gemm(act(activation(h)), down, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, down.shape[1], experts))
+        # each (token, slot) row's place among my rows, or none: other devices add those
+        inverse = jnp.zeros((tokens * k,), jnp.int32).at[order].set(
+            jnp.arange(tokens * k, dtype=jnp.int32))
+        place = inverse - start
+        owned = (place >= 0) & (place < jnp.sum(group_sizes))
+        rows = jnp.where(owned[:, None], y[jnp.clip(place, 0, cap - 1)], jnp.zeros((), y.dtype))
+        share = combine(rows.reshape(tokens, k, -1), weights)
+        return lax.psum(share, axis).astype(dt)
+
+    wspec = lambda w: _weight_specs(w, axis)  # noqa: E731
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), wspec(gate_up), wspec(down)),
+                        out_specs=P(), check_vma=False)
+    return run(x, router, gate_up, down)
+
+
 def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
                  route: Callable, activation: Callable, mesh=None, axis: str,
                  quantize: Callable | None = None, dtype=jnp.bfloat16,
@@ -229,12 +286,16 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
       global scale it calibrates on its input ("auto") sees the amax of every device's rows,
       as on one device.
     dtype: activation and output dtype. backend: ragged backend to force.
-    exchange: "auto", "ragged" or "padded" (module docstring).
-    Returns (T, H) in `dtype`, split over `axis` along T.
+    exchange: "auto", "ragged", "padded" or "reduce" (module docstring).
+    Returns (T, H) in `dtype`: split over `axis` along T, or replicated with "reduce".
     """
     x = jnp.asarray(x)
     mesh, d, experts = _check(x, router, gate_up, down, mesh, axis)
     method = _exchange_for(mesh, exchange)
+    if method == "reduce":
+        return _local_experts_moe(x, router, gate_up, down, route=route, activation=activation,
+                                  mesh=mesh, axis=axis, quantize=quantize, dtype=dtype,
+                                  backend=backend, d=d, experts=experts)
     tokens, hidden = x.shape
     local_tokens = -(-tokens // d)
     padded = local_tokens * d

@@ -100,3 +100,21 @@ def test_dispatching_layer_w4a4_on_2_gpus(devices):
 def test_hlo_check_catches_a_gathered_weight_on_2_gpus(devices):
     msg = mmd.check_catches_weight_gather(devices)
     assert "expert weight" in msg or "more than any activation" in msg, msg
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reduce_expert_parallel_layer(n, fmt):
+    """exchange="reduce": every GPU keeps every token, runs its own experts' rows, and one f32
+    all-reduce of the (tokens, hidden) shares sums them (to f32 rounding of one GPU's layer)."""
+    gpus = _gpus()
+    if len(gpus) < n:
+        pytest.skip(f"needs {n} GPUs, found {len(gpus)}")
+    found = mmd.check_reduce(gpus, n, fmt, "random")
+    print(f"reduce {n} GPUs {fmt}: {mmd.summary(found)}")
+
+
+@pytest.mark.parametrize("routing", ["uneven", "empty"])
+def test_reduce_layer_uneven_routing_and_w4a4_on_2_gpus(devices, routing):
+    mmd.check_reduce(devices, 2, "nvfp4", routing)
+    mmd.check_reduce(devices, 2, "nvfp4", routing, act_fmt="nvfp4")

@@ -550,3 +550,44 @@ def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exch
         assert not names & {"reduce-scatter", "collective-permute"}, summary(found)
     dispatch_moves(found, [ep.gate_up.get_value(), ep.down.get_value()])
     return found
+
+
+def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens=TOKENS):
+    """QuantizedMoE(mesh=, expert_axis=, exchange="reduce") over n devices: every device keeps
+    every token and runs its own experts' rows; the result is the one-device layer's to f32
+    rounding (each device's share of a token's combine is summed across devices in f32, in
+    another order than one device's slot-by-slot sum: outputs differ by at most a bf16 step,
+    in few elements); its program's only collective of any size is one f32 all-reduce of the
+    (tokens, hidden) shares (besides the scalar amax of NVFP4 activations); no weight moved,
+    every weight used where it was placed. Returns the collectives."""
+    mesh = mesh_of(devices, n)
+    one, ep, x = dispatch_problem(fmt, routing, act_fmt, tokens, mesh=mesh, exchange="reduce")
+    g1, s1 = nnx.split(one)
+    g2, s2 = nnx.split(ep)
+    f1 = jax.jit(lambda s, x: nnx.merge(g1, s)(x))
+    f2 = jax.jit(lambda s, x: nnx.merge(g2, s)(x))
+    want = f1(*jax.device_put((s1, x), devices[0]))
+    placed = shard_layer(s2, mesh, P("d", None, None), P("d", None, None))
+    xs = jax.device_put(x, NamedSharding(mesh, P()))
+    got = f2(placed, xs)
+    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    what = (f"QuantizedMoE with exchange='reduce' on {n} devices ({fmt}, {routing} routing, "
+            f"act {act_fmt})")
+    assert_match(got, want, "bf16", what)
+    # every device's shares summed: a dropped or doubled share moves whole tokens far away
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    assert float(err.max()) <= 2.0 ** -6 * float(np.abs(np.asarray(want, np.float32)).max()), what
+    compiled = f2.lower(placed, xs).compile()
+    expect_sharded(compiled, (placed, xs))
+    found = collectives(compiled.as_text())
+    names = {c.name for c in found}
+    assert not names & {"all-to-all", "ragged-all-to-all", "all-gather", "collective-permute",
+                        "reduce-scatter"}, summary(found)
+    reductions = [(str(t), tuple(dims)) for c in found if c.name == "all-reduce"
+                  for t, dims in c.results]
+    shares = [r for r in reductions if r[1]]
+    assert shares == [("f32", (tokens, HIDDEN))], summary(found)
+    act_global = act_fmt is not None and jbs.get_format(act_fmt).has_global_scale
+    assert len(reductions) == 1 + (2 if act_global else 0), summary(found)
+    dispatch_moves(found, [ep.gate_up.get_value(), ep.down.get_value()])
+    return found

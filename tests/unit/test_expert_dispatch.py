@@ -4,7 +4,8 @@ one-device layer (weight-only NVFP4 / MXFP4, NVFP4 activations), with random, un
 on one device) and empty-expert routing and a token count that does not split evenly; the
 compiled program exchanges rows with all-to-all only (no all-reduce of outputs, no weight
 moved); the padded exchange has `lax.ragged_all_to_all`'s semantics; the option's errors name
-the argument. The checks live in tests/support/moe_multi_device.py (check_dispatch), which
+the argument. exchange="reduce" (every device keeps every token, one f32 all-reduce of the
+combined shares) equals the one-device layer to f32 rounding, with that one all-reduce only. The checks live in tests/support/moe_multi_device.py (check_dispatch), which
 tests/gpu/test_moe_multi_gpu.py runs on the GPUs.
 
 As tests/unit/test_moe_sharding.py: XLA reads the device count once per process, so the checks
@@ -59,6 +60,23 @@ else:
 
     def test_dispatch_tokens_not_a_multiple_of_the_devices():
         mmd.check_dispatch(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
+
+    @pytest.mark.parametrize("n,fmt,routing", [(2, "nvfp4", "random"), (4, "mxfp4", "uneven"),
+                                               (8, "mxfp4", "empty")])
+    def test_reduce_equals_one_device_to_f32_rounding(n, fmt, routing):
+        found = mmd.check_reduce(DEVICES, n, fmt, routing)
+        print(f"reduce {n} devices: {mmd.summary(found)}")
+
+    def test_reduce_quantized_activations_and_odd_tokens():
+        mmd.check_reduce(DEVICES, 4, "nvfp4", "uneven", act_fmt="nvfp4")
+        mmd.check_reduce(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
+
+    def test_reduce_check_catches_a_lost_share(monkeypatch):
+        """The check has teeth: a layer whose devices keep their own share (no all-reduce)
+        fails it."""
+        monkeypatch.setattr(dispatch.lax, "psum", lambda x, axis: x)
+        with pytest.raises(AssertionError):
+            mmd.check_reduce(DEVICES, 2, "nvfp4")
 
     def test_padded_exchange_has_ragged_all_to_all_semantics():
         """The example of lax.ragged_all_to_all's documentation, through the padded exchange,
