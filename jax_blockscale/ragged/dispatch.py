@@ -217,14 +217,64 @@ def _check(x, router, gate_up, down, mesh, axis):
     return mesh, d, experts
 
 
+# exchange="reduce": the rows a device's buffer holds. The most its experts can get is
+# T * min(k, E/d), d times what routing spread evenly gives it; buffer-sized work (the row gather,
+# the activation between the GEMMs, the zeros the GEMMs write past the groups) is then mostly
+# waste. Where that bound has at least REDUCE_LIKELY_MIN_ROWS rows, the layer also compiles a
+# buffer of REDUCE_LIKELY_SLACK x the even share (in whole REDUCE_ROWS_ALIGN) and runs it when
+# every device's rows fit (a lax.cond that every device decides alike from the routing, which
+# each holds whole); otherwise the worst-case buffer. Nothing is dropped either way.
+REDUCE_LIKELY_MIN_ROWS = 2048
+REDUCE_LIKELY_SLACK = 1.25
+REDUCE_ROWS_ALIGN = 128
+# Shares of at least this many bytes (f32) are summed by a reduce-scatter in f32 and gathered
+# in the output dtype (each output element summed once and rounded once, as by an f32
+# all-reduce and a cast, in 3/4 of the bytes); smaller ones by one all-reduce (one collective's
+# latency instead of two).
+REDUCE_SCATTER_MIN_BYTES = 4 << 20
+
+
+def _likely_rows(rows: int, d: int, most: int) -> int:
+    """The smaller buffer of exchange="reduce" for `rows` routed rows over d devices whose
+    worst case is `most` rows (`most` itself where no smaller buffer is compiled)."""
+    if most < REDUCE_LIKELY_MIN_ROWS:
+        return most
+    likely = -(-int(np.ceil(rows / d * REDUCE_LIKELY_SLACK)) // REDUCE_ROWS_ALIGN)
+    return min(most, likely * REDUCE_ROWS_ALIGN)
+
+
 def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axis, quantize,
                        dtype, backend, d, experts):
     """exchange="reduce" (module docstring): every device holds every token, runs the rows of
-    its own experts only and sums its share of each token's combine; one f32 all-reduce of the
-    (T, H) shares gives every device the output."""
+    its own experts only and sums its share of each token's combine; the shares are summed
+    across devices in f32 and every device gets the output."""
     tokens, hidden = x.shape
     local_experts = experts // d
     dt = np.dtype(dtype)
+
+    def act(a):
+        if quantize is None:
+            return a.astype(dt)
+        return _quantize_as_one_device(quantize, a, axis)
+
+    def share_of(cap, x, weights, order, start, group_sizes, gate_up, down):
+        """This device's share (T, H) f32 of every token's combine, its rows in a buffer of
+        `cap` rows (which must hold them)."""
+        k = weights.shape[-1]
+        take = jnp.minimum(start + jnp.arange(cap, dtype=jnp.int32), tokens * k - 1)
+        # rows past my groups are other experts' rows: the grouped GEMMs write zeros there
+        mine = x[order[take] // k]
+        h = expert_gemm(act(mine), gate_up, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, gate_up.shape[1], experts))
+        y = expert_gemm(act(activation(h)), down, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, down.shape[1], experts))
+        # each (token, slot) row's place among my rows, or none: other devices add those
+        inverse = jnp.zeros((tokens * k,), jnp.int32).at[order].set(
+            jnp.arange(tokens * k, dtype=jnp.int32))
+        place = inverse - start
+        owned = (place >= 0) & (place < jnp.sum(group_sizes))
+        rows = jnp.where(owned[:, None], y[jnp.clip(place, 0, cap - 1)], jnp.zeros((), y.dtype))
+        return combine(rows.reshape(tokens, k, -1), weights)
 
     def body(x, router, gate_up, down):
         ids, weights = route(x, router)  # every token, as the one-device layer routes them
@@ -236,28 +286,22 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
         group_sizes = lax.dynamic_slice_in_dim(counts, first_expert, local_experts)
         # my experts' rows are one contiguous run of the sorted rows, from `start`
         start = jnp.sum(jnp.where(jnp.arange(experts) < first_expert, counts, 0))
-        cap = tokens * min(k, local_experts)  # the most rows my experts can get
-        take = jnp.minimum(start + jnp.arange(cap, dtype=jnp.int32), tokens * k - 1)
-        # rows past my groups are other experts' rows: the grouped GEMMs write zeros there
-        mine = x[order[take] // k]
-
-        def act(a):
-            if quantize is None:
-                return a.astype(dt)
-            return _quantize_as_one_device(quantize, a, axis)
-
-        h = expert_gemm(act(mine), gate_up, group_sizes, out_dtype=dt, backend=backend,
-                        plan_shape=(tokens * k, gate_up.shape[1], experts))
-        y = expert_gemm(act(activation(h)), down, group_sizes, out_dtype=dt, backend=backend,
-                        plan_shape=(tokens * k, down.shape[1], experts))
-        # each (token, slot) row's place among my rows, or none: other devices add those
-        inverse = jnp.zeros((tokens * k,), jnp.int32).at[order].set(
-            jnp.arange(tokens * k, dtype=jnp.int32))
-        place = inverse - start
-        owned = (place >= 0) & (place < jnp.sum(group_sizes))
-        rows = jnp.where(owned[:, None], y[jnp.clip(place, 0, cap - 1)], jnp.zeros((), y.dtype))
-        share = combine(rows.reshape(tokens, k, -1), weights)
-        return lax.psum(share, axis).astype(dt)
+        args = (x, weights, order, start, group_sizes, gate_up, down)
+        most = tokens * min(k, local_experts)  # the most rows my experts can get
+        likely = _likely_rows(tokens * k, d, most)
+        if likely < most:
+            # every device's rows, from the routing each holds whole: all decide alike
+            busiest = jnp.max(jnp.sum(counts.reshape(d, local_experts), axis=1))
+            share = lax.cond(busiest <= likely, functools.partial(share_of, likely),
+                             functools.partial(share_of, most), *args)
+        else:
+            share = share_of(most, *args)
+        if share.nbytes < REDUCE_SCATTER_MIN_BYTES:
+            return lax.psum(share, axis).astype(dt)
+        pad = -tokens % d
+        part = lax.psum_scatter(jnp.pad(share, ((0, pad), (0, 0))), axis, scatter_dimension=0,
+                                tiled=True)
+        return lax.all_gather(part.astype(dt), axis, axis=0, tiled=True)[:tokens]
 
     wspec = lambda w: _weight_specs(w, axis)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), wspec(gate_up), wspec(down)),

@@ -35,6 +35,7 @@ import jax_blockscale as jbs
 from jax_blockscale import nn as jnn
 from jax_blockscale.lowering import ALL_PLATFORMS
 from jax_blockscale.lowering.registry import get_ragged_backend, register_ragged_backend
+from jax_blockscale.ragged import dispatch
 
 # Qwen3-30B-A3B has hidden 2048, intermediate 768, 128 experts, top-8. These are small enough
 # for a CPU and keep what matters: every expert gets rows (32 tokens x top-4 over 16 experts),
@@ -557,9 +558,11 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     every token and runs its own experts' rows; the result is the one-device layer's to f32
     rounding (each device's share of a token's combine is summed across devices in f32, in
     another order than one device's slot-by-slot sum: outputs differ by at most a bf16 step,
-    in few elements); its program's only collective of any size is one f32 all-reduce of the
-    (tokens, hidden) shares (besides the scalar amax of NVFP4 activations); no weight moved,
-    every weight used where it was placed. Returns the collectives."""
+    in few elements); its program's only collectives of any size sum the (tokens, hidden)
+    shares: one f32 all-reduce, or, for shares of REDUCE_SCATTER_MIN_BYTES and more, an f32
+    reduce-scatter and an all-gather of the bf16 result (besides the scalar amax of NVFP4
+    activations); no weight moved, every weight used where it was placed. Returns the
+    collectives."""
     mesh = mesh_of(devices, n)
     one, ep, x = dispatch_problem(fmt, routing, act_fmt, tokens, mesh=mesh, exchange="reduce")
     g1, s1 = nnx.split(one)
@@ -580,14 +583,23 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     compiled = f2.lower(placed, xs).compile()
     expect_sharded(compiled, (placed, xs))
     found = collectives(compiled.as_text())
-    names = {c.name for c in found}
-    assert not names & {"all-to-all", "ragged-all-to-all", "all-gather", "collective-permute",
-                        "reduce-scatter"}, summary(found)
-    reductions = [(str(t), tuple(dims)) for c in found if c.name == "all-reduce"
-                  for t, dims in c.results]
-    shares = [r for r in reductions if r[1]]
-    assert shares == [("f32", (tokens, HIDDEN))], summary(found)
+    text = summary(found)
+    assert not {c.name for c in found} & {"all-to-all", "ragged-all-to-all",
+                                          "collective-permute"}, text
+    sized = Counter((c.name, str(t), tuple(dims)) for c in found for t, dims in c.results
+                    if dims)
+    padded = -(-tokens // n) * n
+    if tokens * HIDDEN * 4 >= dispatch.REDUCE_SCATTER_MIN_BYTES:
+        # the bf16 gather: f32 where XLA's CPU backend promotes it
+        gathered = [key for key in sized if key[0] == "all-gather"]
+        assert gathered in ([("all-gather", "bf16", (padded, HIDDEN))],
+                            [("all-gather", "f32", (padded, HIDDEN))]), text
+        want_sized = {("reduce-scatter", "f32", (padded // n, HIDDEN)): 1, gathered[0]: 1}
+    else:
+        want_sized = {("all-reduce", "f32", (tokens, HIDDEN)): 1}
+    assert dict(sized) == want_sized, text
     act_global = act_fmt is not None and jbs.get_format(act_fmt).has_global_scale
-    assert len(reductions) == 1 + (2 if act_global else 0), summary(found)
+    scalars = [c for c in found if c.name == "all-reduce" and all(not d for _, d in c.results)]
+    assert bool(scalars) == act_global, text
     dispatch_moves(found, [ep.gate_up.get_value(), ep.down.get_value()])
     return found

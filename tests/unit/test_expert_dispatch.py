@@ -38,6 +38,7 @@ else:
 
     import moe_multi_device as mmd  # tests/support
     from jax_blockscale import nn as jnn
+    from jax_blockscale.nn.moe import top_k_experts
     from jax_blockscale.ragged import dispatch
 
     DEVICES = jax.devices("cpu")
@@ -61,15 +62,44 @@ else:
     def test_dispatch_tokens_not_a_multiple_of_the_devices():
         mmd.check_dispatch(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
 
+    @pytest.fixture(params=["all-reduce", "likely buffer, reduce-scatter"])
+    def reduce_path(request, monkeypatch):
+        """The reduce layer as it runs at these sizes (one worst-case buffer, one all-reduce),
+        and with the thresholds lowered so that it also compiles the smaller buffer (taken
+        under random routing, not under uneven routing, which puts every row on one device)
+        and sums the shares by reduce-scatter + all-gather, as it does at serving sizes."""
+        if request.param != "all-reduce":
+            monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
+            monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)
+            monkeypatch.setattr(dispatch, "REDUCE_SCATTER_MIN_BYTES", 0)
+        return request.param
+
     @pytest.mark.parametrize("n,fmt,routing", [(2, "nvfp4", "random"), (4, "mxfp4", "uneven"),
                                                (8, "mxfp4", "empty")])
-    def test_reduce_equals_one_device_to_f32_rounding(n, fmt, routing):
+    def test_reduce_equals_one_device_to_f32_rounding(reduce_path, n, fmt, routing):
         found = mmd.check_reduce(DEVICES, n, fmt, routing)
-        print(f"reduce {n} devices: {mmd.summary(found)}")
+        print(f"reduce {n} devices ({reduce_path}): {mmd.summary(found)}")
 
-    def test_reduce_quantized_activations_and_odd_tokens():
+    def test_reduce_quantized_activations_and_odd_tokens(reduce_path):
         mmd.check_reduce(DEVICES, 4, "nvfp4", "uneven", act_fmt="nvfp4")
+        mmd.check_reduce(DEVICES, 2, "nvfp4", "random", act_fmt="nvfp4")
         mmd.check_reduce(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
+
+    def test_reduce_likely_buffer_is_taken_only_when_every_device_fits(monkeypatch):
+        """The smaller buffer: its size, and the branch each routing takes (a buffer too small
+        for a device's rows would drop them, which check_reduce would see)."""
+        monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
+        assert dispatch._likely_rows(128, 2, 128) == 128  # 1.25 x 64 = 80 -> one 128-row unit
+        monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)
+        assert dispatch._likely_rows(128, 2, 128) == 80
+        assert dispatch._likely_rows(128, 2, 64) == 64  # never past the worst case
+        for routing, fits in (("random", True), ("uneven", False)):
+            one, _, x = mmd.dispatch_problem("nvfp4", routing)
+            ids, _ = top_k_experts(x, one.router[...], mmd.TOP_K)
+            counts = np.bincount(np.asarray(ids).ravel(), minlength=mmd.EXPERTS)
+            busiest = counts.reshape(2, -1).sum(axis=1).max()
+            assert (busiest <= 80) == fits, (routing, busiest)  # the branch the layer takes
+            mmd.check_reduce(DEVICES, 2, "nvfp4", routing)
 
     def test_reduce_check_catches_a_lost_share(monkeypatch):
         """The check has teeth: a layer whose devices keep their own share (no all-reduce)
