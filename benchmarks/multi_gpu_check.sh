@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The multi-GPU MoE checks on a machine with 2 or 4 GPUs, in about 8 minutes:
+# The multi-GPU MoE checks on a machine with 2 or 4 GPUs, in about 9 minutes:
 #   1. tests/gpu/test_moe_multi_gpu.py (rule-based placements on 2 GPUs; the dispatching
-#      expert-parallel layer on 2 and, with 4 GPUs, 4, both exchanges),
+#      expert-parallel layer on 2 and, with 4 GPUs, 4, both exchanges, and exchange="reduce"),
 #   2. examples/moe_sharded.py (Qwen3-30B-A3B shapes, 16 tokens, every placement on 2 GPUs),
 #   3. benchmarks/bench_moe_sharded.py at the gpt-oss-120b and Qwen3-30B-A3B layer shapes,
 #      16 / 256 / 4096 tokens, on 1 GPU and sharded over 2 (and 4 where present).
@@ -46,7 +46,7 @@ DEVICES=2
 
 step tests 150 "$PY" -m pytest -q -m gpu -rA tests/gpu/test_moe_multi_gpu.py
 step example 60 "$PY" examples/moe_sharded.py
-step bench 250 "$PY" benchmarks/bench_moe_sharded.py --devices "$DEVICES" --iters 10 \
+step bench 330 "$PY" benchmarks/bench_moe_sharded.py --devices "$DEVICES" --iters 10 \
     --trials 3 --out "$OUT" --tag bench_moe_sharded_gpu
 
 tar czf "$OUT/logs.tar.gz" -C "$LOGS" .

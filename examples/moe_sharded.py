@@ -30,6 +30,10 @@ Placements:
                              QuantizedMoE(..., mesh=mesh, expert_axis="d"): the tokens are split
                              over the devices and each routed row is sent only to its expert's
                              device and back (all-to-all; ragged_all_to_all on GPUs); bit for bit
+  expert parallel, reduce    the experts split as in expert parallel, the layer built with
+                             exchange="reduce": every device keeps every token, runs its own
+                             experts' rows and its share of each token's combine, and one f32
+                             all-reduce sums the shares (to f32 rounding: a few bf16 steps)
 """
 from __future__ import annotations
 
@@ -203,15 +207,25 @@ def main():
                                   fmt=args.fmt, rngs=nnx.Rngs(0), mesh=mesh, expert_axis="d")
     d_graphdef, d_state = nnx.split(dispatched)
     d_forward = jax.jit(lambda s, x: nnx.merge(d_graphdef, s)(x))
+    # ... and keeping every token on every device, one all-reduce of the combined shares
+    reduced = jnn.QuantizedMoE(args.hidden, args.intermediate, args.experts, args.top_k,
+                               fmt=args.fmt, rngs=nnx.Rngs(0), mesh=mesh, expert_axis="d",
+                               exchange="reduce")
+    r_graphdef, r_state = nnx.split(reduced)
+    r_forward = jax.jit(lambda s, x: nnx.merge(r_graphdef, s)(x))
     runs = [(name, forward, state, specs) for name, specs in PLACEMENTS.items()]
-    runs.append(("expert parallel, dispatched", d_forward, d_state, PLACEMENTS["expert parallel"]))
+    gate_up_spec, down_spec, _ = PLACEMENTS["expert parallel"]
+    runs.append(("expert parallel, dispatched", d_forward, d_state,
+                 (gate_up_spec, down_spec, True)))
+    runs.append(("expert parallel, reduce", r_forward, r_state,
+                 (gate_up_spec, down_spec, False)))
     for name, fwd, st, (gate_up_spec, down_spec, exact) in runs:
         sharded = shard_state(st, mesh, gate_up_spec, down_spec)
         got = np.asarray(fwd(sharded, x_rep))
         same = np.array_equal(got.view(np.uint16), want.view(np.uint16))
         diff = float(np.max(np.abs(got.astype(np.float32) - want.astype(np.float32))))
         scale = float(np.max(np.abs(want.astype(np.float32))))
-        note = "" if exact else ", f32 partial sums added across devices"
+        note = "" if exact else ", f32 partial sums or shares added across devices"
         print(f"\n{name}: max |sharded - unsharded| {diff:.3g} (output max {scale:.3g}; "
               f"bitwise equal: {'yes' if same else 'no'}{note})")
         per_device = {names[0]: leaf.addressable_shards[0].data.shape

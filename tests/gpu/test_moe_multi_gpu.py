@@ -3,7 +3,8 @@ parallel, tensor parallel (N of both weights) and Megatron-style (gate_up on N, 
 jax.jit on a mesh of the first 2 GPUs, equal the same call on one GPU (bit for bit where no
 partial sums are added), with exactly the expected collectives (NCCL) and no expert weight moved.
 The dispatching expert-parallel layer (QuantizedMoE(mesh=, expert_axis=)) runs on 2 and, where
-there are 4, on 4 GPUs, with both exchanges (ragged_all_to_all, padded all_to_all).
+there are 4, on 4 GPUs, with both exchanges (ragged_all_to_all, padded all_to_all), and with
+exchange="reduce" (every GPU keeps every token; one f32 all-reduce of the combined shares).
 The checks are tests/support/moe_multi_device.py's, as tests/unit/test_moe_sharding.py runs them
 on forced CPU devices; here they run in this process. Skipped with fewer than 2 GPUs.
 
@@ -118,3 +119,16 @@ def test_reduce_expert_parallel_layer(n, fmt):
 def test_reduce_layer_uneven_routing_and_w4a4_on_2_gpus(devices, routing):
     mmd.check_reduce(devices, 2, "nvfp4", routing)
     mmd.check_reduce(devices, 2, "nvfp4", routing, act_fmt="nvfp4")
+
+
+def test_reduce_layer_likely_buffer_and_reduce_scatter_on_2_gpus(devices, monkeypatch):
+    """The paths the reduce layer takes at serving sizes, at the test's size: the thresholds
+    lowered so that it compiles the buffer for likely routing (taken under random routing, not
+    under uneven) and sums the shares by an f32 reduce-scatter and a bf16 all-gather."""
+    from jax_blockscale.ragged import dispatch
+    monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
+    monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)
+    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_MIN_BYTES", 0)
+    for routing in ("random", "uneven"):
+        found = mmd.check_reduce(devices, 2, "nvfp4", routing)
+        print(f"reduce 2 GPUs, likely buffer and reduce-scatter, {routing}: {mmd.summary(found)}")
