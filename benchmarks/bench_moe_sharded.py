@@ -325,6 +325,7 @@ def plot(rows, path):
                    if (r["placement"], r["devices"]) == (name, n)}
             xs = [j + i * width for j, t in enumerate(tokens) if t in got]
             ax.bar(xs, [got[t] for t in tokens if t in got], width,
+                   color=plt.get_cmap("tab20")(i % 20),  # more series than the default 10
                    label=name if n == 1 else f"{name}, {n} devices")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))],
                       [f"{t} tokens" for t in tokens])
