@@ -62,7 +62,11 @@ if not CHILD:
         assert "all-to-all" in dispatched and "all-reduce" not in dispatched, out
         # its one all-gather is of the (devices, experts) int32 row counts; no rows gathered
         assert re.findall(r"all-gather (\w+\[[\d,]*\])", dispatched) == ["s32[2,8]"], out
-        assert out.count("expert weights moved: none") == 4, out  # one per placement
+        # the reduce layer: one f32 all-reduce of the (tokens, hidden) shares, nothing else
+        reduced = lines["expert parallel, reduce collectives"]
+        assert re.findall(r"(all-\w+|reduce-scatter|collective-permute) (\w+\[[\d,]*\])",
+                          reduced) == [("all-reduce", "f32[16,256]")], out
+        assert out.count("expert weights moved: none") == 5, out  # one per placement
 
     def test_moe_sharded_benchmark_smoke(children):
         """benchmarks/bench_moe_sharded.py on 2 CPU devices: every placement's row with its
@@ -74,7 +78,7 @@ if not CHILD:
             rows = json.load(f)["rows"]
         assert os.path.getsize(os.path.join(BENCH_OUT, "bench_moe_sharded_cpu.png")) > 0
         placed = {(r["fmt"], r["tokens"], r["placement"], r["devices"]): r for r in rows}
-        assert len(placed) == 2 * 2 * 5, sorted(placed)  # formats x tokens x placements
+        assert len(placed) == 2 * 2 * 6, sorted(placed)  # formats x tokens x placements
         for (fmt, tokens, placement, n), r in placed.items():
             assert "error" not in r and "skipped" not in r, r
             assert r["loop_us"] > 0
@@ -85,6 +89,8 @@ if not CHILD:
                 assert r["differing_outputs"] == dict(layer=0), r
                 assert "all-to-all" in r["collectives"], r
                 assert "all-reduce" not in r["collectives"], r
+            elif placement == "reduce":  # the shares summed: one f32 all-reduce, no rows moved
+                assert r["collectives"] == f"all-reduce f32[{tokens},256] x1", r
             elif placement != "1 device":
                 assert "all-reduce" in r["collectives"] or "all-gather" in r["collectives"], r
 
