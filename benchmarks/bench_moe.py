@@ -50,6 +50,7 @@ MODELS = {
     # hidden, intermediate (per expert), experts, top_k
     "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
     "gpt-oss-20b": dict(hidden=2880, intermediate=2880, experts=32, top_k=4),
+    "gpt-oss-120b": dict(hidden=2880, intermediate=2880, experts=128, top_k=4),
 }
 TINY_MODELS = {"tiny": dict(hidden=256, intermediate=128, experts=8, top_k=2)}
 TOKENS = (1, 16, 64, 256, 4096)

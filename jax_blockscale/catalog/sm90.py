@@ -414,6 +414,12 @@ RAGGED_DECODE_SHORT_TILE_BYTES = 160 * 1024
 RAGGED_DECODE_CTA_BYTES = 320 * 1024
 RAGGED_DECODE_MIN_WAVES = 1.5
 RAGGED_DECODE_MAX_TILES_PER_CTA = 4  # the most measured (the kernel takes up to 16)
+# Longer tiles gain from running on only where one CTA has its SM alone (a tuning of 1 CTA per
+# SM: no second CTA hides a tile's ring fill and tail) and many waves remain: gpt-oss-120b's
+# 368 KB MXFP4 tiles at 8 rows per expert, 4 per CTA, 4-7 % faster on an H100 and an H200;
+# gpt-oss-20b's down tiles at 1.5 waves 21-24 % slower with 2; tiles of a 2-CTA tuning slower
+# with 2 (docs/design/sm90_ragged_decode.md).
+RAGGED_DECODE_LONG_TILE_MIN_WAVES = 2.5
 
 
 def expected_hit_groups(m: int, groups: int) -> float:
@@ -430,12 +436,16 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
     chunk = decode_chunk_elems(b_kind, nt, tuning)
     k_range = min(k, _ceil_div(_ceil_div(k, chunk), splits) * chunk)  # a split's K elements
     tile_bytes = tuning.bn * k_range * KINDS[b_kind]["bits"] // 8
-    if tile_bytes >= RAGGED_DECODE_SHORT_TILE_BYTES:
-        return 1
     work = expected_hit_groups(m, groups) * splits  # items with rows, about, x K ranges
-    min_ctas = RAGGED_DECODE_MIN_WAVES * tuning.ctas_per_sm * sm_count
+    if tile_bytes >= RAGGED_DECODE_SHORT_TILE_BYTES:  # long tiles
+        if tuning.ctas_per_sm != 1:
+            return 1
+        min_ctas, most_bytes = RAGGED_DECODE_LONG_TILE_MIN_WAVES * sm_count, None
+    else:
+        min_ctas = RAGGED_DECODE_MIN_WAVES * tuning.ctas_per_sm * sm_count
+        most_bytes = RAGGED_DECODE_CTA_BYTES
     per = 1
-    while (per * tile_bytes < RAGGED_DECODE_CTA_BYTES
+    while ((most_bytes is None or per * tile_bytes < most_bytes)
            and per < min(tiles, RAGGED_DECODE_MAX_TILES_PER_CTA)
            and work * _ceil_div(tiles, per + 1) >= min_ctas):
         per += 1

@@ -729,8 +729,9 @@ def test_sizes_mode_needs_the_decode_kernel():
 
 
 def test_tiles_per_cta_follow_the_tile_bytes_and_the_waves():
-    """Several tiles of N per CTA where a tile's weights are few bytes and enough CTAs remain
-    (the choices measured best or within 1 us in docs/design/sm90_ragged_decode.md)."""
+    """Several tiles of N per CTA where a tile's weights are few bytes and enough CTAs remain,
+    or, for long tiles, where one CTA has its SM alone and many waves remain (the choices
+    measured best or within 1 us in docs/design/sm90_ragged_decode.md)."""
     for (m, n, k, g), want in {
             (128, 1536, 2048, 128): 2,  # Qwen3-30B-A3B gate+up, 16 tokens: 128 KB tiles; 3
             # would leave 1.2 waves
@@ -739,8 +740,14 @@ def test_tiles_per_cta_follow_the_tile_bytes_and_the_waves():
             (2048, 1536, 2048, 128): 3,  # 256 tokens (32-row items)
             (128, 2048, 768, 128): 3,  # its down projection: 48 KB tiles; 4 leave < 1.5 waves
             (512, 2048, 768, 128): 4,  # at 64 tokens: at most 4
-            (64, 5760, 2880, 32): 1,  # gpt-oss-20b gate+up, 16 tokens: 180 KB tiles
-            (256, 5760, 2880, 32): 1,  # 64 tokens: 368 KB tiles (16-row items)
+            (64, 5760, 2880, 32): 1,  # gpt-oss-20b gate+up, 16 tokens: 180 KB tiles, 2 CTAs
+            # per SM
+            (256, 5760, 2880, 32): 2,  # 64 tokens: 368 KB tiles (16-row items, 1 CTA per SM)
+            # over 2.9 waves; 3 would leave 1.9
+            (256, 2880, 2880, 32): 1,  # its down projection: 2 would leave 1.5 waves
+            (1024, 5760, 2880, 128): 4,  # gpt-oss-120b gate+up, 256 tokens: 128 experts hit
+            (1024, 2880, 2880, 128): 4,  # its down projection
+            (64, 2880, 2880, 128): 1,  # 16 tokens: 8-row items, 2 CTAs per SM
     }.items():
         p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, n, k, g), H100)
         assert p.kernel == "ragged_decode" and p.tiles_per_cta == want, (m, n, k, g, p)
