@@ -1,0 +1,176 @@
+"""Our grouped MXFP4 GEMM beside OpenAI's triton_kernels (`matmul_ogs`, the MXFP4 MoE kernel vLLM
+and SGLang run gpt-oss with on Hopper), in one run on one GPU: the first expert GEMM (gate+up) of
+Qwen3-30B-A3B, gpt-oss-20b and gpt-oss-120b at 1, 16, 256 and 4096 tokens, each token routed to
+top_k distinct random experts by the peer script's own `routing` (the same draw on both sides).
+
+    python benchmarks/bench_moe_peers.py --out benchmarks/results --tag bench_moe_peers_h200
+    python benchmarks/bench_moe_peers.py --peer-dir /path/to/anchors ...
+
+Ours: `jbs.ragged_gemm` on the rows already sorted by expert (bf16 activations, MXFP4 weights
+in the blocked scale layout), device time from the profiler (benchmarks/timing.py), weights
+rotated through copies past L2. The peer: `peer_triton_kernels.py` from --peer-dir (default
+../shared/anchors beside the repository: the project's anchors, with the vendored
+triton_kernels/ beside it), run as a child process with torch and triton (the lent GPU
+machines have both); it gathers the rows in the kernel and times with torch's profiler. Its
+dense rows are kept in the JSON as it wrote them. Prints a table with the time ratio
+triton_kernels / ours (above 1: ours is faster); writes <tag>.json and <tag>.png. Needs a GPU;
+without torch or the peer folder it stops with a message naming what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_moe as bm  # noqa: E402
+from plotting import pyplot  # noqa: E402
+from timing import device_time_us  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_SCRIPT = "peer_triton_kernels.py"
+FMT = "mxfp4"  # the peer's weight format
+
+
+def load_peer(peer_dir):
+    """The peer script as a module (its shapes, tokens and routing; torch is imported only when
+    it runs)."""
+    path = os.path.join(peer_dir, PEER_SCRIPT)
+    if not os.path.exists(path):
+        raise SystemExit(f"bench_moe_peers.py: no {PEER_SCRIPT} in --peer-dir {peer_dir!r}")
+    spec = importlib.util.spec_from_file_location("peer_triton_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ours_rows(peer, models, tokens, calls):
+    """Our device time per (model, tokens) on the peer's shapes and routing."""
+    rows = []
+    gemm = bm.ours  # jitted jbs.ragged_gemm
+    for model in models:
+        e, n, k, top_k = peer.MODELS[model]
+        key = jax.random.PRNGKey(0)
+        w = bm.quantize(bm.normal(key, (e, n, k), jnp.float32) / np.sqrt(k), FMT,
+                        layout="blocked")
+        sets = bm.copies(w, bm.rotation_count(bm.quantized_bytes(FMT, e * n, k)))
+        for t in tokens:
+            sel = peer.routing(t, e, top_k)
+            gs = jnp.asarray(np.bincount(sel.reshape(-1), minlength=e), jnp.int32)
+            x = bm.normal(jax.random.fold_in(key, t), (t * top_k, k), jnp.bfloat16)
+            us = device_time_us(gemm, arg_sets=[(x, q, gs) for q in sets], calls=calls)
+            hit = int(np.count_nonzero(np.asarray(gs)))
+            rows.append(dict(model=model, tokens=t, experts=e, n=n, k=k, top_k=top_k,
+                             experts_hit=hit, ours_us=us,
+                             hit_bytes=hit * bm.quantized_bytes(FMT, n, k)))
+            print(f"ours  {model:<14}{t:>6}  {us:9.1f} us", flush=True)
+        del sets, w
+    return rows
+
+
+def peer_rows(peer_dir):
+    """Run the peer in a child process (torch beside JAX's process would share the GPU with
+    two allocators); its rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PYTHONPATH=peer_dir)
+        done = subprocess.run([sys.executable, PEER_SCRIPT, "--out", tmp], cwd=peer_dir,
+                              env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{PEER_SCRIPT} failed (rc {done.returncode}):\n"
+                             f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        with open(os.path.join(tmp, "peers_tk_torch.json")) as f:
+            return json.load(f)
+
+
+def merge(ours, peer):
+    """Our rows with the peer's time and the ratio peer / ours beside them."""
+    tk = {(r["model"], r["tokens"]): r for r in peer["rows"] if r.get("part") == "moe"}
+    for r in ours:
+        p = tk.get((r["model"], r["tokens"]), {})
+        if "device_us" in p:
+            r["triton_kernels_us"] = p["device_us"]
+            r["triton_over_ours"] = p["device_us"] / r["ours_us"]
+            if p.get("experts_hit") is not None:
+                r["triton_experts_hit"] = p["experts_hit"]
+        elif "error" in p:
+            r["triton_kernels_error"] = p["error"]
+    return ours
+
+
+def plot(rows, device, path):
+    plt = pyplot()
+    if plt is None:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    tokens = sorted({r["tokens"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    width = 0.8 / len(models)
+    for i, model in enumerate(models):
+        got = {r["tokens"]: r.get("triton_over_ours") for r in rows if r["model"] == model}
+        xs = [j + i * width for j, t in enumerate(tokens) if got.get(t)]
+        ax.bar(xs, [got[t] for t in tokens if got.get(t)], width, label=model)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.15, color="tab:red", lw=0.8, ls="--", label="issue 49 target (1.15)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))],
+                  [f"{t} tokens" for t in tokens])
+    ax.set_ylabel("triton_kernels time / ours")
+    ax.set_title(f"MXFP4 MoE gate+up, {device}: above 1 ours is faster", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peer-dir", default=os.path.join(ROOT, "..", "shared", "anchors"),
+                   help="the folder of peer_triton_kernels.py and triton_kernels/")
+    p.add_argument("--models", help="comma-separated, from the peer's models (default: all)")
+    p.add_argument("--calls", type=int, default=8, help="profiled calls per row")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--tag", default=None, help="file name stem (default bench_moe_peers_<gpu>)")
+    args = p.parse_args()
+    peer_dir = os.path.abspath(args.peer_dir)
+    peer = load_peer(peer_dir)
+    if jax.devices()[0].platform != "gpu":
+        raise SystemExit("bench_moe_peers.py needs a GPU (the peer runs on CUDA)")
+    models = args.models.split(",") if args.models else list(peer.MODELS)
+    for m in models:
+        if m not in peer.MODELS:
+            p.error(f"unknown model {m!r}; the peer has {list(peer.MODELS)}")
+    device = jax.devices()[0].device_kind
+    rows = ours_rows(peer, models, peer.TOKENS, args.calls)
+    peer_out = peer_rows(peer_dir)
+    rows = merge(rows, peer_out)
+    print(f"\n{device}; MXFP4 gate+up, bf16 activations; device time (us)")
+    print(f"{'model':<15}{'tokens':>7}{'ours':>10}{'triton_kernels':>16}{'tk / ours':>11}")
+    for r in rows:
+        tk = r.get("triton_kernels_us")
+        print(f"{r['model']:<15}{r['tokens']:>7}{r['ours_us']:>10.1f}"
+              + (f"{tk:>16.1f}{r['triton_over_ours']:>11.2f}" if tk is not None else
+                 f"  {r.get('triton_kernels_error', 'no peer row')}"))
+    os.makedirs(args.out, exist_ok=True)
+    card = next((c for c in ("H200", "H100") if c in device), "gpu").lower()
+    stem = os.path.join(args.out, args.tag or f"bench_moe_peers_{card}")
+    meta = dict(device=device, jax=jax.__version__, peer_device=peer_out.get("device"),
+                torch=peer_out.get("torch"), triton=peer_out.get("triton"),
+                method="ours: jbs.ragged_gemm on sorted rows, device time (benchmarks/timing.py);"
+                " triton_kernels: peer_triton_kernels.py (matmul_ogs, rows gathered in the "
+                "kernel), torch profiler kernel time; the same routing draw")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta, rows=rows, peer_dense=[r for r in peer_out["rows"]
+                                                     if r.get("part") == "dense"]), f, indent=1)
+    print(f"wrote {stem}.json")
+    plot(rows, device, stem + ".png")
+
+
+if __name__ == "__main__":
+    main()
