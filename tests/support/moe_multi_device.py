@@ -509,13 +509,10 @@ def dispatch_moves(found, weights, *, rows_dtype="bf16"):
         assert not other, f"{c.name} moves {other}: neither rows nor counts; {text}"
 
 
-def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exchange="auto",
-                   tokens=TOKENS, match="exact"):
-    """QuantizedMoE(mesh=, expert_axis=) over n devices: the one-device layer (`match`: bit for
-    bit, or, where a platform does not give that yet, to one bf16 step); its
-    program exchanges rows with all-to-all (or ragged-all-to-all) only: no all-reduce of whole
-    outputs (only the scalar amax of NVFP4 activations), no all-gather (tokens a multiple of
-    n), no weight moved, every weight used where it was placed. Returns the collectives."""
+def run_expert_parallel(devices, n, fmt, routing, act_fmt, tokens, exchange):
+    """The one-device layer and QuantizedMoE(mesh=, expert_axis=, exchange=) on n devices (its
+    experts split, x replicated), both jitted and run on the same weights and tokens: (the
+    sharded layer, its output, the one-device output, its compiled program, its arguments)."""
     mesh = mesh_of(devices, n)
     one, ep, x = dispatch_problem(fmt, routing, act_fmt, tokens, mesh=mesh, exchange=exchange)
     g1, s1 = nnx.split(one)
@@ -527,10 +524,21 @@ def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exch
     xs = jax.device_put(x, NamedSharding(mesh, P()))
     got = f2(placed, xs)
     assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    return ep, got, want, f2.lower(placed, xs).compile(), (placed, xs)
+
+
+def check_dispatch(devices, n, fmt="nvfp4", routing="random", act_fmt=None, exchange="auto",
+                   tokens=TOKENS, match="exact"):
+    """QuantizedMoE(mesh=, expert_axis=) over n devices: the one-device layer (`match`: bit for
+    bit, or, where a platform does not give that yet, to one bf16 step); its
+    program exchanges rows with all-to-all (or ragged-all-to-all) only: no all-reduce of whole
+    outputs (only the scalar amax of NVFP4 activations), no all-gather (tokens a multiple of
+    n), no weight moved, every weight used where it was placed. Returns the collectives."""
+    ep, got, want, compiled, args = run_expert_parallel(devices, n, fmt, routing, act_fmt,
+                                                        tokens, exchange)
     assert_match(got, want, match, f"dispatched QuantizedMoE on {n} devices ({fmt}, "
                  f"{routing} routing, act {act_fmt}, {exchange} exchange)")
-    compiled = f2.lower(placed, xs).compile()
-    expect_sharded(compiled, (placed, xs))
+    expect_sharded(compiled, args)
     found = collectives(compiled.as_text())
     names = {c.name for c in found}
     assert names & {"all-to-all", "ragged-all-to-all"}, summary(found)
@@ -563,25 +571,15 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     reduce-scatter and an all-gather of the bf16 result (besides the scalar amax of NVFP4
     activations); no weight moved, every weight used where it was placed. Returns the
     collectives."""
-    mesh = mesh_of(devices, n)
-    one, ep, x = dispatch_problem(fmt, routing, act_fmt, tokens, mesh=mesh, exchange="reduce")
-    g1, s1 = nnx.split(one)
-    g2, s2 = nnx.split(ep)
-    f1 = jax.jit(lambda s, x: nnx.merge(g1, s)(x))
-    f2 = jax.jit(lambda s, x: nnx.merge(g2, s)(x))
-    want = f1(*jax.device_put((s1, x), devices[0]))
-    placed = shard_layer(s2, mesh, P("d", None, None), P("d", None, None))
-    xs = jax.device_put(x, NamedSharding(mesh, P()))
-    got = f2(placed, xs)
-    assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+    ep, got, want, compiled, args = run_expert_parallel(devices, n, fmt, routing, act_fmt,
+                                                        tokens, "reduce")
     what = (f"QuantizedMoE with exchange='reduce' on {n} devices ({fmt}, {routing} routing, "
             f"act {act_fmt})")
     assert_match(got, want, "bf16", what)
     # every device's shares summed: a dropped or doubled share moves whole tokens far away
     err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
     assert float(err.max()) <= 2.0 ** -6 * float(np.abs(np.asarray(want, np.float32)).max()), what
-    compiled = f2.lower(placed, xs).compile()
-    expect_sharded(compiled, (placed, xs))
+    expect_sharded(compiled, args)
     found = collectives(compiled.as_text())
     text = summary(found)
     assert not {c.name for c in found} & {"all-to-all", "ragged-all-to-all",
