@@ -101,6 +101,19 @@ else:
             assert (busiest <= 80) == fits, (routing, busiest)  # the branch the layer takes
             mmd.check_reduce(DEVICES, 2, "nvfp4", routing)
 
+    def test_reduce_takes_tokens_split_over_the_devices():
+        """x split along the tokens (as a data-parallel layer before it leaves it): the reduce
+        layer gathers it (every device needs every token) and gives the same output."""
+        mesh = mmd.mesh_of(DEVICES, 4)
+        one, ep, x = mmd.dispatch_problem("nvfp4", "random", mesh=mesh, exchange="reduce")
+        g1, s1 = nnx.split(one)
+        g2, s2 = nnx.split(ep)
+        want = jax.jit(lambda s, x: nnx.merge(g1, s)(x))(s1, x)
+        placed = mmd.shard_layer(s2, mesh, P("d", None, None), P("d", None, None))
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("d")))
+        got = jax.jit(lambda s, x: nnx.merge(g2, s)(x))(placed, xs)
+        mmd.assert_match(got, want, "bf16", "reduce layer, tokens split over 4 devices")
+
     def test_reduce_check_catches_a_lost_share(monkeypatch):
         """The check has teeth: a layer whose devices keep their own share (no all-reduce)
         fails it."""
