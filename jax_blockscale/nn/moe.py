@@ -223,12 +223,13 @@ class QuantizedMoE(nnx.Module):
       experts/d of the experts (place gate_up and down split on their expert axis over it,
       ``P(expert_axis)``), and each routed (token, expert) row is sent only to the device that
       owns its expert and back. The output is split over the axis along the tokens
-      (replicated with exchange="reduce"). Both or neither; mesh=None with expert_axis uses the mesh set by ``jax.set_mesh``. Without them
-      the layer runs as placed (under jit, the grouped GEMM's sharding rule).
+      (replicated with exchange="reduce"). Both or neither; mesh=None with expert_axis uses the
+      mesh set by ``jax.set_mesh``. Without them the layer runs as placed (under jit, the
+      grouped GEMM's sharding rule).
     exchange: with expert_axis, how rows cross devices: "auto" (ragged_all_to_all on GPUs, a
       padded all_to_all elsewhere), "ragged" or "padded"; or "reduce": no token moves, every
-      device runs its own experts' rows of all tokens and one f32 all-reduce sums the combined
-      outputs, which come out replicated (equal to one device's to f32 rounding; the fewest
+      device runs its own experts' rows of all tokens and the combined outputs are summed across
+      devices in f32, coming out replicated (equal to one device's to f32 rounding; the fewest
       bytes when the input is replicated anyway, as after tensor-parallel attention).
     """
 

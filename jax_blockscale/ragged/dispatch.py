@@ -1,5 +1,6 @@
 """Expert parallelism that dispatches tokens: each routed (token, expert) row goes only to the
-device that owns its expert, runs there, and comes back.
+device that owns its expert, runs there, and comes back; or, where every device holds every
+token anyway, that keeps them (exchange="reduce", below) and sums the devices' shares.
 
     y = dispatch_moe(x, router, gate_up, down, route=..., activation=..., mesh=mesh,
                      axis="expert")
@@ -40,8 +41,10 @@ The exchange (`exchange=`):
             attention leaves it), routes and sorts all of them as one device does, and runs
             only the rows of its own experts (one contiguous run of the sorted rows) through
             both GEMMs; each device then sums its share of every token's combine (the slots it
-            owns, the others 0) and one f32 all-reduce of the (T, H) shares gives every device
-            the output (replicated). The interconnect carries T x H f32 once, against
+            owns, the others 0); the (T, H) shares are summed across devices in f32 and every
+            device gets the output (replicated): one all-reduce, or from
+            REDUCE_SCATTER_MIN_BYTES of shares an f32 reduce-scatter and an all-gather in the
+            output dtype. The interconnect carries T x H values once, against
             2 x T x k x H x (d - 1) / d rows for the dispatching exchanges; the shares are
             added in another order than one device's slot-by-slot sum, so the output equals
             one device's to f32 rounding (a few bf16 outputs one step apart), not bit for bit.
