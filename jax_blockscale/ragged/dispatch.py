@@ -62,7 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.quantize import BlockScaled
 from .api import _operands_and_params
-from .primitive import bind_local, unsort_rows
+from .primitive import bind_local, inverse_permutation, unsort_rows
 
 __all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange"]
 
@@ -260,9 +260,9 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
             return a.astype(dt)
         return _quantize_as_one_device(quantize, a, axis)
 
-    def share_of(cap, x, weights, order, start, group_sizes, gate_up, down):
+    def share_of(cap, x, weights, order, place, start, group_sizes, gate_up, down):
         """This device's share (T, H) f32 of every token's combine, its rows in a buffer of
-        `cap` rows (which must hold them)."""
+        `cap` rows (which must hold them); place: each (token, slot) row's place among them."""
         k = weights.shape[-1]
         take = jnp.minimum(start + jnp.arange(cap, dtype=jnp.int32), tokens * k - 1)
         # rows past my groups are other experts' rows: the grouped GEMMs write zeros there
@@ -271,10 +271,7 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
                         plan_shape=(tokens * k, gate_up.shape[1], experts))
         y = expert_gemm(act(activation(h)), down, group_sizes, out_dtype=dt, backend=backend,
                         plan_shape=(tokens * k, down.shape[1], experts))
-        # each (token, slot) row's place among my rows, or none: other devices add those
-        inverse = jnp.zeros((tokens * k,), jnp.int32).at[order].set(
-            jnp.arange(tokens * k, dtype=jnp.int32))
-        place = inverse - start
+        # rows placed outside my rows are other devices' to add
         owned = (place >= 0) & (place < jnp.sum(group_sizes))
         rows = jnp.where(owned[:, None], y[jnp.clip(place, 0, cap - 1)], jnp.zeros((), y.dtype))
         return combine(rows.reshape(tokens, k, -1), weights)
@@ -288,8 +285,9 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
         first_expert = lax.axis_index(axis) * local_experts
         group_sizes = lax.dynamic_slice_in_dim(counts, first_expert, local_experts)
         # my experts' rows are one contiguous run of the sorted rows, from `start`
-        start = jnp.sum(jnp.where(jnp.arange(experts) < first_expert, counts, 0))
-        args = (x, weights, order, start, group_sizes, gate_up, down)
+        start = _exclusive_cumsum(counts)[first_expert]
+        place = inverse_permutation(order) - start  # each (token, slot) row's, among mine
+        args = (x, weights, order, place, start, group_sizes, gate_up, down)
         most = tokens * min(k, local_experts)  # the most rows my experts can get
         likely = _likely_rows(tokens * k, d, most)
         if likely < most:

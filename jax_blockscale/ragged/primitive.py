@@ -240,15 +240,20 @@ def bind_local(operands, params, row_start=None, plan_shape=None):
 # Batching (see the module docstring).
 
 
+def inverse_permutation(order):
+    """int32 (n,): where each element went under the permutation `order` (inverse[order[i]] =
+    i), by an int scatter of n indices."""
+    n = order.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+
+
 def unsort_rows(rows, order):
     """rows (n, ...) sorted by the permutation `order` (row i is row order[i] of the unsorted
     array) back in their unsorted order: a gather by the inverse permutation (an int scatter of
     n indices, then one coalesced row gather; a row scatter of the (n, ...) rows themselves
     costs several times more on GPUs). Used by the batching rule below and by the MoE layers
     (ragged/dispatch.py, nn/moe.py)."""
-    n = order.shape[0]
-    inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    return rows[inverse]
+    return rows[inverse_permutation(order)]
 
 
 def _merged_rows(args, dims, size, params):
