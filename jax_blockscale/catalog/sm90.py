@@ -415,10 +415,9 @@ RAGGED_DECODE_CTA_BYTES = 320 * 1024
 RAGGED_DECODE_MIN_WAVES = 1.5
 RAGGED_DECODE_MAX_TILES_PER_CTA = 4  # the most measured (the kernel takes up to 16)
 # Longer tiles gain from running on only where one CTA has its SM alone (a tuning of 1 CTA per
-# SM: no second CTA hides a tile's ring fill and tail) and many waves remain: gpt-oss-120b's
-# 368 KB MXFP4 tiles at 8 rows per expert, 4 per CTA, 4-7 % faster on an H100 and an H200;
-# gpt-oss-20b's down tiles at 1.5 waves 21-24 % slower with 2; tiles of a 2-CTA tuning slower
-# with 2 (docs/design/sm90_ragged_decode.md).
+# SM: no second CTA hides a tile's ring fill and tail) and the CTAs left still fill this many
+# waves; with a second CTA per SM, or fewer waves, they lose (measured on an H100 and an H200:
+# docs/design/sm90_ragged_decode.md).
 RAGGED_DECODE_LONG_TILE_MIN_WAVES = 2.5
 
 
