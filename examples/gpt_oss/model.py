@@ -60,7 +60,7 @@ import jax_blockscale as jbs
 from jax_blockscale import interop
 from jax_blockscale.interop import hf_config
 from jax_blockscale.interop.hf_config import ConfigError, require
-from jax_blockscale.nn.moe import flatten_layers, layer_group_sizes
+from jax_blockscale.nn.moe import flatten_layers, layer_group_sizes, router_logits
 from jax_blockscale.ragged.primitive import unsort_rows
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -258,8 +258,7 @@ def init_cache(cfg: GptOssConfig, batch: int, max_len: int, dtype=jnp.bfloat16) 
 def route(x, router, bias, top_k: int):
     """Top-k routing of tokens x (T, H), router (H, E), bias (E,): (order, group_sizes, experts
     of the sorted pairs, weights (T, k) f32: the softmax over the k chosen logits)."""
-    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST) + bias.astype(jnp.float32)
+    logits = router_logits(x, router) + bias.astype(jnp.float32)
     top, experts = lax.top_k(logits, top_k)
     weights = jax.nn.softmax(top, axis=-1)
     flat = experts.reshape(-1)

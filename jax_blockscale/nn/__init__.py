@@ -9,9 +9,10 @@
 from .dense import (PROGRESS_MIN_KERNELS, ActivationScale, QuantizedDense, QuantizedLinear,
                     QuantizedWeight, default_filter, dense, from_quantized_params, path_name,
                     quantize_kernel, quantize_model, quantize_params)
-from .moe import MoE, QuantizedMoE, quantize_experts, quantize_moe_params, route
+from .moe import (MoE, QuantizedMoE, quantize_experts, quantize_moe_params, route, router_logits,
+                  top_k_experts)
 
 __all__ = ["PROGRESS_MIN_KERNELS", "ActivationScale", "MoE", "QuantizedDense", "QuantizedLinear",
            "QuantizedMoE", "QuantizedWeight", "default_filter", "dense", "from_quantized_params",
            "path_name", "quantize_experts", "quantize_kernel", "quantize_model",
-           "quantize_moe_params", "quantize_params", "route"]
+           "quantize_moe_params", "quantize_params", "route", "router_logits", "top_k_experts"]

@@ -9,6 +9,7 @@
     quantize_moe_params      a parameter pytree's "gate_up" / "down" leaves -> BlockScaled
     route(x, router, top_k)  top-k routing: expert ids, combine weights, the token sort
     top_k_experts(x, router, top_k)  the routing itself: expert ids and combine weights
+    router_logits(x, router) the router's f32 logits (exact products, f32 sums)
     swiglu(h)                the SwiGLU of a fused gate+up output (gate columns, then up), f32
 
 The forward pass (both layers): router logits in f32, the top-k experts per token with softmax
@@ -54,7 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without flax insta
 from .dense import QuantizedWeight  # noqa: E402  (after the Flax check)
 
 __all__ = ["MoE", "QuantizedMoE", "quantize_experts", "quantize_moe_params", "route",
-           "top_k_experts"]
+           "router_logits", "top_k_experts"]
 
 EXPERT_PARAMS = ("gate_up", "down")  # the leaves quantize_moe_params converts
 
@@ -63,12 +64,33 @@ EXPERT_PARAMS = ("gate_up", "down")  # the leaves quantize_moe_params converts
 # Routing (shared by both layers)
 
 
+def router_logits(x, router):
+    """The router's f32 logits (T, E) of tokens x (T, H) under router weights (H, E): every
+    product exact, the sums in f32.
+
+    bf16 tokens (the usual case) take one bf16 tensor-core dot with f32 accumulation against the
+    f32 router split into three bf16 parts (hi + mid + lo == router exactly: 3 x 8 significant
+    bits hold f32's 24), the three partial logits added smallest first. A true f32 GEMM there
+    runs on the CUDA cores: several times the time of the whole routing. Other token dtypes take
+    the f32 dot at HIGHEST precision; a bf16 router, one dot."""
+    if x.dtype == jnp.bfloat16 and router.dtype == jnp.bfloat16:
+        return jnp.dot(x, router, preferred_element_type=jnp.float32)
+    r = router.astype(jnp.float32)
+    if x.dtype != jnp.bfloat16:
+        return jnp.dot(x.astype(jnp.float32), r, precision=lax.Precision.HIGHEST)
+    hi = r.astype(jnp.bfloat16)
+    rest = r - hi.astype(jnp.float32)  # exact
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)  # exact: <= 8 bits are left
+    e = r.shape[-1]
+    y = jnp.dot(x, jnp.concatenate([hi, mid, lo], axis=-1), preferred_element_type=jnp.float32)
+    return (y[..., 2 * e:] + y[..., e:2 * e]) + y[..., :e]
+
+
 def top_k_experts(x, router, top_k: int):
     """The top-k experts of tokens x (T, H) under router weights (H, E): (experts (T, k) int32,
     weights (T, k) f32, the softmax of the chosen logits: they sum to 1 per token)."""
-    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
-    top_logits, experts = lax.top_k(logits, top_k)  # (T, k)
+    top_logits, experts = lax.top_k(router_logits(x, router), top_k)  # (T, k)
     return experts.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1)
 
 

@@ -63,6 +63,34 @@ def tokens():
     return jax.random.normal(jax.random.PRNGKey(3), (2, 9, H), jnp.float32)
 
 
+@pytest.mark.parametrize("x_dtype, r_dtype", [(jnp.bfloat16, jnp.float32),
+                                               (jnp.float32, jnp.float32),
+                                               (jnp.bfloat16, jnp.bfloat16)])
+def test_router_logits_match_a_float64_oracle(x_dtype, r_dtype):
+    """Every product exact, sums in f32: within a few f32 roundings of the float64 dot of the
+    same (rounded) inputs, on values spread over many binades; and one-hot tokens give the
+    router's rows back bit for bit (a router split into two bf16 parts instead of three, or
+    rounded to bf16, loses their low bits and fails)."""
+    kx, kr, ks = jax.random.split(jax.random.PRNGKey(11), 3)
+    t, h, e = 37, 1024, 24
+    x = (jax.random.normal(kx, (t, h)) * 3).astype(x_dtype)
+    r = (jax.random.normal(kr, (h, e)) * jnp.exp2(jax.random.randint(ks, (h, e), -12, 4))
+         ).astype(r_dtype)
+    got = np.asarray(jnn.router_logits(x, r), np.float64)
+    xs, rs = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    want = xs @ rs
+    bound = 32 * 2.0 ** -24 * (np.abs(xs) @ np.abs(rs))
+    assert jnn.router_logits(x, r).dtype == jnp.float32
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    one_hot = jax.nn.one_hot(jnp.arange(t) * 7 % h, h, dtype=x_dtype)
+    np.testing.assert_array_equal(np.asarray(jnn.router_logits(one_hot, r)),
+                                  np.asarray(r, np.float32)[np.arange(t) * 7 % h])
+    # the experts and weights top_k_experts derives from them
+    ids, w = jnn.top_k_experts(x, r, 3)
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-want, axis=1, kind="stable")[:, :3])
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+
+
 def test_float_moe_matches_oracle(moe, tokens):
     y = call(moe, tokens)
     assert y.shape == tokens.shape
