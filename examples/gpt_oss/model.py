@@ -61,7 +61,7 @@ from jax_blockscale import interop
 from jax_blockscale.interop import hf_config
 from jax_blockscale.interop.hf_config import ConfigError, require
 from jax_blockscale.nn.moe import flatten_layers, layer_group_sizes, router_logits
-from jax_blockscale.ragged.primitive import unsort_rows
+from jax_blockscale.ragged.primitive import stable_order, unsort_rows
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (a constant of the architecture)
@@ -262,7 +262,7 @@ def route(x, router, bias, top_k: int):
     top, experts = lax.top_k(logits, top_k)
     weights = jax.nn.softmax(top, axis=-1)
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = stable_order(flat)
     group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
     return order, group_sizes, flat[order], weights
 

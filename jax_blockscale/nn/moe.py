@@ -44,7 +44,7 @@ from ..core.quantize import BlockScaled, to_blocked
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
 from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
-from ..ragged.primitive import unsort_rows
+from ..ragged.primitive import stable_order, unsort_rows
 
 try:
     from flax import nnx
@@ -103,7 +103,7 @@ def route(x, router, top_k: int):
     """
     experts, weights = top_k_experts(x, router, top_k)
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = stable_order(flat)
     group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
     return order, group_sizes, weights
 

@@ -240,6 +240,27 @@ def bind_local(operands, params, row_start=None, plan_shape=None):
 # Batching (see the module docstring).
 
 
+# stable_order: up to this many keys, ranks from all pairs of keys (one fused compare-and-count
+# kernel and an int scatter) instead of a sort: XLA's GPU sort of a few thousand keys is one
+# long kernel of many passes, while n^2 compares of n <= 4096 keys are a few microseconds.
+STABLE_ORDER_RANK_MAX = 4096
+
+
+def stable_order(keys):
+    """int32 (n,): the permutation sorting int keys (n,) stably, as
+    ``jnp.argsort(keys, stable=True)`` (equal keys keep their order): the order of the rows of
+    a mixture-of-experts layer sorted by expert. Up to STABLE_ORDER_RANK_MAX keys each key's
+    place is counted (the keys before it: smaller, or equal and earlier) and the permutation
+    is its inverse; more keys are sorted."""
+    n = keys.shape[0]
+    if n > STABLE_ORDER_RANK_MAX:
+        return jnp.argsort(keys, stable=True).astype(jnp.int32)
+    i = jnp.arange(n, dtype=jnp.int32)
+    mine, other = keys[:, None], keys[None, :]
+    before = (other < mine) | ((other == mine) & (i[None, :] < i[:, None]))
+    return inverse_permutation(jnp.sum(before, axis=1, dtype=jnp.int32))
+
+
 def inverse_permutation(order):
     """int32 (n,): where each element went under the permutation `order` (inverse[order[i]] =
     i), by an int scatter of n indices."""
@@ -268,7 +289,7 @@ def _merged_rows(args, dims, size, params):
     safe = jax.vmap(lambda g: clamp_group_sizes(g, m))(gs)  # each example's own semantics
     gid = jax.vmap(lambda g: row_groups(g, m))(safe)  # (B, M); G past the example's sum
     # Stable sort of all B*M rows by group: group g's rows of example 0, then of example 1, ...
-    order = jnp.argsort(gid.reshape(-1), stable=True)
+    order = stable_order(gid.reshape(-1))
     flat = lambda x: x.reshape((size * m,) + x.shape[2:])
     lhs_sorted = flat(lhs)[order]
     sl_sorted = None if sl is None else flat(sl)[order]

@@ -425,3 +425,20 @@ def test_reference_methods_agree(method):
                                               jnp.ones(4, F32), jnp.int32(0), spec=spec,
                                               method=method)
     check(y, ragged_oracle(x.astype(np.float64), values(rhs), np.asarray(gs)))
+
+
+@pytest.mark.parametrize("n, values", [(1, 3), (37, 5), (513, 129), (4096, 128), (4097, 17),
+                                       (6000, 1)])
+def test_stable_order_is_a_stable_argsort(n, values):
+    """The MoE layers' row order (ranked from pairs up to STABLE_ORDER_RANK_MAX keys, sorted
+    beyond) equals NumPy's stable argsort: equal keys keep their order, absent keys (empty
+    experts) and one key for all rows included, on both sides of the threshold; also jitted
+    and in the padded-row case (one key past the experts)."""
+    assert ragged.STABLE_ORDER_RANK_MAX == 4096  # the cases sit on both sides of it
+    stable_order = ragged.stable_order
+    keys = np.random.default_rng(n).integers(0, values, n).astype(np.int32)
+    keys[:: max(1, n // 7)] = values  # "routed nowhere" rows, after every expert's
+    want = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(np.asarray(stable_order(jnp.asarray(keys))), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(stable_order)(jnp.asarray(keys))), want)
+    assert stable_order(jnp.asarray(keys)).dtype == jnp.int32
