@@ -64,19 +64,27 @@ EXPERT_PARAMS = ("gate_up", "down")  # the leaves quantize_moe_params converts
 # Routing (shared by both layers)
 
 
+# router_logits: from this many tokens, bf16 tokens against an f32 router take the split-router
+# dot (below); fewer take the f32 dot, whose cost grows with the tokens but whose fixed cost is
+# lower than splitting the router on every call.
+ROUTER_SPLIT_MIN_TOKENS = 512
+
+
 def router_logits(x, router):
     """The router's f32 logits (T, E) of tokens x (T, H) under router weights (H, E): every
     product exact, the sums in f32.
 
-    bf16 tokens (the usual case) take one bf16 tensor-core dot with f32 accumulation against the
-    f32 router split into three bf16 parts (hi + mid + lo == router exactly: 3 x 8 significant
-    bits hold f32's 24), the three partial logits added smallest first. A true f32 GEMM there
-    runs on the CUDA cores: several times the time of the whole routing. Other token dtypes take
-    the f32 dot at HIGHEST precision; a bf16 router, one dot."""
+    Many bf16 tokens (ROUTER_SPLIT_MIN_TOKENS and more) take one bf16 tensor-core dot with f32
+    accumulation against the f32 router split into three bf16 parts (hi + mid + lo == router
+    exactly: 3 x 8 significant bits hold f32's 24), the three partial logits added smallest
+    first: an f32 GEMM runs on the CUDA cores, and at thousands of tokens takes several times
+    as long. Fewer tokens, and other token dtypes, take the f32 dot at HIGHEST precision; a
+    bf16 router, one bf16 dot."""
     if x.dtype == jnp.bfloat16 and router.dtype == jnp.bfloat16:
         return jnp.dot(x, router, preferred_element_type=jnp.float32)
     r = router.astype(jnp.float32)
-    if x.dtype != jnp.bfloat16:
+    tokens = int(np.prod(x.shape[:-1]))
+    if x.dtype != jnp.bfloat16 or tokens < ROUTER_SPLIT_MIN_TOKENS:
         return jnp.dot(x.astype(jnp.float32), r, precision=lax.Precision.HIGHEST)
     hi = r.astype(jnp.bfloat16)
     rest = r - hi.astype(jnp.float32)  # exact

@@ -63,16 +63,21 @@ def tokens():
     return jax.random.normal(jax.random.PRNGKey(3), (2, 9, H), jnp.float32)
 
 
+@pytest.mark.parametrize("split_min", [0, None], ids=["split router", "f32 dot"])
 @pytest.mark.parametrize("x_dtype, r_dtype", [(jnp.bfloat16, jnp.float32),
                                                (jnp.float32, jnp.float32),
                                                (jnp.bfloat16, jnp.bfloat16)])
-def test_router_logits_match_a_float64_oracle(x_dtype, r_dtype):
+def test_router_logits_match_a_float64_oracle(x_dtype, r_dtype, split_min, monkeypatch):
     """Every product exact, sums in f32: within a few f32 roundings of the float64 dot of the
     same (rounded) inputs, on values spread over many binades; and one-hot tokens give the
     router's rows back bit for bit (a router split into two bf16 parts instead of three, or
     rounded to bf16, loses their low bits and fails)."""
+    from jax_blockscale.nn import moe as moe_module
+    if split_min is not None:  # the split router, as from ROUTER_SPLIT_MIN_TOKENS tokens
+        monkeypatch.setattr(moe_module, "ROUTER_SPLIT_MIN_TOKENS", split_min)
     kx, kr, ks = jax.random.split(jax.random.PRNGKey(11), 3)
     t, h, e = 37, 1024, 24
+    assert t < moe_module.ROUTER_SPLIT_MIN_TOKENS or split_min is not None
     x = (jax.random.normal(kx, (t, h)) * 3).astype(x_dtype)
     r = (jax.random.normal(kr, (h, e)) * jnp.exp2(jax.random.randint(ks, (h, e), -12, 4))
          ).astype(r_dtype)
