@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from . import layout as _layout
-from .formats import PLAIN_DTYPES, Format, get_format
+from .formats import PLAIN_DTYPES, Format, can_multiply, get_format, supported_pairs
 
 _E4M3_MAX = 448.0
 _E8M0_BIAS = 127
@@ -353,6 +353,26 @@ def check_scales(name, s, x, fmt, layout):
                          f"shape {tuple(x.shape)} ({fmt}, block {f.block}) must have shape "
                          f"{want}" + ("; convert with jbs.to_blocked" if layout == "blocked"
                                       else ""))
+
+
+def check_operand_pair(names, x, w, sx, sw, fmt_x, fmt_w, layout_x, layout_w, *,
+                       plain_name: str):
+    """Raise, naming the operand, unless x (the activation: quantized or, fmt_x None, plain)
+    and w (quantized) are elements that multiply: each holds its format's elements, they agree
+    on K (their last axis), the formats pair, and each quantized one's scales fit it in its
+    layout. names: (x's name, w's name); plain_name: how the error calls a plain x."""
+    nx, nw = names
+    check_elements(nx, x, fmt_x)
+    check_elements(nw, w, fmt_w)
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"{nx} and {nw} must agree on K (their last axis): {nx} is "
+                         f"{tuple(x.shape)}, {nw} is {tuple(w.shape)}")
+    if not can_multiply(fmt_x, fmt_w):
+        raise ValueError(f"formats {fmt_x} x {fmt_w} cannot be multiplied; supported pairs: "
+                         f"{supported_pairs()} and weight-only ({plain_name} x any format)")
+    if fmt_x is not None:
+        check_scales(f"{nx} scales", sx, x, fmt_x, layout_x)
+    check_scales(f"{nw} scales", sw, w, fmt_w, layout_w)
 
 
 def check_blockscaled(q: BlockScaled, name: str = "q", *, values: bool = True) -> None:

@@ -35,8 +35,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..core.formats import can_multiply, check_out_dtype, supported_pairs
-from ..core.quantize import BlockScaled, check_elements, check_scales
+from ..core.formats import check_out_dtype
+from ..core.quantize import BlockScaled, check_operand_pair
 from ..lowering.plan import plan as make_plan
 from ..lowering.reference import operand_values
 from ..lowering.registry import ALL_PLATFORMS, get_backend
@@ -111,17 +111,8 @@ def gemm_spec(avals, *, fmt_a, fmt_b, layout_a, layout_b, out_dtype, backend=Non
     if fmt_b is None:
         raise TypeError("b must be quantized (a jbs.BlockScaled); quantize the weight with "
                         "jbs.quantize(w, fmt)")
-    check_elements("a", a, fmt_a)
-    check_elements("b", b, fmt_b)
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"a and b must agree on K (their last axis): a is {tuple(a.shape)}, "
-                         f"b is {tuple(b.shape)}")
-    if not can_multiply(fmt_a, fmt_b):
-        raise ValueError(f"formats {fmt_a} x {fmt_b} cannot be multiplied; supported pairs: "
-                         f"{supported_pairs()} and weight-only (plain activation x any format)")
-    if fmt_a is not None:
-        check_scales("a scales", sa, a, fmt_a, layout_a)
-    check_scales("b scales", sb, b, fmt_b, layout_b)
+    check_operand_pair(("a", "b"), a, b, sa, sb, fmt_a, fmt_b, layout_a, layout_b,
+                       plain_name="plain activation")
     if alpha.shape != () or np.dtype(alpha.dtype) != np.float32:
         raise TypeError(f"alpha must be an f32 scalar, got {alpha.dtype}{list(alpha.shape)}")
     check_out_dtype(out_dtype)

@@ -61,8 +61,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..core.formats import can_multiply, check_out_dtype, supported_pairs
-from ..core.quantize import check_elements, check_scales
+from ..core.formats import check_out_dtype
+from ..core.quantize import check_operand_pair
 from ..lowering.kernel_operands import element_bytes, take_layer
 from ..lowering.plan import plan as plan_gemm
 from ..lowering.plan import select_ragged_backend
@@ -105,17 +105,8 @@ def ragged_spec(avals, *, fmt_lhs, fmt_rhs, layout_lhs, layout_rhs, out_dtype, b
     if rhs.ndim != 3:
         raise ValueError(f"rhs must have shape (G, N, K) (one weight per group), got "
                          f"{tuple(rhs.shape)}")
-    check_elements("lhs", lhs, fmt_lhs)
-    check_elements("rhs", rhs, fmt_rhs)
-    if lhs.shape[-1] != rhs.shape[-1]:
-        raise ValueError(f"lhs and rhs must agree on K (their last axis): lhs is "
-                         f"{tuple(lhs.shape)}, rhs is {tuple(rhs.shape)}")
-    if not can_multiply(fmt_lhs, fmt_rhs):
-        raise ValueError(f"formats {fmt_lhs} x {fmt_rhs} cannot be multiplied; supported pairs: "
-                         f"{supported_pairs()} and weight-only (plain lhs x any format)")
-    if fmt_lhs is not None:
-        check_scales("lhs scales", sl, lhs, fmt_lhs, layout_lhs)
-    check_scales("rhs scales", sr, rhs, fmt_rhs, layout_rhs)
+    check_operand_pair(("lhs", "rhs"), lhs, rhs, sl, sr, fmt_lhs, fmt_rhs, layout_lhs,
+                       layout_rhs, plain_name="plain lhs")
     groups = rhs.shape[0]
     if group_index:
         if np.dtype(gs.dtype) != np.int32 or gs.shape != ():
