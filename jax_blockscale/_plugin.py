@@ -230,29 +230,31 @@ def check_problem(**kw) -> tuple[bool, str]:
     return rc == 0, buf.value.decode()
 
 
+def _has(symbol: str, lib: ctypes.CDLL | None) -> bool:
+    """Whether the library (`lib`, else the one `load` finds) exports `symbol`."""
+    lib = lib if lib is not None else load()
+    return lib is not None and hasattr(lib, symbol)
+
+
 def has_ragged_sm90(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has ragged_gemm's sm90 target (the grouped decode and register-weight
     kernels)."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_ragged_gemm_sm90")
+    return _has("jax_blockscale_ragged_gemm_sm90", lib)
 
 
 def has_layer_gemm(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has the layer target (gemm(..., layer=i) finding its layer)."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_layer_gemm_sm90")
+    return _has("jax_blockscale_layer_gemm_sm90", lib)
 
 
 def has_quantized_act_gemm(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has the target that quantizes the activation in the GEMM's call."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_quantized_act_gemm_sm90")
+    return _has("jax_blockscale_quantized_act_gemm_sm90", lib)
 
 
 def has_quantize_nvfp4(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has jbs.quantize's NVFP4 target (the quantizer kernels alone)."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_quantize_nvfp4_sm90")
+    return _has("jax_blockscale_quantize_nvfp4_sm90", lib)
 
 
 def quantized_activation_scratch(blocks: int, block_bytes: int = 8) -> tuple[int, int, int, int]:
@@ -284,22 +286,19 @@ def layer_at(at: int, base: int, nbytes: int, layers: int) -> int:
 
 def has_dot_alpha(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has the dot_alpha target (libraries built before it do not)."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_dot_alpha")
+    return _has("jax_blockscale_dot_alpha", lib)
 
 
 # ---- Blackwell (sm100) part of the library ----
 
 def has_ragged_sm100(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library has ragged_gemm's grouped Blackwell kernels and their FFI target."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_ragged_gemm_sm100")
+    return _has("jax_blockscale_ragged_gemm_sm100", lib)
 
 
 def has_sm100(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library was built with the Blackwell kernels and their FFI target."""
-    lib = lib if lib is not None else load()
-    return lib is not None and hasattr(lib, "jax_blockscale_gemm_sm100")
+    return _has("jax_blockscale_gemm_sm100", lib)
 
 
 def sm100_unavailable_reason() -> str | None:
