@@ -95,24 +95,10 @@ SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
 def shard_state(state, mesh, gate_up_spec, down_spec):
-    """The layer's state with each expert weight's elements, blocked scales (split on their tile
-    dims like the elements) and per-expert global scales on its spec; the router replicated."""
-    specs = {"gate_up": gate_up_spec, "down": down_spec}
-
-    def put(path, leaf):
-        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        spec = specs.get(names[0])
-        if spec is None:
-            s = P()
-        elif names[-1] == "data":
-            s = spec
-        elif names[-1] == "scales":  # (E, MN/128, SK/4, 32, 4, 4)
-            s = P(*spec, None, None, None)
-        else:  # global scales (E,)
-            s = P(spec[0]) if jnp.ndim(leaf) == 1 else P()
-        return jax.device_put(leaf, NamedSharding(mesh, s))
-
-    return jax.tree_util.tree_map_with_path(put, state)
+    """The layer's state placed on the mesh: each expert weight's arrays on its spec (its
+    scales and global scales following, `jnn.expert_shardings`), the router replicated."""
+    return jax.device_put(state, jnn.expert_shardings(state, mesh, gate_up=gate_up_spec,
+                                                      down=down_spec))
 
 
 def collectives(hlo_text):

@@ -9,10 +9,11 @@
 from .dense import (PROGRESS_MIN_KERNELS, ActivationScale, QuantizedDense, QuantizedLinear,
                     QuantizedWeight, default_filter, dense, from_quantized_params, path_name,
                     quantize_kernel, quantize_model, quantize_params)
-from .moe import (MoE, QuantizedMoE, quantize_experts, quantize_moe_params, route, router_logits,
-                  top_k_experts)
+from .moe import (MoE, QuantizedMoE, expert_shardings, quantize_experts, quantize_moe_params,
+                  route, router_logits, top_k_experts)
 
 __all__ = ["PROGRESS_MIN_KERNELS", "ActivationScale", "MoE", "QuantizedDense", "QuantizedLinear",
-           "QuantizedMoE", "QuantizedWeight", "default_filter", "dense", "from_quantized_params",
+           "QuantizedMoE", "QuantizedWeight", "default_filter", "dense", "expert_shardings",
+           "from_quantized_params",
            "path_name", "quantize_experts", "quantize_kernel", "quantize_model",
            "quantize_moe_params", "quantize_params", "route", "router_logits", "top_k_experts"]

@@ -7,6 +7,7 @@
                              scale per expert, MXFP4, MXFP6, MXFP8); ``QuantizedMoE.from_float``
     quantize_experts(w, fmt) float experts (E, in, out) -> BlockScaled (E, out, in), once
     quantize_moe_params      a parameter pytree's "gate_up" / "down" leaves -> BlockScaled
+    expert_shardings(state, mesh, gate_up=, down=)  NamedShardings placing a layer's state
     route(x, router, top_k)  top-k routing: expert ids, combine weights, the token sort
     top_k_experts(x, router, top_k)  the routing itself: expert ids and combine weights
     router_logits(x, router) the router's f32 logits (exact products, f32 sums)
@@ -38,9 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
 from ..core.quantize import BlockScaled, to_blocked
+from ..interop.loading import blockscaled_shardings
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
 from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
@@ -54,8 +57,8 @@ except ImportError as e:  # pragma: no cover - exercised only without flax insta
 
 from .dense import QuantizedWeight  # noqa: E402  (after the Flax check)
 
-__all__ = ["MoE", "QuantizedMoE", "quantize_experts", "quantize_moe_params", "route",
-           "router_logits", "top_k_experts"]
+__all__ = ["MoE", "QuantizedMoE", "expert_shardings", "quantize_experts", "quantize_moe_params",
+           "route", "router_logits", "top_k_experts"]
 
 EXPERT_PARAMS = ("gate_up", "down")  # the leaves quantize_moe_params converts
 
@@ -228,6 +231,32 @@ def quantize_moe_params(params, fmt: str, *, names=EXPERT_PARAMS):
         return leaf
 
     return jax.tree_util.tree_map_with_path(convert, params,
+                                            is_leaf=lambda x: isinstance(x, BlockScaled))
+
+
+def expert_shardings(state, mesh, *, gate_up, down):
+    """NamedShardings for a QuantizedMoE's state (``nnx.state(layer)``, or any pytree whose
+    expert weights sit under "gate_up" / "down" keys), for ``jax.device_put(state, ...)``.
+
+    gate_up, down: PartitionSpecs of the logical expert weights (E, out, in), e.g.
+    ``P("expert")`` (expert parallel: what ``QuantizedMoE(mesh=, expert_axis="expert")``
+    expects) or ``P(None, "model")`` (split on out). Each BlockScaled weight's arrays follow its
+    spec as `interop.blockscaled_shardings` maps it (elements as given; scales on their row and
+    K-block tiles; per-expert global scales on the expert axis); every other leaf (the router)
+    is replicated."""
+    specs = {"gate_up": gate_up, "down": down}
+    replicated = NamedSharding(mesh, P())
+
+    def place(path, leaf):
+        spec = specs.get(_key_name(path[0])) if path else None
+        if isinstance(leaf, BlockScaled) and spec is not None:
+            return blockscaled_shardings(NamedSharding(mesh, spec), leaf)
+        if spec is not None:
+            raise TypeError(f"{_key_name(path[0])} holds a {type(leaf).__name__}, not a "
+                            "BlockScaled: pass a QuantizedMoE's state")
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(place, state,
                                             is_leaf=lambda x: isinstance(x, BlockScaled))
 
 

@@ -419,23 +419,9 @@ def moe_layer(fmt="nvfp4", act_fmt=None, seed=0):
 
 def shard_layer(state, mesh, gate_up_spec, down_spec):
     """The layer's state with gate_up / down (elements, scales, global scales) on their specs
-    and the router replicated."""
-    specs = {"gate_up": gate_up_spec, "down": down_spec}
-
-    def put(path, leaf):
-        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        spec = specs.get(names[0])
-        if spec is None:
-            return jax.device_put(leaf, NamedSharding(mesh, P()))
-        if names[-1] == "data":
-            s = spec
-        elif names[-1] == "scales":
-            s = P(*spec, None, None, None)
-        else:  # global_scale: (E,) follows the experts
-            s = P(spec[0]) if jnp.ndim(leaf) == 1 else P()
-        return jax.device_put(leaf, NamedSharding(mesh, s))
-
-    return jax.tree_util.tree_map_with_path(put, state)
+    and the router replicated (`jnn.expert_shardings`, whose own test spells the specs out)."""
+    return jax.device_put(state, jnn.expert_shardings(state, mesh, gate_up=gate_up_spec,
+                                                      down=down_spec))
 
 
 def check_layer(devices, case, fmt="nvfp4", act_fmt=None):

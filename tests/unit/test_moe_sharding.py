@@ -133,3 +133,51 @@ else:
     def test_hlo_check_catches_a_gathered_weight():
         msg = mmd.check_catches_weight_gather(DEVICES)
         assert "expert weight" in msg or "more than any activation" in msg, msg
+
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_expert_shardings_follow_each_weights_spec(fmt):
+        """jnn.expert_shardings on a 2-device mesh, for the placements the layer tests use and
+        one whose tiles do not divide: elements on the given spec, blocked scales on their row
+        and K-block tiles (replicated where the tiles do not split evenly), a per-expert
+        global scale on the expert axis, the router replicated; a float weight is refused."""
+        from jax.sharding import Mesh, PartitionSpec as P
+        from jax_blockscale import nn as jnn
+        from flax import nnx
+
+        mesh = Mesh(DEVICES[:2], ("d",))
+        layer = mmd.moe_layer(fmt)
+        state = nnx.state(layer)
+        nvfp4 = fmt == "nvfp4"
+        gs = (lambda spec: spec) if nvfp4 else (lambda spec: None)  # NVFP4: per-expert scales
+        cases = {  # gate_up spec, down spec -> want (data, scales, global scale) per weight
+            "experts": ((P("d"), P("d")),
+                        [(P("d", None, None), P("d", None, None, None, None, None), gs(P("d")))]
+                        * 2),
+            "tensor_k": ((P(None, "d"), P(None, None, "d")),
+                         [(P(None, "d", None), P(None, "d", None, None, None, None), gs(P(None))),
+                          (P(None, None, "d"), P(None, None, "d", None, None, None),
+                           gs(P(None)))]),
+        }
+        for name, ((gu_spec, down_spec), want) in cases.items():
+            shardings = jnn.expert_shardings(state, mesh, gate_up=gu_spec, down=down_spec)
+            for weight, (data, scales, global_scale) in zip(("gate_up", "down"), want):
+                got = shardings[weight].get_value()
+                assert got.data.spec == data, (name, weight, got.data.spec)
+                assert got.scales.spec == scales, (name, weight, got.scales.spec)
+                if global_scale is None:
+                    assert got.global_scale is None, (name, weight)
+                else:
+                    assert got.global_scale.spec == global_scale, (name, weight,
+                                                                   got.global_scale.spec)
+            assert shardings["router"].get_value().spec == P(), name
+            placed = jax.device_put(state, shardings)
+            assert placed["gate_up"].get_value().data.sharding.spec == want[0][0], name
+        # down's K = 256: split over 2 devices in whole 4-block scale tiles, but not over 8
+        mesh8 = Mesh(DEVICES, ("d",))
+        down = jnn.expert_shardings(state, mesh8, gate_up=P(), down=P(None, None, "d"))["down"]
+        k_tiles = 256 // (16 if nvfp4 else 32) // 4
+        want_k = "d" if k_tiles % 8 == 0 else None
+        assert down.get_value().scales.spec == P(None, None, want_k, None, None, None)
+        with pytest.raises(TypeError, match="gate_up holds"):
+            jnn.expert_shardings({"gate_up": jax.numpy.ones((2, 4, 4)), "router": 0}, mesh,
+                                 gate_up=P("d"), down=P("d"))
