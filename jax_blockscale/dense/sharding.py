@@ -45,7 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..core.formats import get_format
 from ..core.layout import COLS_PER_TILE, ROWS_PER_TILE
-from ..lowering.partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
+from ..lowering.partitioning import (Axes, MeshAxes, ShardyFactors,
+                                     register_partitioned_lowering, spec_of)
 from .primitive import gemm_local_p, gemm_p, join_operands, split_operands
 
 log = logging.getLogger("jax_blockscale")
@@ -100,27 +101,6 @@ def _geometry(params, shapes) -> _Geometry:
 
 # ---------------------------------------------------------------------------------------------
 # The placement plan: which mesh axes shard batch, M, N and K, and how the output is reduced.
-
-Axes = tuple[str, ...]
-
-
-def _axes(entry) -> Axes:
-    """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple of names."""
-    if entry is None:
-        return ()
-    if isinstance(entry, (tuple, list)):
-        return tuple(entry)
-    return (entry,)
-
-
-def _spec_of(sharding, ndim: int) -> list[Axes]:
-    """Per-dim mesh axes of an operand's sharding; anything not a NamedSharding counts as
-    replicated (then XLA reshards it to the placement we return)."""
-    if not isinstance(sharding, NamedSharding):
-        return [()] * ndim
-    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    return [_axes(e) for e in spec[:ndim]]
-
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -197,7 +177,7 @@ def _placement(g: _Geometry, plan: _Plan, mesh, n_operands: int):
 
 
 def _operand_specs(arg_shapes):
-    return [_spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
+    return [spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
 
 
 def _infer_sharding_from_operands(pt, mesh, arg_shapes, result_shape):
@@ -212,7 +192,7 @@ def _partition(pt, mesh, arg_shapes, result_shape):
     params = dict(pt)
     g = _geometry(params, [x.shape for x in arg_shapes])
     specs = _operand_specs(arg_shapes)
-    out_spec = _spec_of(result_shape.sharding, len(result_shape.shape))
+    out_spec = spec_of(result_shape.sharding, len(result_shape.shape))
     plan = _plan(g, mesh, specs[0], specs[1], out_spec)
     arg_shardings, out_sharding = _placement(g, plan, mesh, len(arg_shapes))
     log.debug("jax_blockscale gemm partitioned: batch=%s M=%s N=%s K=%s scatter=%s",

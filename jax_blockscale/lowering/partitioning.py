@@ -57,6 +57,25 @@ def partitioned_devices(axis_context, op: str) -> int:
     return 1  # pmap's replica context and anything else: per-device code
 
 
+Axes = tuple[str, ...]  # the mesh axes one dim of an operand is split over
+
+
+def _spec_axes(entry) -> Axes:
+    """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple of names."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def spec_of(sharding, ndim: int) -> list[Axes]:
+    """Per-dim mesh axes of an operand's sharding; anything not a NamedSharding counts as
+    replicated (XLA then reshards it to the placement the rule returns)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return [()] * ndim
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    return [_spec_axes(e) for e in spec[:ndim]]
+
+
 class MeshAxes:
     """Mesh axes handed out to one op's dims, each axis at most once (a partition rule's choice
     of placement): `take` keeps a dim's axes where they are free and split it into whole

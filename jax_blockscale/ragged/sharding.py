@@ -51,7 +51,8 @@ from jax.experimental.custom_partitioning import ArrayMapping, custom_partitioni
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..core.formats import get_format
-from ..lowering.partitioning import MeshAxes, ShardyFactors, register_partitioned_lowering
+from ..lowering.partitioning import (Axes, MeshAxes, ShardyFactors,
+                                     register_partitioned_lowering, spec_of)
 from ..core.layout import COLS_PER_TILE, ROWS_PER_TILE
 from .primitive import bind_local, join_operands, ragged_gemm_p, split_operands
 from ..lowering.ragged_reference import clamp_group_sizes
@@ -85,22 +86,6 @@ def _geometry(params, shapes) -> _Geometry:
                      m=lhs[0], n=rhs[1], k=lhs[1], groups=rhs[0],
                      block=get_format(params["fmt_rhs"]).block,
                      group_index=bool(params.get("group_index")))
-
-
-Axes = tuple[str, ...]
-
-
-def _axes(entry) -> Axes:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _spec_of(sharding, ndim: int) -> list[Axes]:
-    if not isinstance(sharding, NamedSharding):
-        return [()] * ndim
-    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    return [_axes(e) for e in spec[:ndim]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +153,7 @@ def _placement(geo: _Geometry, plan: _Plan, mesh, n_operands: int):
 def _infer_sharding_from_operands(pt, mesh, arg_shapes, result_shape):
     params = dict(pt)
     geo = _geometry(params, [x.shape for x in arg_shapes])
-    specs = [_spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
+    specs = [spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
     plan = _plan(geo, mesh, specs[0], specs[1])
     return _placement(geo, plan, mesh, len(arg_shapes))[1]
 
@@ -190,8 +175,8 @@ def _local_rows(safe, geo: _Geometry, plan: _Plan, m_local: int, g_local: int):
 def _partition(pt, mesh, arg_shapes, result_shape):
     params = dict(pt)
     geo = _geometry(params, [x.shape for x in arg_shapes])
-    specs = [_spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
-    out_spec = _spec_of(result_shape.sharding, len(result_shape.shape))
+    specs = [spec_of(x.sharding, len(x.shape)) for x in arg_shapes]
+    out_spec = spec_of(result_shape.sharding, len(result_shape.shape))
     plan = _plan(geo, mesh, specs[0], specs[1], out_spec)
     arg_shardings, out_sharding = _placement(geo, plan, mesh, len(arg_shapes))
     log.debug("jax_blockscale ragged_gemm partitioned: M=%s G=%s N=%s K=%s scatter=%s",
