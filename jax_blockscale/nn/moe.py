@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..core.formats import OUT_DTYPES, can_multiply, get_format, supported_pairs
 from ..core.quantize import BlockScaled, to_blocked
-from ..interop.loading import blockscaled_shardings
+from ..core.placement import blockscaled_shardings
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
 from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
@@ -241,9 +241,9 @@ def expert_shardings(state, mesh, *, gate_up, down):
     gate_up, down: PartitionSpecs of the logical expert weights (E, out, in), e.g.
     ``P("expert")`` (expert parallel: what ``QuantizedMoE(mesh=, expert_axis="expert")``
     expects) or ``P(None, "model")`` (split on out). Each BlockScaled weight's arrays follow its
-    spec as `interop.blockscaled_shardings` maps it (elements as given; scales on their row and
-    K-block tiles; per-expert global scales on the expert axis); every other leaf (the router)
-    is replicated."""
+    spec as `jax_blockscale.interop.blockscaled_shardings` maps it (elements as given; scales
+    on their row and K-block tiles; per-expert global scales on the expert axis); every other
+    leaf (the router) is replicated."""
     specs = {"gate_up": gate_up, "down": down}
     replicated = NamedSharding(mesh, P())
 
