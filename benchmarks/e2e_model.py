@@ -47,20 +47,22 @@ one axis "expert", every MoE layer `QuantizedMoE(..., mesh=mesh, expert_axis="ex
 (`jax_blockscale.ragged.dispatch`: each device routes its share of the tokens and sends each
 (token, expert) row only to the device holding that expert, and back; ragged_all_to_all on GPUs,
 a padded all_to_all on CPUs; --exchange reduce: every device keeps every token, runs its own
-experts' rows and the shares are summed across devices), its gate_up and down weights (elements, blocked scales, per-expert
-global scales) split on their expert dim (``P("expert")``), everything else (embedding,
-attention, norms, routers, LM head, KV cache, tokens) replicated; the model pins each MoE
-layer's input and output replicated, so attention runs on every token on every device, as on
-one. The dispatched layer runs one layer's experts (it takes no ``layer=`` into a scanned
-stack), so the sharded step has its layers unrolled, and the run times the unrolled 1-device
-step too (--devices N > 1 implies --compare-unrolled). Every row records "devices" and
-"placement" ("1 device", "dispatch", or "reduce" with --exchange reduce); a sharded row (mode
-"unrolled") also has speedup_vs_1_device (the 1-device unrolled step of the same format and
-batch over it) and its logits for one step from a fresh cache against that 1-device step's:
-max_abs_diff_vs_1_device, differing_logits (bitwise) and same_next_tokens (the dispatched layer
-is built to equal one device bit for bit, 0 on CPU devices; the reduce layer to f32 rounding). Its device_us is the time per step during which any of
-the N GPUs ran a kernel (the trace holds every GPU's streams; --breakdown sums their kernels),
-its weight_bytes all devices' together. tokens/s: batch / step time, as for one device.
+experts' rows and the shares are summed across devices), its gate_up and down weights
+(elements, blocked scales, per-expert global scales) split on their expert dim
+(``P("expert")``), everything else (embedding, attention, norms, routers, LM head, KV cache,
+tokens) replicated; the model pins each MoE layer's input and output replicated, so attention
+runs on every token on every device, as on one. The dispatched layer runs one layer's experts
+(it takes no ``layer=`` into a scanned stack), so the sharded step has its layers unrolled, and
+the run times the unrolled 1-device step too (--devices N > 1 implies --compare-unrolled). Every
+row records "devices" and "placement" ("1 device", "dispatch", or "reduce" with --exchange
+reduce); a sharded row (mode "unrolled") also has speedup_vs_1_device (the 1-device unrolled
+step of the same format and batch over it) and its logits for one step from a fresh cache
+against that 1-device step's: max_abs_diff_vs_1_device, differing_logits (bitwise) and
+same_next_tokens (the dispatched layer is built to equal one device bit for bit, 0 on CPU
+devices; the reduce layer to f32 rounding). Its device_us is the time per step during which any
+of the N GPUs ran a kernel (the trace holds every GPU's streams; --breakdown sums their
+kernels), its weight_bytes all devices' together. tokens/s: batch / step time, as for one
+device.
 Output: <tag> defaults to e2e_model_moe_<platform>_x<N>. N beyond the devices present, N not
 dividing the experts, or N > 1 without --moe stops with an error naming --devices.
 """
