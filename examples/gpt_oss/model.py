@@ -262,7 +262,7 @@ def route(x, router, bias, top_k: int):
     top, experts = lax.top_k(logits, top_k)
     weights = jax.nn.softmax(top, axis=-1)
     flat = experts.reshape(-1)
-    order = stable_order(flat)
+    order = stable_order(flat, num_keys=router.shape[-1])
     group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
     return order, group_sizes, flat[order], weights
 

@@ -114,7 +114,7 @@ def route(x, router, top_k: int):
     """
     experts, weights = top_k_experts(x, router, top_k)
     flat = experts.reshape(-1)
-    order = stable_order(flat)
+    order = stable_order(flat, num_keys=router.shape[-1])
     group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
     return order, group_sizes, weights
 

@@ -280,7 +280,7 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
         ids, weights = route(x, router)  # every token, as the one-device layer routes them
         k = ids.shape[-1]
         flat = ids.reshape(-1).astype(jnp.int32)
-        order = stable_order(flat)  # the one-device layer's sorted rows
+        order = stable_order(flat, num_keys=experts)  # the one-device layer's sorted rows
         counts = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
         first_expert = lax.axis_index(axis) * local_experts
         group_sizes = lax.dynamic_slice_in_dim(counts, first_expert, local_experts)
@@ -367,7 +367,7 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         per_peer = x.shape[0] * min(k, local_experts)  # most rows one device sends one peer
         cap = d * per_peer  # most rows a device receives
         flat = ids.reshape(-1)
-        order = stable_order(flat)
+        order = stable_order(flat, num_keys=experts + 1)  # padding rows: key `experts`
         rows = x[order // k]
         counts = jnp.zeros((experts + 1,), jnp.int32).at[flat].add(1)[:experts]  # (E,)
         in_off = _exclusive_cumsum(counts)

@@ -235,21 +235,56 @@ def bind_local(operands, params, row_start=None, plan_shape=None):
 # kernel and an int scatter) instead of a sort: XLA's GPU sort of a few thousand keys is one
 # long kernel of many passes, while n^2 compares of n <= 4096 keys are a few microseconds.
 STABLE_ORDER_RANK_MAX = 4096
+# Past that, up to STABLE_ORDER_COUNT_MAX keys, where the caller bounds the keys (`num_keys`,
+# the experts, at most STABLE_ORDER_COUNT_MAX_KEYS values), each key's place is counted in
+# chunks of STABLE_ORDER_CHUNK keys instead: the keys before it are the smaller keys (a count
+# per key value), the equal keys of earlier chunks (a count per chunk and key value) and the
+# equal earlier keys of its own chunk (compares within the chunk). That is about
+# n * (num_keys + STABLE_ORDER_CHUNK) compares in fused reductions, linear in n, against XLA's
+# sort, which costs about the same from a few thousand keys to a hundred thousand; the two
+# cross between 32768 and 65536 keys of 128 values (docs/design/moe_layer.md).
+STABLE_ORDER_CHUNK = 128
+STABLE_ORDER_COUNT_MAX = 32768
+STABLE_ORDER_COUNT_MAX_KEYS = 1024
 
 
-def stable_order(keys):
+def stable_order(keys, num_keys: int | None = None):
     """int32 (n,): the permutation sorting int keys (n,) stably, as
     ``jnp.argsort(keys, stable=True)`` (equal keys keep their order): the order of the rows of
-    a mixture-of-experts layer sorted by expert. Up to STABLE_ORDER_RANK_MAX keys each key's
-    place is counted (the keys before it: smaller, or equal and earlier) and the permutation
-    is its inverse; more keys are sorted."""
+    a mixture-of-experts layer sorted by expert. `num_keys`: a bound the caller guarantees,
+    every key in [0, num_keys) (the experts, one more for "routed nowhere" rows), which lets
+    more than STABLE_ORDER_RANK_MAX keys be counted instead of sorted. Up to
+    STABLE_ORDER_RANK_MAX keys each key's place is counted from all key pairs and the
+    permutation is its inverse; up to STABLE_ORDER_COUNT_MAX keys with `num_keys` they are
+    counted per chunk; more are sorted."""
     n = keys.shape[0]
     if n > STABLE_ORDER_RANK_MAX:
-        return jnp.argsort(keys, stable=True).astype(jnp.int32)
+        if (num_keys is None or num_keys > STABLE_ORDER_COUNT_MAX_KEYS
+                or n > STABLE_ORDER_COUNT_MAX):
+            return jnp.argsort(keys, stable=True).astype(jnp.int32)
+        return _counted_order(keys, int(num_keys))
     i = jnp.arange(n, dtype=jnp.int32)
     mine, other = keys[:, None], keys[None, :]
     before = (other < mine) | ((other == mine) & (i[None, :] < i[:, None]))
     return inverse_permutation(jnp.sum(before, axis=1, dtype=jnp.int32))
+
+
+def _counted_order(keys, num_keys: int):
+    """stable_order of keys in [0, num_keys) from counts (see STABLE_ORDER_CHUNK). The keys are
+    padded to whole chunks with the key num_keys, which sorts after all of them."""
+    n, c = keys.shape[0], STABLE_ORDER_CHUNK
+    chunks = jnp.concatenate([keys.astype(jnp.int32),
+                              jnp.full((-n % c,), num_keys, jnp.int32)]).reshape(-1, c)
+    values = jnp.arange(num_keys + 1, dtype=jnp.int32)
+    counts = jnp.sum(chunks[:, :, None] == values, axis=1, dtype=jnp.int32)  # (chunks, keys)
+    per_value = jnp.sum(counts, axis=0, dtype=jnp.int32)
+    smaller = jnp.cumsum(per_value, dtype=jnp.int32) - per_value  # keys below each value
+    earlier_chunks = jnp.cumsum(counts, axis=0, dtype=jnp.int32) - counts  # equal, earlier chunks
+    i = jnp.arange(c, dtype=jnp.int32)
+    same = chunks[:, :, None] == chunks[:, None, :]  # [chunk, key, other key of its chunk]
+    within = jnp.sum(same & (i[None, None, :] < i[None, :, None]), axis=2, dtype=jnp.int32)
+    place = smaller[chunks] + jnp.take_along_axis(earlier_chunks, chunks, axis=1) + within
+    return inverse_permutation(place.reshape(-1))[:n]
 
 
 def inverse_permutation(order):
@@ -280,7 +315,7 @@ def _merged_rows(args, dims, size, params):
     safe = jax.vmap(lambda g: clamp_group_sizes(g, m))(gs)  # each example's own semantics
     gid = jax.vmap(lambda g: row_groups(g, m))(safe)  # (B, M); G past the example's sum
     # Stable sort of all B*M rows by group: group g's rows of example 0, then of example 1, ...
-    order = stable_order(gid.reshape(-1))
+    order = stable_order(gid.reshape(-1), num_keys=gs.shape[-1] + 1)  # G: past the sum
     flat = lambda x: x.reshape((size * m,) + x.shape[2:])
     lhs_sorted = flat(lhs)[order]
     sl_sorted = None if sl is None else flat(sl)[order]

@@ -428,17 +428,22 @@ def test_reference_methods_agree(method):
 
 
 @pytest.mark.parametrize("n, values", [(1, 3), (37, 5), (513, 129), (4096, 128), (4097, 17),
-                                       (6000, 1)])
+                                       (6000, 1), (8192, 128), (20001, 1024), (32769, 128)])
 def test_stable_order_is_a_stable_argsort(n, values):
-    """The MoE layers' row order (ranked from pairs up to STABLE_ORDER_RANK_MAX keys, sorted
-    beyond) equals NumPy's stable argsort: equal keys keep their order, absent keys (empty
-    experts) and one key for all rows included, on both sides of the threshold; also jitted
-    and in the padded-row case (one key past the experts)."""
+    """The MoE layers' row order (ranked from pairs up to STABLE_ORDER_RANK_MAX keys; beyond,
+    counted per chunk where the caller bounds the keys, else and past STABLE_ORDER_COUNT_MAX
+    sorted) equals NumPy's stable argsort: equal keys keep their order, absent keys (empty
+    experts) and one key for all rows included, on both sides of each threshold, with chunks
+    whole and cut; also jitted and in the padded-row case (one key past the experts)."""
     assert ragged.STABLE_ORDER_RANK_MAX == 4096  # the cases sit on both sides of it
+    assert ragged.STABLE_ORDER_COUNT_MAX_KEYS == 1024  # 20001 keys of 1025 values are sorted
+    assert ragged.STABLE_ORDER_COUNT_MAX == 32768  # 32769 keys are sorted
     stable_order = ragged.stable_order
     keys = np.random.default_rng(n).integers(0, values, n).astype(np.int32)
     keys[:: max(1, n // 7)] = values  # "routed nowhere" rows, after every expert's
     want = np.argsort(keys, kind="stable")
-    np.testing.assert_array_equal(np.asarray(stable_order(jnp.asarray(keys))), want)
-    np.testing.assert_array_equal(np.asarray(jax.jit(stable_order)(jnp.asarray(keys))), want)
-    assert stable_order(jnp.asarray(keys)).dtype == jnp.int32
+    for num_keys in (None, values + 1):  # sorted or counted past the threshold
+        order = functools.partial(stable_order, num_keys=num_keys)
+        np.testing.assert_array_equal(np.asarray(order(jnp.asarray(keys))), want)
+        np.testing.assert_array_equal(np.asarray(jax.jit(order)(jnp.asarray(keys))), want)
+        assert order(jnp.asarray(keys)).dtype == jnp.int32
