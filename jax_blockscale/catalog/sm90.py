@@ -487,10 +487,14 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
 # bf16 first (exact), as gemm does past the decode kernel's rows.
 
 # (activation rows, weight rows) per tile: 64-row items while experts average fewer than
-# RAGGED_PREFILL_WIDE_ROWS rows, 128-row items from there (their wgmmas are twice as wide per
-# converted weight, which wins once most experts fill more than half of one)
-RAGGED_PREFILL_TILES = ((64, 128), (128, 128))
+# RAGGED_PREFILL_WIDE_ROWS rows, 128-row items from there, 256-row items from
+# RAGGED_PREFILL_WIDEST_ROWS (each step's wgmmas are twice as wide per converted weight). 128-row
+# items win once most experts fill more than half of one; 256-row items tie them at 256 rows per
+# expert (about half the experts then need a second, nearly empty 256-row item) and win at 512
+# (docs/design/sm90_ragged_prefill.md); the threshold sits between the two measured points.
+RAGGED_PREFILL_TILES = ((64, 128), (128, 128), (256, 128))
 RAGGED_PREFILL_WIDE_ROWS = 64
+RAGGED_PREFILL_WIDEST_ROWS = 384
 # rows per expert on average from which this kernel takes over from the grouped decode kernel
 # (docs/design/sm90_ragged_prefill.md)
 RAGGED_PREFILL_MIN_ROWS = 32
@@ -528,7 +532,8 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", for
         return None
     tiles = dict(RAGGED_PREFILL_TILES)
     if tile_m is None:
-        tile_m = RAGGED_PREFILL_TILES[0 if avg < RAGGED_PREFILL_WIDE_ROWS else 1][0]
+        tile_m = RAGGED_PREFILL_TILES[0 if avg < RAGGED_PREFILL_WIDE_ROWS
+                                      else 1 if avg < RAGGED_PREFILL_WIDEST_ROWS else 2][0]
     tile_n = tiles[tile_m]
     return (Variant("ragged_prefill", "bf16_kperm", b_kind, out, tile_m, tile_n),
             ragged_items(m, groups, tile_m))

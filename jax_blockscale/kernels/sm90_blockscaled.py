@@ -50,11 +50,12 @@ from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm
 from .export import compile_for_arch, placeholder_ptr
 from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
-    FUSED_PAIRS as PAIRS, KINDS, OUTS, REGISTER_WEIGHT_KINDS, REGISTER_WEIGHT_TILES)
+    FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
+    REGISTER_WEIGHT_TILES)
 
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
-REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6}
+REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6, 256: 6}
 # activation rows of the register-weight tiles that split each tile's k-tiles between two groups
 # of consumer warp groups (even / odd k-tiles, summed at the tile's end): twice the warps to hide
 # the conversion's latency where the accumulators are few enough for the smaller register share
@@ -258,8 +259,10 @@ class Sm90BlockScaledGemm:
         # adds them in split order and applies alpha
         self.splittable = self.reg_w and not self.grouped
         # tile: (activation rows = the wgmma N, weight rows = 64 per consumer warp group)
+        # (the grouped kernel also has 256-row tiles: RAGGED_PREFILL_TILES)
+        tiles = RAGGED_PREFILL_TILES if self.grouped else REGISTER_WEIGHT_TILES
         assert not self.reg_w or (a_kind == "bf16" and b_kind in REGISTER_WEIGHT_KINDS
-                                  and tile_mn in REGISTER_WEIGHT_TILES), (a_kind, b_kind, tile_mn)
+                                  and tile_mn in tiles), (a_kind, b_kind, tile_mn)
         # NVFP4 operands are dequantized times FOLD_FACTOR (sm90_dequant_ptx): alpha undoes it
         self.alpha_fix = 1.0 / FOLD_FACTOR ** ((a_kind == "nvfp4") + (b_kind == "nvfp4"))
         self.bm, self.bn = tile_mn

@@ -405,7 +405,7 @@ def _ragged_plans():
     for (fa, fb), layout_lhs, out, (m, g), (n, k) in itertools.product(
             pairs, ["plain", "blocked"], ["bfloat16", "float32", "float16"],
             [(1, 8), (16, 128), (128, 128), (600, 128), (300, 32), (2048, 128), (64, 1),
-             (4096, 128), (8192, 128), (32768, 128), (3000, 16)],
+             (4096, 128), (8192, 128), (32768, 128), (3000, 16), (4096, 8)],
             [(1536, 2048), (2048, 768), (5760, 2880), (200, 96)]):
         if k % get_format(fb).block or (fa is None and layout_lhs == "blocked"):
             continue

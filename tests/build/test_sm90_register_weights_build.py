@@ -39,10 +39,13 @@ def _sass(tmp_path, b_kind, tile, kernel="register_weights"):
                                          ((64, 64), "register_weights"),
                                          ((128, 128), "register_weights"),
                                          ((64, 128), "ragged_prefill"),
-                                         ((128, 128), "ragged_prefill")])
+                                         ((128, 128), "ragged_prefill"),
+                                         ((256, 128), "ragged_prefill")])
 def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
-    """The dense register-weight variants and the grouped (ragged_gemm prefill) ones."""
+    """The dense register-weight variants and the grouped (ragged_gemm prefill) ones; none
+    spills to local memory (the 256-row tile holds 128 accumulators per thread)."""
     sass = _sass(tmp_path, b_kind, tile, kernel)
+    assert "LDL" not in sass and "STL" not in sass, "spills to local memory"
     groups, hazards = register_a_hazards(sass)
     assert groups >= 2, "expected the k-tile pair's HGMMA groups"
     assert not hazards, "\n".join(hazards[:20])

@@ -220,6 +220,7 @@ def test_rows_past_the_groups_span_several_tiles(kernel):
 def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
     """With no forcing, the planner gives many rows per expert to the grouped register-weight
     kernel (here ~190 per expert: 128-row items, several per expert, and uneven routing)."""
+    assert cat.RAGGED_PREFILL_WIDE_ROWS <= 188 < cat.RAGGED_PREFILL_WIDEST_ROWS
     rng = _rng()
     m, g = 3000, 16
     s = np.bincount(rng.integers(0, g, m - 11), minlength=g)
@@ -227,6 +228,23 @@ def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, s.tolist(), m, 640, 1024)
     p = _compare(lhs, rhs, gs, "bf16")
     assert p.kernel == "ragged_prefill" and p.tile[0] == 128, p
+
+
+@pytest.mark.parametrize("tile_m", [t for t, _ in cat.RAGGED_PREFILL_TILES])
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs,out", [(None, "nvfp4", "bf16"), (None, "mxfp4", "f32"),
+                                                 (None, "mxfp8_e5m2", "f16"),
+                                                 ("nvfp4", "nvfp4", "f32")])
+def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rhs, out,
+                                                         monkeypatch):
+    """Each item height of the grouped register-weight kernel, forced, on every weight kind:
+    groups shorter than an item, of exactly one, past one and over several (600 rows: two
+    256-row items and a part), an empty expert, one row, rows past the groups' sum."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
+            JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
+    sizes = [600, 0, 37, 256, 255, 1, 300, 129]  # 1578 of 1600 rows
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 1600, 384, 512)
+    p = _compare(lhs, rhs, gs, out, "prefill")
+    assert p.tile == (tile_m, 128), p
 
 
 def test_split_k_is_planned_and_correct():
