@@ -183,6 +183,33 @@ def test_decode_tiles_at_16_rows_follow_the_weight_kind(fmt_b, bn):
     assert _plan(_w(m=8, n=6144, k=4096, fmt_b=fmt_b)).tile == (8, 128)
 
 
+_PREFILL_ROWS = [(cat90.RAGGED_PREFILL_MIN_ROWS - 1, None),
+                 (cat90.RAGGED_PREFILL_MIN_ROWS, 64),
+                 (cat90.RAGGED_PREFILL_WIDE_ROWS - 1, 64),
+                 (cat90.RAGGED_PREFILL_WIDE_ROWS, 128),
+                 (cat90.RAGGED_PREFILL_WIDEST_ROWS - 1, 128),
+                 (cat90.RAGGED_PREFILL_WIDEST_ROWS, 256),
+                 (4 * cat90.RAGGED_PREFILL_WIDEST_ROWS, 256)]
+
+
+@pytest.mark.parametrize("rows_per_expert,tile_m", _PREFILL_ROWS)
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8"])
+def test_grouped_prefill_items_follow_the_rows_per_expert(rows_per_expert, tile_m, fmt_b):
+    """The grouped register-weight kernel's item height steps from 64 to 128 to 256 rows at the
+    catalogue's thresholds of rows per expert (below the lowest the grouped decode kernel
+    runs), and its work table has the bound for that height."""
+    groups = 16
+    m = rows_per_expert * groups
+    got = cat90.choose_ragged_prefill_variant(m, 1536, 2048, groups, "bf16", fmt_b)
+    if tile_m is None:
+        assert got is None
+        return
+    variant, items = got
+    assert (variant.kernel, variant.tile_m, variant.tile_n) == ("ragged_prefill", tile_m, 128)
+    assert (tile_m, 128) in cat90.RAGGED_PREFILL_TILES and variant in cat90.VARIANTS
+    assert items == cat90.ragged_items(m, groups, tile_m)
+
+
 def test_register_weights_split_k_where_their_tiles_leave_sms_idle():
     # a decoder's down projection at 64 rows: 32 tiles of 64 x 128 on 132 SMs -> four K ranges
     # (two warp groups per SM), the f32 variant writing the partials to the workspace
