@@ -55,7 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without flax insta
     raise ImportError("jax_blockscale.nn needs Flax: pip install 'jax_blockscale[flax]'") \
         from e
 
-from .dense import QuantizedWeight  # noqa: E402  (after the Flax check)
+from .dense import QuantizedWeight, _key_name  # noqa: E402  (after the Flax check)
 
 __all__ = ["MoE", "QuantizedMoE", "expert_shardings", "quantize_experts", "quantize_moe_params",
            "route", "router_logits", "top_k_experts"]
@@ -206,13 +206,6 @@ def quantize_experts(w, fmt: str, *, global_scale: Any = "auto") -> BlockScaled:
 @functools.partial(jax.jit, static_argnames=("fmt", "global_scale"))
 def _quantize_experts_jit(w, fmt, global_scale):
     return quantize(jnp.swapaxes(w, 1, 2), fmt, global_scale=global_scale, layout="blocked")
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def quantize_moe_params(params, fmt: str, *, names=EXPERT_PARAMS):
