@@ -210,6 +210,24 @@ def test_grouped_prefill_items_follow_the_rows_per_expert(rows_per_expert, tile_
     assert items == cat90.ragged_items(m, groups, tile_m)
 
 
+def test_forced_grouped_item_height_is_one_the_kernel_has(monkeypatch):
+    """JAX_BLOCKSCALE_SM90_RAGGED_TILE_M takes each of the catalogue's item heights and refuses
+    any other value by name."""
+    from jax_blockscale import config
+
+    try:
+        for tile_m, _ in cat90.RAGGED_PREFILL_TILES:
+            monkeypatch.setenv("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M", str(tile_m))
+            assert config.reload().sm90_ragged_tile_m == tile_m
+        for bad in ("32", "192", "512"):
+            monkeypatch.setenv("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M", bad)
+            with pytest.raises(ValueError, match="JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=" + bad):
+                config.reload()
+    finally:
+        monkeypatch.delenv("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M")
+        config.reload()
+
+
 def test_register_weights_split_k_where_their_tiles_leave_sms_idle():
     # a decoder's down projection at 64 rows: 32 tiles of 64 x 128 on 132 SMs -> four K ranges
     # (two warp groups per SM), the f32 variant writing the partials to the workspace
