@@ -10,9 +10,10 @@ For each model's expert GEMMs (gate+up and down), token count and format, in one
                     activation quantized once outside the timed call
   ours_decode       with --compare-kernels: `ours` with the sm90 grouped decode kernel forced
   ours_prefill      ... with the grouped register-weight (prefill) kernel forced
-  ours_prefill64    ... the same with 64 / 128 / 256 rows per item forced
-  ours_prefill128   (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL / _TILE_M): where the planner's
-  ours_prefill256   threshold and tile choice come from
+  ours_prefill32    ... the same with 32 / 64 / 128 / 256 rows per item forced
+  ours_prefill64    (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL / _TILE_M): where the planner's
+  ours_prefill128   threshold and tile choice come from
+  ours_prefill256
 Routing: each token picks top_k distinct experts uniformly at random (seeded), the T * top_k
 rows sorted by expert; `experts_hit` counts the experts with rows and `hit_bytes` their
 quantized bytes (elements + scales), the floor for a kernel that streams only the hit experts;
@@ -61,7 +62,7 @@ METHODS = ("bf16_ragged_dot", "deq_ragged_dot", "tokamax_int4", "ours", "ours_qa
 # method -> (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL, JAX_BLOCKSCALE_SM90_RAGGED_TILE_M)
 KERNEL_METHODS = {"ours_decode": ("decode", None), "ours_prefill": ("prefill", None),
                   "ours_prefill64": ("prefill", "64"), "ours_prefill128": ("prefill", "128"),
-                  "ours_prefill256": ("prefill", "256")}
+                  "ours_prefill256": ("prefill", "256"), "ours_prefill32": ("prefill", "32")}
 
 quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
 normal = jax.jit(jax.random.normal, static_argnames=("shape", "dtype"))

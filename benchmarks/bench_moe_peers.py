@@ -15,6 +15,12 @@ machines have both); it gathers the rows in the kernel and times with torch's pr
 dense rows are kept in the JSON as it wrote them. Prints a table with the time ratio
 triton_kernels / ours (above 1: ours is faster); writes <tag>.json and <tag>.png. Needs a GPU;
 without torch or the peer folder it stops with a message naming what is missing.
+
+The bytes' floor: the same run measures the copy bandwidth (`e2e_decode.copy_bandwidth_TBps`,
+sweep's copy probe), and each row gets `floor_us`, the hit experts' bytes at that bandwidth,
+and `triton_over_floor`, triton_kernels' time over it: the most `triton_over_ours` any kernel
+can reach that reads those bytes once at the copy bandwidth (where the GEMM is bound by its
+bytes; at 4096 tokens the tensor cores bound it first).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe as bm  # noqa: E402
+from e2e_decode import copy_bandwidth_TBps  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import device_time_us  # noqa: E402
 
@@ -90,14 +97,16 @@ def peer_rows(peer_dir):
             return json.load(f)
 
 
-def merge(ours, peer):
-    """Our rows with the peer's time and the ratio peer / ours beside them."""
+def merge(ours, peer, copy_tbps):
+    """Our rows with the peer's time, the ratio peer / ours and the bytes' floor beside them."""
     tk = {(r["model"], r["tokens"]): r for r in peer["rows"] if r.get("part") == "moe"}
     for r in ours:
+        r["floor_us"] = r["hit_bytes"] / copy_tbps / 1e6
         p = tk.get((r["model"], r["tokens"]), {})
         if "device_us" in p:
             r["triton_kernels_us"] = p["device_us"]
             r["triton_over_ours"] = p["device_us"] / r["ours_us"]
+            r["triton_over_floor"] = p["device_us"] / r["floor_us"]
             if p.get("experts_hit") is not None:
                 r["triton_experts_hit"] = p["experts_hit"]
         elif "error" in p:
@@ -114,9 +123,12 @@ def plot(rows, device, path):
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     width = 0.8 / len(models)
     for i, model in enumerate(models):
-        got = {r["tokens"]: r.get("triton_over_ours") for r in rows if r["model"] == model}
-        xs = [j + i * width for j, t in enumerate(tokens) if got.get(t)]
-        ax.bar(xs, [got[t] for t in tokens if got.get(t)], width, label=model)
+        mine = {r["tokens"]: r for r in rows if r["model"] == model and r.get("triton_over_ours")}
+        xs = [j + i * width for j, t in enumerate(tokens) if t in mine]
+        ax.bar(xs, [mine[t]["triton_over_ours"] for t in tokens if t in mine], width,
+               label=model)
+        ax.scatter(xs, [mine[t]["triton_over_floor"] for t in tokens if t in mine], marker="_",
+                   s=150, color="k", label="at the bytes' floor" if i == 0 else None)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.15, color="tab:red", lw=0.8, ls="--", label="issue 49 target (1.15)")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))],
@@ -147,20 +159,25 @@ def main():
         if m not in peer.MODELS:
             p.error(f"unknown model {m!r}; the peer has {list(peer.MODELS)}")
     device = jax.devices()[0].device_kind
+    copy_tbps = copy_bandwidth_TBps(True, {})
     rows = ours_rows(peer, models, peer.TOKENS, args.calls)
     peer_out = peer_rows(peer_dir)
-    rows = merge(rows, peer_out)
-    print(f"\n{device}; MXFP4 gate+up, bf16 activations; device time (us)")
-    print(f"{'model':<15}{'tokens':>7}{'ours':>10}{'triton_kernels':>16}{'tk / ours':>11}")
+    rows = merge(rows, peer_out, copy_tbps)
+    print(f"\n{device}; MXFP4 gate+up, bf16 activations; device time (us); copy bandwidth "
+          f"{copy_tbps:.2f} TB/s; floor: the hit experts' bytes at it")
+    print(f"{'model':<15}{'tokens':>7}{'ours':>10}{'triton_kernels':>16}{'tk / ours':>11}"
+          f"{'floor':>9}{'tk / floor':>12}")
     for r in rows:
         tk = r.get("triton_kernels_us")
         print(f"{r['model']:<15}{r['tokens']:>7}{r['ours_us']:>10.1f}"
-              + (f"{tk:>16.1f}{r['triton_over_ours']:>11.2f}" if tk is not None else
+              + (f"{tk:>16.1f}{r['triton_over_ours']:>11.2f}{r['floor_us']:>9.1f}"
+                 f"{r['triton_over_floor']:>12.2f}" if tk is not None else
                  f"  {r.get('triton_kernels_error', 'no peer row')}"))
     os.makedirs(args.out, exist_ok=True)
     card = next((c for c in ("H200", "H100") if c in device), "gpu").lower()
     stem = os.path.join(args.out, args.tag or f"bench_moe_peers_{card}")
-    meta = dict(device=device, jax=jax.__version__, peer_device=peer_out.get("device"),
+    meta = dict(device=device, jax=jax.__version__, copy_TBps=copy_tbps,
+                peer_device=peer_out.get("device"),
                 torch=peer_out.get("torch"), triton=peer_out.get("triton"),
                 method="ours: jbs.ragged_gemm on sorted rows, device time (benchmarks/timing.py);"
                 " triton_kernels: peer_triton_kernels.py (matmul_ogs, rows gathered in the "

@@ -65,7 +65,7 @@ class Config:
     # the catalogue's choice by rows per expert; tuning and testing aid)
     sm90_ragged_kernel: str = "auto"
     # JAX_BLOCKSCALE_SM90_RAGGED_TILE_M: force the grouped register-weight kernel's rows per item
-    # (64, 128 or 256; tuning aid)
+    # (32, 64, 128 or 256; tuning aid)
     sm90_ragged_tile_m: int | None = None
     # JAX_BLOCKSCALE_SM100_TILE: force one Blackwell variant ("128x64", "256x128c2x1"; tuning aid)
     sm100_tile: str | None = None
@@ -80,9 +80,9 @@ def _read() -> Config:
     if tile_n is not None and tile_n not in (64, 128, 256):
         raise ValueError(f"JAX_BLOCKSCALE_SM90_TILE_N={tile_n} must be 64, 128 or 256")
     ragged_tile_m = _int("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M")
-    if ragged_tile_m is not None and ragged_tile_m not in (64, 128, 256):
-        raise ValueError(f"JAX_BLOCKSCALE_SM90_RAGGED_TILE_M={ragged_tile_m} must be 64, 128 or "
-                         "256")
+    if ragged_tile_m is not None and ragged_tile_m not in (32, 64, 128, 256):
+        raise ValueError(f"JAX_BLOCKSCALE_SM90_RAGGED_TILE_M={ragged_tile_m} must be 32, 64, 128 "
+                         "or 256")
     candidates = _int("JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES")
     rw_splits = _int("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS")
     if rw_splits is not None and not 1 <= rw_splits <= 255:

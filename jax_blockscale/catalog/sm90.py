@@ -492,12 +492,23 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
 # items win once most experts fill more than half of one; 256-row items tie them at 256 rows per
 # expert (about half the experts then need a second, nearly empty 256-row item) and win at 512
 # (docs/design/sm90_ragged_prefill.md); the threshold sits between the two measured points.
-RAGGED_PREFILL_TILES = ((64, 128), (128, 128), (256, 128))
+RAGGED_PREFILL_TILES = ((32, 128), (64, 128), (128, 128), (256, 128))
 RAGGED_PREFILL_WIDE_ROWS = 64
 RAGGED_PREFILL_WIDEST_ROWS = 384
 # rows per expert on average from which this kernel takes over from the grouped decode kernel
 # (docs/design/sm90_ragged_prefill.md)
 RAGGED_PREFILL_MIN_ROWS = 32
+# Below that, where the decode kernel would stream each tile of N in a CTA of its own over all
+# of K (long tiles: gpt-oss's, Mixtral's and Qwen3-235B-A22B's gate+up experts) and for the
+# weight kinds measured, this kernel takes over from RAGGED_PREFILL_NARROW_MIN_ROWS rows per
+# expert: 32-row items (two k-groups of warp groups, as the dense 32-row tile) below
+# RAGGED_PREFILL_NARROW_MAX_ROWS, 64-row items from there. Where the decode kernel runs several
+# short tiles per CTA (Qwen3-30B-A3B's experts) or splits K, it stays faster; at 8 rows per
+# expert its 16-row items win (docs/design/sm90_ragged_prefill.md).
+RAGGED_PREFILL_NARROW_TILE_M = 32
+RAGGED_PREFILL_NARROW_MIN_ROWS = 12
+RAGGED_PREFILL_NARROW_MAX_ROWS = 26  # 32-row items won at 24 rows per expert, 64-row ones at 28
+RAGGED_PREFILL_NARROW_KINDS = ("mxfp4", "nvfp4")
 
 
 # The grouped decode kernel makes its own work items from the raw group sizes (one kernel, no
@@ -515,12 +526,13 @@ def ragged_items(m: int, groups: int, rows_per_item: int) -> int:
     return _ceil_div(m, rows_per_item) + min(groups, m) + 2
 
 
-def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", force=False,
-                                  tile_m=None):
+def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16",
+                                  force=False, tile_m=None):
     """(variant, items) of the grouped register-weight kernel for a grouped call of M rows over
     `groups` experts of (N, K), or None where it cannot run it or (unless `force`) the grouped
-    decode kernel is faster (fewer than RAGGED_PREFILL_MIN_ROWS rows per expert on average).
-    tile_m: force the rows per item (a tile of RAGGED_PREFILL_TILES)."""
+    decode kernel is faster: fewer than RAGGED_PREFILL_MIN_ROWS rows per expert on average, but
+    for register_weights_win_early's calls. tile_m: force the rows per item (a tile of
+    RAGGED_PREFILL_TILES)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if a_kind is None or b_kind not in REGISTER_WEIGHT_KINDS or out not in OUTS:
@@ -528,15 +540,38 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, out="bf16", for
     if m < 1 or n < 1 or groups < 1 or k < K_TILE or k % K_TILE:
         return None
     avg = _ceil_div(m, groups)
-    if avg < RAGGED_PREFILL_MIN_ROWS and not force:
+    early = avg < RAGGED_PREFILL_MIN_ROWS
+    if early and not force and not register_weights_win_early(m, n, k, groups, fmt_a, fmt_b,
+                                                              sm_count, out):
         return None
     tiles = dict(RAGGED_PREFILL_TILES)
     if tile_m is None:
-        tile_m = RAGGED_PREFILL_TILES[0 if avg < RAGGED_PREFILL_WIDE_ROWS
-                                      else 1 if avg < RAGGED_PREFILL_WIDEST_ROWS else 2][0]
+        narrow = early and not force and avg < RAGGED_PREFILL_NARROW_MAX_ROWS
+        tile_m = (RAGGED_PREFILL_NARROW_TILE_M if narrow
+                  else 64 if avg < RAGGED_PREFILL_WIDE_ROWS
+                  else 128 if avg < RAGGED_PREFILL_WIDEST_ROWS else 256)
     tile_n = tiles[tile_m]
     return (Variant("ragged_prefill", "bf16_kperm", b_kind, out, tile_m, tile_n),
             ragged_items(m, groups, tile_m))
+
+
+def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16") -> bool:
+    """Whether the register-weight kernel beats the grouped decode kernel on a call of fewer
+    than RAGGED_PREFILL_MIN_ROWS rows per expert: a weight-only call with
+    RAGGED_PREFILL_NARROW_KINDS weights, at least RAGGED_PREFILL_NARROW_MIN_ROWS rows per
+    expert, that the decode kernel would run one tile of N per CTA over all of K (the
+    measurements: docs/design/sm90_ragged_prefill.md)."""
+    if (KIND_OF_FORMAT.get(fmt_a, fmt_a) != "bf16"
+            or KIND_OF_FORMAT.get(fmt_b, fmt_b) not in RAGGED_PREFILL_NARROW_KINDS):
+        return False
+    if _ceil_div(m, groups) < RAGGED_PREFILL_NARROW_MIN_ROWS:
+        return False
+    decode = choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out)
+    if decode is None:
+        return True
+    v, splits, _ = decode
+    return splits == 1 and ragged_decode_tiles_per_cta(m, n, k, groups, v.b_kind, v.nt, splits,
+                                                       sm_count) == 1
 
 
 # ----------------------------------------------------------------------------------------------

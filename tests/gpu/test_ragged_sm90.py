@@ -230,19 +230,35 @@ def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
     assert p.kernel == "ragged_prefill" and p.tile[0] == 128, p
 
 
+@pytest.mark.parametrize("fmt_rhs", ["mxfp4", "nvfp4"])
+def test_narrow_items_take_the_register_weight_kernel(fmt_rhs):
+    """With no forcing, ~16 rows per expert of long weight tiles (N = 2880, K = 2880, as
+    gpt-oss's down projection) go to the register-weight kernel's 32-row items (uneven routing:
+    experts past one item, an empty one, rows past the groups)."""
+    sizes = [40, 10, 16, 0, 20, 12, 18, 15]  # 131 of 140 rows; expert 0 takes two items
+    m, g = 140, len(sizes)
+    lhs, rhs, gs = _problem(None, fmt_rhs, sizes, m, 2880, 2880)
+    assert cat.register_weights_win_early(m, 2880, 2880, g, None, fmt_rhs, cat.DEFAULT_SM_COUNT)
+    p = _compare(lhs, rhs, gs, "bf16")
+    assert p.kernel == "ragged_prefill" and p.tile == (cat.RAGGED_PREFILL_NARROW_TILE_M, 128), p
+
+
+@pytest.mark.parametrize("k", [512, 576])
 @pytest.mark.parametrize("tile_m", [t for t, _ in cat.RAGGED_PREFILL_TILES])
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs,out", [(None, "nvfp4", "bf16"), (None, "mxfp4", "f32"),
                                                  (None, "mxfp8_e5m2", "f16"),
                                                  ("nvfp4", "nvfp4", "f32")])
-def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rhs, out,
+def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rhs, out, k,
                                                          monkeypatch):
     """Each item height of the grouped register-weight kernel, forced, on every weight kind:
     groups shorter than an item, of exactly one, past one and over several (600 rows: two
-    256-row items and a part), an empty expert, one row, rows past the groups' sum."""
+    256-row items and a part), an empty expert, one row, rows past the groups' sum; an even and
+    an odd number of 64-element k-tiles (the 16- and 32-row items split them over two k-groups
+    of warp groups)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
             JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
-    sizes = [600, 0, 37, 256, 255, 1, 300, 129]  # 1578 of 1600 rows
-    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 1600, 384, 512)
+    sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33]  # 1675 of 1700 rows
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 1700, 384, k)
     p = _compare(lhs, rhs, gs, out, "prefill")
     assert p.tile == (tile_m, 128), p
 

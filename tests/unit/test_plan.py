@@ -196,11 +196,12 @@ _PREFILL_ROWS = [(cat90.RAGGED_PREFILL_MIN_ROWS - 1, None),
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8"])
 def test_grouped_prefill_items_follow_the_rows_per_expert(rows_per_expert, tile_m, fmt_b):
     """The grouped register-weight kernel's item height steps from 64 to 128 to 256 rows at the
-    catalogue's thresholds of rows per expert (below the lowest the grouped decode kernel
-    runs), and its work table has the bound for that height."""
-    groups = 16
+    catalogue's thresholds of rows per expert (below the lowest the grouped decode kernel runs
+    Qwen3-30B-A3B's experts, short tiles of N), and its work table has the bound for that
+    height."""
+    groups = 128
     m = rows_per_expert * groups
-    got = cat90.choose_ragged_prefill_variant(m, 1536, 2048, groups, "bf16", fmt_b)
+    got = cat90.choose_ragged_prefill_variant(m, 1536, 2048, groups, "bf16", fmt_b, 132)
     if tile_m is None:
         assert got is None
         return
@@ -208,6 +209,48 @@ def test_grouped_prefill_items_follow_the_rows_per_expert(rows_per_expert, tile_
     assert (variant.kernel, variant.tile_m, variant.tile_n) == ("ragged_prefill", tile_m, 128)
     assert (tile_m, 128) in cat90.RAGGED_PREFILL_TILES and variant in cat90.VARIANTS
     assert items == cat90.ragged_items(m, groups, tile_m)
+
+
+# (G, N, K) of expert GEMMs: gpt-oss-120b's gate+up and down, Mixtral-8x7B's down and
+# Qwen3-235B-A22B's gate+up (the decode kernel streams one long tile of N per CTA), and
+# Qwen3-30B-A3B's gate+up and Qwen3-235B-A22B's down (it runs several short tiles per CTA)
+_LONG_TILES = [(128, 5760, 2880), (128, 2880, 2880), (8, 4096, 14336), (128, 3072, 4096)]
+_SHORT_TILES = [(128, 1536, 2048), (128, 4096, 1536)]
+
+
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("g,n,k", _LONG_TILES + _SHORT_TILES)
+def test_early_register_weights_only_where_the_decode_kernel_streams_long_tiles(g, n, k, fmt_b):
+    """Below RAGGED_PREFILL_MIN_ROWS rows per expert the grouped register-weight kernel runs
+    weight-only FP4 experts the decode kernel would stream one tile of N per CTA: 32-row items
+    from RAGGED_PREFILL_NARROW_MIN_ROWS, 64-row items from RAGGED_PREFILL_NARROW_MAX_ROWS. The
+    decode kernel keeps the rest (short tiles, fp8 weights, a quantized activation, fewer
+    rows)."""
+    long_fp4 = (g, n, k) in _LONG_TILES and fmt_b != "mxfp8_e4m3"
+    narrow, wide = cat90.RAGGED_PREFILL_NARROW_TILE_M, 64
+    for rows, tile_m in ((cat90.RAGGED_PREFILL_NARROW_MIN_ROWS - 1, None),
+                         (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, narrow), (16, narrow),
+                         (cat90.RAGGED_PREFILL_NARROW_MAX_ROWS - 1, narrow),
+                         (cat90.RAGGED_PREFILL_NARROW_MAX_ROWS, wide),
+                         (cat90.RAGGED_PREFILL_MIN_ROWS - 1, wide)):
+        tile_m = tile_m if long_fp4 else None
+        m = rows * g
+        got = cat90.choose_ragged_prefill_variant(m, n, k, g, None, fmt_b, 132)
+        assert (got and got[0].tile_m) == tile_m, (rows, got)
+        assert cat90.register_weights_win_early(m, n, k, g, None, fmt_b, 132) == bool(tile_m)
+        if tile_m:
+            v, items = got
+            assert v.tile_n == 128 and v in cat90.VARIANTS
+            assert items == cat90.ragged_items(m, g, tile_m)
+            # the decode kernel's own choice there: one CTA per tile of N, K unsplit
+            dv, splits, _ = cat90.choose_ragged_decode_variant(m, n, k, g, None, fmt_b, 132)
+            assert splits == 1 and cat90.ragged_decode_tiles_per_cta(
+                m, n, k, g, dv.b_kind, dv.nt, splits, 132) == 1
+        # a quantized activation stays on the decode kernel, which reads it as it is
+        assert cat90.choose_ragged_prefill_variant(m, n, k, g, fmt_b, fmt_b, 132) is None
+    got = cat90.choose_ragged_prefill_variant(cat90.RAGGED_PREFILL_MIN_ROWS * g, n, k, g, None,
+                                              fmt_b, 132)
+    assert got[0].tile_m == 64
 
 
 def test_forced_grouped_item_height_is_one_the_kernel_has(monkeypatch):
@@ -219,7 +262,7 @@ def test_forced_grouped_item_height_is_one_the_kernel_has(monkeypatch):
         for tile_m, _ in cat90.RAGGED_PREFILL_TILES:
             monkeypatch.setenv("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M", str(tile_m))
             assert config.reload().sm90_ragged_tile_m == tile_m
-        for bad in ("32", "192", "512"):
+        for bad in ("8", "16", "48", "192", "512"):
             monkeypatch.setenv("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M", bad)
             with pytest.raises(ValueError, match="JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=" + bad):
                 config.reload()
