@@ -499,12 +499,13 @@ RAGGED_PREFILL_WIDEST_ROWS = 384
 # (docs/design/sm90_ragged_prefill.md)
 RAGGED_PREFILL_MIN_ROWS = 32
 # Below that, where the decode kernel would stream each tile of N in a CTA of its own over all
-# of K (long tiles: gpt-oss's, Mixtral's and Qwen3-235B-A22B's gate+up experts) and for the
-# weight kinds measured, this kernel takes over from RAGGED_PREFILL_NARROW_MIN_ROWS rows per
-# expert: 32-row items (two k-groups of warp groups, as the dense 32-row tile) below
-# RAGGED_PREFILL_NARROW_MAX_ROWS, 64-row items from there. Where the decode kernel runs several
-# short tiles per CTA (Qwen3-30B-A3B's experts) or splits K, it stays faster; at 8 rows per
-# expert its 16-row items win (docs/design/sm90_ragged_prefill.md).
+# of K (long tiles: gpt-oss's, Mixtral's and Qwen3-235B-A22B's gate+up experts), this kernel
+# takes over from RAGGED_PREFILL_NARROW_MIN_ROWS rows per expert for FP4 weights with a bf16 or
+# an FP4 activation (dequantized to bf16 first; the kinds measured): 32-row items (two k-groups
+# of warp groups, as the dense 32-row tile) below RAGGED_PREFILL_NARROW_MAX_ROWS, 64-row items
+# from there. Where the decode kernel runs several short tiles per CTA (Qwen3-30B-A3B's experts)
+# or splits K it stays faster; at 8 rows per expert its 16-row items win
+# (docs/design/sm90_ragged_prefill.md).
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 RAGGED_PREFILL_NARROW_MAX_ROWS = 26  # 32-row items won at 24 rows per expert, 64-row ones at 28
@@ -557,11 +558,11 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="
 
 def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16") -> bool:
     """Whether the register-weight kernel beats the grouped decode kernel on a call of fewer
-    than RAGGED_PREFILL_MIN_ROWS rows per expert: a weight-only call with
-    RAGGED_PREFILL_NARROW_KINDS weights, at least RAGGED_PREFILL_NARROW_MIN_ROWS rows per
+    than RAGGED_PREFILL_MIN_ROWS rows per expert: RAGGED_PREFILL_NARROW_KINDS weights with a
+    bf16 activation or one of those kinds, at least RAGGED_PREFILL_NARROW_MIN_ROWS rows per
     expert, that the decode kernel would run one tile of N per CTA over all of K (the
     measurements: docs/design/sm90_ragged_prefill.md)."""
-    if (KIND_OF_FORMAT.get(fmt_a, fmt_a) != "bf16"
+    if (KIND_OF_FORMAT.get(fmt_a, fmt_a) not in ("bf16",) + RAGGED_PREFILL_NARROW_KINDS
             or KIND_OF_FORMAT.get(fmt_b, fmt_b) not in RAGGED_PREFILL_NARROW_KINDS):
         return False
     if _ceil_div(m, groups) < RAGGED_PREFILL_NARROW_MIN_ROWS:

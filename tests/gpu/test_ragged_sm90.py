@@ -230,15 +230,18 @@ def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
     assert p.kernel == "ragged_prefill" and p.tile[0] == 128, p
 
 
-@pytest.mark.parametrize("fmt_rhs", ["mxfp4", "nvfp4"])
-def test_narrow_items_take_the_register_weight_kernel(fmt_rhs):
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
+                                             ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")])
+def test_narrow_items_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
     """With no forcing, ~16 rows per expert of long weight tiles (N = 2880, K = 2880, as
     gpt-oss's down projection) go to the register-weight kernel's 32-row items (uneven routing:
-    experts past one item, an empty one, rows past the groups)."""
+    experts past one item, an empty one, rows past the groups), weight-only or with the
+    activation quantized too."""
     sizes = [40, 10, 16, 0, 20, 12, 18, 15]  # 131 of 140 rows; expert 0 takes two items
     m, g = 140, len(sizes)
-    lhs, rhs, gs = _problem(None, fmt_rhs, sizes, m, 2880, 2880)
-    assert cat.register_weights_win_early(m, 2880, 2880, g, None, fmt_rhs, cat.DEFAULT_SM_COUNT)
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 2880, 2880)
+    assert cat.register_weights_win_early(m, 2880, 2880, g, fmt_lhs, fmt_rhs,
+                                          cat.DEFAULT_SM_COUNT)
     p = _compare(lhs, rhs, gs, "bf16")
     assert p.kernel == "ragged_prefill" and p.tile == (cat.RAGGED_PREFILL_NARROW_TILE_M, 128), p
 

@@ -222,10 +222,10 @@ _SHORT_TILES = [(128, 1536, 2048), (128, 4096, 1536)]
 @pytest.mark.parametrize("g,n,k", _LONG_TILES + _SHORT_TILES)
 def test_early_register_weights_only_where_the_decode_kernel_streams_long_tiles(g, n, k, fmt_b):
     """Below RAGGED_PREFILL_MIN_ROWS rows per expert the grouped register-weight kernel runs
-    weight-only FP4 experts the decode kernel would stream one tile of N per CTA: 32-row items
-    from RAGGED_PREFILL_NARROW_MIN_ROWS, 64-row items from RAGGED_PREFILL_NARROW_MAX_ROWS. The
-    decode kernel keeps the rest (short tiles, fp8 weights, a quantized activation, fewer
-    rows)."""
+    FP4 experts the decode kernel would stream one tile of N per CTA, with a bf16 or a
+    same-format activation: 32-row items from RAGGED_PREFILL_NARROW_MIN_ROWS, 64-row items from
+    RAGGED_PREFILL_NARROW_MAX_ROWS. The decode kernel keeps the rest (short tiles, fp8 weights,
+    fewer rows)."""
     long_fp4 = (g, n, k) in _LONG_TILES and fmt_b != "mxfp8_e4m3"
     narrow, wide = cat90.RAGGED_PREFILL_NARROW_TILE_M, 64
     for rows, tile_m in ((cat90.RAGGED_PREFILL_NARROW_MIN_ROWS - 1, None),
@@ -246,8 +246,11 @@ def test_early_register_weights_only_where_the_decode_kernel_streams_long_tiles(
             dv, splits, _ = cat90.choose_ragged_decode_variant(m, n, k, g, None, fmt_b, 132)
             assert splits == 1 and cat90.ragged_decode_tiles_per_cta(
                 m, n, k, g, dv.b_kind, dv.nt, splits, 132) == 1
-        # a quantized activation stays on the decode kernel, which reads it as it is
-        assert cat90.choose_ragged_prefill_variant(m, n, k, g, fmt_b, fmt_b, 132) is None
+        # the same with the activation quantized like the weights (dequantized to bf16 first)
+        got_q = cat90.choose_ragged_prefill_variant(m, n, k, g, fmt_b, fmt_b, 132)
+        assert (got_q and got_q[0].tile_m) == tile_m, (rows, got_q)
+    # an MXFP8 activation on FP4 weights (not measured) stays on the decode kernel
+    assert not cat90.register_weights_win_early(16 * g, n, k, g, "mxfp8_e4m3", fmt_b, 132)
     got = cat90.choose_ragged_prefill_variant(cat90.RAGGED_PREFILL_MIN_ROWS * g, n, k, g, None,
                                               fmt_b, 132)
     assert got[0].tile_m == 64
