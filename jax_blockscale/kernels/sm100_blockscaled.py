@@ -39,7 +39,7 @@ re-written here for pointer arguments, runtime M/N/K/L, runtime
 
 # No `from __future__ import annotations`: cute.struct reads real annotation objects.
 import os
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, Sequence, Tuple
 
 import cuda.bindings.driver as cuda
 import cutlass

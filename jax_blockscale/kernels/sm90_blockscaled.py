@@ -840,7 +840,6 @@ class Sm90BlockScaledGemm:
         ring = self.stages // kgs
         ring_base = kg * ring  # the k-group's ring of stages
         n_acc = bm // 2
-        b_blk = KINDS[self.b_kind]["block"]
         k_tiles = (k + BK - 1) // BK
         a_raw_base = st.a_raw.data_ptr().toint()
         b_raw_base = st.b_raw.data_ptr().toint()

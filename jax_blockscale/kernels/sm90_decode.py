@@ -325,7 +325,7 @@ class Sm90DecodeGemm:
     def _body(self, a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, alpha_ptr, ws_ptr, m, n, k, a_e5m2,
               b_e5m2, splits, mchunks, tma, work=None):
         v = self.v
-        nt, se, e, Q = v.nt, self.se, self.e, self.q
+        nt, se, e = v.nt, self.se, self.e
         tid, _, _ = cute.arch.thread_idx()
         bxm, by, bz = cute.arch.block_idx()
         # the finalize kernel (launched with PDL) may start now: it waits for this grid's end
@@ -566,8 +566,7 @@ class Sm90DecodeGemm:
     def _mainloop_regs(self, acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0, k,
                        k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8):
         """Tuning "regs": weights straight into registers, one sub-chunk ahead."""
-        v = self.v
-        nt, se, Q = v.nt, self.se, self.q
+        se = self.se
         chunk = self.sub * se
         # registers: weights and raw scale bytes of the current and the next sub-chunk
         n_w = self.sub * 4 * 4  # steps x rows x 4 words
@@ -609,8 +608,7 @@ class Sm90DecodeGemm:
         """Tuning "cpasync": weights and scale entries by cp.async into a per-thread shared-memory
         ring `stages` sub-chunks deep. Each thread reads back only what it copied itself, so
         cp.async.wait_group alone orders it; the barrier is for the shared activations."""
-        v = self.v
-        nt, se, Q = v.nt, self.se, self.q
+        se = self.se
         S = self.tuning.stages
         chunk = self.sub * se
         act_raw = cute.make_rmem_tensor((self._act_per_thread * self._act_words,), cutlass.Int32)

@@ -405,7 +405,7 @@ def _ragged_plans():
     for (fa, fb), layout_lhs, out, (m, g), (n, k) in itertools.product(
             pairs, ["plain", "blocked"], ["bfloat16", "float32", "float16"],
             [(1, 8), (16, 128), (128, 128), (600, 128), (300, 32), (2048, 128), (64, 1),
-             (4096, 128), (8192, 128), (32768, 128), (3000, 16), (4096, 8)],
+             (4096, 128), (8192, 128), (32768, 128), (3000, 16), (4096, 8), (2048, 128)],
             [(1536, 2048), (2048, 768), (5760, 2880), (200, 96)]):
         if k % get_format(fb).block or (fa is None and layout_lhs == "blocked"):
             continue
@@ -414,21 +414,35 @@ def _ragged_plans():
             yield p
 
 
-def test_every_ragged_plan_is_accepted_and_named_back():
+def test_every_ragged_plan_is_accepted_and_named_back(monkeypatch):
     """Python and C++ agree on ragged_gemm's grouped decode calls: the validator accepts exactly
     the planned variant and names it back, for every pair, layout, output and item height, and
-    for the grouped register-weight kernel at prefill sizes (every weight kind, both tiles)."""
-    nts, prefill = set(), set()
-    for p in _ragged_plans():
+    for the grouped register-weight kernel (every weight kind, every item height the planner
+    picks, and each one forced: fp8 weights take 32-row items only when forced)."""
+    nts, planned, forced = set(), set(), set()
+
+    def check(p, seen):
         ok, name = _plugin.check_problem(**_ragged_call_of(p))
         assert ok and name == p.variant, (p, name)
         if p.kernel == "ragged_prefill":
-            prefill.add((p.b_kind, p.tile))
+            seen.add((p.b_kind, p.tile))
         else:
             nts.add(p.nt)
+
+    for p in _ragged_plans():
+        check(p, planned)
+    for tile_m, _ in cat.RAGGED_PREFILL_TILES:
+        set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
+                JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=tile_m)
+        for fb in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
+            p = P.plan_ragged_sm90(_ragged_spec(None, fb, "plain", "bfloat16", 2048, 1536, 2048,
+                                                128), H100)
+            assert not isinstance(p, str) and p.tile == (tile_m, 128), p
+            check(p, forced)
     assert nts == {1, 2, 4, 8}
-    assert prefill == {(b, t) for b in cat.REGISTER_WEIGHT_KINDS
-                       for t in cat.RAGGED_PREFILL_TILES}, prefill
+    every = {(b, t) for b in cat.REGISTER_WEIGHT_KINDS for t in cat.RAGGED_PREFILL_TILES}
+    assert forced == every, forced
+    assert planned == every - {("mxfp8", (cat.RAGGED_PREFILL_NARROW_TILE_M, 128))}, planned
 
 
 def test_grouped_register_weight_calls_are_validated():

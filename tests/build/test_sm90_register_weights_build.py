@@ -38,7 +38,6 @@ def _sass(tmp_path, b_kind, tile, kernel="register_weights"):
                                          ((32, 128), "register_weights"),
                                          ((64, 64), "register_weights"),
                                          ((128, 128), "register_weights"),
-                                         ((16, 128), "ragged_prefill"),
                                          ((32, 128), "ragged_prefill"),
                                          ((64, 128), "ragged_prefill"),
                                          ((128, 128), "ragged_prefill"),
