@@ -193,17 +193,21 @@ def test_bench_moe_tiny(tmp_path):
 
 def test_bench_moe_peers_pairs_rows_and_refuses_without_a_peer(tmp_path):
     """benchmarks/bench_moe_peers.py (needs a GPU to time): the peer's MoE rows are paired with
-    ours by (model, tokens) and the ratio is the peer's time over ours; a peer folder without the
-    script stops with a message naming it."""
+    ours by (model, tokens) and the ratio is the peer's time over ours; each row's bytes' floor
+    is its hit bytes at the measured copy bandwidth; a peer folder without the script stops with
+    a message naming it."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_moe_peers as bp
-    ours = [dict(model="m", tokens=16, ours_us=50.0), dict(model="m", tokens=256, ours_us=80.0),
-            dict(model="m", tokens=4096, ours_us=90.0)]
+    ours = [dict(model="m", tokens=t, ours_us=us, hit_bytes=hit)
+            for t, us, hit in ((16, 50.0, 90e6), (256, 80.0, 1e8), (4096, 90.0, 1e8))]
     peer = dict(rows=[dict(part="moe", model="m", tokens=16, device_us=75.0, experts_hit=9),
                       dict(part="moe", model="m", tokens=256, error="OutOfMemoryError: x"),
                       dict(part="dense", shape="1x8x8", device_us=1.0)])
-    got = {r["tokens"]: r for r in bp.merge(ours, peer)}
+    got = {r["tokens"]: r for r in bp.merge(ours, peer, 3.0)}  # 3 TB/s
     assert got[16]["triton_over_ours"] == 1.5 and got[16]["triton_experts_hit"] == 9
+    assert got[16]["floor_us"] == pytest.approx(30.0)  # 90 MB at 3 TB/s
+    assert got[16]["triton_over_floor"] == pytest.approx(2.5)
+    assert got[256]["floor_us"] == pytest.approx(100e6 / 3e6)
     assert got[256]["triton_kernels_error"].startswith("OutOfMemoryError")
     assert "triton_kernels_us" not in got[4096]
     with pytest.raises(SystemExit, match="peer_triton_kernels.py"):
