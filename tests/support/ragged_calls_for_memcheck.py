@@ -3,8 +3,8 @@ prefill kernel), small, for compute-sanitizer (tests/gpu/test_ragged_memcheck.py
 under it): group sizes that are negative, that run past M (up to int32's extremes) or that
 leave rows to no group (the decode kernel reads them raw and makes them safe itself), a
 shifted first row (an expert-parallel shard), quantized and plain activations; the decode
-kernel also with CTAs over three tiles of N each (the last CTA over fewer). Prints one line per
-call."""
+kernel also with CTAs over three tiles of N each (the last CTA over fewer), the prefill kernel
+also with 32-row items. Prints one line per call."""
 import os
 
 import jax
@@ -22,12 +22,16 @@ SIZES = ([5, -3, 40, 9, 2, 0, 1, 1], [2**30, 2**30, 5, 0, 0, 0, 0, 1], [1, 2, 3,
          [2**31 - 1, -2**31, 7, 0, 0, 0, 0, 2**31 - 1])  # int32 extremes: sums saturate
 # one problem per kernel (each call compiles and runs slowly under the sanitizer): the decode
 # kernel with a plain activation, the prefill kernel with a quantized one (dequantized first);
-# the decode kernel again with three tiles of N per CTA (N = 1000: 8-row items on 128-row tiles)
+# the decode kernel again with three tiles of N per CTA (N = 1000: 8-row items on 128-row tiles);
+# the prefill kernel's 32-row items (two k-groups of warp groups, an odd number of k-tiles)
 for label, kernel, per_cta, (fmt, act, m, n, k) in [
         ("decode", "decode", None, ("nvfp4", None, 64, 256, 256)),
         ("prefill", "prefill", None, ("mxfp4", "mxfp4", 200, 320, 192)),
-        ("decode3", "decode", 3, ("mxfp4", None, 12, 1000, 512))]:
+        ("decode3", "decode", 3, ("mxfp4", None, 12, 1000, 512)),
+        ("prefill32", "prefill", None, ("nvfp4", None, 100, 320, 192))]:
     os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = kernel
+    if label == "prefill32":
+        os.environ["JAX_BLOCKSCALE_SM90_RAGGED_TILE_M"] = str(cat.RAGGED_PREFILL_NARROW_TILE_M)
     config.reload()
     if per_cta is not None:
         cat.ragged_decode_tiles_per_cta = lambda *args, per_cta=per_cta: per_cta
