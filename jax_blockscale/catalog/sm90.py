@@ -501,11 +501,11 @@ RAGGED_PREFILL_MIN_ROWS = 32
 # Below that, where the decode kernel would stream each tile of N in a CTA of its own over all
 # of K (long tiles: gpt-oss's, Mixtral's and Qwen3-235B-A22B's gate+up experts), this kernel
 # takes over from RAGGED_PREFILL_NARROW_MIN_ROWS rows per expert for FP4 weights with a bf16 or
-# an FP4 activation (dequantized to bf16 first; the kinds measured): 32-row items (two k-groups
-# of warp groups, as the dense 32-row tile) below RAGGED_PREFILL_NARROW_MAX_ROWS, 64-row items
-# from there. Where the decode kernel runs several short tiles per CTA (Qwen3-30B-A3B's experts)
-# or splits K it stays faster; at 8 rows per expert its 16-row items win
-# (docs/design/sm90_ragged_prefill.md).
+# an FP4 activation (dequantized to bf16 first): 32-row items (two k-groups of warp groups, as
+# the dense 32-row tile) below RAGGED_PREFILL_NARROW_MAX_ROWS, 64-row items from there. Where
+# the decode kernel runs several short tiles per CTA (Qwen3-30B-A3B's experts) or splits K it
+# stays faster, at 8 rows per expert its 16-row items win, and MXFP8 weights stay with it (they
+# gain on some shapes and lose on others) (docs/design/sm90_ragged_prefill.md).
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 RAGGED_PREFILL_NARROW_MAX_ROWS = 26  # 32-row items won at 24 rows per expert, 64-row ones at 28
