@@ -78,7 +78,8 @@ REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64
 # k-tile lands in slot 16 (2s + h) + 8 hi + 2t + q. The activations (wgmma's shared-memory
 # operand, read in slot order) are stored in that order: slot p holds activation_k_order()[p].
 K_TILE = 64
-K_DIGITS = (4, 2, 2, 2, 2)  # element k of a k-tile = digits (t, s, q, h, hi), most significant first
+# element k of a k-tile = digits (t, s, q, h, hi), most significant first
+K_DIGITS = (4, 2, 2, 2, 2)
 SLOT_ORDER = (1, 3, 4, 0, 2)  # slot = digits (s, h, hi, t, q): a transpose of K_DIGITS' axes
 
 
@@ -584,8 +585,8 @@ class Variant:
     """One compiled sm90 kernel as the FFI handler's table knows it.
 
     kernel: "fused" | "register_weights" | "decode" | "ragged_decode" (the grouped decode
-    kernel) | "ragged_prefill" (the grouped register-weight kernel); nt: 0 for the fused kernels, else the decode kernel's n8 tiles of M per CTA
-    (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its tuning's bn); k_chunk: decode only,
+    kernel) | "ragged_prefill" (the grouped register-weight kernel); nt: 0 for the fused
+    kernels, else the decode kernel's n8 tiles of M per CTA (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its tuning's bn); k_chunk: decode only,
     K elements per sub-chunk (a split's unit)."""
 
     kernel: str
