@@ -586,8 +586,9 @@ class Variant:
 
     kernel: "fused" | "register_weights" | "decode" | "ragged_decode" (the grouped decode
     kernel) | "ragged_prefill" (the grouped register-weight kernel); nt: 0 for the fused
-    kernels, else the decode kernel's n8 tiles of M per CTA (tile_m = 8 nt); tile_n: rows of N per CTA (decode: its tuning's bn); k_chunk: decode only,
-    K elements per sub-chunk (a split's unit)."""
+    kernels, else the decode kernel's n8 tiles of M per CTA (tile_m = 8 nt); tile_n: rows of N
+    per CTA (decode: its tuning's bn); k_chunk: decode only, K elements per sub-chunk (a split's
+    unit)."""
 
     kernel: str
     a_kind: str
