@@ -499,18 +499,19 @@ RAGGED_PREFILL_WIDEST_ROWS = 384
 # rows per expert on average from which this kernel takes over from the grouped decode kernel
 # (docs/design/sm90_ragged_prefill.md)
 RAGGED_PREFILL_MIN_ROWS = 32
-# Below that, where the decode kernel would stream each tile of N in a CTA of its own over all
-# of K (long tiles: gpt-oss's, Mixtral's and Qwen3-235B-A22B's gate+up experts), this kernel
-# takes over from RAGGED_PREFILL_NARROW_MIN_ROWS rows per expert for FP4 weights with a bf16 or
-# an FP4 activation (dequantized to bf16 first): 32-row items (two k-groups of warp groups, as
-# the dense 32-row tile) below RAGGED_PREFILL_NARROW_MAX_ROWS, 64-row items from there. Where
-# the decode kernel runs several short tiles per CTA (Qwen3-30B-A3B's experts) or splits K it
-# stays faster, at 8 rows per expert its 16-row items win, and MXFP8 weights stay with it (they
-# gain on some shapes and lose on others) (docs/design/sm90_ragged_prefill.md).
+# FP4 experts (RAGGED_PREFILL_FP4_KINDS) with a bf16 or an FP4 activation (dequantized to bf16
+# first) come here earlier: in 64-row items from RAGGED_PREFILL_FP4_MIN_ROWS rows per expert, and in
+# 32-row items (two k-groups of warp groups, as the dense 32-row tile) from
+# RAGGED_PREFILL_NARROW_MIN_ROWS where the decode kernel would stream each tile of N in a CTA of
+# its own over all of K (long tiles: gpt-oss's, Mixtral's and Qwen3-235B-A22B's gate+up
+# experts). Where the decode kernel runs several short tiles per CTA (Qwen3-30B-A3B's experts)
+# or splits K it stays faster below RAGGED_PREFILL_FP4_MIN_ROWS, at 8 rows per expert its 16-row
+# items win, and MXFP8 weights stay with it (they gain on some shapes and lose on others)
+# (docs/design/sm90_ragged_prefill.md).
+RAGGED_PREFILL_FP4_MIN_ROWS = 26  # 32-row items won at 24 rows per expert, 64-row ones at 26-28
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
-RAGGED_PREFILL_NARROW_MAX_ROWS = 26  # 32-row items won at 24 rows per expert, 64-row ones at 28
-RAGGED_PREFILL_NARROW_KINDS = ("mxfp4", "nvfp4")
+RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
 # The grouped decode kernel makes its own work items from the raw group sizes (one kernel, no
@@ -548,7 +549,7 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="
         return None
     tiles = dict(RAGGED_PREFILL_TILES)
     if tile_m is None:
-        narrow = early and not force and avg < RAGGED_PREFILL_NARROW_MAX_ROWS
+        narrow = early and not force and avg < RAGGED_PREFILL_FP4_MIN_ROWS
         tile_m = (RAGGED_PREFILL_NARROW_TILE_M if narrow
                   else 64 if avg < RAGGED_PREFILL_WIDE_ROWS
                   else 128 if avg < RAGGED_PREFILL_WIDEST_ROWS else 256)
@@ -559,14 +560,17 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="
 
 def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16") -> bool:
     """Whether the register-weight kernel beats the grouped decode kernel on a call of fewer
-    than RAGGED_PREFILL_MIN_ROWS rows per expert: RAGGED_PREFILL_NARROW_KINDS weights with a
-    bf16 activation or one of those kinds, at least RAGGED_PREFILL_NARROW_MIN_ROWS rows per
-    expert, that the decode kernel would run one tile of N per CTA over all of K (the
-    measurements: docs/design/sm90_ragged_prefill.md)."""
-    if (KIND_OF_FORMAT.get(fmt_a, fmt_a) not in ("bf16",) + RAGGED_PREFILL_NARROW_KINDS
-            or KIND_OF_FORMAT.get(fmt_b, fmt_b) not in RAGGED_PREFILL_NARROW_KINDS):
+    than RAGGED_PREFILL_MIN_ROWS rows per expert: RAGGED_PREFILL_FP4_KINDS weights with a
+    bf16 activation or one of those kinds, from RAGGED_PREFILL_FP4_MIN_ROWS rows per expert, and
+    from RAGGED_PREFILL_NARROW_MIN_ROWS where the decode kernel would run one tile of N per CTA
+    over all of K (the measurements: docs/design/sm90_ragged_prefill.md)."""
+    if (KIND_OF_FORMAT.get(fmt_a, fmt_a) not in ("bf16",) + RAGGED_PREFILL_FP4_KINDS
+            or KIND_OF_FORMAT.get(fmt_b, fmt_b) not in RAGGED_PREFILL_FP4_KINDS):
         return False
-    if _ceil_div(m, groups) < RAGGED_PREFILL_NARROW_MIN_ROWS:
+    avg = _ceil_div(m, groups)
+    if avg >= RAGGED_PREFILL_FP4_MIN_ROWS:
+        return True
+    if avg < RAGGED_PREFILL_NARROW_MIN_ROWS:
         return False
     decode = choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out)
     if decode is None:

@@ -183,8 +183,7 @@ def test_decode_tiles_at_16_rows_follow_the_weight_kind(fmt_b, bn):
     assert _plan(_w(m=8, n=6144, k=4096, fmt_b=fmt_b)).tile == (8, 128)
 
 
-_PREFILL_ROWS = [(cat90.RAGGED_PREFILL_MIN_ROWS - 1, None),
-                 (cat90.RAGGED_PREFILL_MIN_ROWS, 64),
+_PREFILL_ROWS = [(cat90.RAGGED_PREFILL_MIN_ROWS, 64),
                  (cat90.RAGGED_PREFILL_WIDE_ROWS - 1, 64),
                  (cat90.RAGGED_PREFILL_WIDE_ROWS, 128),
                  (cat90.RAGGED_PREFILL_WIDEST_ROWS - 1, 128),
@@ -196,9 +195,8 @@ _PREFILL_ROWS = [(cat90.RAGGED_PREFILL_MIN_ROWS - 1, None),
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8"])
 def test_grouped_prefill_items_follow_the_rows_per_expert(rows_per_expert, tile_m, fmt_b):
     """The grouped register-weight kernel's item height steps from 64 to 128 to 256 rows at the
-    catalogue's thresholds of rows per expert (below the lowest the grouped decode kernel runs
-    Qwen3-30B-A3B's experts, short tiles of N), and its work table has the bound for that
-    height."""
+    catalogue's thresholds of rows per expert (below the lowest: the next test), and its work
+    table has the bound for that height."""
     groups = 128
     m = rows_per_expert * groups
     got = cat90.choose_ragged_prefill_variant(m, 1536, 2048, groups, "bf16", fmt_b, 132)
@@ -220,28 +218,33 @@ _SHORT_TILES = [(128, 1536, 2048), (128, 4096, 1536)]
 
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("g,n,k", _LONG_TILES + _SHORT_TILES)
-def test_early_register_weights_only_where_the_decode_kernel_streams_long_tiles(g, n, k, fmt_b):
-    """Below RAGGED_PREFILL_MIN_ROWS rows per expert the grouped register-weight kernel runs
-    FP4 experts the decode kernel would stream one tile of N per CTA, with a bf16 or a
-    same-format activation: 32-row items from RAGGED_PREFILL_NARROW_MIN_ROWS, 64-row items from
-    RAGGED_PREFILL_NARROW_MAX_ROWS. The decode kernel keeps the rest (short tiles, fp8 weights,
-    fewer rows)."""
-    long_fp4 = (g, n, k) in _LONG_TILES and fmt_b != "mxfp8_e4m3"
-    narrow, wide = cat90.RAGGED_PREFILL_NARROW_TILE_M, 64
+def test_fp4_experts_take_the_register_weight_kernel_early(g, n, k, fmt_b):
+    """Below RAGGED_PREFILL_MIN_ROWS rows per expert the grouped register-weight kernel runs FP4
+    experts with a bf16 or a same-format activation: 64-row items from
+    RAGGED_PREFILL_FP4_MIN_ROWS, and 32-row items from RAGGED_PREFILL_NARROW_MIN_ROWS where the
+    decode kernel would stream one tile of N per CTA. The decode kernel keeps the rest (short
+    tiles below RAGGED_PREFILL_FP4_MIN_ROWS, fp8 weights, fewer rows)."""
+    fp4 = fmt_b != "mxfp8_e4m3"
+    long_fp4 = fp4 and (g, n, k) in _LONG_TILES
+    narrow = cat90.RAGGED_PREFILL_NARROW_TILE_M if long_fp4 else None
+    wide = 64 if fp4 else None
     for rows, tile_m in ((cat90.RAGGED_PREFILL_NARROW_MIN_ROWS - 1, None),
                          (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, narrow), (16, narrow),
-                         (cat90.RAGGED_PREFILL_NARROW_MAX_ROWS - 1, narrow),
-                         (cat90.RAGGED_PREFILL_NARROW_MAX_ROWS, wide),
-                         (cat90.RAGGED_PREFILL_MIN_ROWS - 1, wide)):
-        tile_m = tile_m if long_fp4 else None
+                         (cat90.RAGGED_PREFILL_FP4_MIN_ROWS - 1, narrow),
+                         (cat90.RAGGED_PREFILL_FP4_MIN_ROWS, wide),
+                         (cat90.RAGGED_PREFILL_MIN_ROWS - 1, wide),
+                         (cat90.RAGGED_PREFILL_MIN_ROWS, 64)):
         m = rows * g
         got = cat90.choose_ragged_prefill_variant(m, n, k, g, None, fmt_b, 132)
         assert (got and got[0].tile_m) == tile_m, (rows, got)
-        assert cat90.register_weights_win_early(m, n, k, g, None, fmt_b, 132) == bool(tile_m)
+        early = rows < cat90.RAGGED_PREFILL_MIN_ROWS
+        assert not early or cat90.register_weights_win_early(m, n, k, g, None, fmt_b,
+                                                             132) == bool(tile_m)
         if tile_m:
             v, items = got
             assert v.tile_n == 128 and v in cat90.VARIANTS
             assert items == cat90.ragged_items(m, g, tile_m)
+        if tile_m == cat90.RAGGED_PREFILL_NARROW_TILE_M:
             # the decode kernel's own choice there: one CTA per tile of N, K unsplit
             dv, splits, _ = cat90.choose_ragged_decode_variant(m, n, k, g, None, fmt_b, 132)
             assert splits == 1 and cat90.ragged_decode_tiles_per_cta(
@@ -251,9 +254,8 @@ def test_early_register_weights_only_where_the_decode_kernel_streams_long_tiles(
         assert (got_q and got_q[0].tile_m) == tile_m, (rows, got_q)
     # an MXFP8 activation on FP4 weights (not measured) stays on the decode kernel
     assert not cat90.register_weights_win_early(16 * g, n, k, g, "mxfp8_e4m3", fmt_b, 132)
-    got = cat90.choose_ragged_prefill_variant(cat90.RAGGED_PREFILL_MIN_ROWS * g, n, k, g, None,
-                                              fmt_b, 132)
-    assert got[0].tile_m == 64
+    assert not cat90.register_weights_win_early(
+        cat90.RAGGED_PREFILL_FP4_MIN_ROWS * g, n, k, g, "mxfp8_e4m3", fmt_b, 132)
 
 
 def test_forced_grouped_item_height_is_one_the_kernel_has(monkeypatch):
