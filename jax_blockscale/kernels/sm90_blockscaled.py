@@ -259,7 +259,7 @@ class Sm90BlockScaledGemm:
         # adds them in split order and applies alpha
         self.splittable = self.reg_w and not self.grouped
         # tile: (activation rows = the wgmma N, weight rows = 64 per consumer warp group)
-        # (the grouped kernel also has 256-row tiles: RAGGED_PREFILL_TILES)
+        # (the grouped kernel's are RAGGED_PREFILL_TILES, 256-row tiles among them)
         tiles = RAGGED_PREFILL_TILES if self.grouped else REGISTER_WEIGHT_TILES
         assert not self.reg_w or (a_kind == "bf16" and b_kind in REGISTER_WEIGHT_KINDS
                                   and tile_mn in tiles), (a_kind, b_kind, tile_mn)
@@ -1010,7 +1010,8 @@ class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
     bm activation rows from the item's first row with TMA (rows of the next expert compute
     values that are not stored; rows past M arrive as zeros), streams its expert's weight tile
     and scales, and stores the item's rows only. Expert -1 items write zeros. Everything else
-    (ring, conversion, MMAs) is the dense register-weight kernel's."""
+    (ring, conversion, MMAs, and the 32-row tile's two k-groups, each taking its share of the
+    item's k-tiles) is the dense register-weight kernel's."""
 
     grouped = True
 
