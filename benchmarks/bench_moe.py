@@ -10,10 +10,9 @@ For each model's expert GEMMs (gate+up and down), token count and format, in one
                     activation quantized once outside the timed call
   ours_decode       with --compare-kernels: `ours` with the sm90 grouped decode kernel forced
   ours_prefill      ... with the grouped register-weight (prefill) kernel forced
-  ours_prefill32    ... the same with 32 / 64 / 128 / 256 rows per item forced
-  ours_prefill64    (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL / _TILE_M): where the planner's
-  ours_prefill128   threshold and tile choice come from
-  ours_prefill256
+  ours_prefill<n>   ... the same with n rows per item forced, one method per item height of
+                    the catalogue (32, 64, 128, 256; JAX_BLOCKSCALE_SM90_RAGGED_KERNEL /
+                    _TILE_M): where the planner's thresholds and tile choice come from
 Routing: each token picks top_k distinct experts uniformly at random (seeded), the T * top_k
 rows sorted by expert; `experts_hit` counts the experts with rows and `hit_bytes` their
 quantized bytes (elements + scales), the floor for a kernel that streams only the hit experts;
@@ -44,6 +43,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import config as jbs_config  # noqa: E402
+from jax_blockscale.catalog import sm90 as cat90  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import copies, device_time_us, rotation_count, time_us  # noqa: E402
 
@@ -59,10 +59,11 @@ TINY_TOKENS = (1, 16, 64)
 GEMMS = ("gate_up", "down")
 FORMATS = ("mxfp4", "nvfp4")
 METHODS = ("bf16_ragged_dot", "deq_ragged_dot", "tokamax_int4", "ours", "ours_qact")
-# method -> (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL, JAX_BLOCKSCALE_SM90_RAGGED_TILE_M)
+# method -> (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL, JAX_BLOCKSCALE_SM90_RAGGED_TILE_M): one
+# ours_prefill<rows> per item height the catalogue has
 KERNEL_METHODS = {"ours_decode": ("decode", None), "ours_prefill": ("prefill", None),
-                  "ours_prefill64": ("prefill", "64"), "ours_prefill128": ("prefill", "128"),
-                  "ours_prefill256": ("prefill", "256"), "ours_prefill32": ("prefill", "32")}
+                  **{f"ours_prefill{tile_m}": ("prefill", str(tile_m))
+                     for tile_m, _ in cat90.RAGGED_PREFILL_TILES}}
 
 quantize = jax.jit(jbs.quantize, static_argnames=("fmt", "global_scale", "layout"))
 normal = jax.jit(jax.random.normal, static_argnames=("shape", "dtype"))
