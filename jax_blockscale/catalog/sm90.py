@@ -508,7 +508,7 @@ RAGGED_PREFILL_MIN_ROWS = 32
 # or splits K it stays faster below RAGGED_PREFILL_FP4_MIN_ROWS, at 8 rows per expert its 16-row
 # items win, and MXFP8 weights stay with it (they gain on some shapes and lose on others)
 # (docs/design/sm90_ragged_prefill.md).
-RAGGED_PREFILL_FP4_MIN_ROWS = 26  # 32-row items won at 24 rows per expert, 64-row ones at 26-28
+RAGGED_PREFILL_FP4_MIN_ROWS = 26  # between two measured points (the design note's table)
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")

@@ -256,8 +256,8 @@ def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rh
     """Each item height of the grouped register-weight kernel, forced, on every weight kind:
     groups shorter than an item, of exactly one, past one and over several (600 rows: two
     256-row items and a part), an empty expert, one row, rows past the groups' sum; an even and
-    an odd number of 64-element k-tiles (the 16- and 32-row items split them over two k-groups
-    of warp groups)."""
+    an odd number of 64-element k-tiles (the 32-row items split them over two k-groups of warp
+    groups)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
             JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
     sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33]  # 1675 of 1700 rows
