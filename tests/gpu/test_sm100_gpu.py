@@ -12,7 +12,6 @@ relative Frobenius error < 1e-5 with f32 output (dequantized products are exact
 in f32, only the summation order differs) and < 1e-2 with bf16 / f16 output.
 """
 
-
 import numpy as np
 import pytest
 
