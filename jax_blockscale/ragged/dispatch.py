@@ -43,8 +43,9 @@ The exchange (`exchange=`):
             both GEMMs; each device then sums its share of every token's combine (the slots it
             owns, the others 0); the (T, H) shares are summed across devices in f32 and every
             device gets the output (replicated): one all-reduce, or from
-            REDUCE_SCATTER_MIN_BYTES of shares an f32 reduce-scatter and an all-gather in the
-            output dtype. The interconnect carries T x H values once, against
+            REDUCE_SCATTER_MIN_BYTES of shares an f32 reduce-scatter (an all-to-all of the
+            f32 shares, each device summing its T/d tokens in device order) and an all-gather
+            in the output dtype. The interconnect carries T x H values once, against
             2 x T x k x H x (d - 1) / d rows for the dispatching exchanges; the shares are
             added in another order than one device's slot-by-slot sum, so the output equals
             one device's to f32 rounding (a few bf16 outputs one step apart), not bit for bit.
@@ -230,10 +231,10 @@ def _check(x, router, gate_up, down, mesh, axis):
 REDUCE_LIKELY_MIN_ROWS = 2048
 REDUCE_LIKELY_SLACK = 1.25
 REDUCE_ROWS_ALIGN = 128
-# Shares of at least this many bytes (f32) are summed by a reduce-scatter in f32 and gathered
-# in the output dtype (each output element summed once and rounded once, as by an f32
-# all-reduce and a cast, in 3/4 of the bytes); smaller ones by one all-reduce (one collective's
-# latency instead of two).
+# Shares of at least this many bytes (f32) are summed per token range on its device (an
+# all-to-all of f32 shares, then an all-gather in the output dtype: each output element summed
+# once and rounded once, as by an f32 all-reduce and a cast, in 3/4 of the bytes); smaller ones
+# by one all-reduce (one collective's latency instead of two).
 REDUCE_SCATTER_MIN_BYTES = 4 << 20
 
 
@@ -244,6 +245,26 @@ def _likely_rows(rows: int, d: int, most: int) -> int:
         return most
     likely = -(-int(np.ceil(rows / d * REDUCE_LIKELY_SLACK)) // REDUCE_ROWS_ALIGN)
     return min(most, likely * REDUCE_ROWS_ALIGN)
+
+
+def _sum_shares(share, axis, d, dt):
+    """Every device's (T, H) f32 share summed across `axis` (d devices), in `dt`, on every
+    device. Below REDUCE_SCATTER_MIN_BYTES one f32 all-reduce. From it each device takes T/d of
+    the tokens: an all-to-all hands it every device's f32 share of them, it adds them in device
+    order (0, 1, ..., d - 1: the same sums on every device and in every run) and rounds once,
+    and an all-gather of the rounded sums gives every device all T (the bytes of a
+    reduce-scatter and an all-gather, by NCCL's point-to-point path, which moved them faster
+    than its reduce-scatter: docs/design/moe_expert_parallel.md)."""
+    if share.nbytes < REDUCE_SCATTER_MIN_BYTES:
+        return lax.psum(share, axis).astype(dt)
+    tokens = share.shape[0]
+    pad = -tokens % d
+    mine = jnp.pad(share, ((0, pad), (0, 0))).reshape(d, (tokens + pad) // d, -1)
+    parts = lax.all_to_all(mine, axis, 0, 0)  # parts[j]: device j's share of my tokens
+    total = parts[0]
+    for j in range(1, d):
+        total = total + parts[j]
+    return lax.all_gather(total.astype(dt), axis, axis=0, tiled=True)[:tokens]
 
 
 def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axis, quantize,
@@ -297,12 +318,7 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
                              functools.partial(share_of, most), *args)
         else:
             share = share_of(most, *args)
-        if share.nbytes < REDUCE_SCATTER_MIN_BYTES:
-            return lax.psum(share, axis).astype(dt)
-        pad = -tokens % d
-        part = lax.psum_scatter(jnp.pad(share, ((0, pad), (0, 0))), axis, scatter_dimension=0,
-                                tiled=True)
-        return lax.all_gather(part.astype(dt), axis, axis=0, tiled=True)[:tokens]
+        return _sum_shares(share, axis, d, dt)
 
     wspec = lambda w: _weight_specs(w, axis)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), wspec(gate_up), wspec(down)),

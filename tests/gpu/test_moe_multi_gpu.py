@@ -121,14 +121,15 @@ def test_reduce_layer_uneven_routing_and_w4a4_on_2_gpus(devices, routing):
     mmd.check_reduce(devices, 2, "nvfp4", routing, act_fmt="nvfp4")
 
 
-def test_reduce_layer_likely_buffer_and_reduce_scatter_on_2_gpus(devices, monkeypatch):
+def test_reduce_layer_likely_buffer_and_token_range_sums_on_2_gpus(devices, monkeypatch):
     """The paths the reduce layer takes at serving sizes, at the test's size: the thresholds
     lowered so that it compiles the buffer for likely routing (taken under random routing, not
-    under uneven) and sums the shares by an f32 reduce-scatter and a bf16 all-gather."""
+    under uneven) and sums the shares per token range (an all-to-all of the f32 shares, a sum
+    on each range's device, a bf16 all-gather)."""
     from jax_blockscale.ragged import dispatch
     monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
     monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)
     monkeypatch.setattr(dispatch, "REDUCE_SCATTER_MIN_BYTES", 0)
     for routing in ("random", "uneven"):
         found = mmd.check_reduce(devices, 2, "nvfp4", routing)
-        print(f"reduce 2 GPUs, likely buffer and reduce-scatter, {routing}: {mmd.summary(found)}")
+        print(f"reduce 2 GPUs, likely buffer and token-range sums, {routing}: {mmd.summary(found)}")

@@ -124,6 +124,7 @@ class Collective:
 
 _INSTR = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|"
                     r"ragged-all-to-all|all-to-all|collective-permute)(-start)?\(")
+_TUPLE_INDEX = re.compile(r"/\*index=\d+\*/")  # XLA numbers every fifth element of a tuple
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -131,6 +132,7 @@ def collectives(hlo_text) -> list[Collective]:
     """The collectives of a compiled program's text, with their shapes."""
     found = []
     for line in hlo_text.splitlines():
+        line = _TUPLE_INDEX.sub("", line)
         m = _INSTR.search(line)
         if not m:
             continue
@@ -553,8 +555,9 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     rounding (each device's share of a token's combine is summed across devices in f32, in
     another order than one device's slot-by-slot sum: outputs differ by at most a bf16 step,
     in few elements); its program's only collectives of any size sum the (tokens, hidden)
-    shares: one f32 all-reduce, or, for shares of REDUCE_SCATTER_MIN_BYTES and more, an f32
-    reduce-scatter and an all-gather of the bf16 result (besides the scalar amax of NVFP4
+    shares: one f32 all-reduce, or, for shares of REDUCE_SCATTER_MIN_BYTES and more, an
+    all-to-all of the f32 shares of each device's tokens (a reduce-scatter summed in device
+    order) and an all-gather of the bf16 result (besides the scalar amax of NVFP4
     activations); no weight moved, every weight used where it was placed. Returns the
     collectives."""
     ep, got, want, compiled, args = run_expert_parallel(devices, n, fmt, routing, act_fmt,
@@ -568,18 +571,28 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     expect_sharded(compiled, args)
     found = collectives(compiled.as_text())
     text = summary(found)
-    assert not {c.name for c in found} & {"all-to-all", "ragged-all-to-all",
-                                          "collective-permute"}, text
+    assert not {c.name for c in found} & {"ragged-all-to-all", "collective-permute",
+                                          "reduce-scatter"}, text
     sized = Counter((c.name, str(t), tuple(dims)) for c in found for t, dims in c.results
-                    if dims)
+                    if dims and c.name != "all-to-all")
     padded = -(-tokens // n) * n
+    exchanged = [c for c in found if c.name == "all-to-all"]
     if tokens * HIDDEN * 4 >= dispatch.REDUCE_SCATTER_MIN_BYTES:
+        # one all-to-all of every device's f32 shares, as one (n, T/n, H) array or as n
+        # (T/n, H) pieces (XLA's GPU backend splits it), whole: a dropped or doubled share
+        # would change its size
+        assert len(exchanged) == 1, text
+        pieces = exchanged[0].results
+        assert {t for t, _ in pieces} == {"f32"}, text
+        assert sum(int(np.prod(dims)) for _, dims in pieces) == padded * HIDDEN, text
+        assert all(dims[-1] == HIDDEN for _, dims in pieces), text
         # the bf16 gather: f32 where XLA's CPU backend promotes it
         gathered = [key for key in sized if key[0] == "all-gather"]
         assert gathered in ([("all-gather", "bf16", (padded, HIDDEN))],
                             [("all-gather", "f32", (padded, HIDDEN))]), text
-        want_sized = {("reduce-scatter", "f32", (padded // n, HIDDEN)): 1, gathered[0]: 1}
+        want_sized = {gathered[0]: 1}
     else:
+        assert not exchanged, text
         want_sized = {("all-reduce", "f32", (tokens, HIDDEN)): 1}
     assert dict(sized) == want_sized, text
     act_global = act_fmt is not None and jbs.get_format(act_fmt).has_global_scale

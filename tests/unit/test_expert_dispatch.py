@@ -4,8 +4,10 @@ one-device layer (weight-only NVFP4 / MXFP4, NVFP4 activations), with random, un
 on one device) and empty-expert routing and a token count that does not split evenly; the
 compiled program exchanges rows with all-to-all only (no all-reduce of outputs, no weight
 moved); the padded exchange has `lax.ragged_all_to_all`'s semantics; the option's errors name
-the argument. exchange="reduce" (every device keeps every token, one f32 all-reduce of the
-combined shares) equals the one-device layer to f32 rounding, with that one all-reduce only. The checks live in tests/support/moe_multi_device.py (check_dispatch), which
+the argument. exchange="reduce" (every device keeps every token; the combined shares summed by
+one f32 all-reduce, or per token range by an all-to-all and an all-gather) equals the one-device
+layer to f32 rounding, with those collectives only. The checks live in
+tests/support/moe_multi_device.py (check_dispatch, check_reduce), which
 tests/gpu/test_moe_multi_gpu.py runs on the GPUs.
 
 As tests/unit/test_moe_sharding.py: XLA reads the device count once per process, so the checks
@@ -62,12 +64,12 @@ else:
     def test_dispatch_tokens_not_a_multiple_of_the_devices():
         mmd.check_dispatch(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
 
-    @pytest.fixture(params=["all-reduce", "likely buffer, reduce-scatter"])
+    @pytest.fixture(params=["all-reduce", "likely buffer, all-to-all sum"])
     def reduce_path(request, monkeypatch):
         """The reduce layer as it runs at these sizes (one worst-case buffer, one all-reduce),
         and with the thresholds lowered so that it also compiles the smaller buffer (taken
         under random routing, not under uneven routing, which puts every row on one device)
-        and sums the shares by reduce-scatter + all-gather, as it does at serving sizes."""
+        and sums the shares per token range (all-to-all, all-gather), as at serving sizes."""
         if request.param != "all-reduce":
             monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
             monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)
