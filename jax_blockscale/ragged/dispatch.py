@@ -225,11 +225,12 @@ def _check(x, router, gate_up, down, mesh, axis):
 # T * min(k, E/d), d times what routing spread evenly gives it; buffer-sized work (the row gather,
 # the activation between the GEMMs, the zeros the GEMMs write past the groups) is then mostly
 # waste. Where that bound has at least REDUCE_LIKELY_MIN_ROWS rows, the layer also compiles a
-# buffer of REDUCE_LIKELY_SLACK x the even share (in whole REDUCE_ROWS_ALIGN) and runs it when
-# every device's rows fit (a lax.cond that every device decides alike from the routing, which
-# each holds whole); otherwise the worst-case buffer. Nothing is dropped either way.
+# buffer of each REDUCE_LIKELY_SLACKS x the even share (in whole REDUCE_ROWS_ALIGN) and runs the
+# smallest that every device's rows fit (a lax.switch that every device decides alike from the
+# routing, which each holds whole); otherwise the worst-case buffer. Nothing is dropped either
+# way. (The slacks: docs/design/moe_expert_parallel.md.)
 REDUCE_LIKELY_MIN_ROWS = 2048
-REDUCE_LIKELY_SLACK = 1.25
+REDUCE_LIKELY_SLACKS = (1.0625, 1.25)
 REDUCE_ROWS_ALIGN = 128
 # Shares of at least this many bytes (f32) are summed per token range on its device (an
 # all-to-all of f32 shares, then an all-gather in the output dtype: each output element summed
@@ -238,13 +239,25 @@ REDUCE_ROWS_ALIGN = 128
 REDUCE_SCATTER_MIN_BYTES = 4 << 20
 
 
-def _likely_rows(rows: int, d: int, most: int) -> int:
-    """The smaller buffer of exchange="reduce" for `rows` routed rows over d devices whose
-    worst case is `most` rows (`most` itself where no smaller buffer is compiled)."""
+def _row_buffers(rows: int, d: int, most: int) -> tuple[int, ...]:
+    """The buffers exchange="reduce" compiles for `rows` routed rows over d devices whose worst
+    case is `most` rows: ascending, the last `most` (alone where no smaller one is compiled)."""
     if most < REDUCE_LIKELY_MIN_ROWS:
-        return most
-    likely = -(-int(np.ceil(rows / d * REDUCE_LIKELY_SLACK)) // REDUCE_ROWS_ALIGN)
-    return min(most, likely * REDUCE_ROWS_ALIGN)
+        return (most,)
+    sizes = set()
+    for slack in REDUCE_LIKELY_SLACKS:
+        units = -(-int(np.ceil(rows / d * slack)) // REDUCE_ROWS_ALIGN)
+        sizes.add(min(most, units * REDUCE_ROWS_ALIGN))
+    return tuple(sorted(sizes | {most}))
+
+
+def _buffer_index(busiest, buffers):
+    """Index of the smallest of `buffers` (ascending, the last the worst case) that holds
+    `busiest` rows: the number of smaller buffers it overflows."""
+    index = jnp.int32(0)
+    for size in buffers[:-1]:
+        index = index + (busiest > size).astype(jnp.int32)
+    return index
 
 
 def _sum_shares(share, axis, d, dt):
@@ -310,12 +323,12 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
         place = inverse_permutation(order) - start  # each (token, slot) row's, among mine
         args = (x, weights, order, place, start, group_sizes, gate_up, down)
         most = tokens * min(k, local_experts)  # the most rows my experts can get
-        likely = _likely_rows(tokens * k, d, most)
-        if likely < most:
+        buffers = _row_buffers(tokens * k, d, most)
+        if len(buffers) > 1:
             # every device's rows, from the routing each holds whole: all decide alike
             busiest = jnp.max(jnp.sum(counts.reshape(d, local_experts), axis=1))
-            share = lax.cond(busiest <= likely, functools.partial(share_of, likely),
-                             functools.partial(share_of, most), *args)
+            share = lax.switch(_buffer_index(busiest, buffers),
+                               [functools.partial(share_of, cap) for cap in buffers], *args)
         else:
             share = share_of(most, *args)
         return _sum_shares(share, axis, d, dt)

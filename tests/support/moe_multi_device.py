@@ -461,6 +461,8 @@ def check_layer(devices, case, fmt="nvfp4", act_fmt=None):
 #   "uneven"  every token's experts among the first top_k: one device gets every row
 #   "empty"   only even experts are chosen: odd experts get no rows (with 8 devices, every
 #             other device has nothing to compute)
+#   "balanced" every token's experts are the first top_k/2 of each half of the experts: on 2
+#             devices each gets exactly its even share of the rows
 DISPATCH_ROUTINGS = ("random", "uneven", "empty")
 
 
@@ -470,7 +472,9 @@ def dispatch_problem(fmt, routing, act_fmt=None, tokens=TOKENS, seed=0, mesh=Non
     moe = jnn.MoE(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, rngs=nnx.Rngs(seed))
     x = rand(7, (tokens, HIDDEN))
     if routing != "random":
-        favoured = (np.arange(TOP_K) if routing == "uneven" else np.arange(0, EXPERTS, 2))
+        favoured = {"uneven": np.arange(TOP_K), "empty": np.arange(0, EXPERTS, 2),
+                    "balanced": np.concatenate([np.arange(TOP_K // 2),
+                                                EXPERTS // 2 + np.arange(TOP_K // 2)])}[routing]
         router = np.array(moe.router[...]) * 0.01
         router[0, :] = -50.0
         router[0, favoured] = 50.0

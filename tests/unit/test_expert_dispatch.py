@@ -87,21 +87,36 @@ else:
         mmd.check_reduce(DEVICES, 2, "nvfp4", "random", act_fmt="nvfp4")
         mmd.check_reduce(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
 
-    def test_reduce_likely_buffer_is_taken_only_when_every_device_fits(monkeypatch):
-        """The smaller buffer: its size, and the branch each routing takes (a buffer too small
-        for a device's rows would drop them, which check_reduce would see)."""
+    def test_reduce_buffers_and_the_one_each_routing_takes(monkeypatch):
+        """The smaller buffers: their sizes, and the one each routing takes, the smallest that
+        holds every device's rows (a buffer too small for a device's rows would drop them,
+        which check_reduce would see)."""
         monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
-        assert dispatch._likely_rows(128, 2, 128) == 128  # 1.25 x 64 = 80 -> one 128-row unit
+        assert dispatch._row_buffers(128, 2, 128) == (128,)  # 68 and 80 -> one 128-row unit
         monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)
-        assert dispatch._likely_rows(128, 2, 128) == 80
-        assert dispatch._likely_rows(128, 2, 64) == 64  # never past the worst case
-        for routing, fits in (("random", True), ("uneven", False)):
+        assert dispatch._row_buffers(128, 2, 128) == (72, 80, 128)  # 1.0625 / 1.25 x 64
+        assert dispatch._row_buffers(128, 2, 64) == (64,)  # never past the worst case
+        monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 129)
+        assert dispatch._row_buffers(128, 2, 128) == (128,)  # below the threshold: one buffer
+        monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
+        # slacks that put these routings' busiest devices (64, 68, 128 rows) in three buffers
+        monkeypatch.setattr(dispatch, "REDUCE_LIKELY_SLACKS", (1.0, 1.125))
+        buffers = dispatch._row_buffers(128, 2, 128)
+        assert buffers == (64, 72, 128)
+        for busiest in range(0, 129):
+            got = int(dispatch._buffer_index(jnp.int32(busiest), buffers))
+            want = min(i for i, size in enumerate(buffers) if busiest <= size)
+            assert got == want, (busiest, got, want)
+        taken = {}
+        for routing in ("balanced", "random", "uneven"):
             one, _, x = mmd.dispatch_problem("nvfp4", routing)
             ids, _ = top_k_experts(x, one.router[...], mmd.TOP_K)
             counts = np.bincount(np.asarray(ids).ravel(), minlength=mmd.EXPERTS)
             busiest = counts.reshape(2, -1).sum(axis=1).max()
-            assert (busiest <= 80) == fits, (routing, busiest)  # the branch the layer takes
+            taken[routing] = int(dispatch._buffer_index(jnp.int32(busiest), buffers))
             mmd.check_reduce(DEVICES, 2, "nvfp4", routing)
+        # every buffer is run by one of these routings
+        assert taken == {"balanced": 0, "random": 1, "uneven": 2}, taken
 
     def test_reduce_takes_tokens_split_over_the_devices():
         """x split along the tokens (as a data-parallel layer before it leaves it): the reduce
