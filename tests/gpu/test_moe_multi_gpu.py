@@ -124,8 +124,8 @@ def test_reduce_layer_uneven_routing_and_w4a4_on_2_gpus(devices, routing):
 def test_reduce_layer_likely_buffer_and_token_range_sums_on_2_gpus(devices, monkeypatch):
     """The paths the reduce layer takes at serving sizes, at the test's size: the thresholds
     lowered so that it compiles the smaller row buffers (random routing takes one, uneven
-    routing the worst case) and sums the shares per token range (an all-to-all of the f32 shares, a sum
-    on each range's device, a bf16 all-gather)."""
+    routing the worst case) and sums the shares per token range (an all-to-all of the f32
+    shares, a sum on each range's device, a bf16 all-gather)."""
     from jax_blockscale.ragged import dispatch
     monkeypatch.setattr(dispatch, "REDUCE_LIKELY_MIN_ROWS", 0)
     monkeypatch.setattr(dispatch, "REDUCE_ROWS_ALIGN", 8)

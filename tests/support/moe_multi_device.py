@@ -583,8 +583,8 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     exchanged = [c for c in found if c.name == "all-to-all"]
     if tokens * HIDDEN * 4 >= dispatch.REDUCE_SCATTER_MIN_BYTES:
         # one all-to-all of every device's f32 shares, as one (n, T/n, H) array or as n
-        # (T/n, H) pieces (XLA's GPU backend splits it), whole: a dropped or doubled share
-        # would change its size
+        # pieces (XLA splits it), of all T tokens' shares: an exchange of fewer would leave
+        # some token ranges unsummed
         assert len(exchanged) == 1, text
         pieces = exchanged[0].results
         assert {t for t, _ in pieces} == {"f32"}, text
