@@ -88,10 +88,10 @@ from jax_blockscale.kernels.export import compile_for_arch, export_compiled, pla
 from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
 from jax_blockscale.kernels.sm90_ptx import (
-    FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, SCALE_BYTE_SEL, cp_async, cp_async_commit,
+    FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, cp_async, cp_async_commit,
     cp_async_wait, dequant_group, dequant_mma, ldg4_f32, ldg_bytes, ldg_f32, ldg_stream_v4, ldg_v4,
-    lds_v4, mbar_arrive_expect_tx, mbar_init, mbar_init_fence, mbar_wait, permute_fp4_order,
-    scale_bf16x2, stg4_out, stg_f32, sts_v4)
+    lds_v2, lds_v4, mbar_arrive_expect_tx, mbar_init, mbar_init_fence, mbar_wait, permute_fp4_order,
+    scale_bf16x2, scale_pair_bf16x2, scale_pair_sel, stg4_out, stg_f32, sts_v4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,10 +136,10 @@ class Sm90DecodeGemm:
         # past N and bytes past K arrive as zeros); per stage, per 128-row group, the sub-chunk's
         # blocked-scale tiles (one box of 4 x 128 bytes per tile)
         self.scale_tiles = self.sub * self.se // self.b_block // 4
+        assert self.sub * self.se % (4 * self.b_block) == 0, "whole scale tiles per sub-chunk"
         if tuning.pipeline == "tma":
             assert tuning.stages >= 2, tuning
             self.groups = self.BN // 128  # 128-row scale groups per CTA (R = 4: 2, R = 2: 1)
-            assert self.sub * self.se % (4 * self.b_block) == 0, "whole scale tiles per stage"
             assert self.sub % tuning.box_steps == 0, tuning
             self.box_bytes = tuning.box_steps * STEP_BYTES  # bytes of each row per TMA box
             self.boxes = self.sub // tuning.box_steps  # weight boxes per sub-chunk
@@ -599,7 +599,7 @@ class Sm90DecodeGemm:
             for c in cutlass.range_constexpr(self.sub):
                 w = [[w_cur[(c * 4 + r) * 4 + x] for x in range(4)] for r in range(4)]
                 sw = [s_cur[c * 4 + x] for x in range(4)]
-                self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
+                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8)
 
     @cute.jit
     def _mainloop_cpasync(self, acc, act_base, ring_w, ring_s, row_addr, sent_addr, a_addr,
@@ -630,7 +630,7 @@ class Sm90DecodeGemm:
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._ring_words(ring_w, ring_s, stage, c, tid)
-                self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8)
+                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8)
         cp_async_wait(0)
 
     @cute.jit
@@ -757,10 +757,9 @@ class Sm90DecodeGemm:
                     ahead = self._next_sub_chunk(ahead, n_sub)
                 self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane, ahead)
         for c in cutlass.range_constexpr(self.sub):
-            w, sw = self._tma_words(ring_w, ring_s, stage, c, kc, warp, g, t)
+            w, sw = self._tma_words(ring_w, ring_s, stage, c, warp, g, t)
             if cutlass.const_expr(self.tuning.probe != "nocompute"):
-                self._step_compute(w, sw, kc + c * self.se + t * self.e, buf, c, lane, acc,
-                                   b_fp8)
+                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8)
             else:  # keep the shared-memory reads: fold them into one accumulator
                 acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
 
@@ -819,7 +818,7 @@ class Sm90DecodeGemm:
                                   tma_bar_ptr=bar)
 
     @cute.jit
-    def _tma_words(self, ring_w, ring_s, stage, c, kc, warp, g, t):
+    def _tma_words(self, ring_w, ring_s, stage, c, warp, g, t):
         """Step c of TMA ring stage `stage`: w[j] = the 4 weight words of the thread's row j,
         sw[j] = the scale word of row j (its 16-byte entry of the step's scale tile)."""
         w = []
@@ -828,14 +827,25 @@ class Sm90DecodeGemm:
         for r in cutlass.range_constexpr(self.R):
             local = self._row(0, warp, g, r)
             w.append(lds_v4(box + local * self.box_bytes + (c % bs) * STEP_BYTES + t * 16))
-        kt = kc + c * self.se + t * self.e
-        tile = (kt // self.b_block) // 4 - (kc // self.b_block) // 4
+        tile = self._scale_block(c, t) >> 2
         group = self._group_of(warp)
-        sw = lds_v4(ring_s + ((stage * self.groups + group) * self.scale_tiles + tile) * 512
-                    + ((warp % 4) * 8 + g) * 16)
-        if cutlass.const_expr(self.R == 2):
-            sw = self._own_quarters(sw, warp)
+        entry = (ring_s + ((stage * self.groups + group) * self.scale_tiles + tile) * 512
+                 + ((warp % 4) * 8 + g) * 16)
+        if cutlass.const_expr(self.R == 2):  # the words of the two quarters this warp's rows are in
+            sw = lds_v2(entry + ((warp // 4) % 2) * 8)
+        else:
+            sw = lds_v4(entry)
         return w, sw
+
+    def _scale_block(self, c, t):
+        """Block of K, counted from the sub-chunk's start, of the first element of thread t's
+        bytes in step c. Sub-chunks start on whole scale tiles (4 blocks: asserted in __init__),
+        so this block's scale column is its index % 4 and its tile in the stage its index // 4,
+        with no run-time division."""
+        per_step = self.se // self.b_block
+        if cutlass.const_expr(self.e >= self.b_block):
+            return c * per_step + t * (self.e // self.b_block)
+        return c * per_step + (t >> (self.b_block // self.e).bit_length() - 1)
 
     def _own_quarters(self, sw, warp):
         """R = 2: of a 16-byte scale entry (one word per 32-row quarter), the words of the two
@@ -919,7 +929,7 @@ class Sm90DecodeGemm:
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
                 w, sw = self._ring_words(ring_w, ring_s, stage, c, tid)
-                self._step_compute(w, sw, kc + c * se + t * self.e, buf, c, lane, acc, b_fp8,
+                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8,
                                    win=(lane_off, q_stride))
             wrap = cutlass.Int32(wpos + 1 == W)  # the window ends with this sub-chunk
             wpos = (wpos + 1) * (1 - wrap)
@@ -954,21 +964,27 @@ class Sm90DecodeGemm:
             sts_v4(buf + j * 16, permute_fp4_order(lds_v4(buf + j * 16)))
 
     @cute.jit
-    def _step_compute(self, w, sw, kt, buf, c, lane, acc, b_fp8, win=None):
-        """One 64-byte step of the thread's four rows: w[j] = 4 weight words of row j, sw[j] = the
-        scale word of row j (4 scale columns), kt = first K element of the thread's bytes.
+    def _step_compute(self, w, sw, t, buf, c, lane, acc, b_fp8, win=None):
+        """Step c of a sub-chunk for the thread's rows: w[j] = 4 weight words of row j, sw[j] = the
+        scale word of row j (4 scale columns); t = the thread's quarter of the step.
         Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
         per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
         sub-chunk's first item)."""
         v = self.v
         nt, Q = v.nt, self.q
-        col = (kt // self.b_block) % 4  # the thread's first scale column (byte) in the word
+        col = self._scale_block(c, t) & 3  # the thread's first scale column (byte) in the word
         nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
-        sels = [SCALE_BYTE_SEL + 0x101 * (col + b) for b in range(nblk)]  # byte -> both halves
-        sc = []  # bf16x2 scale per row and block: converted once, used by every group
-        for j in cutlass.range_constexpr(self.R):
-            sc.append([scale_bf16x2(v.b_kind, sw[j], sels[b], self.fold)
-                       for b in range(nblk)])
+        # bf16x2 scale per row and block, converted once and used by every group: two at a time
+        # (NVFP4: the thread's two blocks of a row; MX: its block of rows 2i and 2i + 1)
+        sc = [[None] * nblk for _ in range(self.R)]
+        if cutlass.const_expr(nblk == 2):
+            for j in cutlass.range_constexpr(self.R):
+                sc[j] = scale_pair_bf16x2(v.b_kind, sw[j], 0, scale_pair_sel(col, col + 1),
+                                          self.fold)
+        else:
+            for jp in cutlass.range_constexpr(self.R // 2):
+                sc[2 * jp][0], sc[2 * jp + 1][0] = scale_pair_bf16x2(
+                    v.b_kind, sw[2 * jp], sw[2 * jp + 1], scale_pair_sel(col, 4 + col), self.fold)
         wpg = 1 if self.b_bits == 4 else 2  # weight words per 8-element group
         for q in cutlass.range_constexpr(Q):
             act = []

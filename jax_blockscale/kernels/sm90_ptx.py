@@ -100,6 +100,12 @@ def lds_v4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def lds_v2(addr, *, loc=None, ip=None):
+    return _asm(2, "r", [cutlass.Int32(addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", ["r"], loc,
+                ip)
+
+
+@dsl_user_op
 def sts_v4(addr, v, *, loc=None, ip=None):
     _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in v],
          "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", ["r", "r", "r", "r", "r"], loc, ip)
@@ -249,6 +255,70 @@ shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
 selp.b32 t, 0x00400040, t, p;    // 2^-127 is a bf16 subnormal
 selp.b32 $0, {BF16X2_NAN:#x}, t, pn;
 }}"""
+
+
+# Two scale bytes at once (the decode kernel: an NVFP4 thread's two blocks of a row, or an MX
+# thread's block of two rows). `prmt` puts byte A in the low byte of the low half and byte B in
+# the low byte of the high half (what lands in bytes 1 and 3 is masked off), both halves are
+# converted by the same instructions, and each half leaves broadcast to both halves of its own
+# register ({lo, lo}, {hi, hi}): ptxas reads such a broadcast straight from the packed register
+# (an HMUL2 operand selector), so no instruction is spent on it. A NaN code is found by one packed
+# compare of the converted halves and OR-ed to 0xFFFF (a bf16 NaN).
+_PAIR_SPLIT = """
+mov.b32 {lo, hi}, t;
+mov.b32 $0, {lo, lo};
+mov.b32 $1, {hi, hi};
+}"""
+_SCALE_PAIR_E4M3 = f"""{{
+.reg .b32 t, k, n;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, $3, $4;
+and.b32 t, t, 0x007F007F;        // the magnitude: 0xFF is a NaN code too, as 0x7F
+shl.b32 t, t, 4;                 // e4m3 bits -> bf16 bits: value * 2^-120
+mov.b32 k, {_K120:#x};
+mul.rn.bf16x2 t, t, k;
+mov.b32 k, NAN_CODE;             // where the NaN code 0x7F landed: 480 (times the fold)
+set.eq.u32.bf16x2 n, t, k;
+or.b32 t, t, n;""" + _PAIR_SPLIT
+_SCALE_PAIR_E4M3_FOLDED = _SCALE_PAIR_E4M3.replace(
+    "mul.rn.bf16x2 t, t, k;", f"mul.rn.bf16x2 t, t, k;\nmov.b32 k, {_K119:#x};\n"
+    "mul.rn.bf16x2 t, t, k;").replace("NAN_CODE", "0x7F707F70")  # 480 * 2^119
+_SCALE_PAIR_E4M3 = _SCALE_PAIR_E4M3.replace("NAN_CODE", "0x43F043F0")  # 480
+_SCALE_PAIR_E8M0 = """{
+.reg .b32 t, k, n;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, $3, $4;
+shl.b32 t, t, 7;                 // e8m0 = the bf16 exponent field
+and.b32 t, t, 0x7F807F80;
+mov.b32 k, 0x00400040;
+max.bf16x2 t, t, k;              // e8m0 0 is 2^-127: a bf16 subnormal (every other code is larger)
+mov.b32 k, 0x7F807F80;
+set.eq.u32.bf16x2 n, t, k;       // e8m0 0xFF (NaN) landed on inf
+or.b32 t, t, n;""" + _PAIR_SPLIT
+
+
+def scale_pair_sel(byte_a: int, byte_b: int) -> int:
+    """prmt selector of scale_pair_bf16x2: byte `byte_a` (0-3 of word A, 4-7 of word B) to the
+    low half, `byte_b` to the high half."""
+    return byte_a | (byte_b << 8)
+
+
+def scale_pair_ptx(kind: str, fold: bool = False) -> str:
+    """PTX of scale_pair_bf16x2: $2, $3 = scale words, $4 = scale_pair_sel -> $0, $1 = bf16x2
+    scales (both halves equal)."""
+    if KINDS[kind]["scale"] == "e4m3":
+        return _SCALE_PAIR_E4M3_FOLDED if fold else _SCALE_PAIR_E4M3
+    assert not fold, "only e4m3 scales are folded"
+    return _SCALE_PAIR_E8M0
+
+
+@dsl_user_op
+def scale_pair_bf16x2(kind, word_a, word_b, sel, fold=False, *, loc=None, ip=None):
+    """Two block-scale bytes (picked by `sel` = scale_pair_sel(...) from words A and B) -> two
+    bf16x2, each with its scale in both halves (times 2^119 when `fold`), as scale_bf16x2 gives
+    for each alone."""
+    return _asm(2, "r", [cutlass.Int32(word_a), cutlass.Int32(word_b), cutlass.Int32(sel)],
+                scale_pair_ptx(kind, fold), ["r", "r", "r"], loc, ip, side_effects=False)
 
 
 def scale_ptx(kind: str, fold: bool = False) -> str:

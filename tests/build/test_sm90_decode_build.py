@@ -99,6 +99,46 @@ def test_scale_word_every_code_every_column(kind, fold):
             np.testing.assert_array_equal(hi, want)
 
 
+def scale_pair_regs(kind, word_a, word_b, byte_a, byte_b, fold=False):
+    """The decode kernel's path: two scale bytes at once (byte_a of word A, 0-3, or of word B,
+    4-7; likewise byte_b) -> two bf16x2, each with its scale in both halves."""
+    out = emu.run(sm90_ptx.scale_pair_ptx(kind, fold), {
+        "$2": lanes(word_a), "$3": lanes(word_b),
+        "$4": lanes(sm90_ptx.scale_pair_sel(byte_a, byte_b))})
+    return out["$0"], out["$1"]
+
+
+@needs_dsl
+@pytest.mark.parametrize("kind,fold", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+def test_scale_pair_every_code_matches_one_at_a_time(kind, fold):
+    """Two scale bytes converted together (an NVFP4 thread's two blocks of one word; an MX
+    thread's block of two rows, one byte of each of two words) equal each converted alone, on
+    every code in both halves and every column, with random bytes around them: a NaN code (e4m3
+    0x7F and 0xFF, e8m0 0xFF) reads as NaN, e8m0 0 as 2^-127, folded scales carry 2^119."""
+    rng = np.random.default_rng(5)
+    codes = np.append(np.arange(128), 0xFF) if kind == "nvfp4" else np.arange(256)
+    for col in range(4):
+        for start in range(0, len(codes), 32):
+            lo_b = codes[np.arange(start, start + 32) % len(codes)].astype(np.uint32)
+            hi_b = codes[np.arange(start + 7, start + 39) % len(codes)].astype(np.uint32)
+            a, b = (rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+                    for _ in range(2))
+            nxt = (col + 1) % 4
+            if kind == "nvfp4":  # two columns of one word
+                a = (a & ~np.uint32((0xFF << (8 * col)) | (0xFF << (8 * nxt)))
+                     | (lo_b << (8 * col)) | (hi_b << (8 * nxt)))
+                regs = scale_pair_regs(kind, a, 0, col, nxt, fold)
+            else:  # one column of two words
+                a = (a & ~np.uint32(0xFF << (8 * col))) | (lo_b << (8 * col))
+                b = (b & ~np.uint32(0xFF << (8 * col))) | (hi_b << (8 * col))
+                regs = scale_pair_regs(kind, a, b, col, 4 + col, fold)
+            for reg, byte in zip(regs, (lo_b, hi_b)):
+                want = np.array([scale_value(kind, x & (0x7F if kind == "nvfp4" else 0xFF))
+                                 for x in byte]) * (FOLD if fold else 1.0)
+                for half in halves(reg):
+                    np.testing.assert_array_equal(half, want)
+
+
 @needs_dsl
 @pytest.mark.parametrize("fold", [False, True])
 def test_fp4_pairs_every_nibble_every_position(fold):
@@ -196,11 +236,17 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
             for x in range(wpg):
                 ops[f"${base + r2 * wpg + x}"] = wr[rows, 4 * t + q * wpg + x]
         base += 2 * wpg
-        for r2, rows in enumerate((g, g + 8)):
-            kb = (t * e + q * 8) // block
-            ops[f"${base + r2}"] = np.array(
-                [scale_word_reg(b_kind, sbytes[r, b], 0, fold)[0] for r, b in zip(rows, kb)],
-                np.uint32)
+        kb = (t * e + q * 8) // block
+        if b_kind == "nvfp4":  # the thread's two blocks of each row, one pair each
+            first = kb - (kb % 2)
+            for r2, rows in enumerate((g, g + 8)):
+                word = sbytes[rows, first] | (sbytes[rows, first + 1] << 8)
+                even, odd = scale_pair_regs(b_kind, word, 0, 0, 1, fold)
+                ops[f"${base + r2}"] = np.where(kb % 2 == 0, even, odd)
+        else:  # the block of rows g and g + 8 as one pair
+            pair = scale_pair_regs(b_kind, sbytes[g, kb], sbytes[g + 8, kb], 0, 4, fold)
+            for r2 in range(2):
+                ops[f"${base + r2}"] = pair[r2]
         base += 2
         for i in range(nt):
             for w in range(4):

@@ -1,7 +1,8 @@
 """A tiny warp-level emulator for the straight-line PTX that sm90_decode.py generates.
 
-Enough PTX to run the dequantization / MMA blocks on the CPU: mov, shl, shr, mul.lo, and, lop3, prmt,
-setp.eq, selp, mul.rn.bf16x2 and mma.sync.m16n8k16 (bf16 in, f32 out). Every register holds one
+Enough PTX to run the dequantization / MMA blocks on the CPU: mov (also to and from 16-bit halves),
+shl, shr, mul.lo, and, or, lop3, prmt, setp.eq, selp, mul.rn.bf16x2, max.bf16x2, set.eq.u32.bf16x2
+and mma.sync.m16n8k16 (bf16 in, f32 out). Every register holds one
 value per lane (a numpy array of 32). Used by tests/test_sm90_decode_build.py to check the bit
 tricks on every code and the fragment/permutation bookkeeping end to end, with no GPU.
 """
@@ -36,6 +37,16 @@ def _mul_bf16x2(a, b):
         x = bf16_to_f64(((a >> sh) & 0xFFFF).astype(np.uint16))
         y = bf16_to_f64(((b >> sh) & 0xFFFF).astype(np.uint16))
         out |= f64_to_bf16_exact(x * y).astype(np.uint32) << sh
+    return out
+
+
+def _halfwise(a, b, f):
+    """f(x, y) -> uint16 bits on the float64 values of each bf16 half of a and b."""
+    out = np.zeros_like(a)
+    for sh in (0, 16):
+        x = bf16_to_f64(((a >> sh) & 0xFFFF).astype(np.uint16))
+        y = bf16_to_f64(((b >> sh) & 0xFFFF).astype(np.uint16))
+        out |= np.asarray(f(x, y)).astype(np.uint32) << sh
     return out
 
 
@@ -102,8 +113,9 @@ def run(ptx: str, operands: dict):
             return regs[tok]
         return np.full(LANES, _imm(tok), np.uint32)
 
-    body = " ".join(re.sub(r"//.*", "", line) for line in ptx.split("\n"))
-    body = body.replace("{", " ").replace("}", " ")
+    # scope braces stand on lines of their own; braces inside a statement (register lists) stay
+    lines = (re.sub(r"//.*", "", line) for line in ptx.split("\n"))
+    body = " ".join(x for x in lines if x.strip() not in ("{", "}"))
     for stmt in body.split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
@@ -117,8 +129,18 @@ def run(ptx: str, operands: dict):
                 regs[x] = r
             continue
         op, rest = stmt.split(None, 1)
-        args = [x.strip() for x in rest.split(",")]
         u = np.uint32
+        if op == "mov.b32" and "{" in rest:  # a 32-bit register to or from two 16-bit halves
+            dst, src = [x.strip() for x in rest.split("}" if rest.startswith("{") else ",", 1)]
+            if dst.startswith("{"):  # mov.b32 {lo, hi}, r
+                lo, hi = [x.strip() for x in dst[1:].split(",")]
+                r = val(src.lstrip(", "))
+                regs[lo], regs[hi] = (r & 0xFFFF).astype(u), (r >> 16).astype(u)
+            else:  # mov.b32 r, {lo, hi}
+                lo, hi = [x.strip() for x in src.strip("{} ").split(",")]
+                regs[dst] = ((val(lo) & 0xFFFF) | ((val(hi) & 0xFFFF) << 16)).astype(u)
+            continue
+        args = [x.strip() for x in rest.split(",")]
         if op == "mov.b32":
             regs[args[0]] = val(args[1]).astype(u)
         elif op == "shl.b32":
@@ -130,6 +152,14 @@ def run(ptx: str, operands: dict):
                              & 0xFFFFFFFF).astype(u)
         elif op == "and.b32":
             regs[args[0]] = (val(args[1]) & val(args[2])).astype(u)
+        elif op == "or.b32":
+            regs[args[0]] = (val(args[1]) | val(args[2])).astype(u)
+        elif op == "set.eq.u32.bf16x2":  # per half: 0xFFFF where equal (NaN never is), else 0
+            regs[args[0]] = _halfwise(val(args[1]), val(args[2]),
+                                      lambda x, y: np.where(x == y, 0xFFFF, 0))
+        elif op == "max.bf16x2":  # per half (this emulator's inputs hold no NaN)
+            regs[args[0]] = _halfwise(val(args[1]), val(args[2]),
+                                      lambda x, y: f64_to_bf16_exact(np.maximum(x, y)))
         elif op == "lop3.b32":
             regs[args[0]] = _lop3(val(args[1]), val(args[2]), val(args[3]), _imm(args[4])).astype(u)
         elif op == "prmt.b32":
