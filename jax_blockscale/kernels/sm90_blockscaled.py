@@ -48,7 +48,7 @@ from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
 from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx
 from .export import compile_for_arch, placeholder_ptr
-from .sm90_ptx import OUT_DTYPES, scale_pair_bf16x2, scale_pair_sel
+from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
     REGISTER_WEIGHT_TILES)
@@ -202,10 +202,10 @@ def rw_fp4_pairs_ptx(fold: bool) -> str:
 
 
 @dsl_user_op
-def _rw_convert(kind, w0, w1, scale, *, loc=None, ip=None):
-    """A row's 16 fp4 elements (two words) and its bf16x2 block scale (_rw_scales) -> 8 bf16x2
-    words."""
+def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
+    """A row's 16 fp4 elements (two words) and byte `sel` of its scale word -> 8 bf16x2 words."""
     fold = kind == "nvfp4"
+    scale = scale_bf16x2(kind, sword, sel, fold, loc=loc, ip=ip)
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 8),
         [_i32(x, loc, ip) for x in (w0, w1, scale)], rw_fp4_pairs_ptx(fold),
@@ -971,18 +971,15 @@ class Sm90BlockScaledGemm:
             byte = t
         else:
             byte = (kt * (BK // b_blk) + t // 2) % 4
-        rows = [_rw_load_row(
-            self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
-            + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r]) for r in range(2)]
+        sel = SCALE_BYTE_SEL + 0x101 * byte
         pairs = []
-        if cutlass.const_expr(KINDS[self.b_kind]["bits"] == 4):
-            # both rows' scales in one conversion (byte `byte` of each row's scale word)
-            scales = scale_pair_bf16x2(self.b_kind, rows[0][2], rows[1][2],
-                                       scale_pair_sel(byte, 4 + byte), self.b_kind == "nvfp4")
-            for r in range(2):
-                pairs.append(_rw_convert(self.b_kind, rows[r][0], rows[r][1], scales[r]))
-        else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
-            for ws in rows:
+        for r in range(2):
+            ws = _rw_load_row(
+                self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
+                + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
+            if KINDS[self.b_kind]["bits"] == 4:
+                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
+            else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
                 sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
                 pairs.append(
                     _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
