@@ -924,7 +924,6 @@ class Sm90DecodeGemm:
                     cp_async_commit()
             else:
                 cp_async_wait(S - 1)  # this thread's copies of sub-chunk `it` have landed
-            kc = k_begin + it * chunk
             buf = act_base + wsel * self.win_bytes + wpos * sub_bytes
             stage = it % S
             for c in cutlass.range_constexpr(self.sub):
