@@ -829,12 +829,8 @@ class Sm90DecodeGemm:
             w.append(lds_v4(box + local * self.box_bytes + (c % bs) * STEP_BYTES + t * 16))
         tile = self._scale_block(c, t) >> 2
         group = self._group_of(warp)
-        entry = (ring_s + ((stage * self.groups + group) * self.scale_tiles + tile) * 512
-                 + ((warp % 4) * 8 + g) * 16)
-        if cutlass.const_expr(self.R == 2):  # the words of the two quarters this warp's rows are in
-            sw = lds_v2(entry + ((warp // 4) % 2) * 8)
-        else:
-            sw = lds_v4(entry)
+        sw = self._scale_words(ring_s + ((stage * self.groups + group) * self.scale_tiles + tile)
+                               * 512 + ((warp % 4) * 8 + g) * 16, warp)
         return w, sw
 
     def _scale_block(self, c, t):
@@ -847,11 +843,14 @@ class Sm90DecodeGemm:
             return c * per_step + t * (self.e // self.b_block)
         return c * per_step + (t >> (self.b_block // self.e).bit_length() - 1)
 
-    def _own_quarters(self, sw, warp):
-        """R = 2: of a 16-byte scale entry (one word per 32-row quarter), the words of the two
-        quarters this warp's rows are in: 2h and 2h + 1, h = (warp // 4) % 2."""
-        hmask = cutlass.Int32(0) - (warp // 4) % 2  # all ones for h = 1
-        return [(sw[2 + j] & hmask) | (sw[j] & ~hmask) for j in range(2)]
+    @cute.jit
+    def _scale_words(self, entry, warp):
+        """The scale words of the thread's rows in the 16-byte scale entry at shared address
+        `entry` (one word per 32-row quarter): all four with 4 rows per thread; with 2, those of
+        the two quarters its warp's rows are in, 2h and 2h + 1, h = (warp // 4) % 2 (8 bytes)."""
+        if cutlass.const_expr(self.R == 2):
+            return lds_v2(entry + ((warp // 4) % 2) * 8)
+        return lds_v4(entry)
 
     @cute.jit
     def _ring_words(self, ring_w, ring_s, stage, c, tid):
@@ -861,9 +860,7 @@ class Sm90DecodeGemm:
         for r in cutlass.range_constexpr(self.R):
             slot = ((stage * self.sub + c) * self.R + r) * THREADS + tid
             w.append(lds_v4(ring_w + slot * 16))
-        sw = lds_v4(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16)
-        if cutlass.const_expr(self.R == 2):
-            sw = self._own_quarters(sw, tid // 32)
+        sw = self._scale_words(ring_s + ((stage * self.sub + c) * THREADS + tid) * 16, tid // 32)
         return w, sw
 
     @cute.jit

@@ -31,15 +31,6 @@ def f64_to_bf16_exact(x):
     return b.view(np.uint16)
 
 
-def _mul_bf16x2(a, b):
-    out = np.zeros_like(a)
-    for sh in (0, 16):
-        x = bf16_to_f64(((a >> sh) & 0xFFFF).astype(np.uint16))
-        y = bf16_to_f64(((b >> sh) & 0xFFFF).astype(np.uint16))
-        out |= f64_to_bf16_exact(x * y).astype(np.uint32) << sh
-    return out
-
-
 def _halfwise(a, b, f):
     """f(x, y) -> uint16 bits on the float64 values of each bf16 half of a and b."""
     out = np.zeros_like(a)
@@ -48,6 +39,10 @@ def _halfwise(a, b, f):
         y = bf16_to_f64(((b >> sh) & 0xFFFF).astype(np.uint16))
         out |= np.asarray(f(x, y)).astype(np.uint32) << sh
     return out
+
+
+def _mul_bf16x2(a, b):
+    return _halfwise(a, b, lambda x, y: f64_to_bf16_exact(x * y))
 
 
 def _prmt(a, b, sel):
