@@ -278,14 +278,17 @@ WIDE_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
 
 # Weight kinds whose 9-16-row variants (nt = 2) take NARROW_TUNING too: MXFP8 weights (one byte
 # an element, twice the MMA work per weight byte of FP4) stream faster with twice the warps per SM
-# at every shape measured, FP4 weights slower (docs/design/sm90_decode.md, "What was tried").
+# at every shape measured, FP4 weights slower in the dense kernel (docs/design/sm90_decode.md,
+# "What was tried"). The grouped kernel gives every weight kind's 16-row items NARROW_TUNING:
+# an expert's GEMM is many short CTAs, whose ring fills and epilogues a second CTA per SM hides
+# (docs/design/sm90_ragged_decode.md, "The CTA shape at 9-16-row items").
 NARROW_16_ROW_KINDS = frozenset({"mxfp8"})
 
 
-def tuning_for(nt: int, b_kind: str) -> Tuning:
+def tuning_for(nt: int, b_kind: str, grouped: bool = False) -> Tuning:
     """The tuning the library builds a decode variant with n8-tile count `nt` and weight kind
-    `b_kind` with (the dense and the grouped decode kernel alike)."""
-    if nt == 1 or (nt == 2 and b_kind in NARROW_16_ROW_KINDS):
+    `b_kind` with, for the dense decode kernel or (`grouped`) the grouped one."""
+    if nt == 1 or (nt == 2 and (grouped or b_kind in NARROW_16_ROW_KINDS)):
         return NARROW_TUNING
     return DEFAULT_TUNING if nt == 2 else WIDE_TUNING
 
@@ -300,9 +303,9 @@ def steps_elems(b_kind: str) -> int:
     return DECODE_STEP_BYTES * 8 // KINDS[b_kind]["bits"]
 
 
-def decode_chunk_elems(b_kind: str, nt: int, tuning: Tuning | None = None) -> int:
-    """K elements of one sub-chunk (the unit a split covers a whole number of)."""
-    return (tuning or tuning_for(nt, b_kind)).sub_steps * steps_elems(b_kind)
+def decode_chunk_elems(b_kind: str, tuning: Tuning) -> int:
+    """K elements of one sub-chunk of `tuning` (the unit a split covers a whole number of)."""
+    return tuning.sub_steps * steps_elems(b_kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,20 +322,28 @@ class DecodeVariant:
     # first weight copies, and wait for it (griddepcontrol.wait) before reading the activation,
     # its scales or alpha. Only for a producer that writes nothing but those.
     chained: bool = False
+    # grouped: the grouped decode kernel (Sm90RaggedDecodeGemm: `ragged_gemm`'s experts, and
+    # `gemm(..., layer=)`'s index mode), whose tuning may differ from the dense kernel's
+    grouped: bool = False
+
+    def __post_init__(self):
+        assert not (self.chained and self.grouped), "the grouped kernel is never chained"
 
     @property
     def tuning(self) -> Tuning:
         """The tuning it is built with (its rows of N per CTA: tuning.bn)."""
-        return tuning_for(self.nt, self.b_kind)
+        return tuning_for(self.nt, self.b_kind, self.grouped)
 
     @property
     def name(self) -> str:
-        kind = "decode_chained" if self.chained else "decode"
+        kind = ("ragged_decode" if self.grouped else "decode_chained" if self.chained
+                else "decode")
         return f"jbs_sm90_{kind}_{self.a_kind}_{self.b_kind}_{self.out}_m{8 * self.nt}"
 
 
 DECODE_VARIANTS = tuple(DecodeVariant(a, b, out, nt) for (a, b) in DECODE_PAIRS for out in OUTS
                         for nt in DECODE_NTS)
+RAGGED_DECODE_VARIANTS = tuple(dataclasses.replace(v, grouped=True) for v in DECODE_VARIANTS)
 
 
 def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=None):
@@ -354,7 +365,7 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
         return None
     nt = nt_for(m)
     tuning = tuning or tuning_for(nt, b_kind)
-    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
+    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
     ctas = _ceil_div(n, tuning.bn) * _ceil_div(m, 8 * nt)
     splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
     per = _ceil_div(k_chunks, splits)  # equalize: every split the same number of sub-chunks
@@ -415,11 +426,10 @@ RAGGED_DECODE_SHORT_TILE_BYTES = 160 * 1024
 RAGGED_DECODE_CTA_BYTES = 320 * 1024
 RAGGED_DECODE_MIN_WAVES = 1.5
 RAGGED_DECODE_MAX_TILES_PER_CTA = 4  # the most measured (the kernel takes up to 16)
-# Longer tiles gain from running on only where one CTA has its SM alone (a tuning of 1 CTA per
-# SM: no second CTA hides a tile's ring fill and tail) and the CTAs left still fill this many
-# waves; with a second CTA per SM, or fewer waves, they lose (measured on an H100 and an H200:
+# Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
+# tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
+# dense kernel's 256-row CTAs the grouped kernel once took at 16-row items, they gained:
 # docs/design/sm90_ragged_decode.md).
-RAGGED_DECODE_LONG_TILE_MIN_WAVES = 2.5
 
 
 def expected_hit_groups(m: int, groups: int) -> float:
@@ -431,21 +441,17 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
                                 splits: int, sm_count: int) -> int:
     """Adjacent tiles of N per CTA for a grouped decode call of M rows over `groups` experts
     of (N, K) weights of `b_kind` on `splits` K ranges (1: a CTA per tile)."""
-    tuning = tuning_for(nt, b_kind)
+    tuning = tuning_for(nt, b_kind, grouped=True)
     tiles = _ceil_div(n, tuning.bn)
-    chunk = decode_chunk_elems(b_kind, nt, tuning)
+    chunk = decode_chunk_elems(b_kind, tuning)
     k_range = min(k, _ceil_div(_ceil_div(k, chunk), splits) * chunk)  # a split's K elements
     tile_bytes = tuning.bn * k_range * KINDS[b_kind]["bits"] // 8
-    work = expected_hit_groups(m, groups) * splits  # items with rows, about, x K ranges
     if tile_bytes >= RAGGED_DECODE_SHORT_TILE_BYTES:  # long tiles
-        if tuning.ctas_per_sm != 1:
-            return 1
-        min_ctas, most_bytes = RAGGED_DECODE_LONG_TILE_MIN_WAVES * sm_count, None
-    else:
-        min_ctas = RAGGED_DECODE_MIN_WAVES * tuning.ctas_per_sm * sm_count
-        most_bytes = RAGGED_DECODE_CTA_BYTES
+        return 1
+    work = expected_hit_groups(m, groups) * splits  # items with rows, about, x K ranges
+    min_ctas = RAGGED_DECODE_MIN_WAVES * tuning.ctas_per_sm * sm_count
     per = 1
-    while ((most_bytes is None or per * tile_bytes < most_bytes)
+    while (per * tile_bytes < RAGGED_DECODE_CTA_BYTES
            and per < min(tiles, RAGGED_DECODE_MAX_TILES_PER_CTA)
            and work * _ceil_div(tiles, per + 1) >= min_ctas):
         per += 1
@@ -471,14 +477,12 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # Routing is uneven: items of twice the average keep most experts to one item (one pass over
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
-    nt = nt_for(max(avg, min(2 * avg, 32)))
-    tuning = tuning_for(nt, b_kind)
-    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, nt, tuning))
-    ctas = _ceil_div(n, tuning.bn) * min(groups, m)
-    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
+    v = DecodeVariant(a_kind, b_kind, out, nt_for(max(avg, min(2 * avg, 32))), grouped=True)
+    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, v.tuning))
+    ctas = _ceil_div(n, v.tuning.bn) * min(groups, m)
+    splits = max(1, min(k_chunks, v.tuning.ctas_per_sm * sm_count // max(1, ctas)))
     per = _ceil_div(k_chunks, splits)
-    return (DecodeVariant(a_kind, b_kind, out, nt), _ceil_div(k_chunks, per),
-            ragged_decode_items(m, groups, nt))
+    return v, _ceil_div(k_chunks, per), ragged_decode_items(m, groups, v.nt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,14 +615,13 @@ class Variant:
 
     @property
     def decode_variant(self) -> DecodeVariant:
-        return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt, self.chained)
+        return DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt, self.chained,
+                             grouped=self.kernel == "ragged_decode")
 
     @property
     def name(self) -> str:
-        if self.kernel == "decode":
+        if self.kernel in ("decode", "ragged_decode"):
             return self.decode_variant.name
-        if self.kernel == "ragged_decode":
-            return ragged_decode_name(DecodeVariant(self.a_kind, self.b_kind, self.out, self.nt))
         if self.kernel == "ragged_prefill":
             return f"jbs_sm90_ragged_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
         return f"jbs_sm90_{self.a_kind}_{self.b_kind}_{self.out}_{self.tile_m}x{self.tile_n}"
@@ -629,14 +632,10 @@ def fused_variant(a_kind: str, b_kind: str, out: str, tile_m: int, tile_n: int) 
     return Variant(kernel, a_kind, b_kind, out, tile_m, tile_n)
 
 
-def decode_variant(v: DecodeVariant, kernel: str = "decode") -> Variant:
+def decode_variant(v: DecodeVariant) -> Variant:
     t = v.tuning
-    return Variant(kernel, v.a_kind, v.b_kind, v.out, 8 * v.nt, t.bn, v.nt,
-                   decode_chunk_elems(v.b_kind, v.nt, t), v.chained)
-
-
-def ragged_decode_name(v: DecodeVariant) -> str:
-    return v.name.replace("jbs_sm90_decode_", "jbs_sm90_ragged_decode_")
+    return Variant("ragged_decode" if v.grouped else "decode", v.a_kind, v.b_kind, v.out,
+                   8 * v.nt, t.bn, v.nt, decode_chunk_elems(v.b_kind, t), v.chained)
 
 
 VARIANTS = tuple(
@@ -645,7 +644,7 @@ VARIANTS = tuple(
     + [fused_variant("bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS for out in OUTS
        for (tm, tn) in REGISTER_WEIGHT_TILES]
     + [decode_variant(v) for v in DECODE_VARIANTS]
-    + [decode_variant(v, "ragged_decode") for v in DECODE_VARIANTS]
+    + [decode_variant(v) for v in RAGGED_DECODE_VARIANTS]
     + [decode_variant(v) for v in CHAINED_DECODE_VARIANTS]
     + [Variant("ragged_prefill", "bf16_kperm", b, out, tm, tn) for b in REGISTER_WEIGHT_KINDS
        for out in OUTS for (tm, tn) in RAGGED_PREFILL_TILES])

@@ -131,9 +131,8 @@ def _build_one(job) -> float:
 
     t0 = time.time()
     if v.kernel in ("decode", "ragged_decode"):
-        sm90_decode.export_variant(v.decode_variant, out_dir,
-                                   function_prefix=v.name, arch="sm_90a",
-                                   grouped=v.kernel == "ragged_decode")
+        sm90_decode.export_variant(v.decode_variant, out_dir, function_prefix=v.name,
+                                   arch="sm_90a")
     else:
         reg_w = v.kernel in ("register_weights", "ragged_prefill")
         compiled = sm90_blockscaled.compile_variant("bf16" if reg_w else v.a_kind, v.b_kind, v.out,

@@ -101,6 +101,7 @@ class Sm90DecodeGemm:
     grouped = False  # Sm90RaggedDecodeGemm: rows of M come from a work table, one expert each
 
     def __init__(self, variant: DecodeVariant, tuning: Tuning | None = None):
+        assert variant.grouped == self.grouped, variant  # its tuning is the grouped kernel's
         tuning = tuning or variant.tuning
         assert tuning.pipeline == "tma" or not self.grouped, tuning
         self.tuning = tuning
@@ -1228,10 +1229,10 @@ class Sm90RaggedDecodeGemm(Sm90DecodeGemm):
 # ----------------------------------------------------------------------------------------------
 # Build / export
 # ----------------------------------------------------------------------------------------------
-def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning | None = None,
-                    grouped: bool = False):
-    """cute.compile one variant (`grouped`: its Sm90RaggedDecodeGemm) for `arch` (no GPU
+def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning | None = None):
+    """cute.compile one variant (variant.grouped: an Sm90RaggedDecodeGemm) for `arch` (no GPU
     needed) with placeholder pointers."""
+    grouped = variant.grouped
     gemm = (Sm90RaggedDecodeGemm if grouped else Sm90DecodeGemm)(variant, tuning)
     a_t = cutlass.BFloat16 if variant.a_kind == "bf16" else cutlass.Uint8
     pointers = [
@@ -1252,11 +1253,11 @@ def compile_variant(variant: DecodeVariant, arch: str = "sm_90a", tuning: Tuning
 
 
 def export_variant(variant: DecodeVariant, out_dir: str, function_prefix: str | None = None,
-                   arch: str = "sm_90a", tuning: Tuning | None = None, grouped: bool = False):
+                   arch: str = "sm_90a", tuning: Tuning | None = None):
     """Compile `variant` for `arch` and write <prefix>.h and <prefix>.o into out_dir.
 
     The header declares `cute_dsl_<prefix>_wrapper(module, a, b, sa, sb, c, alpha, ws, m, n, k,
     l, a_e5m2, b_e5m2, splits, stream)` (grouped: `..., ws, items, m, n, k, g, num_items,
     a_e5m2, b_e5m2, splits, stream`); returns (header path, object path)."""
-    return export_compiled(compile_variant(variant, arch, tuning, grouped), out_dir,
+    return export_compiled(compile_variant(variant, arch, tuning), out_dir,
                            function_prefix or variant.name)

@@ -489,8 +489,9 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         else:
             choice = cat90.choose_decode_variant(pm, pn, spec.k, spec.fmt_lhs, spec.fmt_rhs,
                                                  device.sm_count, out=out)
-        if choice is not None:
-            choice = (*choice, -(-spec.m // (8 * choice[0].nt)))
+        if choice is not None:  # the grouped kernel's variant of that tile height (its tuning)
+            v = dataclasses.replace(choice[0], grouped=True)
+            choice = (v, choice[1], -(-spec.m // (8 * v.nt)))
     else:
         cfg = _config.get()
         mode = cfg.sm90_ragged_kernel
@@ -512,7 +513,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     b_row = spec.k * cat90.KINDS[kb]["bits"] // 8
     if max(splits * spec.m * spec.n, spec.m * a_row, spec.groups * spec.n * b_row) > _INT32_MAX:
         return "problem too large for the kernel's 32-bit indexing"
-    name = cat90.ragged_decode_name(v)
+    name = v.name
     why = sm90_unavailable(device, library, name, "grouped decode variant")
     if why is not None:
         return why

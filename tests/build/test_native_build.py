@@ -212,7 +212,7 @@ def test_decode_reads_plain_activation_scales(a):
 
 def test_decode_split_count_and_workspace():
     dec = dict(a="bf16", b="nvfp4", m=1, n=256, k=8192, l=1, nt=1)
-    k_chunks = 8192 // cat.decode_chunk_elems("nvfp4", 1)
+    k_chunks = 8192 // cat.decode_chunk_elems("nvfp4", cat.tuning_for(1, "nvfp4"))
     for splits in (1, 3, k_chunks):
         ok, name = check(splits=splits, **dec)
         assert ok and name == "jbs_sm90_decode_bf16_nvfp4_bf16_m8", (splits, name)
@@ -743,9 +743,9 @@ def test_sizes_mode_needs_the_decode_kernel():
 
 
 def test_tiles_per_cta_follow_the_tile_bytes_and_the_waves():
-    """Several tiles of N per CTA where a tile's weights are few bytes and enough CTAs remain,
-    or, for long tiles, where one CTA has its SM alone and many waves remain (the choices
-    measured best or within 1 us in docs/design/sm90_ragged_decode.md)."""
+    """Several tiles of N per CTA where a tile's weights are few bytes and enough CTAs remain;
+    long tiles one per CTA (the choices measured best or within 1 us in
+    docs/design/sm90_ragged_decode.md)."""
     for (m, n, k, g), want in {
             (128, 1536, 2048, 128): 2,  # Qwen3-30B-A3B gate+up, 16 tokens: 128 KB tiles; 3
             # would leave 1.2 waves
@@ -756,12 +756,14 @@ def test_tiles_per_cta_follow_the_tile_bytes_and_the_waves():
             (512, 2048, 768, 128): 4,  # at 64 tokens: at most 4
             (64, 5760, 2880, 32): 1,  # gpt-oss-20b gate+up, 16 tokens: 180 KB tiles, 2 CTAs
             # per SM
-            (256, 5760, 2880, 32): 2,  # 64 tokens: 368 KB tiles (16-row items, 1 CTA per SM)
-            # over 2.9 waves; 3 would leave 1.9
-            (256, 2880, 2880, 32): 1,  # its down projection: 2 would leave 1.5 waves
-            (1024, 5760, 2880, 128): 4,  # gpt-oss-120b gate+up, 256 tokens: 128 experts hit
-            (1024, 2880, 2880, 128): 4,  # its down projection
+            (256, 5760, 2880, 32): 1,  # 64 tokens: 16-row items, 184 KB tiles, 2 CTAs per SM
+            (256, 2880, 2880, 32): 1,  # its down projection
+            (1024, 5760, 2880, 128): 1,  # gpt-oss-120b gate+up, 256 tokens: the same
+            (1024, 2880, 2880, 128): 1,  # its down projection
             (64, 2880, 2880, 128): 1,  # 16 tokens: 8-row items, 2 CTAs per SM
+            (1024, 1536, 2048, 128): 3,  # Qwen3-30B-A3B gate+up, 128 tokens: 16-row items,
+            # 128 KB tiles (short): up to 320 KB per CTA
+            (1024, 2048, 768, 128): 4,  # its down projection: 48 KB tiles
     }.items():
         p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, n, k, g), H100)
         assert p.kernel == "ragged_decode" and p.tiles_per_cta == want, (m, n, k, g, p)

@@ -349,10 +349,14 @@ def test_quantize_on_the_kernels_equals_xla(shape):
     q = _check_quantize(x)
     amax = float(np.abs(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)).max())
     _check_quantize(x, amax / 2688 / 4)  # a given scale, the largest blocks saturating
-    # and against the float64 oracle: within NVFP4's rounding of x
-    back = np.asarray(jbs.dequantize(q, jnp.float32), np.float64)
-    xs = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
-    assert np.linalg.norm(back - xs) / np.linalg.norm(xs) < 0.12
+    # and against the float64 oracle: within NVFP4's rounding of x. Each value: half the e2m1
+    # spacing (at most one block scale, amax / 6 rounded to e4m3) plus the saturation the scale's
+    # rounding can cause, together under a quarter of its block's largest magnitude
+    back = np.asarray(jbs.dequantize(q, jnp.float32), np.float64).reshape(-1, 16)
+    xs = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64).reshape(-1, 16)
+    assert np.all(np.abs(back - xs) <= 0.25 * np.abs(xs).max(axis=1, keepdims=True))
+    if len(xs) >= 64:  # over many blocks, the error's norm too (one block's varies too much)
+        assert np.linalg.norm(back - xs) / np.linalg.norm(xs) < 0.12
 
 
 @pytest.mark.parametrize("m,k", [(2, 512), (16, 4096)])

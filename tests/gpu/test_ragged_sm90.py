@@ -170,7 +170,7 @@ def test_decode_kernel_runs_several_tiles_of_n_per_cta(per_cta, splits, work, mo
     next; each tile's outputs written as it ends): N not a multiple of the tiles per CTA (the
     last CTA has fewer, or all tiles are one CTA's), K split (three splits of four K chunks: the
     last split's range is empty and writes zeros), experts with no rows and rows past the
-    groups (zero items over several tiles), on 128- and 256-row tiles, in sizes mode and from
+    groups (zero items over several tiles), on 8- and 16-row items, in sizes mode and from
     XLA's work table."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
     choose = cat.choose_ragged_decode_variant
@@ -186,7 +186,7 @@ def test_decode_kernel_runs_several_tiles_of_n_per_cta(per_cta, splits, work, mo
             plan_ragged(*args), raw_sizes=False))
     for m, sizes, bn in (
             (12, [0, 3, 1, 0, 2, 4, 0, 1], 128),  # 8-row items: 128-row tiles, 8 of them
-            (40, [0, 7, 3, 0, 12, 9], 256)):  # 16-row items: 256-row tiles, 4 of them
+            (40, [0, 7, 3, 0, 12, 9], 128)):  # 16-row items: 128-row tiles too
         for fmt in ("mxfp4", "nvfp4"):
             lhs, rhs, gs = _problem(None, fmt, sizes, m, 1000, 2048)
             p = _compare(lhs, rhs, gs, "f32")

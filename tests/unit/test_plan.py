@@ -183,6 +183,34 @@ def test_decode_tiles_at_16_rows_follow_the_weight_kind(fmt_b, bn):
     assert _plan(_w(m=8, n=6144, k=4096, fmt_b=fmt_b)).tile == (8, 128)
 
 
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_grouped_16_row_items_take_128_row_ctas(fmt_b):
+    """The grouped decode kernel runs 9-16-row items on 128 weight rows per CTA, two CTAs per SM,
+    for every weight kind (an expert's GEMM is many short CTAs), while the dense kernel keeps 256
+    for FP4 weights; gemm(..., layer=)'s index mode, the grouped kernel on the dense plan's item
+    height and splits, takes the grouped variant and its tile."""
+    from jax_blockscale.lowering.specs import RaggedSpec
+    bf16, kind = np.dtype("bfloat16"), cat90.KIND_OF_FORMAT[fmt_b]
+    tile_n = {v.name: v.tile_n for v in cat90.VARIANTS}
+    # gpt-oss-120b's gate+up at 256 tokens: 8 rows per expert, 16-row items
+    p = P.plan_ragged_sm90(RaggedSpec(None, fmt_b, None, "blocked", bf16, bf16, 1024, 5760, 2880,
+                                      128), H100, library=FullLibrary())
+    assert (p.kernel, p.nt, p.tile) == ("ragged_decode", 2, (16, 128)), p
+    assert p.variant == f"jbs_sm90_ragged_decode_bf16_{kind}_bf16_m16"
+    assert tile_n[p.variant] == 128
+    dense = _plan(_w(m=16, n=6144, k=4096, fmt_b=fmt_b))
+    assert tile_n[dense.variant] == dense.tile[1] == (128 if kind == "mxfp8" else 256), dense
+    index = P.plan_ragged_sm90(RaggedSpec(None, fmt_b, None, "blocked", bf16, bf16, 16, 6144,
+                                          4096, 4, group_index=True, alpha_is_one=True),
+                               H100, library=FullLibrary())
+    assert (index.kernel, index.nt, index.splits, index.tile) == (
+        "ragged_decode", 2, dense.splits, (16, 128)), index
+    assert index.variant == p.variant
+    for v in cat90.VARIANTS:
+        if v.kernel == "ragged_decode":
+            assert v.decode_variant.grouped and v.tile_n == 128, v
+
+
 _PREFILL_ROWS = [(cat90.RAGGED_PREFILL_MIN_ROWS, 64),
                  (cat90.RAGGED_PREFILL_WIDE_ROWS - 1, 64),
                  (cat90.RAGGED_PREFILL_WIDE_ROWS, 128),
