@@ -21,7 +21,8 @@ How it works (one CTA = 8 warps = Tuning.bn rows of N (256 or 128) x one K range
   256-byte segment per row and sub-chunk by default, plus the sub-chunk's blocked-scale tiles)
   into a shared-memory ring two sub-chunks deep, completing on one mbarrier per slot; everyone
   reads its 16-byte pieces from there. M <= 8, and MXFP8 weights up to M = 16 (NARROW_TUNING,
-  catalog/sm90.py: tuning_for): the same with 128 rows per CTA and 2 CTAs/SM. M <= 32 / 64
+  catalog/sm90.py: tuning_for; the grouped kernel: every weight kind up to M = 16): the same
+  with 128 rows per CTA and 2 CTAs/SM. M <= 32 / 64
   (WIDE_TUNING): the same ring, 128 rows per CTA, 64-byte boxes.
   Measured alternatives, still buildable as tunings (docs/design/sm90_decode.md): "cpasync"
   (each thread cp.async-copies its own pieces into a per-thread ring) and "regs" (loads into
