@@ -308,6 +308,16 @@ def decode_chunk_elems(b_kind: str, tuning: Tuning) -> int:
     return tuning.sub_steps * steps_elems(b_kind)
 
 
+def decode_splits(k: int, b_kind: str, tuning: Tuning, ctas: int, sm_count: int) -> int:
+    """K ranges for a decode call of `ctas` CTAs per range (tiles of N x chunks or items of M)
+    over K elements: about `tuning.ctas_per_sm` CTAs per SM in all (one wave, no tail), each
+    range a whole number of sub-chunks, every range the same length but the last."""
+    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
+    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
+    per = _ceil_div(k_chunks, splits)  # equalize: every split the same number of sub-chunks
+    return _ceil_div(k_chunks, per)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeVariant:
     """One compiled decode kernel. `nt` = n8 tiles of M per CTA (1: M <= 8, 2: M <= 16, 4: M <= 32,
@@ -349,10 +359,8 @@ RAGGED_DECODE_VARIANTS = tuple(dataclasses.replace(v, grouped=True) for v in DEC
 def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=None):
     """(variant, splits) for a decode-shaped call, or None if the decode kernel does not run it.
 
-    fmt_a is None/"bf16" for weight-only. splits: K ranges per output tile, so that the grid has
-    about `tuning.ctas_per_sm` CTAs per SM (one wave, no tail), each range a whole number of
-    sub-chunks, every range the same length but the last. `tuning` defaults to tuning_for(nt, b)
-    (what the library ships)."""
+    fmt_a is None/"bf16" for weight-only. splits: K ranges per output tile (decode_splits).
+    `tuning` defaults to tuning_for(nt, b) (what the library ships)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if a_kind is None or b_kind not in DECODE_B_KINDS:
@@ -365,11 +373,8 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
         return None
     nt = nt_for(m)
     tuning = tuning or tuning_for(nt, b_kind)
-    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
     ctas = _ceil_div(n, tuning.bn) * _ceil_div(m, 8 * nt)
-    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
-    per = _ceil_div(k_chunks, splits)  # equalize: every split the same number of sub-chunks
-    return DecodeVariant(a_kind, b_kind, out, nt), _ceil_div(k_chunks, per)
+    return DecodeVariant(a_kind, b_kind, out, nt), decode_splits(k, b_kind, tuning, ctas, sm_count)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -478,11 +483,9 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
     v = DecodeVariant(a_kind, b_kind, out, nt_for(max(avg, min(2 * avg, 32))), grouped=True)
-    k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, v.tuning))
     ctas = _ceil_div(n, v.tuning.bn) * min(groups, m)
-    splits = max(1, min(k_chunks, v.tuning.ctas_per_sm * sm_count // max(1, ctas)))
-    per = _ceil_div(k_chunks, splits)
-    return v, _ceil_div(k_chunks, per), ragged_decode_items(m, groups, v.nt)
+    return (v, decode_splits(k, b_kind, v.tuning, ctas, sm_count),
+            ragged_decode_items(m, groups, v.nt))
 
 
 # ----------------------------------------------------------------------------------------------
