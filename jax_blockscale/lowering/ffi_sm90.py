@@ -59,8 +59,18 @@ def dot_alpha(a, b, alpha, out_dtype):
 
 
 def permute_activation_k(a):
-    """[..., K] -> the same values with K in the register-weight variants' order (K % 64 == 0)."""
+    """[..., K] -> the same values with K in the register-weight variants' order (K % 64 == 0):
+    a gather along K with a constant index from cat.K_PERMUTE_GATHER_MIN_ELEMENTS elements (it
+    fuses into the loop of an elementwise producer), a transpose of K's digits below (the
+    catalogue says what each measured)."""
     lead, k = a.shape[:-1], a.shape[-1]
+    if k % cat.K_TILE:
+        raise ValueError(f"permute_activation_k: K = {k} is not a multiple of {cat.K_TILE}")
+    if a.size >= cat.K_PERMUTE_GATHER_MIN_ELEMENTS:
+        order = np.asarray(cat.activation_k_order(), np.int32)
+        index = (np.arange(k // cat.K_TILE, dtype=np.int32)[:, None] * cat.K_TILE
+                 + order[None, :]).reshape(-1)
+        return jnp.take(a, index, axis=-1, mode="clip", unique_indices=True)
     x = a.reshape(lead + (k // cat.K_TILE,) + cat.K_DIGITS)
     n = len(lead) + 1  # axes before the k-tile's digits
     x = jnp.transpose(x, tuple(range(n)) + tuple(n + d for d in cat.SLOT_ORDER))

@@ -961,7 +961,8 @@ def test_activation_dequantized_only_where_bf16_fits_the_kernel():
 
 
 def test_activation_k_order():
-    """The lowering's transpose puts element activation_k_order()[p] in slot p of every k-tile,
+    """The lowering's permutation (a transpose of small activations, a gather of large ones)
+    puts element activation_k_order()[p] in slot p of every k-tile,
     and that order is the one the kernel's threads feed (the catalogue's formula)."""
     from jax_blockscale.lowering.ffi_sm90 import permute_activation_k
 
@@ -969,10 +970,18 @@ def test_activation_k_order():
     assert sorted(order) == list(range(64))
     for s_, h, hi, t, q in itertools.product(range(2), range(2), range(2), range(4), range(2)):
         assert order[16 * (2 * s_ + h) + 8 * hi + 2 * t + q] == 16 * t + 8 * s_ + 4 * q + 2 * h + hi
-    x = np.random.default_rng(0).normal(size=(2, 3, 192)).astype(np.float32)
-    y = np.asarray(permute_activation_k(jnp.asarray(x)))
-    for j in range(3):
-        np.testing.assert_array_equal(y[..., 64 * j:64 * (j + 1)], x[..., 64 * j:][..., order])
+    rng = np.random.default_rng(0)
+    small = (2, 3, 192)  # a transpose of K's digits
+    big = (2, -(-cat.K_PERMUTE_GATHER_MIN_ELEMENTS // 384), 192)  # a gather along K
+    for shape, op in ((small, "transpose"), (big, "gather")):
+        x = rng.normal(size=shape).astype(np.float32)
+        assert op in str(jax.make_jaxpr(permute_activation_k)(x)), (shape, op)
+        y = np.asarray(permute_activation_k(jnp.asarray(x)))
+        for j in range(3):
+            np.testing.assert_array_equal(y[..., 64 * j:64 * (j + 1)],
+                                          x[..., 64 * j:][..., order])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        permute_activation_k(jnp.zeros((2, 96)))
 
 
 def test_kernel_row_limits():

@@ -119,6 +119,7 @@ def test_the_register_weight_kernel_is_one_fused_call(monkeypatch, m, n, k, give
     assert len(calls) == 1 and "@" + FUSED + "(" in calls[0], calls
     assert f"a_kind = {cat.KIND_CODES['bf16_kperm']} : i32" in calls[0], calls[0]
     assert "stablehlo.reduce" not in text and "stablehlo.transpose" not in text
+    assert "stablehlo.gather" not in text  # the K order's other form (permute_activation_k)
     workspace = re.findall(r"tensor<(\d+)xf32>", calls[0].split("->")[-1])
     assert int(workspace[-1]) * 4 >= quantized_activation_scratch_bytes(m * k // 16, 32)
 
