@@ -25,6 +25,10 @@ expert weights (elements, blocked scales, global scales) placed as
                 all-reduce of the (tokens, hidden) shares; output replicated
   tensor        gate_up and down split on N (their output features)
   tensor_k      gate_up on N, down on K = intermediate (Megatron's pairing)
+  tensor_layer  the layer built with QuantizedMoE(mesh=, tensor_axis=): every device holds I/N
+                of every expert's features, gate and up paired (re-laid once, padded to whole
+                128-row tiles), and runs every routed row through them; one f32 sum of the
+                combined (tokens, hidden) partial outputs; output replicated
 and the router and tokens replicated. A placement whose shards are not whole blocked-scale tiles
 at a shape is left out with a note (the rule would gather the weight): gpt-oss's hidden 2880 / 2
 = 1440 rows are not whole 128-row tiles, so its tensor-parallel rows are absent.
@@ -85,10 +89,12 @@ PLACEMENTS = {
     "reduce": (P("d", None, None), P("d", None, None)),
     "tensor": (P(None, "d", None), P(None, "d", None)),
     "tensor_k": (P(None, "d", None), P(None, None, "d")),
+    "tensor_layer": (P(None, "d", None), P(None, None, "d")),
 }
-# placements run by the layer built for them (QuantizedMoE(mesh=, expert_axis=, exchange=)):
-# "dispatch" with --exchange, "reduce" with exchange="reduce"
-LAYER_PLACEMENTS = ("dispatch", "reduce")
+# placements run by the layer built for them: QuantizedMoE(mesh=, expert_axis=, exchange=) for
+# "dispatch" (with --exchange) and "reduce" (exchange="reduce"), QuantizedMoE(mesh=,
+# tensor_axis=) for "tensor_layer" (its experts re-laid: the specs above split that layout)
+LAYER_PLACEMENTS = ("dispatch", "reduce", "tensor_layer")
 COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|reduce-scatter|"
                         r"ragged-all-to-all|all-to-all|collective-permute)(?:-start)?\(")
 SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -176,6 +182,10 @@ def tile_aligned(name, shape, fmt, n):
     devices at `shape` (None: it can)."""
     h, i, e = shape["hidden"], shape["intermediate"], shape["experts"]
     k_tile = 4 * jbs.get_format(fmt).block
+    if name == "tensor_layer":
+        block = jbs.get_format(fmt).block
+        return (None if i % n == 0 and (i // n) % block == 0 else
+                f"intermediate {i} over {n} devices is not whole {block}-element blocks")
     if name in ("expert",) + LAYER_PLACEMENTS:
         return None if e % n == 0 else f"{e} experts over {n} devices"
     if (2 * i) % (128 * n):
@@ -200,9 +210,10 @@ def bench_format(label, fmt, moe, shape, tokens, devices, counts, placements, ti
     for n, mesh in meshes.items():
         for name in LAYER_PLACEMENTS:
             if name in placements and not tile_aligned(name, shape, fmt, n):
-                q = jnn.QuantizedMoE.from_float(
-                    moe, fmt, mesh=mesh, expert_axis="d",
-                    exchange=exchange if name == "dispatch" else name)
+                parallel = (dict(tensor_axis="d") if name == "tensor_layer" else
+                            dict(expert_axis="d",
+                                 exchange=exchange if name == "dispatch" else name))
+                q = jnn.QuantizedMoE.from_float(moe, fmt, mesh=mesh, **parallel)
                 g, st = nnx.split(q)
                 dispatched[name, n] = (jax.jit(lambda s, x, g=g: nnx.merge(g, s)(x)), st)
     rows = []
@@ -231,7 +242,7 @@ def bench_format(label, fmt, moe, shape, tokens, devices, counts, placements, ti
                 if why is not None:
                     row["skipped"] = why
                     rows.append(row)
-                    print(f"{fmt:<7}{t:>6}  {name:<10}{n:>3}  skipped: {why}", flush=True)
+                    print(f"{fmt:<7}{t:>6}  {name:<13}{n:>3}  skipped: {why}", flush=True)
                     continue
                 try:
                     sharded_row(row, name, n, mesh, state, dispatched, forward, x, want,
@@ -239,7 +250,7 @@ def bench_format(label, fmt, moe, shape, tokens, devices, counts, placements, ti
                                 n_copies, timing)
                 except Exception as err:  # noqa: BLE001  (recorded; the run goes on)
                     row["error"] = f"{type(err).__name__}: {str(err)[:2000]}"
-                    print(f"{fmt:<7}{t:>6}  {name:<10}{n:>3}  error: {row['error'][:300]}",
+                    print(f"{fmt:<7}{t:>6}  {name:<13}{n:>3}  error: {row['error'][:300]}",
                           flush=True)
                     rows.append(row)
                     continue
@@ -279,16 +290,16 @@ def print_row(row, baseline=None):
     diff = row.get("max_abs_diff_vs_1_device")
     if baseline is not None:
         row["speedup_vs_1_device"] = float(speedup[:-1])
-    print(f"{row['fmt']:<7}{row['tokens']:>6}  {row['placement']:<10}{row['devices']:>3}"
+    print(f"{row['fmt']:<7}{row['tokens']:>6}  {row['placement']:<13}{row['devices']:>3}"
           f"{(f'{dev:.1f}' if dev is not None else '-'):>11}{loop:>11.1f}{speedup:>9}"
           f"{('-' if diff is None else f'{diff:.3g}'):>10}  {row.get('collectives', '')}",
           flush=True)
     if "differing_outputs" in row:
-        print(f"{'':<25}differing outputs: {row['differing_outputs']}", flush=True)
+        print(f"{'':<28}differing outputs: {row['differing_outputs']}", flush=True)
     if "kernels_us" in row:
-        print(f"{'':<25}busy per GPU: {row['busy_us_per_gpu']} us", flush=True)
+        print(f"{'':<28}busy per GPU: {row['busy_us_per_gpu']} us", flush=True)
         for name, us in row["kernels_us"].items():
-            print(f"{'':<25}{us:>9.1f} us  {name[:90]}", flush=True)
+            print(f"{'':<28}{us:>9.1f} us  {name[:90]}", flush=True)
 
 
 def plot(rows, path):
@@ -384,7 +395,7 @@ def main():
     device = devices[0]
     print(f"{len(devices)} x {device.device_kind} ({device.platform}); jax {jax.__version__}; "
           f"shapes {names}; sharded over {counts} devices; timing {timing}")
-    print(f"{'fmt':<7}{'tokens':>6}  {'placement':<10}{'n':>3}{'device_us':>11}{'loop_us':>11}"
+    print(f"{'fmt':<7}{'tokens':>6}  {'placement':<13}{'n':>3}{'device_us':>11}{'loop_us':>11}"
           f"{'speedup':>9}{'max diff':>10}  collectives")
     rows = []
     os.makedirs(args.out, exist_ok=True)

@@ -25,7 +25,9 @@ expert weights placed on a mesh (expert parallel by replicating rows and all-red
 parallel, Megatron: the grouped GEMM's sharding rule). ``QuantizedMoE(..., mesh=mesh,
 expert_axis="expert")`` instead dispatches tokens: each device takes its share of the tokens
 and sends each (token, expert) row only to the device holding that expert
-(`jax_blockscale.ragged.dispatch`).
+(`jax_blockscale.ragged.dispatch`); ``QuantizedMoE(..., mesh=mesh, tensor_axis="model")`` splits
+every expert's intermediate features over the axis, gate and up paired on each device, and sums
+the devices' combined outputs once (`jax_blockscale.ragged.tensor_parallel`).
 
 Weights are stored the way ragged_gemm reads them: expert e's weight K-major, (out, in), with
 blocked scales, so no call transposes or swizzles a weight. This module needs Flax.
@@ -48,6 +50,7 @@ from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
 from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
 from ..ragged.primitive import stable_order, unsort_rows
+from ..ragged.tensor_parallel import split_intermediate, tensor_parallel_moe
 
 try:
     from flax import nnx
@@ -278,6 +281,15 @@ class QuantizedMoE(nnx.Module):
       (replicated with exchange="reduce"). Both or neither; mesh=None with expert_axis uses the
       mesh set by ``jax.set_mesh``. Without them the layer runs as placed (under jit, the
       grouped GEMM's sharding rule).
+    tensor_axis: with mesh=, tensor parallelism over that mesh axis instead
+      (`jax_blockscale.ragged.tensor_parallel`): every device holds I/d of every expert's
+      intermediate features (gate and up rows, and down's columns) and runs every routed row
+      through them; the devices' combined outputs are summed once per layer (f32), coming out
+      replicated. The layer stores its experts re-laid for it (`split_intermediate`: gate_up
+      (E, d x 2 Ip, H), down (E, H, d x Ip)); place them with ``expert_shardings(state, mesh,
+      gate_up=P(None, tensor_axis), down=P(None, None, tensor_axis))``. The output equals
+      the one-device layer's to the bf16 rounding of each expert's output rows (down's
+      partial sums stay f32 until the combine).
     exchange: with expert_axis, how rows cross devices: "auto" (ragged_all_to_all on GPUs, a
       padded all_to_all elsewhere), "ragged" or "padded"; or "reduce": no token moves, every
       device runs its own experts' rows of all tokens and the combined outputs are summed across
@@ -289,8 +301,8 @@ class QuantizedMoE(nnx.Module):
                  fmt: str | None = "nvfp4", act_fmt: str | None = None, dtype=jnp.bfloat16,
                  router=None, gate_up=None, down=None, backend: str | None = None,
                  mesh=None, expert_axis: str | None = None, exchange: str = "auto",
-                 rngs: nnx.Rngs | None = None):
-        _check_expert_parallel(mesh, expert_axis, exchange, experts)
+                 tensor_axis: str | None = None, rngs: nnx.Rngs | None = None):
+        _check_parallel(mesh, expert_axis, exchange, tensor_axis, experts)
         if gate_up is None or down is None or router is None:
             if rngs is None:
                 raise ValueError("QuantizedMoE needs rngs= to initialize weights, or router=, "
@@ -322,6 +334,9 @@ class QuantizedMoE(nnx.Module):
         self.dtype = dtype
         self.backend = backend
         self.mesh, self.expert_axis, self.exchange = mesh, expert_axis, exchange
+        self.tensor_axis = tensor_axis
+        if tensor_axis is not None:  # re-laid once for the devices of the axis
+            gate_up, down = split_intermediate(gate_up, down, mesh.shape[tensor_axis])
         self.router = nnx.Param(jnp.asarray(router))
         self.gate_up = QuantizedWeight(gate_up)
         self.down = QuantizedWeight(down)
@@ -346,7 +361,7 @@ class QuantizedMoE(nnx.Module):
     def from_float(cls, moe: MoE, fmt: str, *, act_fmt: str | None = None, dtype=None,
                    backend: str | None = None, **placement) -> "QuantizedMoE":
         """Quantize a float `MoE`'s experts (its dtype carries over unless `dtype` is given).
-        placement: mesh=, expert_axis=, exchange= as for the constructor."""
+        placement: mesh=, expert_axis=, exchange=, tensor_axis= as for the constructor."""
         experts, hidden, two_i = moe.gate_up.shape
         return cls(hidden, two_i // 2, experts, moe.top_k, fmt=fmt, act_fmt=act_fmt,
                    dtype=dtype if dtype is not None else moe.dtype, router=moe.router[...],
@@ -358,7 +373,7 @@ class QuantizedMoE(nnx.Module):
                     **placement) -> "QuantizedMoE":
         """Build from ``{"router": (H, E), "gate_up": BlockScaled, "down": BlockScaled}`` (what
         `quantize_moe_params` returns for a `MoE`'s parameters). placement: mesh=,
-        expert_axis=, exchange= as for the constructor."""
+        expert_axis=, exchange=, tensor_axis= as for the constructor."""
         gate_up, down, router = qparams["gate_up"], qparams["down"], qparams["router"]
         for name, w in (("gate_up", gate_up), ("down", down)):
             if not isinstance(w, BlockScaled):
@@ -387,6 +402,8 @@ class QuantizedMoE(nnx.Module):
         router = self.router[...]
         if self.expert_axis is not None:
             return self._dispatched(x.astype(dt), router, gate_up, down, layer)
+        if self.tensor_axis is not None:
+            return self._tensor_parallel(x.astype(dt), router, gate_up, down, layer)
         place = lambda gs: gs  # noqa: E731  (group sizes of the experts as stored)
         if layer is not None:
             if gate_up.ndim != 4 or down.ndim != 4 or jnp.ndim(router) != 3:
@@ -423,13 +440,43 @@ class QuantizedMoE(nnx.Module):
         return y.reshape(*lead, self.hidden)
 
 
-def _check_expert_parallel(mesh, expert_axis, exchange, experts):
-    """QuantizedMoE's mesh= / expert_axis= / exchange=, checked at construction."""
+    def _tensor_parallel(self, x, router, gate_up, down, layer):
+        """The tensor-parallel forward (mesh= / tensor_axis=)."""
+        if layer is not None:
+            raise ValueError("layer= (stacked weights) is not supported with tensor_axis=: build "
+                             "one QuantizedMoE per layer, or leave tensor_axis unset")
+        act = None if self.act_fmt is None else functools.partial(quantize, fmt=self.act_fmt)
+        lead = x.shape[:-1]
+        y = tensor_parallel_moe(x.reshape(-1, self.hidden), router, gate_up, down,
+                                route=functools.partial(top_k_experts, top_k=self.top_k),
+                                activation=swiglu, mesh=self.mesh, axis=self.tensor_axis,
+                                intermediate=self.intermediate, quantize=act, dtype=self.dtype,
+                                backend=self.backend)
+        return y.reshape(*lead, self.hidden)
+
+
+def _check_parallel(mesh, expert_axis, exchange, tensor_axis, experts):
+    """QuantizedMoE's mesh= / expert_axis= / exchange= / tensor_axis=, checked at
+    construction."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if tensor_axis is not None:
+        if expert_axis is not None:
+            raise ValueError("expert_axis= and tensor_axis= are both given: a QuantizedMoE is "
+                             "expert parallel or tensor parallel, not both")
+        if not isinstance(tensor_axis, str):
+            raise TypeError(f"tensor_axis must be a mesh axis name (str), got {tensor_axis!r}")
+        if mesh is None:
+            raise ValueError("tensor_axis= needs mesh=: the experts are re-laid for the axis' "
+                             "device count when the layer is built")
+        if tensor_axis not in mesh.axis_names:
+            raise ValueError(f"tensor_axis={tensor_axis!r} is not an axis of the mesh "
+                             f"{dict(mesh.shape)}")
+        return
     if mesh is not None and expert_axis is None:
-        raise ValueError("mesh= is given without expert_axis=: name the mesh axis the experts "
-                         "are split over (or leave out mesh= and place the weights yourself)")
+        raise ValueError("mesh= is given without expert_axis= or tensor_axis=: name the mesh "
+                         "axis the experts are split over (or leave out mesh= and place the "
+                         "weights yourself)")
     if expert_axis is None:
         return
     if not isinstance(expert_axis, str):

@@ -65,7 +65,8 @@ from ..core.quantize import BlockScaled
 from .api import _operands_and_params
 from .primitive import bind_local, inverse_permutation, stable_order, unsort_rows
 
-__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "ragged_exchange"]
+__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "quantize_as_one_device",
+           "ragged_exchange", "sum_shares"]
 
 EXCHANGES = ("auto", "ragged", "padded", "reduce")
 
@@ -260,7 +261,7 @@ def _buffer_index(busiest, buffers):
     return index
 
 
-def _sum_shares(share, axis, d, dt):
+def sum_shares(share, axis, d, dt):
     """Every device's (T, H) f32 share summed across `axis` (d devices), in `dt`, on every
     device. Below REDUCE_SCATTER_MIN_BYTES one f32 all-reduce. From it each device takes T/d of
     the tokens: an all-to-all hands it every device's f32 share of them, it adds them in device
@@ -292,7 +293,7 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
     def act(a):
         if quantize is None:
             return a.astype(dt)
-        return _quantize_as_one_device(quantize, a, axis)
+        return quantize_as_one_device(quantize, a, axis)
 
     def share_of(cap, x, weights, order, place, start, group_sizes, gate_up, down):
         """This device's share (T, H) f32 of every token's combine, its rows in a buffer of
@@ -331,7 +332,7 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
                                [functools.partial(share_of, cap) for cap in buffers], *args)
         else:
             share = share_of(most, *args)
-        return _sum_shares(share, axis, d, dt)
+        return sum_shares(share, axis, d, dt)
 
     wspec = lambda w: _weight_specs(w, axis)  # noqa: E731
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), wspec(gate_up), wspec(down)),
@@ -410,7 +411,7 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         def act(a):
             if quantize is None:
                 return a.astype(dt)
-            return _quantize_as_one_device(quantize, a, axis)
+            return quantize_as_one_device(quantize, a, axis)
 
         h = expert_gemm(act(mine), gate_up, group_sizes, out_dtype=dt, backend=backend,
                         plan_shape=(tokens * k, gate_up.shape[1], experts))
@@ -430,10 +431,12 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
     return y[:tokens] if padded != tokens else y
 
 
-def _quantize_as_one_device(quantize, a, axis):
-    """`quantize(a)` of this device's rows as the one-device layer quantizes all of them: a row
-    holding the amax of every device's rows is appended for the calibration of a global scale,
-    then dropped (each row's block scales and elements depend on that row only)."""
+def quantize_as_one_device(quantize, a, axis):
+    """`quantize(a)` of this device's part of an activation as the one-device layer quantizes
+    all of it: its rows (expert parallel), or its columns where K is split in whole blocks
+    (tensor parallel, ragged/tensor_parallel.py). A row holding the amax of every device's part
+    is appended for the calibration of a global scale, then dropped (each block's scale and
+    elements depend on that block only)."""
     probe = jax.eval_shape(quantize, jax.ShapeDtypeStruct((1, a.shape[1]), a.dtype))
     if not isinstance(probe, BlockScaled):
         raise TypeError(f"quantize must map rows (m, K) to a BlockScaled, got {type(probe)}")

@@ -4,7 +4,8 @@ jax.jit on a mesh of the first 2 GPUs, equal the same call on one GPU (bit for b
 partial sums are added), with exactly the expected collectives (NCCL) and no expert weight moved.
 The dispatching expert-parallel layer (QuantizedMoE(mesh=, expert_axis=)) runs on 2 and, where
 there are 4, on 4 GPUs, with both exchanges (ragged_all_to_all, padded all_to_all), and with
-exchange="reduce" (every GPU keeps every token; one f32 all-reduce of the combined shares).
+exchange="reduce" (every GPU keeps every token; one f32 all-reduce of the combined shares); the
+tensor-parallel layer (QuantizedMoE(mesh=, tensor_axis=)) on 2 and 4 GPUs.
 The checks are tests/support/moe_multi_device.py's, as tests/unit/test_moe_sharding.py runs them
 on forced CPU devices; here they run in this process. Skipped with fewer than 2 GPUs.
 
@@ -133,3 +134,25 @@ def test_reduce_layer_likely_buffer_and_token_range_sums_on_2_gpus(devices, monk
     for routing in ("random", "uneven"):
         found = mmd.check_reduce(devices, 2, "nvfp4", routing)
         print(f"reduce 2 GPUs, likely buffer and token-range sums, {routing}: {mmd.summary(found)}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tensor_parallel_layer(n, fmt):
+    """QuantizedMoE(mesh=, tensor_axis=): every GPU holds I/n of every expert's features (4
+    GPUs pad their 64 to 128), runs every routed row through them, and the combined partial
+    outputs are summed once (to f32 rounding of the same layer on one GPU; to the bf16 rounding
+    of the expert outputs of the one-GPU QuantizedMoE)."""
+    gpus = _gpus()
+    if len(gpus) < n:
+        pytest.skip(f"needs {n} GPUs, found {len(gpus)}")
+    found = mmd.check_tensor_parallel(gpus, n, fmt, "random")
+    print(f"tensor parallel {n} GPUs {fmt}: {mmd.summary(found)}")
+
+
+def test_tensor_parallel_layer_w4a4_uneven_and_token_range_sums_on_2_gpus(devices, monkeypatch):
+    mmd.check_tensor_parallel(devices, 2, "nvfp4", "uneven", act_fmt="nvfp4")
+    from jax_blockscale.ragged import dispatch
+    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_MIN_BYTES", 0)
+    found = mmd.check_tensor_parallel(devices, 2, "mxfp4", "empty")
+    print(f"tensor parallel 2 GPUs, token-range sums: {mmd.summary(found)}")

@@ -469,6 +469,15 @@ DISPATCH_ROUTINGS = ("random", "uneven", "empty")
 def dispatch_problem(fmt, routing, act_fmt=None, tokens=TOKENS, seed=0, mesh=None,
                      exchange="auto"):
     """(one-device layer, dispatching layer on `mesh`, tokens x) with the same weights."""
+    moe, x = rigged_moe(routing, tokens, seed)
+    one = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt)
+    ep = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt, mesh=mesh, expert_axis="d",
+                                     exchange=exchange)
+    return one, ep, x
+
+
+def rigged_moe(routing, tokens=TOKENS, seed=0):
+    """(float MoE whose router gives `routing`, tokens x (tokens, HIDDEN) bf16)."""
     moe = jnn.MoE(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, rngs=nnx.Rngs(seed))
     x = rand(7, (tokens, HIDDEN))
     if routing != "random":
@@ -481,11 +490,7 @@ def dispatch_problem(fmt, routing, act_fmt=None, tokens=TOKENS, seed=0, mesh=Non
         router[1:, favoured] += rand(seed + 3, (HIDDEN - 1, len(favoured)))  # among them: random
         moe.router[...] = jnp.asarray(router)
         x[:, 0] = 4.0
-    x = jnp.asarray(x, jnp.bfloat16)
-    one = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt)
-    ep = jnn.QuantizedMoE.from_float(moe, fmt, act_fmt=act_fmt, mesh=mesh, expert_axis="d",
-                                     exchange=exchange)
-    return one, ep, x
+    return moe, jnp.asarray(x, jnp.bfloat16)
 
 
 def dispatch_moves(found, weights, *, rows_dtype="bf16"):
@@ -603,4 +608,75 @@ def check_reduce(devices, n, fmt="nvfp4", routing="random", act_fmt=None, tokens
     scalars = [c for c in found if c.name == "all-reduce" and all(not d for _, d in c.results)]
     assert bool(scalars) == act_global, text
     dispatch_moves(found, [ep.gate_up.get_value(), ep.down.get_value()])
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (QuantizedMoE(mesh=, tensor_axis=))
+
+
+def tensor_parallel_layers(devices, n, fmt, routing, act_fmt, tokens):
+    """The one-device layer, QuantizedMoE(mesh=, tensor_axis="d") on one device and on n
+    devices (experts re-laid, placed split on gate_up's N and down's K; x replicated), run on
+    the same weights and tokens: (one-device output, 1-device tensor-parallel output, n-device
+    output, the n-device layer, its compiled program, its arguments)."""
+    moe_float, x = rigged_moe(routing, tokens)
+    one = jnn.QuantizedMoE.from_float(moe_float, fmt, act_fmt=act_fmt)
+    outs = []
+    for m in (1, n):
+        mesh = mesh_of(devices, m)
+        tp = jnn.QuantizedMoE.from_float(moe_float, fmt, act_fmt=act_fmt, mesh=mesh,
+                                         tensor_axis="d")
+        g, s = nnx.split(tp)
+        placed = shard_layer(s, mesh, P(None, "d"), P(None, None, "d"))
+        xs = jax.device_put(x, NamedSharding(mesh, P()))
+        f = jax.jit(lambda s, x, g=g: nnx.merge(g, s)(x))
+        outs.append((tp, f(placed, xs), f.lower(placed, xs).compile(), (placed, xs)))
+    g1, s1 = nnx.split(one)
+    want = jax.jit(lambda s, x: nnx.merge(g1, s)(x))(*jax.device_put((s1, x), devices[0]))
+    (_, got1, _, _), (tp, got, compiled, args) = outs
+    return want, got1, got, tp, compiled, args
+
+
+def check_tensor_parallel(devices, n, fmt="nvfp4", routing="random", act_fmt=None,
+                          tokens=TOKENS):
+    """QuantizedMoE(mesh=, tensor_axis=) over n devices:
+      * equals the same layer on one device to f32 rounding (down's K split over the devices
+        sums its partial products in another order: a few bf16 outputs one step apart);
+      * equals the one-device QuantizedMoE to the bf16 rounding of the expert outputs (that
+        layer rounds each row of down's output to bf16 before the combine; the tensor-parallel
+        layer combines the f32 partial sums): within one bf16 step of the largest output;
+      * its program's only collectives of any size sum the (tokens, hidden) f32 shares (one
+        all-reduce, or an all-to-all and an all-gather from REDUCE_SCATTER_MIN_BYTES), plus the
+        scalar amax of NVFP4 activations; no weight moved; every weight used as placed.
+    Returns the collectives."""
+    want, got1, got, tp, compiled, args = tensor_parallel_layers(devices, n, fmt, routing,
+                                                                 act_fmt, tokens)
+    what = f"tensor-parallel QuantizedMoE on {n} devices ({fmt}, {routing} routing, act {act_fmt})"
+    assert_match(got, got1, "bf16", what + ", against itself on one device")
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    scale = float(np.abs(np.asarray(want, np.float32)).max())
+    assert float(err.max()) <= 2.0 ** -7 * scale, (what, float(err.max()), scale)
+    expect_sharded(compiled, args)
+    found = collectives(compiled.as_text())
+    text = summary(found)
+    assert not {c.name for c in found} & {"ragged-all-to-all", "collective-permute",
+                                          "reduce-scatter"}, text
+    sized = Counter((c.name, str(t), tuple(dims)) for c in found for t, dims in c.results
+                    if dims and c.name != "all-to-all")
+    padded = -(-tokens // n) * n
+    if tokens * HIDDEN * 4 >= dispatch.REDUCE_SCATTER_MIN_BYTES:
+        exchanged = [c for c in found if c.name == "all-to-all"]
+        assert len(exchanged) == 1, text
+        assert sum(int(np.prod(d)) for _, d in exchanged[0].results) == padded * HIDDEN, text
+        gathered = [k for k in sized if k[0] == "all-gather"]
+        assert gathered in ([("all-gather", "bf16", (padded, HIDDEN))],
+                            [("all-gather", "f32", (padded, HIDDEN))]), text
+        assert len(sized) == 1, text
+    else:
+        assert dict(sized) == {("all-reduce", "f32", (tokens, HIDDEN)): 1}, text
+    act_global = act_fmt is not None and jbs.get_format(act_fmt).has_global_scale
+    scalars = [c for c in found if c.name == "all-reduce" and all(not d for _, d in c.results)]
+    assert bool(scalars) == act_global, text
+    dispatch_moves(found, [tp.gate_up.get_value(), tp.down.get_value()])
     return found

@@ -6,8 +6,10 @@ compiled program exchanges rows with all-to-all only (no all-reduce of outputs, 
 moved); the padded exchange has `lax.ragged_all_to_all`'s semantics; the option's errors name
 the argument. exchange="reduce" (every device keeps every token; the combined shares summed by
 one f32 all-reduce, or per token range by an all-to-all and an all-gather) equals the one-device
-layer to f32 rounding, with those collectives only. The checks live in
-tests/support/moe_multi_device.py (check_dispatch, check_reduce), which
+layer to f32 rounding, with those collectives only; so does the tensor-parallel layer
+(`QuantizedMoE(mesh=, tensor_axis=)`, ragged/tensor_parallel.py) against itself on one device,
+and the one-device QuantizedMoE to the bf16 rounding of the expert outputs. The checks live in
+tests/support/moe_multi_device.py (check_dispatch, check_reduce, check_tensor_parallel), which
 tests/gpu/test_moe_multi_gpu.py runs on the GPUs.
 
 As tests/unit/test_moe_sharding.py: XLA reads the device count once per process, so the checks
@@ -137,6 +139,83 @@ else:
         monkeypatch.setattr(dispatch.lax, "psum", lambda x, axis: x)
         with pytest.raises(AssertionError):
             mmd.check_reduce(DEVICES, 2, "nvfp4")
+
+    @pytest.mark.parametrize("n,fmt,routing", [(2, "nvfp4", "random"), (4, "mxfp4", "uneven"),
+                                               (8, "mxfp4", "empty")])
+    def test_tensor_parallel_equals_one_device(reduce_path, n, fmt, routing):
+        """QuantizedMoE(mesh=, tensor_axis=): I/d of every expert's features per device (4 and 8
+        devices pad each device's 64 / 32 features to 128), one sum of the combined shares."""
+        found = mmd.check_tensor_parallel(DEVICES, n, fmt, routing)
+        print(f"tensor parallel {n} devices ({reduce_path}): {mmd.summary(found)}")
+
+    def test_tensor_parallel_quantized_activations_and_odd_tokens():
+        mmd.check_tensor_parallel(DEVICES, 4, "nvfp4", "uneven", act_fmt="nvfp4")
+        mmd.check_tensor_parallel(DEVICES, 2, "mxfp4", "random", act_fmt="mxfp4")
+        mmd.check_tensor_parallel(DEVICES, 4, "nvfp4", tokens=mmd.TOKENS - 3)
+
+    def test_tensor_parallel_check_catches_a_lost_share(monkeypatch):
+        """The check has teeth: devices that keep their own partial sums fail it."""
+        monkeypatch.setattr(dispatch.lax, "psum", lambda x, axis: x)
+        with pytest.raises(AssertionError):
+            mmd.check_tensor_parallel(DEVICES, 2, "nvfp4")
+
+    @pytest.mark.parametrize("fmt,d", [("nvfp4", 2), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
+    def test_split_intermediate_pairs_gate_and_up_per_device(fmt, d):
+        """split_intermediate puts device j's gate rows, then its up rows (each padded with
+        zeros to whole 128-row tiles), in its N block of gate_up and the same features in its K
+        block of down; the dequantized values are the originals', the padding 0;
+        unsplit_intermediate gives back the original arrays bit for bit."""
+        import jax_blockscale as jbs
+        from jax_blockscale.ragged.tensor_parallel import split_intermediate, unsplit_intermediate
+
+        layer = mmd.moe_layer(fmt)
+        gu, dn = layer.gate_up.get_value(), layer.down.get_value()
+        gt, dt = split_intermediate(gu, dn, d)
+        inter, per = mmd.INTERMEDIATE, mmd.INTERMEDIATE // d
+        ip = max(per, 128)
+        assert gt.shape == (mmd.EXPERTS, d * 2 * ip, mmd.HIDDEN) and gt.layout == "blocked"
+        assert dt.shape == (mmd.EXPERTS, mmd.HIDDEN, d * ip) and dt.layout == "blocked"
+        g, g_tp = np.asarray(jbs.dequantize(gu)), np.asarray(jbs.dequantize(gt))
+        w, w_tp = np.asarray(jbs.dequantize(dn)), np.asarray(jbs.dequantize(dt))
+        for j in range(d):
+            block = g_tp[:, j * 2 * ip:(j + 1) * 2 * ip]
+            np.testing.assert_array_equal(block[:, :per], g[:, j * per:(j + 1) * per])
+            np.testing.assert_array_equal(block[:, ip:ip + per],
+                                          g[:, inter + j * per:inter + (j + 1) * per])
+            assert not block[:, per:ip].any() and not block[:, ip + per:].any()
+            cols = w_tp[:, :, j * ip:(j + 1) * ip]
+            np.testing.assert_array_equal(cols[:, :, :per], w[:, :, j * per:(j + 1) * per])
+            assert not cols[:, :, per:].any()
+        back = unsplit_intermediate(gt, dt, d, inter)
+        for a, b in zip(back, (gu, dn)):
+            assert a.shape == b.shape and a.layout == b.layout == "blocked"
+            np.testing.assert_array_equal(np.asarray(a.data, np.float32),
+                                          np.asarray(b.data, np.float32))
+            bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))  # noqa: E731
+            np.testing.assert_array_equal(bits(a.scales), bits(b.scales))
+        with pytest.raises(ValueError, match="intermediate=256 does not split over 3"):
+            split_intermediate(gu, dn, 3)
+        with pytest.raises(ValueError, match="split_intermediate"):
+            # the original layout over 4 devices: 64-row N blocks, not whole tiles
+            from jax_blockscale.ragged.tensor_parallel import tensor_parallel_moe
+            tensor_parallel_moe(jnp.zeros((4, mmd.HIDDEN)), None, gu, dn, route=None,
+                                activation=None, mesh=mmd.mesh_of(DEVICES, 4), axis="d")
+
+    def test_tensor_parallel_option_errors_name_the_argument():
+        mesh = Mesh(np.asarray(DEVICES[:2]), ("d",), axis_types=(AxisType.Auto,))
+        kw = dict(fmt="mxfp4", rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="both given"):
+            jnn.QuantizedMoE(256, 256, 8, 2, mesh=mesh, expert_axis="d", tensor_axis="d", **kw)
+        with pytest.raises(ValueError, match="tensor_axis= needs mesh="):
+            jnn.QuantizedMoE(256, 256, 8, 2, tensor_axis="d", **kw)
+        with pytest.raises(ValueError, match="tensor_axis='x'"):
+            jnn.QuantizedMoE(256, 256, 8, 2, mesh=mesh, tensor_axis="x", **kw)
+        with pytest.raises(ValueError, match="intermediate=96"):
+            jnn.QuantizedMoE(256, 96, 8, 2, mesh=Mesh(np.asarray(DEVICES[:4]), ("d",)),
+                             tensor_axis="d", **kw)
+        layer = jnn.QuantizedMoE(256, 256, 8, 2, mesh=mesh, tensor_axis="d", **kw)
+        with pytest.raises(ValueError, match="layer="):
+            layer(jnp.zeros((4, 256), jnp.bfloat16), layer=jnp.int32(0))
 
     def test_padded_exchange_has_ragged_all_to_all_semantics():
         """The example of lax.ragged_all_to_all's documentation, through the padded exchange,

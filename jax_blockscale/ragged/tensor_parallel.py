@@ -1,0 +1,221 @@
+"""Tensor parallelism for a mixture-of-experts SwiGLU layer: every device holds a slice of every
+expert's intermediate features, runs all routed rows through them and the devices sum their
+combined outputs once.
+
+    gate_up_tp, down_tp = split_intermediate(gate_up, down, d)        # once, at load time
+    y = tensor_parallel_moe(x, router, gate_up_tp, down_tp, route=..., activation=...,
+                            mesh=mesh, axis="model")
+
+Megatron's pairing for one expert's MLP, ``down(silu(gate(x)) * up(x))``: device j holds the
+gate and up rows j*I/d ... (j+1)*I/d - 1 (column parallel) and the same columns of down (row
+parallel, K split). Then SwiGLU pairs gate column i with up column i on the device that holds
+both, and down's partial products over a device's columns are summed across devices once, after
+the router weights combine them per token: one (T, H) f32 sum per layer (`dispatch.sum_shares`:
+one all-reduce, or from 4 MiB an all-to-all of f32 shares and an all-gather), against the
+(rows, H) outputs of the sharding rule's placements (T x k rows) and the activations they move
+(docs/sharding.md).
+
+The fused gate_up weight (E, 2I, H) stores every gate row before every up row, so an N split of
+it would give one device the gates and the other the ups. `split_intermediate` re-lays both
+weights once: gate_up as (E, d x 2 Ip, H), device j's block its gate rows then its up rows, and
+down as (E, H, d x Ip), device j's block its K columns; each device's I/d features padded with
+zeros to Ip (a multiple of 128: whole blocked-scale tiles, so N splits of gate_up and K splits
+of down over d devices are whole tiles; gpt-oss's 2880 / 2 = 1440 features take 1536). A zero
+gate and up row gives SwiGLU 0, and a zero K column of down adds nothing: the padding costs its
+bytes and MMAs (7 % at gpt-oss-120b over 2 devices, none at Qwen3-30B-A3B's 768 / 2).
+
+Per device (`tensor_parallel_moe`, under `shard_map`, x replicated): route all T tokens and sort
+the T x k rows as one device does; gate_up on all rows (its 2 Ip columns; planned as the
+one-device call, so each h element is one device's bit for bit), SwiGLU, down on its Ip
+columns in f32 (partial sums), the combine of its partial rows into (T, H) f32, then the sum
+across devices. The output is replicated and equals one device's to f32 rounding (the K sums of
+down are added in another order: a few bf16 outputs one step apart). NVFP4 activations
+calibrate their global scale on the amax of every device's columns, as one device does.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ..core.layout import ROWS_PER_TILE
+from ..core.quantize import BlockScaled, to_blocked, to_plain
+from .dispatch import combine, expert_gemm, quantize_as_one_device, sum_shares
+from .primitive import stable_order, unsort_rows
+
+__all__ = ["split_intermediate", "tensor_parallel_moe", "unsplit_intermediate"]
+
+
+def _padded_features(per_device: int) -> int:
+    """Each device's intermediate features padded to whole 128-row blocked-scale tiles."""
+    return -(-per_device // ROWS_PER_TILE) * ROWS_PER_TILE
+
+
+def _check_pair(gate_up, down, d):
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(w, BlockScaled) or w.ndim != 3:
+            raise TypeError(f"{name} must be a BlockScaled (experts, out, in), got "
+                            f"{type(w).__name__} {getattr(w, 'shape', '')}")
+    if not isinstance(d, (int, np.integer)) or d < 1:
+        raise ValueError(f"the device count must be a positive int, got {d!r}")
+    experts, two_i, hidden = gate_up.shape
+    if down.shape[0] != experts or down.shape[1] != hidden:
+        raise ValueError(f"down {down.shape} does not pair with gate_up {gate_up.shape}: "
+                         "expected (experts, hidden, intermediate)")
+    if gate_up.fmt != down.fmt:
+        raise ValueError(f"gate_up is {gate_up.fmt} but down is {down.fmt}")
+    return experts, two_i, hidden
+
+
+def split_intermediate(gate_up: BlockScaled, down: BlockScaled, d: int):
+    """gate_up (E, 2I, H) and down (E, H, I) re-laid for tensor parallelism over d devices (see
+    the module docstring): gate_up (E, d * 2 * Ip, H) and down (E, H, d * Ip) with blocked
+    scales, Ip = I / d rounded up to 128. I must split into d whole blocks of the format. Global
+    scales (NVFP4, per expert) are kept as they are. Runs once, at load time (jit it for big
+    weights); `unsplit_intermediate` undoes it."""
+    experts, two_i, hidden = _check_pair(gate_up, down, d)
+    if two_i % 2 or down.shape[2] != two_i // 2:
+        raise ValueError(f"gate_up {gate_up.shape} must hold 2 x intermediate rows, and down "
+                         f"{down.shape} intermediate columns")
+    inter = two_i // 2
+    block = gate_up.format.block
+    if inter % d or (inter // d) % block:
+        raise ValueError(f"intermediate={inter} does not split over {d} devices into whole "
+                         f"{gate_up.fmt} blocks of {block}: each device's K of down must be "
+                         "whole blocks")
+    per = inter // d
+    pad = _padded_features(per) - per
+    gu, dn = to_plain(gate_up), to_plain(down)
+
+    def rows(a, start):  # a device's rows of gate_up (data or plain scales), zero-padded
+        part = a[:, start:start + per]
+        return jnp.pad(part, ((0, 0), (0, pad), (0, 0))) if pad else part
+
+    def cols(a, start):  # a device's K columns of down, zero-padded
+        part = a[:, :, start:start + per]
+        return jnp.pad(part, ((0, 0), (0, 0), (0, pad))) if pad else part
+
+    def bits(s):  # scales moved as bits: e8m0 has no zero to pad with
+        return lax.bitcast_convert_type(s, jnp.uint8)
+
+    def back(b, like):
+        return lax.bitcast_convert_type(b, like.dtype)
+
+    gu_data = jnp.concatenate([part for j in range(d)
+                               for part in (rows(gu.data, j * per),
+                                            rows(gu.data, inter + j * per))], axis=1)
+    gu_scales = back(jnp.concatenate(
+        [part for j in range(d) for part in (rows(bits(gu.scales), j * per),
+                                             rows(bits(gu.scales), inter + j * per))], axis=1),
+        gu.scales)
+    dn_data = jnp.concatenate([cols(dn.data, j * per) for j in range(d)], axis=2)
+    sblock = per // block
+    dn_scales = back(jnp.concatenate(
+        [_pad_last(bits(dn.scales)[:, :, j * sblock:(j + 1) * sblock], pad // block)
+         for j in range(d)], axis=2), dn.scales)
+    return (to_blocked(BlockScaled(gu_data, gu_scales, gu.global_scale, gu.fmt, "plain")),
+            to_blocked(BlockScaled(dn_data, dn_scales, dn.global_scale, dn.fmt, "plain")))
+
+
+def _pad_last(a, n):
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n)]) if n else a
+
+
+def unsplit_intermediate(gate_up_tp: BlockScaled, down_tp: BlockScaled, d: int,
+                         intermediate: int):
+    """The inverse of `split_intermediate`: (gate_up (E, 2I, H), down (E, H, I)), blocked."""
+    experts, rows_tp, hidden = _check_pair(gate_up_tp, down_tp, d)
+    per = intermediate // d
+    ip = _padded_features(per)
+    if intermediate % d or rows_tp != d * 2 * ip or down_tp.shape[2] != d * ip:
+        raise ValueError(f"gate_up {gate_up_tp.shape} and down {down_tp.shape} are not "
+                         f"split_intermediate's layout of intermediate={intermediate} over {d} "
+                         "devices")
+    block = gate_up_tp.format.block
+    gu, dn = to_plain(gate_up_tp), to_plain(down_tp)
+    gate = [slice(j * 2 * ip, j * 2 * ip + per) for j in range(d)]
+    up = [slice(j * 2 * ip + ip, j * 2 * ip + ip + per) for j in range(d)]
+    gu_data = jnp.concatenate([gu.data[:, s] for s in gate + up], axis=1)
+    gu_scales = jnp.concatenate([gu.scales[:, s] for s in gate + up], axis=1)
+    dn_data = jnp.concatenate([dn.data[:, :, j * ip:j * ip + per] for j in range(d)], axis=2)
+    dn_scales = jnp.concatenate(
+        [dn.scales[:, :, j * ip // block:(j * ip + per) // block] for j in range(d)], axis=2)
+    return (to_blocked(BlockScaled(gu_data, gu_scales, gu.global_scale, gu.fmt, "plain")),
+            to_blocked(BlockScaled(dn_data, dn_scales, dn.global_scale, dn.fmt, "plain")))
+
+
+def _specs(w: BlockScaled, dim: int, axis):
+    """In-specs of a BlockScaled (E, N, K) split on `dim` (1: N, 2: K); its blocked scales
+    (E, N/128, SK/4, 32, 4, 4) on the same tile dim; a per-expert global scale replicated."""
+    spec = P(*([None] * dim), axis)
+    gs = w.global_scale
+    return BlockScaled(spec, spec, None if gs is None else P(), w.fmt, w.layout)
+
+
+def tensor_parallel_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
+                        route: Callable, activation: Callable, mesh, axis: str,
+                        intermediate: int | None = None, quantize: Callable | None = None,
+                        dtype=jnp.bfloat16, backend: str | None = None):
+    """A mixture-of-experts SwiGLU layer, tensor parallel over mesh axis `axis` (see the module
+    docstring).
+
+    x: (T, H) tokens (replicated over `axis`; any placement is resharded to that).
+    router: whatever `route` needs, replicated.
+    gate_up, down: what `split_intermediate` returns for the axis' d devices (blocked scales;
+      where I/d is a multiple of 128 its shapes are the original layout's, so shapes cannot
+      catch an unsplit pair: pass only its output); best placed split on gate_up's N and
+      down's K over `axis`.
+    intermediate: the layer's I before the split (default: d x Ip, right when nothing was
+      padded); gate_up is planned as the unsharded (rows, 2I) call.
+    route(x, router) -> (experts (T, k) int32, weights (T, k) f32).
+    activation(h) -> a: h (rows, 2 Ip) (the device's gate columns, then its up columns), a
+      (rows, Ip); must compute column i from gate i and up i only (SwiGLU).
+    quantize: rows (m, K) -> BlockScaled before each GEMM, or None (weight-only, `dtype`).
+    dtype: activation and output dtype. backend: ragged backend to force.
+    Returns (T, H) in `dtype`, replicated.
+    """
+    x = jnp.asarray(x)
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    d = mesh.shape[axis]
+    experts, rows_tp, hidden = _check_pair(gate_up, down, d)
+    if rows_tp % (2 * d) or down.shape[2] * 2 != rows_tp or (rows_tp // (2 * d)) % ROWS_PER_TILE:
+        raise ValueError(f"gate_up {gate_up.shape} and down {down.shape} are not laid out for "
+                         f"{d} devices: re-lay them with split_intermediate(gate_up, down, {d})")
+    if x.ndim != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must have shape (tokens, hidden={hidden}), got {x.shape}")
+    tokens = x.shape[0]
+    dt = np.dtype(dtype)
+    n_unsharded = 2 * (intermediate if intermediate is not None else down.shape[2])
+
+    def act(a, split):
+        """An activation as the one-device layer quantizes it; `split`: its columns are this
+        device's (the global scale is calibrated on every device's amax)."""
+        if quantize is None:
+            return a.astype(dt)
+        return quantize_as_one_device(quantize, a, axis) if split else quantize(a)
+
+    def body(x, router, gate_up, down):
+        ids, weights = route(x, router)  # every token, as the one-device layer routes them
+        k = ids.shape[-1]
+        flat = ids.reshape(-1).astype(jnp.int32)
+        order = stable_order(flat, num_keys=experts)
+        group_sizes = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
+        rows = x[order // k]
+        # the first GEMM's K (hidden) is whole: planned as the unsharded call, its h are one
+        # device's; down's K is split, so it plans for its own shape
+        h = expert_gemm(act(rows, False), gate_up, group_sizes, out_dtype=dt, backend=backend,
+                        plan_shape=(tokens * k, n_unsharded, experts))
+        y = expert_gemm(act(activation(h), True), down, group_sizes, out_dtype=jnp.float32,
+                        backend=backend)
+        share = combine(unsort_rows(y, order).reshape(tokens, k, -1), weights)
+        return sum_shares(share, axis, d, dt)
+
+    run = jax.shard_map(body, mesh=mesh,
+                        in_specs=(P(), P(), _specs(gate_up, 1, axis), _specs(down, 2, axis)),
+                        out_specs=P(), check_vma=False)
+    return run(x, router, gate_up, down)
