@@ -34,6 +34,13 @@ Placements:
                              exchange="reduce": every device keeps every token, runs its own
                              experts' rows and its share of each token's combine, and one f32
                              all-reduce sums the shares (to f32 rounding: a few bf16 steps)
+  tensor parallel, paired    the layer built with QuantizedMoE(..., mesh=mesh, tensor_axis="d"):
+                             its experts re-laid once so that each device holds the gate and up
+                             rows of the same half of the intermediate features and the matching
+                             columns of down; SwiGLU stays on the device, the combined f32
+                             partial outputs are summed by one all-reduce (the one-device layer
+                             to the bf16 rounding of its expert outputs: many outputs one bf16
+                             step apart, none further)
 """
 from __future__ import annotations
 
@@ -198,12 +205,19 @@ def main():
                                exchange="reduce")
     r_graphdef, r_state = nnx.split(reduced)
     r_forward = jax.jit(lambda s, x: nnx.merge(r_graphdef, s)(x))
+    # ... and splitting every expert's intermediate features, gate and up paired per device
+    paired = jnn.QuantizedMoE(args.hidden, args.intermediate, args.experts, args.top_k,
+                              fmt=args.fmt, rngs=nnx.Rngs(0), mesh=mesh, tensor_axis="d")
+    t_graphdef, t_state = nnx.split(paired)
+    t_forward = jax.jit(lambda s, x: nnx.merge(t_graphdef, s)(x))
     runs = [(name, forward, state, specs) for name, specs in PLACEMENTS.items()]
     gate_up_spec, down_spec, _ = PLACEMENTS["expert parallel"]
     runs.append(("expert parallel, dispatched", d_forward, d_state,
                  (gate_up_spec, down_spec, True)))
     runs.append(("expert parallel, reduce", r_forward, r_state,
                  (gate_up_spec, down_spec, False)))
+    runs.append(("tensor parallel, paired", t_forward, t_state,
+                 (P(None, "d", None), P(None, None, "d"), False)))
     for name, fwd, st, (gate_up_spec, down_spec, exact) in runs:
         sharded = shard_state(st, mesh, gate_up_spec, down_spec)
         got = np.asarray(fwd(sharded, x_rep))
@@ -211,6 +225,8 @@ def main():
         diff = float(np.max(np.abs(got.astype(np.float32) - want.astype(np.float32))))
         scale = float(np.max(np.abs(want.astype(np.float32))))
         note = "" if exact else ", f32 partial sums or shares added across devices"
+        if fwd is t_forward:
+            note = ", down's outputs combined in f32, not rounded to bf16 first"
         print(f"\n{name}: max |sharded - unsharded| {diff:.3g} (output max {scale:.3g}; "
               f"bitwise equal: {'yes' if same else 'no'}{note})")
         per_device = {names[0]: leaf.addressable_shards[0].data.shape

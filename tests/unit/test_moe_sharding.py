@@ -66,7 +66,14 @@ if not CHILD:
         reduced = lines["expert parallel, reduce collectives"]
         assert re.findall(r"(all-\w+|reduce-scatter|collective-permute) (\w+\[[\d,]*\])",
                           reduced) == [("all-reduce", "f32[16,256]")], out
-        assert out.count("expert weights moved: none") == 5, out  # one per placement
+        # the paired tensor-parallel layer: the same one all-reduce, within a bf16 step
+        paired = lines["tensor parallel, paired collectives"]
+        assert re.findall(r"(all-\w+|reduce-scatter|collective-permute) (\w+\[[\d,]*\])",
+                          paired) == [("all-reduce", "f32[16,256]")], out
+        diff = float(re.search(r"max \|sharded - unsharded\| ([\d.e+-]+) \(output max ([\d.e+-]+)",
+                               lines["tensor parallel, paired"]).group(1))
+        assert diff <= 2.0 ** -6, out
+        assert out.count("expert weights moved: none") == 6, out  # one per placement
 
     def test_moe_sharded_benchmark_smoke(children):
         """benchmarks/bench_moe_sharded.py on 2 CPU devices: every placement's row with its
@@ -78,7 +85,7 @@ if not CHILD:
             rows = json.load(f)["rows"]
         assert os.path.getsize(os.path.join(BENCH_OUT, "bench_moe_sharded_cpu.png")) > 0
         placed = {(r["fmt"], r["tokens"], r["placement"], r["devices"]): r for r in rows}
-        assert len(placed) == 2 * 2 * 6, sorted(placed)  # formats x tokens x placements
+        assert len(placed) == 2 * 2 * 7, sorted(placed)  # formats x tokens x placements
         for (fmt, tokens, placement, n), r in placed.items():
             assert "error" not in r and "skipped" not in r, r
             assert r["loop_us"] > 0
@@ -89,8 +96,9 @@ if not CHILD:
                 assert r["differing_outputs"] == dict(layer=0), r
                 assert "all-to-all" in r["collectives"], r
                 assert "all-reduce" not in r["collectives"], r
-            elif placement == "reduce":  # the shares summed: one f32 all-reduce, no rows moved
+            elif placement in ("reduce", "tensor_layer"):  # the shares: one f32 all-reduce
                 assert r["collectives"] == f"all-reduce f32[{tokens},256] x1", r
+                assert r["max_abs_diff_vs_1_device"] <= 2.0 ** -6, r
             elif placement != "1 device":
                 assert "all-reduce" in r["collectives"] or "all-gather" in r["collectives"], r
 
