@@ -55,11 +55,14 @@ runs on every token on every device, as on one. The dispatched layer runs one la
 (it takes no ``layer=`` into a scanned stack), so the sharded step has its layers unrolled, and
 the run times the unrolled 1-device step too (--devices N > 1 implies --compare-unrolled). Every
 row records "devices" and "placement" ("1 device", "dispatch", or "reduce" with --exchange
-reduce); a sharded row (mode "unrolled") also has speedup_vs_1_device (the 1-device unrolled
-step of the same format and batch over it) and its logits for one step from a fresh cache
+reduce, "tensor" with --exchange tensor: tensor parallel instead, `QuantizedMoE(..., mesh=mesh,
+tensor_axis="expert")`, gate_up split on N and down on K of its re-laid experts); a sharded
+row (mode "unrolled") also has speedup_vs_1_device (the 1-device unrolled step of the same
+format and batch over it) and its logits for one step from a fresh cache
 against that 1-device step's: max_abs_diff_vs_1_device, differing_logits (bitwise) and
 same_next_tokens (the dispatched layer is built to equal one device bit for bit, 0 on CPU
-devices; the reduce layer to f32 rounding). Its device_us is the time per step during which any
+devices; the reduce layer to f32 rounding; the tensor-parallel layer to the bf16 rounding of its
+expert outputs). Its device_us is the time per step during which any
 of the N GPUs ran a kernel (the trace holds every GPU's streams; --breakdown sums their
 kernels), its weight_bytes all devices' together. tokens/s: batch / step time, as for one
 device.
@@ -91,7 +94,8 @@ from timing import gpu_kernel_events, time_us, union_length  # noqa: E402
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale.ragged.dispatch import EXCHANGES  # noqa: E402
 
-EXPERT_AXIS = "expert"  # the mesh axis --devices shards the experts over
+EXPERT_AXIS = "expert"  # the mesh axis --devices shards the experts (--exchange tensor: their
+# intermediate features) over
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
@@ -170,9 +174,9 @@ def model_on_gpu(model) -> bool:
 
 def bench(model, fmt, mode, batch, args, cfg, mesh=None, logits=None):
     """One row: the model's decode step at `batch`, timed. mesh: the model's MoE layers are
-    expert parallel over it (placement `placement_name(args.exchange)`); None: one device. logits: a dict to store
-    the step's logits in under (fmt, batch) (a 1-device unrolled row, the reference), or to
-    compare them with (a sharded row)."""
+    sharded over it (placement `placement_name(args.exchange)`); None: one device. logits: a
+    dict to store the step's logits in under (fmt, batch) (a 1-device unrolled row, the
+    reference), or to compare them with (a sharded row)."""
     replicated = None if mesh is None else NamedSharding(mesh, P())
     step = Stepper(model, batch, args.max_len, args.pos, replicated)
     start = time.perf_counter()
@@ -209,22 +213,30 @@ def bench(model, fmt, mode, batch, args, cfg, mesh=None, logits=None):
 
 def placement_name(exchange: str) -> str:
     """A sharded row's placement: "reduce" (every device keeps every token, one all-reduce of
-    the combined outputs) or "dispatch" (rows sent to their experts' devices and back)."""
-    return "reduce" if exchange == "reduce" else "dispatch"
+    the combined outputs), "tensor" (every device holds I/N of every expert's features, one
+    all-reduce of the combined partial outputs) or "dispatch" (rows sent to their experts'
+    devices and back)."""
+    return exchange if exchange in ("reduce", "tensor") else "dispatch"
 
 
-def place_on_mesh(model, mesh, axis: str):
+def place_on_mesh(model, mesh, axis: str, tensor: bool = False):
     """The model with its MoE expert weights (elements, blocked scales, per-expert global
     scales of every layer's gate_up and down) split on their leading expert dim over mesh axis
-    `axis`, and every other array (embedding, attention, norms, routers, LM head) replicated on
-    the mesh."""
+    `axis` (tensor: gate_up's elements and scales on their N dim, down's on their K dim, the
+    global scales replicated, as the tensor-parallel layer reads them), and every other array
+    (embedding, attention, norms, routers, LM head) replicated on the mesh."""
     graphdef, state = nnx.split(model)
 
     def put(path, leaf):
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        expert = ("mlp" in names and ("gate_up" in names or "down" in names)
-                  and jnp.ndim(leaf) >= 1)
-        return jax.device_put(leaf, NamedSharding(mesh, P(axis) if expert else P()))
+        which = [w for w in ("gate_up", "down") if w in names]
+        spec = P()
+        if "mlp" in names and which and jnp.ndim(leaf) >= 1:
+            spec = P(axis)
+            if tensor:
+                spec = P() if jnp.ndim(leaf) == 1 else (
+                    P(None, axis) if which[0] == "gate_up" else P(None, None, axis))
+        return jax.device_put(leaf, NamedSharding(mesh, spec))
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, state))
 
@@ -364,11 +376,13 @@ def main(argv=None):
                    help="with --moe: also run the step with its MoE layers expert parallel over "
                    "the first N devices, dispatching tokens (QuantizedMoE(mesh=, expert_axis=), "
                    "layers unrolled), beside the 1-device step (default 1: one device only)")
-    p.add_argument("--exchange", choices=EXCHANGES, default="auto",
+    p.add_argument("--exchange", choices=EXCHANGES + ("tensor",), default="auto",
                    help="with --devices N > 1: the MoE layers' exchange (QuantizedMoE "
                    "exchange=): auto / ragged / padded dispatch rows to their experts' devices "
                    "(placement 'dispatch'); reduce keeps every token on every device and "
-                   "all-reduces the combined outputs (placement 'reduce')")
+                   "all-reduces the combined outputs (placement 'reduce'); tensor: tensor "
+                   "parallel instead (QuantizedMoE(mesh=, tensor_axis=): every device holds I/N "
+                   "of every expert's features; placement 'tensor')")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default e2e_model_<platform>)")
     args = p.parse_args(argv)
@@ -405,7 +419,7 @@ def main(argv=None):
     modes = ["scan", "unrolled"] if args.compare_unrolled else ["scan"]
     mesh = None
     if args.devices > 1:
-        if cfg.num_experts % args.devices:
+        if cfg.num_experts % args.devices and args.exchange != "tensor":
             p.error(f"--devices {args.devices}: the {cfg.num_experts} experts per layer do not "
                     "split evenly over that many devices")
         if len(formats) == 1:
@@ -435,7 +449,18 @@ def main(argv=None):
                        "jax_blockscale.nn.QuantizedMoE (weight-only ragged_gemm, NVFP4 with one "
                        "global scale per expert); router bf16 in both. weight_bytes counts the "
                        "experts_hit_est experts per layer (uniform independent routing)")
-    if mesh is not None:
+    if mesh is not None and args.exchange == "tensor":
+        meta["devices"] = args.devices
+        meta["sharded"] = (
+            f"placement 'tensor': every MoE layer QuantizedMoE(mesh=, tensor_axis="
+            f"{EXPERT_AXIS!r}) over the first {args.devices} devices "
+            "(jax_blockscale.ragged.tensor_parallel: every device holds I/N of every expert's "
+            "intermediate features, gate and up paired, runs every routed row through them, "
+            "and the combined f32 partial outputs are summed across devices), the layers "
+            "unrolled; gate_up split on N and down on K of their re-laid layout, everything "
+            "else replicated. device_us, weight_bytes, speedup_vs_1_device and the logits' "
+            "comparison as for the expert-parallel placements")
+    elif mesh is not None:
         meta["devices"] = args.devices
         meta["sharded"] = (
             f"placement {placement_name(args.exchange)!r}: every MoE layer QuantizedMoE(mesh=, "
@@ -464,11 +489,12 @@ def main(argv=None):
             runs.append(("unrolled", mesh))
         for mode, on in runs:
             placement = (None if on is None else
+                         dict(mesh=on, tensor_axis=EXPERT_AXIS) if args.exchange == "tensor" else
                          dict(mesh=on, expert_axis=EXPERT_AXIS, exchange=args.exchange))
             model = Llama(cfg, params, scan_layers=mode == "scan", dtype=jnp.bfloat16,
                           attention=args.attention, moe_placement=placement)
             if on is not None:
-                model = place_on_mesh(model, on, EXPERT_AXIS)
+                model = place_on_mesh(model, on, EXPERT_AXIS, tensor=args.exchange == "tensor")
             check = logits if mesh is not None and mode == "unrolled" and fmt != "bf16" else None
             for batch in batches:
                 rows.append(bench(model, fmt, mode, batch, args, cfg, on, check))

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_blockscale as jbs
 from jax_blockscale import nn as jnn
+from jax_blockscale.ragged.tensor_parallel import split_intermediate
 
 # HF name of each projection -> the submodule that holds it
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -396,21 +397,23 @@ def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16,
     them; nothing is initialized or quantized) and then handed `params` as its variables'
     values, which may carry the stacked L axis: the forward pass is nn_moe's, unchanged.
 
-    placement: None, or ``QuantizedMoE``'s expert parallelism that dispatches tokens, as its
-    keywords (``dict(mesh=mesh, expert_axis="expert")``, optionally ``exchange=``): block-scaled
-    experts of one layer only (the dispatched layer takes no ``layer=``, so a scanned stack
-    cannot use it). The caller places the expert weights split on their expert axis."""
+    placement: None, or ``QuantizedMoE``'s expert parallelism, as its keywords
+    (``dict(mesh=mesh, expert_axis="expert")``, optionally ``exchange=``), or its tensor
+    parallelism (``dict(mesh=mesh, tensor_axis="model")``: the experts are re-laid here with
+    `split_intermediate`, as the layer stores them): block-scaled experts of one layer only
+    (these layers take no ``layer=``, so a scanned stack cannot use them). The caller places
+    the expert weights (split on their expert axis; tensor parallel: gate_up on N, down on K)."""
     k = cfg.num_experts_per_tok
     quantized = isinstance(params["gate_up"], jbs.BlockScaled)
     lead = jnp.ndim(params["router"]) - 2  # 1 for stacked layers
     placement = dict(placement or {})
     if placement and not quantized:
-        raise ValueError("expert parallelism that dispatches tokens (placement=) needs "
-                         "block-scaled experts (QuantizedMoE); these experts are float")
+        raise ValueError("expert or tensor parallelism (placement=) needs block-scaled experts "
+                         "(QuantizedMoE); these experts are float")
     if placement and lead:
-        raise ValueError("expert parallelism that dispatches tokens (placement=) runs one "
-                         "layer's experts; these are stacked (scanned) layers: build the model "
-                         "with scan_layers=False")
+        raise ValueError("expert or tensor parallelism (placement=) runs one layer's experts; "
+                         "these are stacked (scanned) layers: build the model with "
+                         "scan_layers=False")
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), params)
     e, h = cfg.num_experts, cfg.hidden_size
     want = {"router": (h, e)}
@@ -427,7 +430,15 @@ def moe_block(cfg: LlamaConfig, params: dict[str, Any], dtype=jnp.bfloat16,
         abstract = nnx.eval_shape(lambda: jnn.MoE(h, cfg.moe_intermediate_size, e, k,
                                                   dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, {name: params[name] for name in want})
+    values = {name: params[name] for name in want}
+    if quantized and placement.get("tensor_axis") is not None:
+        # the tensor-parallel layer holds its experts re-laid for its devices (its constructor
+        # re-lays them; the abstract layer above has that layout's shapes, which for I/d a
+        # multiple of 128 are the original's: values in the original layout would mispair)
+        d = placement["mesh"].shape[placement["tensor_axis"]]
+        values["gate_up"], values["down"] = split_intermediate(values["gate_up"],
+                                                               values["down"], d)
+    nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 
 
@@ -528,7 +539,9 @@ class Llama(nnx.Module):
     (docs/sharding.md); the default exchange dispatches tokens and equals one device bit for
     bit. It needs scan_layers=False (the dispatched layer runs one layer's
     experts, not a stack's ``layer=``); place the expert weights split on their expert axis
-    (``P(expert_axis)``) and the rest replicated before calling the model."""
+    (``P(expert_axis)``) and the rest replicated before calling the model. Or
+    ``dict(mesh=mesh, tensor_axis="model")``: every MoE layer tensor parallel over that axis
+    (gate_up placed on N, down on K of the layer's re-laid experts)."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], *, scan_layers: bool = True,
                  dtype=jnp.bfloat16, attention: str = "auto",

@@ -217,6 +217,30 @@ else:
         with pytest.raises(ValueError, match="layer="):
             layer(jnp.zeros((4, 256), jnp.bfloat16), layer=jnp.int32(0))
 
+    def test_llama_moe_block_tensor_parallel_relays_its_experts():
+        """examples/llama's moe_block with a tensor-parallel placement hands the layer its
+        experts re-laid (split_intermediate): with intermediate 256 over 2 devices the re-laid
+        shapes are the original's, so experts handed over unsplit would pair gate with the other
+        device's up silently; its output equals the one-device block to a bf16 step."""
+        import dataclasses
+        import pathlib
+        import sys
+
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "llama"))
+        import model as llama
+
+        cfg = dataclasses.replace(llama.LlamaConfig.tiny_moe(num_layers=1),
+                                  moe_intermediate_size=256)
+        params = llama.quantize_params(llama.random_params(cfg, jax.random.key(0)), "nvfp4")
+        mlp = {k: v[0] for k, v in params["layers"]["mlp"].items()}
+        mesh = mmd.mesh_of(DEVICES, 2)
+        x = jnp.asarray(mmd.rand(3, (8, cfg.hidden_size)), jnp.bfloat16)
+        want = np.asarray(llama.moe_block(cfg, mlp)(x), np.float32)
+        tp = llama.moe_block(cfg, mlp, placement=dict(mesh=mesh, tensor_axis="d"))
+        assert tp.gate_up.get_value().shape == mlp["gate_up"].shape  # the case shapes miss
+        got = np.asarray(jax.jit(lambda x: tp(x))(x), np.float32)
+        assert np.abs(got - want).max() <= 2.0 ** -7 * np.abs(want).max(), np.abs(got - want).max()
+
     def test_padded_exchange_has_ragged_all_to_all_semantics():
         """The example of lax.ragged_all_to_all's documentation, through the padded exchange,
         and a shuffled multi-slice one checked against the documented pseudocode."""

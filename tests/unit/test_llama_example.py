@@ -384,6 +384,29 @@ def test_e2e_benchmark_tiny_moe_dispatched(tmp_path):
     assert "nvfp4 | unrolled | 2 (dispatch)" in run.stdout
 
 
+def test_e2e_benchmark_tiny_moe_tensor_parallel(tmp_path):
+    """--exchange tensor: the step with its MoE layers tensor parallel over 2 forced CPU devices
+    (QuantizedMoE(mesh=, tensor_axis=)), its placement recorded, its logits the 1-device step's
+    to the bf16 rounding of the expert outputs (the next tokens the same)."""
+    root = EXAMPLE.parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "e2e_model.py"), "--tiny",
+                          "--moe", "--devices", "2", "--exchange", "tensor", "--layers", "1",
+                          "--batches", "2", "--formats", "nvfp4", "--iters", "2", "--trials",
+                          "1", "--calls", "1", "--out", str(tmp_path), "--tag", "smoke"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert "tensor_axis" in result["sharded"]
+    sharded = [r for r in result["rows"] if r["devices"] == 2]
+    assert len(sharded) == 1 and sharded[0]["placement"] == "tensor", result["rows"]
+    assert 0 <= sharded[0]["max_abs_diff_vs_1_device"] < 0.02 and sharded[0]["same_next_tokens"]
+    assert "nvfp4 | unrolled | 2 (tensor)" in run.stdout
+
+
 def test_e2e_benchmark_devices_refused(capsys):
     """--devices beyond the devices present, or without --moe, stops with an error naming it."""
     sys.path.insert(0, str(EXAMPLE.parents[1] / "benchmarks"))
