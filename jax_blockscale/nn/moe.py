@@ -400,10 +400,8 @@ class QuantizedMoE(nnx.Module):
         dt = np.dtype(self.dtype)
         gate_up, down = self.gate_up.get_value(), self.down.get_value()
         router = self.router[...]
-        if self.expert_axis is not None:
-            return self._dispatched(x.astype(dt), router, gate_up, down, layer)
-        if self.tensor_axis is not None:
-            return self._tensor_parallel(x.astype(dt), router, gate_up, down, layer)
+        if self.expert_axis is not None or self.tensor_axis is not None:
+            return self._parallel(x.astype(dt), router, gate_up, down, layer)
         place = lambda gs: gs  # noqa: E731  (group sizes of the experts as stored)
         if layer is not None:
             if gate_up.ndim != 4 or down.ndim != 4 or jnp.ndim(router) != 3:
@@ -426,33 +424,23 @@ class QuantizedMoE(nnx.Module):
 
         return _moe_forward(x.astype(dt), router, self.top_k, experts)
 
-    def _dispatched(self, x, router, gate_up, down, layer):
-        """The expert-parallel forward that dispatches tokens (mesh= / expert_axis=)."""
+    def _parallel(self, x, router, gate_up, down, layer):
+        """The forward over the mesh: expert parallel (expert_axis=, `dispatch_moe`) or tensor
+        parallel (tensor_axis=, `tensor_parallel_moe`)."""
+        option = "expert_axis" if self.expert_axis is not None else "tensor_axis"
         if layer is not None:
-            raise ValueError("layer= (stacked weights) is not supported with expert_axis=: build "
-                             "one QuantizedMoE per layer, or leave expert_axis unset")
+            raise ValueError(f"layer= (stacked weights) is not supported with {option}=: build "
+                             f"one QuantizedMoE per layer, or leave {option} unset")
+        if option == "expert_axis":
+            run = functools.partial(dispatch_moe, axis=self.expert_axis, exchange=self.exchange)
+        else:
+            run = functools.partial(tensor_parallel_moe, axis=self.tensor_axis,
+                                    intermediate=self.intermediate)
         act = None if self.act_fmt is None else functools.partial(quantize, fmt=self.act_fmt)
-        lead = x.shape[:-1]
-        y = dispatch_moe(x.reshape(-1, self.hidden), router, gate_up, down,
-                         route=functools.partial(top_k_experts, top_k=self.top_k),
-                         activation=swiglu, mesh=self.mesh, axis=self.expert_axis, quantize=act,
-                         dtype=self.dtype, backend=self.backend, exchange=self.exchange)
-        return y.reshape(*lead, self.hidden)
-
-
-    def _tensor_parallel(self, x, router, gate_up, down, layer):
-        """The tensor-parallel forward (mesh= / tensor_axis=)."""
-        if layer is not None:
-            raise ValueError("layer= (stacked weights) is not supported with tensor_axis=: build "
-                             "one QuantizedMoE per layer, or leave tensor_axis unset")
-        act = None if self.act_fmt is None else functools.partial(quantize, fmt=self.act_fmt)
-        lead = x.shape[:-1]
-        y = tensor_parallel_moe(x.reshape(-1, self.hidden), router, gate_up, down,
-                                route=functools.partial(top_k_experts, top_k=self.top_k),
-                                activation=swiglu, mesh=self.mesh, axis=self.tensor_axis,
-                                intermediate=self.intermediate, quantize=act, dtype=self.dtype,
-                                backend=self.backend)
-        return y.reshape(*lead, self.hidden)
+        y = run(x.reshape(-1, self.hidden), router, gate_up, down,
+                route=functools.partial(top_k_experts, top_k=self.top_k), activation=swiglu,
+                mesh=self.mesh, quantize=act, dtype=self.dtype, backend=self.backend)
+        return y.reshape(*x.shape[:-1], self.hidden)
 
 
 def _check_parallel(mesh, expert_axis, exchange, tensor_axis, experts):

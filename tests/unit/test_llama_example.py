@@ -351,13 +351,10 @@ def test_e2e_benchmark_tiny_moe(tmp_path):
     assert "speedup_vs_bf16" in nvfp4 and nvfp4["weight_bytes"] < bf16["weight_bytes"]
 
 
-def test_e2e_benchmark_tiny_moe_dispatched(tmp_path):
-    """benchmarks/e2e_model.py --tiny --moe --devices 2 on 2 forced CPU devices (a child
-    process: XLA reads the device count once per process): beside the 1-device rows, the step
-    with its MoE layers dispatching tokens over 2 devices (layers unrolled), timed as they are,
-    with its speedup over the 1-device unrolled step and its logits equal to that step's bit for
-    bit (0, as bench_moe_sharded's dispatch rows: the dispatched layer computes every output
-    as one device does, and the rest of the model runs replicated)."""
+def _e2e_moe_on_2_cpu_devices(tmp_path, *extra):
+    """benchmarks/e2e_model.py --tiny --moe --devices 2 (one layer, batch 2, few calls) in a
+    child process with 2 forced CPU devices (XLA reads the device count once per process):
+    (the finished process, its JSON)."""
     root = EXAMPLE.parents[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu",
@@ -365,11 +362,21 @@ def test_e2e_benchmark_tiny_moe_dispatched(tmp_path):
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "e2e_model.py"), "--tiny",
                           "--moe", "--devices", "2", "--layers", "1", "--batches", "2",
                           "--iters", "2", "--trials", "1", "--calls", "1", "--out",
-                          str(tmp_path), "--tag", "smoke"],
+                          str(tmp_path), "--tag", "smoke", *extra],
                          env=env, cwd=root, capture_output=True, text=True, timeout=600,
                          check=False)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    result = json.loads((tmp_path / "smoke.json").read_text())
+    return run, json.loads((tmp_path / "smoke.json").read_text())
+
+
+def test_e2e_benchmark_tiny_moe_dispatched(tmp_path):
+    """benchmarks/e2e_model.py --tiny --moe --devices 2 on 2 forced CPU devices (a child
+    process: XLA reads the device count once per process): beside the 1-device rows, the step
+    with its MoE layers dispatching tokens over 2 devices (layers unrolled), timed as they are,
+    with its speedup over the 1-device unrolled step and its logits equal to that step's bit for
+    bit (0, as bench_moe_sharded's dispatch rows: the dispatched layer computes every output
+    as one device does, and the rest of the model runs replicated)."""
+    run, result = _e2e_moe_on_2_cpu_devices(tmp_path)
     assert result["devices"] == 2 and "dispatch" in result["sharded"]
     rows = {(r["fmt"], r["mode"], r["devices"]): r for r in result["rows"]}
     assert set(rows) == {("bf16", "scan", 1), ("bf16", "unrolled", 1), ("nvfp4", "scan", 1),
@@ -388,18 +395,8 @@ def test_e2e_benchmark_tiny_moe_tensor_parallel(tmp_path):
     """--exchange tensor: the step with its MoE layers tensor parallel over 2 forced CPU devices
     (QuantizedMoE(mesh=, tensor_axis=)), its placement recorded, its logits the 1-device step's
     to the bf16 rounding of the expert outputs (the next tokens the same)."""
-    root = EXAMPLE.parents[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "e2e_model.py"), "--tiny",
-                          "--moe", "--devices", "2", "--exchange", "tensor", "--layers", "1",
-                          "--batches", "2", "--formats", "nvfp4", "--iters", "2", "--trials",
-                          "1", "--calls", "1", "--out", str(tmp_path), "--tag", "smoke"],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    result = json.loads((tmp_path / "smoke.json").read_text())
+    run, result = _e2e_moe_on_2_cpu_devices(tmp_path, "--exchange", "tensor", "--formats",
+                                            "nvfp4")
     assert "tensor_axis" in result["sharded"]
     sharded = [r for r in result["rows"] if r["devices"] == 2]
     assert len(sharded) == 1 and sharded[0]["placement"] == "tensor", result["rows"]
