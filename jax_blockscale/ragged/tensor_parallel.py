@@ -90,39 +90,40 @@ def split_intermediate(gate_up: BlockScaled, down: BlockScaled, d: int):
     per = inter // d
     pad = _padded_features(per) - per
     gu, dn = to_plain(gate_up), to_plain(down)
-
-    def rows(a, start):  # a device's rows of gate_up (data or plain scales), zero-padded
-        part = a[:, start:start + per]
-        return jnp.pad(part, ((0, 0), (0, pad), (0, 0))) if pad else part
-
-    def cols(a, start):  # a device's K columns of down, zero-padded
-        part = a[:, :, start:start + per]
-        return jnp.pad(part, ((0, 0), (0, 0), (0, pad))) if pad else part
-
-    def bits(s):  # scales moved as bits: e8m0 has no zero to pad with
-        return lax.bitcast_convert_type(s, jnp.uint8)
-
-    def back(b, like):
-        return lax.bitcast_convert_type(b, like.dtype)
-
-    gu_data = jnp.concatenate([part for j in range(d)
-                               for part in (rows(gu.data, j * per),
-                                            rows(gu.data, inter + j * per))], axis=1)
-    gu_scales = back(jnp.concatenate(
-        [part for j in range(d) for part in (rows(bits(gu.scales), j * per),
-                                             rows(bits(gu.scales), inter + j * per))], axis=1),
-        gu.scales)
-    dn_data = jnp.concatenate([cols(dn.data, j * per) for j in range(d)], axis=2)
-    sblock = per // block
-    dn_scales = back(jnp.concatenate(
-        [_pad_last(bits(dn.scales)[:, :, j * sblock:(j + 1) * sblock], pad // block)
-         for j in range(d)], axis=2), dn.scales)
-    return (to_blocked(BlockScaled(gu_data, gu_scales, gu.global_scale, gu.fmt, "plain")),
-            to_blocked(BlockScaled(dn_data, dn_scales, dn.global_scale, dn.fmt, "plain")))
+    # scales move as bits (e8m0 has no zero to pad with); padding is zero bits, zero elements
+    gu_bits, dn_bits = _bits(gu.scales), _bits(dn.scales)
+    gate_up_parts = [(j * per, per, pad) for j in range(d)]  # (first, width, padding) per device
+    gu_data = jnp.concatenate([_part(a, 1, first, width, padding)
+                               for first, width, padding in gate_up_parts
+                               for a in (gu.data, gu.data[:, inter:])], axis=1)
+    gu_scales = jnp.concatenate([_part(a, 1, first, width, padding)
+                                 for first, width, padding in gate_up_parts
+                                 for a in (gu_bits, gu_bits[:, inter:])], axis=1)
+    dn_data = jnp.concatenate([_part(dn.data, 2, j * per, per, pad) for j in range(d)], axis=2)
+    sb, sp = per // block, pad // block  # down's K in scale columns
+    dn_scales = jnp.concatenate([_part(dn_bits, 2, j * sb, sb, sp) for j in range(d)], axis=2)
+    return (to_blocked(BlockScaled(gu_data, _unbits(gu_scales, gu.scales), gu.global_scale,
+                                   gu.fmt, "plain")),
+            to_blocked(BlockScaled(dn_data, _unbits(dn_scales, dn.scales), dn.global_scale,
+                                   dn.fmt, "plain")))
 
 
-def _pad_last(a, n):
-    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n)]) if n else a
+def _part(a, axis, first, width, padding):
+    """a[first:first + width] along `axis`, then `padding` zeros along it."""
+    part = lax.slice_in_dim(a, first, first + width, axis=axis)
+    if not padding:
+        return part
+    pads = [(0, 0)] * a.ndim
+    pads[axis] = (0, padding)
+    return jnp.pad(part, pads)
+
+
+def _bits(s):
+    return lax.bitcast_convert_type(s, jnp.uint8)
+
+
+def _unbits(b, like):
+    return lax.bitcast_convert_type(b, like.dtype)
 
 
 def unsplit_intermediate(gate_up_tp: BlockScaled, down_tp: BlockScaled, d: int,
