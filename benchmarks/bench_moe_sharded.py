@@ -181,9 +181,9 @@ def tile_aligned(name, shape, fmt, n):
     """Why placement `name` cannot keep every weight shard whole blocked-scale tiles over n
     devices at `shape` (None: it can)."""
     h, i, e = shape["hidden"], shape["intermediate"], shape["experts"]
-    k_tile = 4 * jbs.get_format(fmt).block
+    block = jbs.get_format(fmt).block
+    k_tile = 4 * block
     if name == "tensor_layer":
-        block = jbs.get_format(fmt).block
         return (None if i % n == 0 and (i // n) % block == 0 else
                 f"intermediate {i} over {n} devices is not whole {block}-element blocks")
     if name in ("expert",) + LAYER_PLACEMENTS:

@@ -84,14 +84,11 @@ SLOT_ORDER = (1, 3, 4, 0, 2)  # slot = digits (s, h, hi, t, q): a transpose of K
 
 
 # How the lowering writes that order (lowering/ffi_sm90.py: permute_activation_k): activations
-# of at least this many elements as a gather along K with a constant index, smaller ones as a
-# transpose of K's digits. XLA fuses the gather into an elementwise producer's loop (the MoE
-# layer's SwiGLU before the grouped down projection: 71 -> 41 us at 32768 x 768, 131 -> 77 us
-# at 16384 x 2880, one H200), where a transpose fusion ran at about half the copy bandwidth; at
-# a decoder step's 64 rows (under 1M elements) the transposes' fusions were the faster (1570 /
-# 1647 us NVFP4 / MXFP4 step against 1584 / 1668 with gathers). Between the two, unmeasured:
-# the smallest grouped call that permutes has 2.5M elements (Qwen3-30B-A3B's down projection
-# at 416 tokens).
+# of at least this many elements as a gather along K with a constant index, which XLA fuses into
+# an elementwise producer's loop (the MoE layer's SwiGLU before the grouped down projection),
+# where a transpose fusion runs at about half the copy bandwidth; smaller ones (a decoder step's
+# 64 rows) as a transpose of K's digits, whose fusions were the faster there. The threshold lies
+# between those measured sizes (docs/design/sm90_ragged_prefill.md, "Limits").
 K_PERMUTE_GATHER_MIN_ELEMENTS = 1 << 21
 
 

@@ -62,7 +62,7 @@ def permute_activation_k(a):
     """[..., K] -> the same values with K in the register-weight variants' order (K % 64 == 0):
     a gather along K with a constant index from cat.K_PERMUTE_GATHER_MIN_ELEMENTS elements (it
     fuses into the loop of an elementwise producer), a transpose of K's digits below (the
-    catalogue says what each measured)."""
+    catalogue says why)."""
     lead, k = a.shape[:-1], a.shape[-1]
     if k % cat.K_TILE:
         raise ValueError(f"permute_activation_k: K = {k} is not a multiple of {cat.K_TILE}")

@@ -48,8 +48,8 @@ from ..core.quantize import BlockScaled, to_blocked
 from ..core.placement import blockscaled_shardings
 from ..quantization.api import quantize
 from ..ragged.api import ragged_gemm
-from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe
-from ..ragged.primitive import stable_order, unsort_rows
+from ..ragged.dispatch import EXCHANGES, combine, dispatch_moe, expert_order
+from ..ragged.primitive import unsort_rows
 from ..ragged.tensor_parallel import split_intermediate, tensor_parallel_moe
 
 try:
@@ -117,8 +117,7 @@ def route(x, router, top_k: int):
     """
     experts, weights = top_k_experts(x, router, top_k)
     flat = experts.reshape(-1)
-    order = stable_order(flat, num_keys=router.shape[-1])
-    group_sizes = jnp.bincount(flat, length=router.shape[-1]).astype(jnp.int32)
+    order, group_sizes = expert_order(flat.astype(jnp.int32), router.shape[-1])
     return order, group_sizes, weights
 
 

@@ -65,14 +65,22 @@ from ..core.quantize import BlockScaled
 from .api import _operands_and_params
 from .primitive import bind_local, inverse_permutation, stable_order, unsort_rows
 
-__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "quantize_as_one_device",
-           "ragged_exchange", "sum_shares"]
+__all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "expert_order",
+           "quantize_as_one_device", "ragged_exchange", "sum_shares"]
 
 EXCHANGES = ("auto", "ragged", "padded", "reduce")
 
 
 # ---------------------------------------------------------------------------------------------
 # Pieces shared with the one-device layer
+
+
+def expert_order(flat, num_experts: int):
+    """(order, counts) of the routed rows `flat` ((n,) int32 expert ids in [0, num_experts)):
+    the stable permutation sorting them by expert (`stable_order`) and each expert's row count
+    ((num_experts,) int32): the sorted rows and group sizes of every MoE layer here."""
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return stable_order(flat, num_keys=num_experts), counts
 
 
 def combine(rows, weights):
@@ -315,8 +323,7 @@ def _local_experts_moe(x, router, gate_up, down, *, route, activation, mesh, axi
         ids, weights = route(x, router)  # every token, as the one-device layer routes them
         k = ids.shape[-1]
         flat = ids.reshape(-1).astype(jnp.int32)
-        order = stable_order(flat, num_keys=experts)  # the one-device layer's sorted rows
-        counts = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
+        order, counts = expert_order(flat, experts)  # the one-device layer's sorted rows
         first_expert = lax.axis_index(axis) * local_experts
         group_sizes = lax.dynamic_slice_in_dim(counts, first_expert, local_experts)
         # my experts' rows are one contiguous run of the sorted rows, from `start`
@@ -397,9 +404,9 @@ def dispatch_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         per_peer = x.shape[0] * min(k, local_experts)  # most rows one device sends one peer
         cap = d * per_peer  # most rows a device receives
         flat = ids.reshape(-1)
-        order = stable_order(flat, num_keys=experts + 1)  # padding rows: key `experts`
+        order, counts = expert_order(flat, experts + 1)  # padding rows: key `experts`
         rows = x[order // k]
-        counts = jnp.zeros((experts + 1,), jnp.int32).at[flat].add(1)[:experts]  # (E,)
+        counts = counts[:experts]  # (E,)
         in_off = _exclusive_cumsum(counts)
         recv, group_sizes, recv_off, out_off, back_off = _exchange_plan(
             lax.all_gather(counts, axis), lax.axis_index(axis), d, local_experts)

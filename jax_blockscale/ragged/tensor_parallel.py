@@ -28,8 +28,10 @@ Per device (`tensor_parallel_moe`, under `shard_map`, x replicated): route all T
 the T x k rows as one device does; gate_up on all rows (its 2 Ip columns; planned as the
 one-device call, so each h element is one device's bit for bit), SwiGLU, down on its Ip
 columns in f32 (partial sums), the combine of its partial rows into (T, H) f32, then the sum
-across devices. The output is replicated and equals one device's to f32 rounding (the K sums of
-down are added in another order: a few bf16 outputs one step apart). NVFP4 activations
+across devices. The output is replicated. It equals the same layer on one device to f32
+rounding (down's K sums are added in another order: a few bf16 outputs one step apart), and the
+one-device `QuantizedMoE` to the bf16 rounding of its expert outputs (that layer rounds down's
+rows to bf16 before the combine; this one combines the f32 partial sums). NVFP4 activations
 calibrate their global scale on the amax of every device's columns, as one device does.
 """
 from __future__ import annotations
@@ -44,8 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.layout import ROWS_PER_TILE
 from ..core.quantize import BlockScaled, to_blocked, to_plain
-from .dispatch import combine, expert_gemm, quantize_as_one_device, sum_shares
-from .primitive import stable_order, unsort_rows
+from .dispatch import combine, expert_gemm, expert_order, quantize_as_one_device, sum_shares
+from .primitive import unsort_rows
 
 __all__ = ["split_intermediate", "tensor_parallel_moe", "unsplit_intermediate"]
 
@@ -204,8 +206,7 @@ def tensor_parallel_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
         ids, weights = route(x, router)  # every token, as the one-device layer routes them
         k = ids.shape[-1]
         flat = ids.reshape(-1).astype(jnp.int32)
-        order = stable_order(flat, num_keys=experts)
-        group_sizes = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
+        order, group_sizes = expert_order(flat, experts)
         rows = x[order // k]
         # the first GEMM's K (hidden) is whole: planned as the unsharded call, its h are one
         # device's; down's K is split, so it plans for its own shape
