@@ -184,8 +184,8 @@ def tile_aligned(name, shape, fmt, n):
     block = jbs.get_format(fmt).block
     k_tile = 4 * block
     if name == "tensor_layer":
-        return (None if i % n == 0 and (i // n) % block == 0 else
-                f"intermediate {i} over {n} devices is not whole {block}-element blocks")
+        return (None if i % block == 0 and i // block >= n else
+                f"intermediate {i} is not {n} or more whole {block}-element blocks")
     if name in ("expert",) + LAYER_PLACEMENTS:
         return None if e % n == 0 else f"{e} experts over {n} devices"
     if (2 * i) % (128 * n):

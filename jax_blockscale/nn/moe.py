@@ -281,14 +281,14 @@ class QuantizedMoE(nnx.Module):
       mesh set by ``jax.set_mesh``. Without them the layer runs as placed (under jit, the
       grouped GEMM's sharding rule).
     tensor_axis: with mesh=, tensor parallelism over that mesh axis instead
-      (`jax_blockscale.ragged.tensor_parallel`): every device holds I/d of every expert's
-      intermediate features (gate and up rows, and down's columns) and runs every routed row
-      through them; the devices' combined outputs are summed once per layer (f32), coming out
-      replicated. The layer stores its experts re-laid for it (`split_intermediate`: gate_up
-      (E, d x 2 Ip, H), down (E, H, d x Ip)); place them with ``expert_shardings(state, mesh,
-      gate_up=P(None, tensor_axis), down=P(None, None, tensor_axis))``. The output equals
-      the one-device layer's to the bf16 rounding of each expert's output rows (down's
-      partial sums stay f32 until the combine).
+      (`jax_blockscale.ragged.tensor_parallel`): every device holds about I/d (whole blocks of the
+      format) of every expert's intermediate features (gate and up rows, and down's columns) and
+      runs every routed row through them; the devices' combined outputs are summed once per layer
+      (f32), coming out replicated. The layer stores its experts re-laid for it
+      (`split_intermediate`: gate_up (E, d x 2 Ip, H), down (E, H, d x Ip)); place them with
+      ``expert_shardings(state, mesh, gate_up=P(None, tensor_axis), down=P(None, None,
+      tensor_axis))``. The output equals the one-device layer's to the bf16 rounding of each
+      expert's output rows (down's partial sums stay f32 until the combine).
     exchange: with expert_axis, how rows cross devices: "auto" (ragged_all_to_all on GPUs, a
       padded all_to_all elsewhere), "ragged" or "padded"; or "reduce": no token moves, every
       device runs its own experts' rows of all tokens and the combined outputs are summed across

@@ -7,20 +7,23 @@ combined outputs once.
                             mesh=mesh, axis="model")
 
 Megatron's pairing for one expert's MLP, ``down(silu(gate(x)) * up(x))``: device j holds the
-gate and up rows j*I/d ... (j+1)*I/d - 1 (column parallel) and the same columns of down (row
-parallel, K split). Then SwiGLU pairs gate column i with up column i on the device that holds
-both, and down's partial products over a device's columns are summed across devices once, after
-the router weights combine them per token: one (T, H) f32 sum per layer (`dispatch.sum_shares`:
-one all-reduce, or from 4 MiB an all-to-all of f32 shares and an all-gather), against the
-(rows, H) outputs of the sharding rule's placements (T x k rows) and the activations they move
-(docs/sharding.md).
+gate and up rows of its range of about I/d features (column parallel) and the same columns of
+down (row parallel, K split). Then SwiGLU pairs gate column i with up column i on the device
+that holds both, and down's partial products over a device's columns are summed across devices
+once, after the router weights combine them per token: one (T, H) f32 sum per layer
+(`dispatch.sum_shares`: one all-reduce, or from 4 MiB an all-to-all of f32 shares and an
+all-gather), against the (rows, H) outputs of the sharding rule's placements (T x k rows) and
+the activations they move (docs/sharding.md).
 
 The fused gate_up weight (E, 2I, H) stores every gate row before every up row, so an N split of
 it would give one device the gates and the other the ups. `split_intermediate` re-lays both
 weights once: gate_up as (E, d x 2 Ip, H), device j's block its gate rows then its up rows, and
-down as (E, H, d x Ip), device j's block its K columns; each device's I/d features padded with
-zeros to Ip (a multiple of 128: whole blocked-scale tiles, so N splits of gate_up and K splits
-of down over d devices are whole tiles; gpt-oss's 2880 / 2 = 1440 features take 1536). A zero
+down as (E, H, d x Ip), device j's block its K columns. The ranges are whole blocks of the
+format (down's K scales split with them), as even as whole blocks allow (`feature_ranges`), and
+each is padded with zeros to Ip, the widest rounded up to a multiple of 128 (whole
+blocked-scale tiles, so N splits of gate_up and K splits of down over d devices are whole
+tiles): gpt-oss's 2880 features take 1536 per device over 2 devices, 736 / 736 / 704 / 704
+padded to 768 over 4. A zero
 gate and up row gives SwiGLU 0, and a zero K column of down adds nothing: the padding costs its
 bytes and MMAs (7 % at gpt-oss-120b over 2 devices, none at Qwen3-30B-A3B's 768 / 2).
 
@@ -49,12 +52,8 @@ from ..core.quantize import BlockScaled, to_blocked, to_plain
 from .dispatch import combine, expert_gemm, expert_order, quantize_as_one_device, sum_shares
 from .primitive import unsort_rows
 
-__all__ = ["split_intermediate", "tensor_parallel_moe", "unsplit_intermediate"]
-
-
-def _padded_features(per_device: int) -> int:
-    """Each device's intermediate features padded to whole 128-row blocked-scale tiles."""
-    return -(-per_device // ROWS_PER_TILE) * ROWS_PER_TILE
+__all__ = ["feature_ranges", "padded_features", "split_intermediate", "tensor_parallel_moe",
+           "unsplit_intermediate"]
 
 
 def _check_pair(gate_up, down, d):
@@ -73,37 +72,58 @@ def _check_pair(gate_up, down, d):
     return experts, two_i, hidden
 
 
+def feature_ranges(intermediate: int, d: int, block: int) -> list[tuple[int, int]]:
+    """(first feature, features) of each of d devices: the intermediate features in whole
+    `block`-element blocks (down's K of a device must be whole blocks of its scales), as even as
+    whole blocks allow; the first intermediate/block mod d devices take one block more
+    (gpt-oss's 2880 features over 4 devices of 32-element blocks: 736, 736, 704, 704)."""
+    if intermediate % block:
+        raise ValueError(f"intermediate={intermediate} is not whole {block}-element blocks")
+    blocks = intermediate // block
+    if blocks < d:
+        raise ValueError(f"intermediate={intermediate} has {blocks} blocks of {block}: fewer "
+                         f"than the {d} devices")
+    widths = [block * (blocks // d + (j < blocks % d)) for j in range(d)]
+    return [(sum(widths[:j]), w) for j, w in enumerate(widths)]
+
+
+def padded_features(intermediate: int, d: int, block: int) -> int:
+    """Ip: every device's features padded to the widest device's, in whole 128-row
+    blocked-scale tiles."""
+    widest = max(w for _, w in feature_ranges(intermediate, d, block))
+    return -(-widest // ROWS_PER_TILE) * ROWS_PER_TILE
+
+
 def split_intermediate(gate_up: BlockScaled, down: BlockScaled, d: int):
     """gate_up (E, 2I, H) and down (E, H, I) re-laid for tensor parallelism over d devices (see
     the module docstring): gate_up (E, d * 2 * Ip, H) and down (E, H, d * Ip) with blocked
-    scales, Ip = I / d rounded up to 128. I must split into d whole blocks of the format. Global
-    scales (NVFP4, per expert) are kept as they are. Runs once, at load time (jit it for big
-    weights); `unsplit_intermediate` undoes it."""
+    scales; device j holds the features `feature_ranges(I, d, block)[j]` (whole blocks of the
+    format, as even as they allow), padded with zeros to Ip (`padded_features`, a multiple of
+    128). Global scales (NVFP4, per expert) are kept as they are. Runs once, at load time (jit
+    it for big weights); `unsplit_intermediate` undoes it."""
     experts, two_i, hidden = _check_pair(gate_up, down, d)
     if two_i % 2 or down.shape[2] != two_i // 2:
         raise ValueError(f"gate_up {gate_up.shape} must hold 2 x intermediate rows, and down "
                          f"{down.shape} intermediate columns")
     inter = two_i // 2
     block = gate_up.format.block
-    if inter % d or (inter // d) % block:
-        raise ValueError(f"intermediate={inter} does not split over {d} devices into whole "
-                         f"{gate_up.fmt} blocks of {block}: each device's K of down must be "
-                         "whole blocks")
-    per = inter // d
-    pad = _padded_features(per) - per
+    ranges = feature_ranges(inter, d, block)
+    ip = padded_features(inter, d, block)
     gu, dn = to_plain(gate_up), to_plain(down)
     # scales move as bits (e8m0 has no zero to pad with); padding is zero bits, zero elements
     gu_bits, dn_bits = _bits(gu.scales), _bits(dn.scales)
-    gate_up_parts = [(j * per, per, pad) for j in range(d)]  # (first, width, padding) per device
-    gu_data = jnp.concatenate([_part(a, 1, first, width, padding)
-                               for first, width, padding in gate_up_parts
+    gu_data = jnp.concatenate([_part(a, 1, first, width, ip - width)
+                               for first, width in ranges
                                for a in (gu.data, gu.data[:, inter:])], axis=1)
-    gu_scales = jnp.concatenate([_part(a, 1, first, width, padding)
-                                 for first, width, padding in gate_up_parts
+    gu_scales = jnp.concatenate([_part(a, 1, first, width, ip - width)
+                                 for first, width in ranges
                                  for a in (gu_bits, gu_bits[:, inter:])], axis=1)
-    dn_data = jnp.concatenate([_part(dn.data, 2, j * per, per, pad) for j in range(d)], axis=2)
-    sb, sp = per // block, pad // block  # down's K in scale columns
-    dn_scales = jnp.concatenate([_part(dn_bits, 2, j * sb, sb, sp) for j in range(d)], axis=2)
+    dn_data = jnp.concatenate([_part(dn.data, 2, first, width, ip - width)
+                               for first, width in ranges], axis=2)
+    # down's K in scale columns
+    dn_scales = jnp.concatenate([_part(dn_bits, 2, first // block, width // block,
+                                       (ip - width) // block)
+                                 for first, width in ranges], axis=2)
     return (to_blocked(BlockScaled(gu_data, _unbits(gu_scales, gu.scales), gu.global_scale,
                                    gu.fmt, "plain")),
             to_blocked(BlockScaled(dn_data, _unbits(dn_scales, dn.scales), dn.global_scale,
@@ -132,21 +152,22 @@ def unsplit_intermediate(gate_up_tp: BlockScaled, down_tp: BlockScaled, d: int,
                          intermediate: int):
     """The inverse of `split_intermediate`: (gate_up (E, 2I, H), down (E, H, I)), blocked."""
     experts, rows_tp, hidden = _check_pair(gate_up_tp, down_tp, d)
-    per = intermediate // d
-    ip = _padded_features(per)
-    if intermediate % d or rows_tp != d * 2 * ip or down_tp.shape[2] != d * ip:
+    block = gate_up_tp.format.block
+    ranges = feature_ranges(intermediate, d, block)
+    ip = padded_features(intermediate, d, block)
+    if rows_tp != d * 2 * ip or down_tp.shape[2] != d * ip:
         raise ValueError(f"gate_up {gate_up_tp.shape} and down {down_tp.shape} are not "
                          f"split_intermediate's layout of intermediate={intermediate} over {d} "
                          "devices")
-    block = gate_up_tp.format.block
     gu, dn = to_plain(gate_up_tp), to_plain(down_tp)
-    gate = [slice(j * 2 * ip, j * 2 * ip + per) for j in range(d)]
-    up = [slice(j * 2 * ip + ip, j * 2 * ip + ip + per) for j in range(d)]
+    gate = [slice(j * 2 * ip, j * 2 * ip + w) for j, (_, w) in enumerate(ranges)]
+    up = [slice(j * 2 * ip + ip, j * 2 * ip + ip + w) for j, (_, w) in enumerate(ranges)]
     gu_data = jnp.concatenate([gu.data[:, s] for s in gate + up], axis=1)
     gu_scales = jnp.concatenate([gu.scales[:, s] for s in gate + up], axis=1)
-    dn_data = jnp.concatenate([dn.data[:, :, j * ip:j * ip + per] for j in range(d)], axis=2)
-    dn_scales = jnp.concatenate(
-        [dn.scales[:, :, j * ip // block:(j * ip + per) // block] for j in range(d)], axis=2)
+    dn_data = jnp.concatenate([dn.data[:, :, j * ip:j * ip + w]
+                               for j, (_, w) in enumerate(ranges)], axis=2)
+    dn_scales = jnp.concatenate([dn.scales[:, :, j * ip // block:(j * ip + w) // block]
+                                 for j, (_, w) in enumerate(ranges)], axis=2)
     return (to_blocked(BlockScaled(gu_data, gu_scales, gu.global_scale, gu.fmt, "plain")),
             to_blocked(BlockScaled(dn_data, dn_scales, dn.global_scale, dn.fmt, "plain")))
 
@@ -169,9 +190,9 @@ def tensor_parallel_moe(x, router, gate_up: BlockScaled, down: BlockScaled, *,
     x: (T, H) tokens (replicated over `axis`; any placement is resharded to that).
     router: whatever `route` needs, replicated.
     gate_up, down: what `split_intermediate` returns for the axis' d devices (blocked scales;
-      where I/d is a multiple of 128 its shapes are the original layout's, so shapes cannot
-      catch an unsplit pair: pass only its output); best placed split on gate_up's N and
-      down's K over `axis`.
+      where I/d is a multiple of 128, nothing is padded and its shapes are the original
+      layout's, so shapes cannot catch an unsplit pair: pass only its output); best placed
+      split on gate_up's N and down's K over `axis`.
     intermediate: the layer's I before the split (default: d x Ip, right when nothing was
       padded); gate_up is planned as the unsharded (rows, 2I) call.
     route(x, router) -> (experts (T, k) int32, weights (T, k) f32).

@@ -136,13 +136,14 @@ def test_reduce_layer_likely_buffer_and_token_range_sums_on_2_gpus(devices, monk
         print(f"reduce 2 GPUs, likely buffer and token-range sums, {routing}: {mmd.summary(found)}")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tensor_parallel_layer(n, fmt):
-    """QuantizedMoE(mesh=, tensor_axis=): every GPU holds I/n of every expert's features (4
-    GPUs pad their 64 to 128), runs every routed row through them, and the combined partial
-    outputs are summed once (to f32 rounding of the same layer on one GPU; to the bf16 rounding
-    of the expert outputs of the one-GPU QuantizedMoE)."""
+    """QuantizedMoE(mesh=, tensor_axis=): every GPU holds about I/n of every expert's features
+    in whole blocks (4 GPUs pad their 64 to 128; 3 GPUs take 96 / 96 / 64 or 96 / 80 / 80),
+    runs every routed row through them, and the combined partial outputs are summed once (to
+    f32 rounding of the same layer on one GPU; to the bf16 rounding of the expert outputs of
+    the one-GPU QuantizedMoE)."""
     gpus = _gpus()
     if len(gpus) < n:
         pytest.skip(f"needs {n} GPUs, found {len(gpus)}")

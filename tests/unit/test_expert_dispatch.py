@@ -141,10 +141,11 @@ else:
             mmd.check_reduce(DEVICES, 2, "nvfp4")
 
     @pytest.mark.parametrize("n,fmt,routing", [(2, "nvfp4", "random"), (4, "mxfp4", "uneven"),
-                                               (8, "mxfp4", "empty")])
+                                               (8, "mxfp4", "empty"), (3, "mxfp4", "random")])
     def test_tensor_parallel_equals_one_device(reduce_path, n, fmt, routing):
         """QuantizedMoE(mesh=, tensor_axis=): I/d of every expert's features per device (4 and 8
-        devices pad each device's 64 / 32 features to 128), one sum of the combined shares."""
+        devices pad each device's 64 / 32 features to 128; 3 devices take 96 / 96 / 64 whole
+        MXFP4 blocks), one sum of the combined shares."""
         found = mmd.check_tensor_parallel(DEVICES, n, fmt, routing)
         print(f"tensor parallel {n} devices ({reduce_path}): {mmd.summary(found)}")
 
@@ -159,32 +160,38 @@ else:
         with pytest.raises(AssertionError):
             mmd.check_tensor_parallel(DEVICES, 2, "nvfp4")
 
-    @pytest.mark.parametrize("fmt,d", [("nvfp4", 2), ("mxfp4", 4), ("mxfp8_e4m3", 8)])
+    @pytest.mark.parametrize("fmt,d", [("nvfp4", 2), ("mxfp4", 4), ("mxfp8_e4m3", 8),
+                                       ("mxfp4", 3), ("nvfp4", 3)])
     def test_split_intermediate_pairs_gate_and_up_per_device(fmt, d):
         """split_intermediate puts device j's gate rows, then its up rows (each padded with
         zeros to whole 128-row tiles), in its N block of gate_up and the same features in its K
         block of down; the dequantized values are the originals', the padding 0;
-        unsplit_intermediate gives back the original arrays bit for bit."""
+        unsplit_intermediate gives back the original arrays bit for bit. Over 3 devices the
+        256 features split unevenly in whole blocks (96 / 96 / 64 of 32-element MXFP4 blocks,
+        96 / 80 / 80 of 16-element NVFP4 blocks)."""
         import jax_blockscale as jbs
         from jax_blockscale.ragged.tensor_parallel import split_intermediate, unsplit_intermediate
 
         layer = mmd.moe_layer(fmt)
         gu, dn = layer.gate_up.get_value(), layer.down.get_value()
         gt, dt = split_intermediate(gu, dn, d)
-        inter, per = mmd.INTERMEDIATE, mmd.INTERMEDIATE // d
-        ip = max(per, 128)
+        inter = mmd.INTERMEDIATE
+        widths = {("mxfp4", 3): [96, 96, 64], ("nvfp4", 3): [96, 80, 80]}.get(
+            (fmt, d), [inter // d] * d)
+        firsts = np.cumsum([0] + widths[:-1])
+        ip = 128  # the widest device's features, in whole 128-row tiles
         assert gt.shape == (mmd.EXPERTS, d * 2 * ip, mmd.HIDDEN) and gt.layout == "blocked"
         assert dt.shape == (mmd.EXPERTS, mmd.HIDDEN, d * ip) and dt.layout == "blocked"
         g, g_tp = np.asarray(jbs.dequantize(gu)), np.asarray(jbs.dequantize(gt))
         w, w_tp = np.asarray(jbs.dequantize(dn)), np.asarray(jbs.dequantize(dt))
-        for j in range(d):
+        for j, (first, per) in enumerate(zip(firsts, widths)):
             block = g_tp[:, j * 2 * ip:(j + 1) * 2 * ip]
-            np.testing.assert_array_equal(block[:, :per], g[:, j * per:(j + 1) * per])
+            np.testing.assert_array_equal(block[:, :per], g[:, first:first + per])
             np.testing.assert_array_equal(block[:, ip:ip + per],
-                                          g[:, inter + j * per:inter + (j + 1) * per])
+                                          g[:, inter + first:inter + first + per])
             assert not block[:, per:ip].any() and not block[:, ip + per:].any()
             cols = w_tp[:, :, j * ip:(j + 1) * ip]
-            np.testing.assert_array_equal(cols[:, :, :per], w[:, :, j * per:(j + 1) * per])
+            np.testing.assert_array_equal(cols[:, :, :per], w[:, :, first:first + per])
             assert not cols[:, :, per:].any()
         back = unsplit_intermediate(gt, dt, d, inter)
         for a, b in zip(back, (gu, dn)):
@@ -193,13 +200,30 @@ else:
                                           np.asarray(b.data, np.float32))
             bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))  # noqa: E731
             np.testing.assert_array_equal(bits(a.scales), bits(b.scales))
-        with pytest.raises(ValueError, match="intermediate=256 does not split over 3"):
-            split_intermediate(gu, dn, 3)
+        blocks = inter // jbs.get_format(fmt).block
+        with pytest.raises(ValueError, match=f"intermediate=256 has {blocks} blocks"):
+            split_intermediate(gu, dn, blocks + 1)
         with pytest.raises(ValueError, match="split_intermediate"):
             # the original layout over 4 devices: 64-row N blocks, not whole tiles
             from jax_blockscale.ragged.tensor_parallel import tensor_parallel_moe
             tensor_parallel_moe(jnp.zeros((4, mmd.HIDDEN)), None, gu, dn, route=None,
                                 activation=None, mesh=mmd.mesh_of(DEVICES, 4), axis="d")
+
+    def test_feature_ranges_in_whole_blocks():
+        """Each device's features are whole blocks, as even as whole blocks allow, and padded
+        to the widest in whole 128-row tiles: gpt-oss-120b's 2880 over 2 and 4 devices."""
+        from jax_blockscale.ragged.tensor_parallel import feature_ranges, padded_features
+        assert feature_ranges(2880, 2, 32) == [(0, 1440), (1440, 1440)]
+        assert padded_features(2880, 2, 32) == 1536
+        assert feature_ranges(2880, 4, 32) == [(0, 736), (736, 736), (1472, 704), (2176, 704)]
+        assert padded_features(2880, 4, 32) == 768
+        assert feature_ranges(768, 4, 16) == [(0, 192), (192, 192), (384, 192), (576, 192)]
+        assert padded_features(768, 4, 16) == 256
+        assert feature_ranges(64, 3, 16) == [(0, 32), (32, 16), (48, 16)]
+        with pytest.raises(ValueError, match="not whole 32-element blocks"):
+            feature_ranges(2880 + 16, 2, 32)
+        with pytest.raises(ValueError, match="fewer than the 4 devices"):
+            feature_ranges(96, 4, 32)
 
     def test_tensor_parallel_option_errors_name_the_argument():
         mesh = Mesh(np.asarray(DEVICES[:2]), ("d",), axis_types=(AxisType.Auto,))
