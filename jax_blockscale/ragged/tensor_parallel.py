@@ -23,9 +23,9 @@ format (down's K scales split with them), as even as whole blocks allow (`featur
 each is padded with zeros to Ip, the widest rounded up to a multiple of 128 (whole
 blocked-scale tiles, so N splits of gate_up and K splits of down over d devices are whole
 tiles): gpt-oss's 2880 features take 1536 per device over 2 devices, 736 / 736 / 704 / 704
-padded to 768 over 4. A zero
-gate and up row gives SwiGLU 0, and a zero K column of down adds nothing: the padding costs its
-bytes and MMAs (7 % at gpt-oss-120b over 2 devices, none at Qwen3-30B-A3B's 768 / 2).
+padded to 768 over 4. A zero gate and up row gives SwiGLU 0, and a zero K column of down adds
+nothing: the padding costs its bytes and MMAs (7 % at gpt-oss-120b over 2 or 4 devices, none at
+Qwen3-30B-A3B's 768 / 2).
 
 Per device (`tensor_parallel_moe`, under `shard_map`, x replicated): route all T tokens and sort
 the T x k rows as one device does; gate_up on all rows (its 2 Ip columns; planned as the
