@@ -67,6 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale import nn as jnn  # noqa: E402
 from jax_blockscale.nn.moe import route, swiglu  # noqa: E402
+from jax_blockscale.ragged.tensor_parallel import feature_ranges  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from timing import (copies, device_time_us, gpu_kernel_events, rotation_count,  # noqa: E402
                     time_us, union_length)
@@ -183,9 +184,12 @@ def tile_aligned(name, shape, fmt, n):
     h, i, e = shape["hidden"], shape["intermediate"], shape["experts"]
     block = jbs.get_format(fmt).block
     k_tile = 4 * block
-    if name == "tensor_layer":
-        return (None if i % block == 0 and i // block >= n else
-                f"intermediate {i} is not {n} or more whole {block}-element blocks")
+    if name == "tensor_layer":  # the layer's own rule for its feature ranges
+        try:
+            feature_ranges(i, n, block)
+        except ValueError as e:
+            return str(e)
+        return None
     if name in ("expert",) + LAYER_PLACEMENTS:
         return None if e % n == 0 else f"{e} experts over {n} devices"
     if (2 * i) % (128 * n):
