@@ -530,6 +530,19 @@ RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
+def ragged_prefill_narrow_widths(tile_m: int) -> tuple[int, ...]:
+    """The narrower wgmma widths (activation rows, widest first) on which a grouped
+    register-weight tile of `tile_m` rows runs an item of fewer rows, chosen per tile at run
+    time: half and a quarter of the 64- and 128-row tiles. An expert's rows seldom fill its last
+    item: with the rows spread over the experts it holds about half a tile on average
+    (Qwen3-30B-A3B at 4096 tokens in 128-row items: 318 items for 256 items' worth of rows),
+    and a full-width wgmma costs its whole width however few of its rows are real. The weights
+    are converted once per k-tile either way; only the MMAs narrow. The 32- and 256-row tiles
+    keep one width: with a loop per width ptxas runs their wgmmas one at a time (not enough
+    registers to keep a group in flight; tests/build/test_sm90_register_weights_build.py)."""
+    return (tile_m // 2, tile_m // 4) if tile_m in (64, 128) else ()
+
+
 # The grouped decode kernel makes its own work items from the raw group sizes (one kernel, no
 # XLA table) except for a shard's buffer of more rows than this (lowering/plan.py): the zero
 # rows past its groups then go to XLA's table, as items of their own.

@@ -51,7 +51,7 @@ from .export import compile_for_arch, placeholder_ptr
 from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
-    REGISTER_WEIGHT_TILES)
+    REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths)
 
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
@@ -299,6 +299,9 @@ class Sm90BlockScaledGemm:
         self.stages = max(2, min(max_stages, (smem_cap - bufs) // raw_stage))
         self.stages -= self.stages % self.k_groups  # one ring of stages per k-group
         self.tx_bytes = raw_stage
+        # grouped: narrower wgmma widths for items of fewer rows (an expert's last item), chosen
+        # per tile at run time (catalog.sm90.ragged_prefill_narrow_widths says why)
+        self.narrow = ragged_prefill_narrow_widths(self.bm) if self.grouped else ()
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -840,6 +843,7 @@ class Sm90BlockScaledGemm:
         ring = self.stages // kgs
         ring_base = kg * ring  # the k-group's ring of stages
         n_acc = bm // 2
+        widths = (bm,) + self.narrow  # the wgmma widths, widest first
         k_tiles = (k + BK - 1) // BK
         a_raw_base = st.a_raw.data_ptr().toint()
         b_raw_base = st.b_raw.data_ptr().toint()
@@ -870,6 +874,7 @@ class Sm90BlockScaledGemm:
             tile_k_tiles = own_k_tiles
             m0, m_end, c_l = tm * bm, m, tl  # the tile's first row, rows end, C's batch
             kt0 = 0  # the tile's first k-tile
+            level = cutlass.Int32(0)  # the wgmma width: widths[level]
             if cutlass.const_expr(self.splittable):
                 tl, kt0, split_k_tiles = self._split_range(tl, splits, mC, k_tiles)
                 tile_k_tiles = (split_k_tiles - kg + kgs - 1) // kgs
@@ -877,6 +882,9 @@ class Sm90BlockScaledGemm:
                 tl, m0, m_end, item_k_tiles = self._work_item(table, tn, m, k_tiles)
                 tn, c_l = tm, 0
                 tile_k_tiles = (item_k_tiles - kg + kgs - 1) // kgs
+                # the narrowest width that holds the item's rows
+                for i in cutlass.range_constexpr(len(self.narrow)):
+                    level = level + cutlass.Int32(m_end - m0 <= self.narrow[i])
             acc.fill(0.0)
             # the rows' scale words inside the stage's 128-row scale tile (a 64-row tile may
             # be its second half)
@@ -886,28 +894,34 @@ class Sm90BlockScaledGemm:
             # registers, so the registers a k-tile's MMAs still read are never the ones the next
             # k-tile is converted into. (A loop over single k-tiles rewrites one set each pass;
             # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
-            for kp in range(tile_k_tiles // 2):
-                self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kt0 + kg + kgs * (2 * kp))
-                rs.advance()
-                if kp > 0:  # the previous pair's second k-tile's MMAs are done
-                    pipe.consumer_release(self._slot(rel, ring_base))
-                    rel.advance()
-                self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kt0 + kg + kgs * (2 * kp + 1))
-                rs.advance()
-                pipe.consumer_release(self._slot(rel, ring_base))  # this pair's first k-tile
-                rel.advance()
-            if tile_k_tiles % 2 == 1:
-                self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw, s_off,
-                                             kt0 + kg + kgs * (tile_k_tiles - 1))
-                rs.advance()
-                if tile_k_tiles > 1:
-                    pipe.consumer_release(self._slot(rel, ring_base))
-                    rel.advance()
-            res = _rw_wait_all([acc[i] for i in range(n_acc)])
-            for i in cutlass.range_constexpr(n_acc):
-                acc[i] = res[i]
+            # One copy of the loop per wgmma width (grouped: an item of few rows runs on a
+            # narrower one, self.narrow), each waiting for its last MMAs before the copies join.
+            for wi in cutlass.range_constexpr(len(widths)):
+                if level == wi:
+                    an = widths[wi]
+                    for kp in range(tile_k_tiles // 2):
+                        self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
+                                                     s_off, kt0 + kg + kgs * (2 * kp), an)
+                        rs.advance()
+                        if kp > 0:  # the previous pair's second k-tile's MMAs are done
+                            pipe.consumer_release(self._slot(rel, ring_base))
+                            rel.advance()
+                        self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
+                                                     s_off, kt0 + kg + kgs * (2 * kp + 1), an)
+                        rs.advance()
+                        pipe.consumer_release(self._slot(rel, ring_base))  # the pair's first
+                        rel.advance()
+                    if tile_k_tiles % 2 == 1:
+                        self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
+                                                     s_off, kt0 + kg + kgs * (tile_k_tiles - 1),
+                                                     an)
+                        rs.advance()
+                        if tile_k_tiles > 1:
+                            pipe.consumer_release(self._slot(rel, ring_base))
+                            rel.advance()
+                    res = _rw_wait_all([acc[i] for i in range(an // 2)])
+                    for i in cutlass.range_constexpr(an // 2):
+                        acc[i] = res[i]
             if tile_k_tiles > 0:  # the last k-tile
                 pipe.consumer_release(self._slot(rel, ring_base))
                 rel.advance()
@@ -955,10 +969,11 @@ class Sm90BlockScaledGemm:
         one ring)."""
         return state if self.k_groups == 1 else _Slot(state, ring_base)
 
-    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt):
+    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt, an):
         """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
         stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the four
-        k16 MMAs' A registers and issue them (acc += W A^T). Returns once the previous k-tile's
+        k16 MMAs' A registers and issue them (acc += W A^T) over the tile's first `an` columns
+        (acc[:an // 2]). Returns once the previous k-tile's
         MMAs are done; this one's may still run. The caller advances rs (the tracer only sees
         state rebound in the loop body itself) and releases the stages."""
         pipe.consumer_wait(slot)
@@ -991,8 +1006,8 @@ class Sm90BlockScaledGemm:
             a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
                        pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
         d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
-        n_acc = self.bm // 2
-        res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, self.bm)
+        n_acc = an // 2
+        res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, an)
         for i in range(n_acc):
             acc[i] = res[i]
 

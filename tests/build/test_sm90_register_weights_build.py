@@ -11,6 +11,7 @@ them).
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
@@ -56,6 +57,11 @@ def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
         # at 32 x 8192^2 (24.9 against 30.0 us) and lost 1 us at 32 x 16384^2 (H100,
         # docs/design/sm90_fused.md)
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
+    if kernel == "ragged_prefill":
+        # the grouped tiles run an item of few rows on a narrower wgmma (a loop per width)
+        widths = (tile[0],) + cat.ragged_prefill_narrow_widths(tile[0])
+        found = {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
+        assert found == set(widths), (found, widths)
 
 
 SYNTHETIC = """

@@ -257,11 +257,13 @@ def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rh
     groups shorter than an item, of exactly one, past one and over several (600 rows: two
     256-row items and a part), an empty expert, one row, rows past the groups' sum; an even and
     an odd number of 64-element k-tiles (the 32-row items split them over two k-groups of warp
-    groups)."""
+    groups). The last items of the groups hold 1 to tile_m rows, on both sides of each
+    narrower wgmma width the 64- and 128-row tiles run such items on (a half and a quarter of
+    the tile: 16, 17, 31, 32, 33, 64, 65 rows and more)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
             JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
-    sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33]  # 1675 of 1700 rows
-    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 1700, 384, k)
+    sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33, 64, 65, 32, 160]  # 2027 rows
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 2060, 384, k)
     p = _compare(lhs, rhs, gs, out, "prefill")
     assert p.tile == (tile_m, 128), p
 
