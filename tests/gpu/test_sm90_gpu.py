@@ -452,6 +452,27 @@ def test_decode_pairs(fmt_a, fmt_b, m):
 
 
 @needs_sm90
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("fmt_a", [None, "mxfp4"])
+def test_decode_mxfp4_large_block_scales(m, fmt_a):
+    """MXFP4 weights whose block scales span 2^-1 to 2^21 (blocks scaled up by 2^5 to 2^20 in a
+    few rows and K ranges, beside ordinary ones in the same steps and CTAs): the decode kernel's
+    exact conversion at every scale, equal to the reference."""
+    n, k = 777, 1056
+    ka, kb = jax.random.split(_key())
+    x = jax.random.normal(ka, (m, k), jnp.float32)
+    w = np.array(jax.random.normal(kb, (n, k), jnp.float32)) * 0.5
+    w[3:40:7, 64:128] *= 2.0 ** 12
+    w[300:303, 1000:1056] *= 2.0 ** 5
+    w[600, :] *= 2.0 ** 20  # a whole row
+    a = x.astype(jnp.bfloat16) if fmt_a is None else jbs.quantize(x, fmt_a)
+    b = jbs.quantize(jnp.asarray(w), "mxfp4")
+    assert int(np.max(np.asarray(b.scales).view(np.uint8))) > 128
+    _assert_decode_lowering(a, b)
+    _check(a, b, "f32")
+
+
+@needs_sm90
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 3, 96), (3, 257, 544), (7, 1000, 2080),
                                    (16, 255, 4192), (9, 8191, 1024), (24, 300, 512),
                                    (32, 129, 160), (5, 4096, 8192), (40, 777, 1056),
