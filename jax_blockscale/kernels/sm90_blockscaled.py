@@ -971,11 +971,11 @@ class Sm90BlockScaledGemm:
 
     def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt, an):
         """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
-        stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the four
-        k16 MMAs' A registers and issue them (acc += W A^T) over the tile's first `an` columns
-        (acc[:an // 2]). Returns once the previous k-tile's
-        MMAs are done; this one's may still run. The caller advances rs (the tracer only sees
-        state rebound in the loop body itself) and releases the stages."""
+        stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the
+        four k16 MMAs' A registers and issue them (acc += W A^T) over the tile's first `an`
+        columns (acc[:an // 2]). Returns once the previous k-tile's MMAs are done; this one's
+        may still run. The caller advances rs (the tracer only sees state rebound in the loop
+        body itself) and releases the stages."""
         pipe.consumer_wait(slot)
         stage = slot.index
         b_blk = KINDS[self.b_kind]["block"]
