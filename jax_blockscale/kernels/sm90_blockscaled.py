@@ -229,10 +229,15 @@ class _Slot:
         self.phase = state.phase
 
 
-def _produce(pipe, slot, copies):
+def _produce(pipe, slot, copies, tx=None):
     """One k-tile's TMA copies into stage slot.index, counted by its full barrier. copies:
-    (atom, global tile, shared tensor, tiles per stage, which of them)."""
-    pipe.producer_acquire(slot)
+    (atom, global tile, shared tensor, tiles per stage, which of them). tx: the bytes the copies
+    bring where that is not the pipeline's full stage (a narrow item's activation rows)."""
+    if tx is None:
+        pipe.producer_acquire(slot)
+    else:  # producer_acquire with the stage's bytes of this k-tile
+        pipe.sync_object_empty.wait(slot.index, slot.phase)
+        pipe.sync_object_full.arrive_and_expect_tx(slot.index, tx)
     bar = pipe.producer_get_barrier(slot)
     for atom, src, dst, per_stage, j in copies:
         at = slot.index if per_stage == 1 else slot.index * per_stage + j
@@ -386,6 +391,12 @@ class Sm90BlockScaledGemm:
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, mB, cute.slice_(self.b_raw_layout, (None, None, 0)), (bn, self.b_row_bytes)
         )
+        # grouped: one activation box per narrower width, so that an item of few rows loads only
+        # those rows (placeholders, the full box, where the tile has no narrower width)
+        narrow_a = [cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mA, cute.slice_(lay, (None, None, 0)), (w, BK))
+            for w, lay in zip(self.narrow, self.a_narrow_layouts)]
+        narrow_a += [(tma_a, tA)] * (2 - len(narrow_a))
         s_stage = cute.slice_(self.s_layout, (None, None, 0))
         tma_sb, tSB = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mSB, s_stage, (4, 128))
         if cutlass.const_expr(self.a_quant):
@@ -435,7 +446,8 @@ class Sm90BlockScaledGemm:
             mItems = cute.make_tensor(work[0], cute.make_layout((work[1], 3), stride=(3, 1)))
             kern = self.kernel_grouped(
                 tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-                b_e5m2, self.tiled_mma, sched, mItems, l)
+                b_e5m2, self.tiled_mma, sched, mItems, l, narrow_a[0][0], narrow_a[0][1],
+                narrow_a[1][0], narrow_a[1][1])
         else:
             kern = self.kernel(
                 tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
@@ -459,6 +471,9 @@ class Sm90BlockScaledGemm:
             )
         else:
             self.a_raw_layout = cute.tile_to_shape(sw128, (bm, BK, self.stages), order=(0, 1, 2))
+        # a narrow item's activation box: its first rows of a stage (grouped: self.narrow)
+        self.a_narrow_layouts = [cute.tile_to_shape(sw128, (w, BK, self.stages), order=(0, 1, 2))
+                                 for w in self.narrow]
         self.b_raw_layout = cute.make_layout(
             (bn, self.b_row_bytes, self.stages),
             stride=(self.b_row_bytes, 1, bn * self.b_row_bytes),
@@ -494,8 +509,9 @@ class Sm90BlockScaledGemm:
 
     @cute.jit
     def _body(self, tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-              b_e5m2, tiled_mma, sched, table=None):
-        """The kernel (traced inline). table = (the work table, G) for the grouped kernel."""
+              b_e5m2, tiled_mma, sched, table=None, narrow_a=()):
+        """The kernel (traced inline). table = (the work table, G) for the grouped kernel;
+        narrow_a: its (TMA atom, tensor) of the activation box of each narrower width."""
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -587,39 +603,63 @@ class Sm90BlockScaledGemm:
                     if cutlass.const_expr(self.splittable):
                         tl, kt0, tile_k_tiles = self._split_range(tl, splits, mC, k_tiles)
                     a_tiles, a_l = tAg, tl
+                    level = cutlass.Int32(0)  # the activation box: full, or narrow_a[level - 1]
+                    narrow_tiles = []
                     if cutlass.const_expr(self.grouped):
                         # tile (N tile, item): B's batch is the item's expert; A's bm rows from
                         # the item's first row (rows past M arrive as zeros)
-                        tl, first, _, tile_k_tiles = self._work_item(table, tn, m, k_tiles)
+                        tl, first, end, tile_k_tiles = self._work_item(table, tn, m, k_tiles)
                         tn, tm, a_l = tm, 0, 0
                         g_item = cute.local_tile(cute.domain_offset((first, 0, 0), tA),
                                                  (bm, a_tile_k), (None, None, None))
                         _, a_tiles = cute.nvgpu.cpasync.tma_partition(
                             tma_a, 0, one, cute.group_modes(sA_raw, 0, 2),
                             cute.group_modes(g_item, 0, 2))
+                        # an item of few rows: only its rows' box (the consumers' wgmma width)
+                        for i in cutlass.range_constexpr(len(self.narrow)):
+                            level = level + cutlass.Int32(end - first <= self.narrow[i])
+                            w = self.narrow[i]
+                            atom_w, t_w = narrow_a[i]
+                            g_w = cute.local_tile(cute.domain_offset((first, 0, 0), t_w),
+                                                  (w, a_tile_k), (None, None, None))
+                            s_w = cute.local_tile(sA_raw, (w, a_tile_k), (0, 0, None))
+                            dst_w, src_w = cute.nvgpu.cpasync.tma_partition(
+                                atom_w, 0, one, cute.group_modes(s_w, 0, 2),
+                                cute.group_modes(g_w, 0, 2))
+                            narrow_tiles.append((atom_w, src_w, dst_w,
+                                                 self.tx_bytes - (bm - w) * a_tile_k * 2))
                     for kr in range(tile_k_tiles):
                         kt = kt0 + kr
                         # the 128x4 scale tile(s) of B holding this k-tile's blocks (one per
                         # 128 rows of the tile) and, for a quantized A, A's
                         row_b = (tl * scale_tiles_n + (tn * bn) // 128) * sk4_b + (
                             kt * BK // b_blk) // 4
-                        copies = [(tma_a, a_tiles[(None, tm, kt, a_l)], tAs, 1, 0),
-                                  (tma_b, tBg[(None, tn, kt, tl)], tBs, 1, 0)]
+                        copies = [(tma_b, tBg[(None, tn, kt, tl)], tBs, 1, 0)]
                         for j in cutlass.range_constexpr(self.nsb):
                             copies.append((tma_sb, tSBg[(None, row_b + j * sk4_b)], tSBs,
                                            self.nsb, j))
                         if cutlass.const_expr(self.a_quant):
                             row_a = (tl * tiles_m + tm) * sk4_a + (kt * BK // a_blk) // 4
                             copies.append((tma_sa, tSAg[(None, row_a)], tSAs, 1, 0))
+                        full_a = [(tma_a, a_tiles[(None, tm, kt, a_l)], tAs, 1, 0)]
                         if cutlass.const_expr(self.k_groups == 1):
-                            _produce(pipe, ps, copies)
+                            if cutlass.const_expr(len(narrow_tiles) == 0):
+                                _produce(pipe, ps, full_a + copies)
+                            else:
+                                if level == 0:
+                                    _produce(pipe, ps, full_a + copies)
+                                for i in cutlass.range_constexpr(len(narrow_tiles)):
+                                    atom_w, src_w, dst_w, tx_w = narrow_tiles[i]
+                                    if level == i + 1:
+                                        _produce(pipe, ps, [(atom_w, src_w[(None, 0, kt, 0)],
+                                                             dst_w, 1, 0)] + copies, tx_w)
                             ps.advance()
                         else:  # register-weight mode, the tile's k-tile kr to k-group kr % 2
                             if kr % 2 == 0:
-                                _produce(pipe, _Slot(ps, 0), copies)
+                                _produce(pipe, _Slot(ps, 0), full_a + copies)
                                 ps.advance()
                             else:
-                                _produce(pipe, _Slot(ps1, ring), copies)
+                                _produce(pipe, _Slot(ps1, ring), full_a + copies)
                                 ps1.advance()
                     sch.advance_to_next_work()
                     work = sch.get_current_work()
@@ -1078,9 +1118,14 @@ class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
         sched: utils.PersistentTileSchedulerParams,
         mItems: cute.Tensor,
         groups: cutlass.Int32,
+        tma_a1: cute.CopyAtom,
+        tA1: cute.Tensor,
+        tma_a2: cute.CopyAtom,
+        tA2: cute.Tensor,
     ):
         self._body(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-                   b_e5m2, tiled_mma, sched, table=(mItems, groups))
+                   b_e5m2, tiled_mma, sched, table=(mItems, groups),
+                   narrow_a=((tma_a1, tA1), (tma_a2, tA2)))
 
 
 def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),
