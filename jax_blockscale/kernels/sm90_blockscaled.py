@@ -307,6 +307,7 @@ class Sm90BlockScaledGemm:
         # grouped: narrower wgmma widths for items of fewer rows (an expert's last item), chosen
         # per tile at run time (catalog.sm90.ragged_prefill_narrow_widths says why)
         self.narrow = ragged_prefill_narrow_widths(self.bm) if self.grouped else ()
+        assert len(self.narrow) <= 2, "kernel_grouped takes two narrow activation boxes"
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
