@@ -538,9 +538,9 @@ def ragged_prefill_narrow_widths(tile_m: int) -> tuple[int, ...]:
     (Qwen3-30B-A3B at 4096 tokens in 128-row items: 318 items for 256 items' worth of rows),
     and a full-width wgmma costs its whole width however few of its rows are real. The weights
     are converted once per k-tile either way; the MMAs narrow, and the producer loads only that
-    width's activation rows. The 32- and 256-row tiles
-    keep one width: with a loop per width ptxas runs their wgmmas one at a time (not enough
-    registers to keep a group in flight; tests/build/test_sm90_register_weights_build.py)."""
+    width's activation rows. The 32- and 256-row tiles keep one width: with a loop per width
+    ptxas runs their wgmmas one at a time (not enough registers to keep a group in flight;
+    tests/build/test_sm90_register_weights_build.py)."""
     return (tile_m // 2, tile_m // 4) if tile_m in (64, 128) else ()
 
 

@@ -617,8 +617,8 @@ class Sm90BlockScaledGemm:
                             tma_a, 0, one, cute.group_modes(sA_raw, 0, 2),
                             cute.group_modes(g_item, 0, 2))
                         # an item of few rows: only its rows' box (the consumers' wgmma width)
+                        level = self._width_level(end - first)
                         for i in cutlass.range_constexpr(len(self.narrow)):
-                            level = level + cutlass.Int32(end - first <= self.narrow[i])
                             w = self.narrow[i]
                             atom_w, t_w = narrow_a[i]
                             g_w = cute.local_tile(cute.domain_offset((first, 0, 0), t_w),
@@ -840,6 +840,15 @@ class Sm90BlockScaledGemm:
         count = cutlass.max(cutlass.min(k_tiles - kt0, per), 0)
         return tl % l_ab, kt0, count
 
+    def _width_level(self, rows):
+        """The narrowest wgmma width that holds an item of `rows` rows: 0 for the whole tile, i
+        for self.narrow[i - 1] (plain Python, traced inline; the producer's activation box and
+        the consumers' wgmmas take it alike)."""
+        level = cutlass.Int32(0)
+        for w in self.narrow:
+            level = level + cutlass.Int32(rows <= w)
+        return level
+
     def _work_item(self, table, item, m, k_tiles):
         """(expert, first row, end row, k-tiles) of entry `item` of the grouped kernel's work
         table (plain Python, traced inline; the producer and the consumers read it alike).
@@ -923,9 +932,7 @@ class Sm90BlockScaledGemm:
                 tl, m0, m_end, item_k_tiles = self._work_item(table, tn, m, k_tiles)
                 tn, c_l = tm, 0
                 tile_k_tiles = (item_k_tiles - kg + kgs - 1) // kgs
-                # the narrowest width that holds the item's rows
-                for i in cutlass.range_constexpr(len(self.narrow)):
-                    level = level + cutlass.Int32(m_end - m0 <= self.narrow[i])
+                level = self._width_level(m_end - m0)
             acc.fill(0.0)
             # the rows' scale words inside the stage's 128-row scale tile (a 64-row tile may
             # be its second half)
@@ -1066,7 +1073,8 @@ class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
     bm activation rows from the item's first row with TMA (rows of the next expert compute
     values that are not stored; rows past M arrive as zeros), or, for an item of at most a
     narrower width's rows, that width's rows and wgmma (ragged_prefill_narrow_widths), streams
-    its expert's weight tile and scales, and stores the item's rows only. Expert -1 items write zeros. Everything else
+    its expert's weight tile and scales, and stores the item's rows only. Expert -1 items write
+    zeros. Everything else
     (ring, conversion, MMAs, and the 32-row tile's two k-groups, each taking its share of the
     item's k-tiles) is the dense register-weight kernel's."""
 
