@@ -535,8 +535,8 @@ def ragged_prefill_narrow_widths(tile_m: int) -> tuple[int, ...]:
     register-weight tile of `tile_m` rows runs an item of fewer rows, chosen per tile at run
     time: half and a quarter of the 64- and 128-row tiles. An expert's rows seldom fill its last
     item: with the rows spread over the experts it holds about half a tile on average
-    (Qwen3-30B-A3B at 4096 tokens in 128-row items: 318 items for 256 items' worth of rows),
-    and a full-width wgmma costs its whole width however few of its rows are real. The weights
+    (docs/design/sm90_ragged_prefill.md counts them), and a full-width wgmma costs its whole
+    width however few of its rows are real. The weights
     are converted once per k-tile either way; the MMAs narrow, and the producer loads only that
     width's activation rows. The 32- and 256-row tiles keep one width: with a loop per width
     ptxas runs their wgmmas one at a time (not enough registers to keep a group in flight;
