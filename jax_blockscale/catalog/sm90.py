@@ -294,6 +294,19 @@ WIDE_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
 NARROW_16_ROW_KINDS = frozenset({"mxfp8"})
 
 
+# MXFP4 weights: the decode kernel folds the bit trick's 2^126 into the block scales of a CTA
+# whose scales are all at most 2 (every real checkpoint's), one bf16x2 multiply per pair instead of
+# two, and keeps the unfolded loop for any other CTA (Sm90DecodeGemm.mx_fold). Not at nt = 8:
+# there the second loop spills registers (docs/design/sm90_decode.md).
+MX_FOLD_NTS = (1, 2, 4)
+
+
+def decode_mx_fold(b_kind: str, nt: int) -> bool:
+    """Whether the decode variant of weight kind `b_kind` and `nt` n8 tiles carries the MXFP4
+    fold's second loop."""
+    return b_kind == "mxfp4" and nt in MX_FOLD_NTS
+
+
 def tuning_for(nt: int, b_kind: str, grouped: bool = False) -> Tuning:
     """The tuning the library builds a decode variant with n8-tile count `nt` and weight kind
     `b_kind` with, for the dense decode kernel or (`grouped`) the grouped one."""

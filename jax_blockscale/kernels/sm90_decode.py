@@ -84,15 +84,19 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DECODE_B_KINDS as B_KINDS, DECODE_PAIRS as PAIRS, DECODE_STEP_BYTES as STEP_BYTES,
     DECODE_THREADS as THREADS, DECODE_VARIANTS as VARIANTS, DECODE_WARPS as WARPS,
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
-    steps_elems)
+    decode_mx_fold, steps_elems)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
 from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
 from jax_blockscale.kernels.sm90_ptx import (
     FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, cp_async, cp_async_commit,
     cp_async_wait, dequant_group, dequant_mma, ldg4_f32, ldg_bytes, ldg_f32, ldg_stream_v4, ldg_v4,
-    lds_v2, lds_v4, mbar_arrive_expect_tx, mbar_init, mbar_init_fence, mbar_wait, permute_fp4_order,
-    scale_bf16x2, scale_pair_bf16x2, scale_pair_sel, stg4_out, stg_f32, sts_v4)
+    bytes_above_mx_fold, lds_v2, lds_v4, mbar_arrive_expect_tx, mbar_init, mbar_init_fence,
+    mbar_wait, permute_fp4_order, scale_bf16x2, scale_pair_bf16x2, scale_pair_sel, stg4_out,
+    stg_f32, sts_v4, sync_threads_or)
+
+# mx_fold's check of a CTA's block scales: 16-byte loads each thread keeps in flight at a time
+MX_FOLD_LOADS = 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,6 +126,13 @@ class Sm90DecodeGemm:
         self.q = self.e // 8  # 8-element groups per thread per step
         self.c_dtype = OUT_DTYPES[v.out]
         self.fold = tuning.fold_scale and v.b_kind == "nvfp4"
+        # MXFP4 weights: a sub-chunk whose block scales are all at most 2 (e8m0 codes up to
+        # MX_FOLD_MAX_CODE: real weights' scales) folds the bit trick's 2^126 into them, one
+        # multiply per pair instead of two; the CTA barrier that follows the sub-chunk's arrival
+        # also ORs every thread's check of the stage's scales, and a sub-chunk holding a larger
+        # (or NaN) code converts unfolded. Exact either way: the products are the values.
+        self.mx_fold = (tuning.fold_scale and decode_mx_fold(v.b_kind, v.nt)
+                        and tuning.pipeline == "tma" and not tuning.probe)
         # chained (DecodeVariant.chained): launched with programmatic dependent launch behind the
         # activation's producer; waits for it after the first weight copies are issued
         self.chained = v.chained
@@ -467,11 +478,11 @@ class Sm90DecodeGemm:
                         warp, g, t)
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                                a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8,
-                               b_fp8, rows=rows, tiles=(n_tiles, epilogue))
+                               b_fp8, rows=rows, tiles=(n_tiles, epilogue), sb_addr=sb_addr)
         elif cutlass.const_expr(self.tuning.pipeline == "tma"):
             self._mainloop_tma(acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                                a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8,
-                               b_fp8, rows=rows)
+                               b_fp8, rows=rows, sb_addr=sb_addr)
         elif cutlass.const_expr(self.tuning.pipeline == "regs"):
             self._mainloop_regs(acc, act_base, row_addr, sent_addr, a_addr, a_scales, li, m, m0,
                                 k, k_begin, k_end, n_sub, tid, lane, t, a_fp8, b_fp8)
@@ -638,7 +649,7 @@ class Sm90DecodeGemm:
     @cute.jit
     def _mainloop_tma(self, acc, act_base, smem, tma, nb128, bx, li, m, m0, k, a_addr,
                       a_scales, k_begin, k_end, n_sub, tid, lane, warp, g, t, a_fp8, b_fp8,
-                      rows=None, tiles=None):
+                      rows=None, tiles=None, sb_addr=None):
         """Tuning "tma": warp 0 loads each sub-chunk's weights (TMA boxes of the CTA's rows x
         box_steps 64-byte steps) and scale tiles into a ring `stages` deep, completing on the
         stage's mbarrier: a few instructions per sub-chunk instead of five 16-byte copies per
@@ -649,7 +660,8 @@ class Sm90DecodeGemm:
         tiles = (n_tiles, epilogue arguments) when the CTA runs tiles bx .. bx + n_tiles - 1 of
         N (grouped): one stream of n_tiles x n_sub sub-chunks, the activation's sub-chunks
         read again for each tile, and each tile's outputs written (_grouped_epilogue) as its
-        last sub-chunk is done."""
+        last sub-chunk is done. sb_addr: the weights' block scales in global memory (mx_fold's
+        check)."""
         tma_w, tW, tma_s, tS = tma
         li_a, m_end = rows if rows is not None else (li, None)
         total = n_sub  # sub-chunks streamed
@@ -708,10 +720,29 @@ class Sm90DecodeGemm:
         run = (views, ring_w.toint(), ring_s.toint(), bars, act_raw, act_base, acc, a_addr,
                a_scales, li_a, m, m0, k, k_begin, k_end, m_end, bx, li, nb128, n_sub, total,
                tid, lane, warp, g, t, a_fp8, b_fp8)
+        if cutlass.const_expr(self.mx_fold):
+            # the whole stream on one of two loops, the same for every thread of the CTA (one
+            # check of its block scales, their loads in flight beside the ring's first copies;
+            # a branch per sub-chunk instead made ptxas merge both paths into one predicated
+            # block, every MMA issued twice)
+            past = self._scales_past_fold(sb_addr, bx, tiles[0] if tiles is not None else 1, li,
+                                          nb128, k, k_begin, k_end, n_sub, tid)
+            if sync_threads_or(past) == 0:
+                self._tma_stream(run, tiles, k_begin, chunk, True)
+            else:
+                self._tma_stream(run, tiles, k_begin, chunk, False)
+        else:
+            self._tma_stream(run, tiles, k_begin, chunk, self.fold)
+
+    @cute.jit
+    def _tma_stream(self, run, tiles, k_begin, chunk, fold):
+        """_mainloop_tma's sub-chunks, converted with `fold` (_step_compute): one tile's, or
+        (tiles) each tile's followed by its outputs."""
+        acc, n_sub, total, bx = run[6], run[19], run[20], run[16]
         if cutlass.const_expr(tiles is None):
-            self._tma_sub_chunks(run, total, k_begin, chunk)
+            self._tma_sub_chunks(run, total, k_begin, chunk, fold)
         elif tiles[0] == 1:  # one tile: the dense kernel's loop, then the tile's outputs
-            self._tma_sub_chunks(run, total, k_begin, chunk)
+            self._tma_sub_chunks(run, total, k_begin, chunk, fold)
             self._grouped_epilogue(acc, bx, *tiles[1])
         else:
             # tile by tile: each tile's outputs are written between its last sub-chunk and the
@@ -720,24 +751,24 @@ class Sm90DecodeGemm:
                 for sub in range(n_sub):
                     nxt = self._next_sub_chunk((sub, tile), n_sub)
                     self._tma_sub_chunk(run, tile * n_sub + sub, k_begin + sub * chunk,
-                                        k_begin + nxt[0] * chunk, nxt)
+                                        k_begin + nxt[0] * chunk, nxt, fold)
                 self._grouped_epilogue(acc, bx + tile, *tiles[1])
                 acc.fill(0.0)
 
     @cute.jit
-    def _tma_sub_chunks(self, run, total, k_begin, chunk):
+    def _tma_sub_chunks(self, run, total, k_begin, chunk, fold):
         """Sub-chunks 0 .. total - 1 of one tile of N, one after the other (_tma_sub_chunk)."""
         for it in range(total):
             kc = k_begin + it * chunk
-            self._tma_sub_chunk(run, it, kc, kc + chunk)
+            self._tma_sub_chunk(run, it, kc, kc + chunk, fold=fold)
 
     @cute.jit
-    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None):
+    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None, fold=None):
         """Sub-chunk `it` of the TMA main loop (_mainloop_tma's state in `run`): stage its
         activation (loaded one sub-chunk ago) and load the next one's (K offset kn), wait for its
         weights, refill the slot the sub-chunk before it used with sub-chunk it + S - 1, and
         compute. nxt = the position (sub-chunk in its tile, tile) of sub-chunk it + 1 when the
-        CTA runs several tiles of N."""
+        CTA runs several tiles of N. fold: _step_compute's (default self.fold)."""
         (views, ring_w, ring_s, bars, act_raw, act_base, acc, a_addr, a_scales, li_a, m, m0, k,
          k_begin, k_end, m_end, bx, li, nb128, n_sub, total, tid, lane, warp, g, t, a_fp8,
          b_fp8) = run
@@ -758,12 +789,41 @@ class Sm90DecodeGemm:
                 for _ in cutlass.range_constexpr(S - 2 if nxt is not None else 0):
                     ahead = self._next_sub_chunk(ahead, n_sub)
                 self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane, ahead)
+        self._sub_chunk_compute(ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold)
+
+    @cute.jit
+    def _sub_chunk_compute(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold):
+        """The steps of the sub-chunk in ring stage `stage` (fold: the scales carry the bit
+        trick's offset, _step_compute)."""
         for c in cutlass.range_constexpr(self.sub):
             w, sw = self._tma_words(ring_w, ring_s, stage, c, warp, g, t)
             if cutlass.const_expr(self.tuning.probe != "nocompute"):
-                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8)
+                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8, fold=fold)
             else:  # keep the shared-memory reads: fold them into one accumulator
                 acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
+
+    @cute.jit
+    def _scales_past_fold(self, sb_addr, bx, n_tiles, li, nb128, k, k_begin, k_end, n_sub, tid):
+        """Nonzero iff a block scale the CTA streams is above MX_FOLD_MAX_CODE: the scale tiles
+        of its tiles' 128-row groups over its K range (each group's a contiguous run of 16-byte
+        entries, a thread's share of them), MX_FOLD_LOADS loads in flight per thread at a time."""
+        sk4_b = (k // self.b_block + 3) // 4
+        kt0 = k_begin // (4 * self.b_block)
+        kt1 = (k_end + 4 * self.b_block - 1) // (4 * self.b_block)
+        per_group = (kt1 - kt0) * 32  # 16-byte entries of a group's K range
+        total = per_group * (n_tiles * self.groups) * cutlass.Int32(n_sub > 0)
+        past = cutlass.Int32(0)
+        for j0 in range(tid, total, MX_FOLD_LOADS * THREADS):
+            words = []
+            for u in cutlass.range_constexpr(MX_FOLD_LOADS):
+                j = j0 + u * THREADS
+                grp = j // per_group
+                n128 = cutlass.min(bx * self.groups + grp, nb128 - 1)
+                addr = sb_addr + (cutlass.Int64(li * nb128 + n128) * sk4_b + kt0) * 512 + (
+                    j - grp * per_group) * 16
+                words += ldg_v4(addr, cutlass.Int32(j < total))
+            past = past | bytes_above_mx_fold(words)
+        return past
 
     @staticmethod
     def _caller_adds_partials(a_e5m2):
@@ -962,14 +1022,18 @@ class Sm90DecodeGemm:
             sts_v4(buf + j * 16, permute_fp4_order(lds_v4(buf + j * 16)))
 
     @cute.jit
-    def _step_compute(self, w, sw, t, buf, c, lane, acc, b_fp8, win=None):
+    def _step_compute(self, w, sw, t, buf, c, lane, acc, b_fp8, win=None, fold=None):
         """Step c of a sub-chunk for the thread's rows: w[j] = 4 weight words of row j, sw[j] = the
-        scale word of row j (4 scale columns); t = the thread's quarter of the step.
+        scale word of row j (4 scale columns); t = the thread's quarter of the step. fold: the
+        scales carry the bit trick's offset (default self.fold, NVFP4's; MXFP4's where the
+        sub-chunk's scales allow it, _tma_sub_chunk).
         Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
         per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
         sub-chunk's first item)."""
         v = self.v
         nt, Q = v.nt, self.q
+        if cutlass.const_expr(fold is None):
+            fold = self.fold
         col = self._scale_block(c, t) & 3  # the thread's first scale column (byte) in the word
         nblk = 2 if v.b_kind == "nvfp4" else 1  # blocks per thread per step (32 elems / 16)
         # bf16x2 scale per row and block, converted once and used by every group: two at a time
@@ -978,11 +1042,11 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(nblk == 2):
             for j in cutlass.range_constexpr(self.R):
                 sc[j] = scale_pair_bf16x2(v.b_kind, sw[j], 0, scale_pair_sel(col, col + 1),
-                                          self.fold)
+                                          fold)
         else:
             for jp in cutlass.range_constexpr(self.R // 2):
                 sc[2 * jp][0], sc[2 * jp + 1][0] = scale_pair_bf16x2(
-                    v.b_kind, sw[2 * jp], sw[2 * jp + 1], scale_pair_sel(col, 4 + col), self.fold)
+                    v.b_kind, sw[2 * jp], sw[2 * jp + 1], scale_pair_sel(col, 4 + col), fold)
         wpg = 1 if self.b_bits == 4 else 2  # weight words per 8-element group
         for q in cutlass.range_constexpr(Q):
             act = []
@@ -998,7 +1062,7 @@ class Sm90DecodeGemm:
                 wh = [w[2 * rt + 1][q * wpg + x] for x in range(wpg)]
                 a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
                 res = dequant_mma(v.b_kind, nt, wg, wh, sc[2 * rt][blk], sc[2 * rt + 1][blk], act,
-                                  a_in, b_fp8, self.fold)
+                                  a_in, b_fp8, fold)
                 for x in cutlass.range_constexpr(4 * nt):
                     acc[(rt * nt) * 4 + x] = res[x]
 

@@ -105,6 +105,39 @@ def lds_v2(addr, *, loc=None, ip=None):
                 ip)
 
 
+def bytes_above_ptx(n_words: int) -> str:
+    """PTX of bytes_above_mx_fold: $1..$n = words -> $0 nonzero iff a byte is above 0x80."""
+    code = ["{", ".reg .b32 t, acc;", "mov.b32 acc, 0;"]
+    for i in range(1, n_words + 1):
+        code += [f"and.b32 t, ${i}, 0x7F7F7F7F;",
+                 "add.u32 t, t, 0x7F7F7F7F;",  # bit 7 of a byte: its low 7 bits are not all 0
+                 f"lop3.b32 t, t, ${i}, 0x80808080, 0x80;",  # ... and its own bit 7 is set
+                 "or.b32 acc, acc, t;"]
+    return "\n".join(code + ["mov.b32 $0, acc;", "}"])
+
+
+@dsl_user_op
+def bytes_above_mx_fold(words, *, loc=None, ip=None):
+    """Nonzero iff a byte of `words` (block-scale codes) is above MX_FOLD_MAX_CODE (0x80)."""
+    return _asm(1, "r", [cutlass.Int32(w) for w in words], bytes_above_ptx(len(words)),
+                ["r"] * len(words), loc, ip, side_effects=False)[0]
+
+
+# the answer leaves as a warp ballot: ptxas then knows it is the same in every lane (a uniform
+# register), so a branch on it needs no divergence handling around the MMAs it selects
+SYNC_THREADS_OR_PTX = ("{\n.reg .pred p, q;\nsetp.ne.b32 p, $1, 0;\n"
+                       "barrier.cta.red.or.pred q, 0, p;\n"
+                       "vote.sync.ballot.b32 $0, q, 0xffffffff;\n}")
+
+
+@dsl_user_op
+def sync_threads_or(flag, *, loc=None, ip=None):
+    """The CTA barrier (barrier 0, as sync_threads, with its memory ordering) that also ORs
+    `flag` over the CTA's threads: every thread gets the same nonzero value where any thread's
+    flag is nonzero, else 0."""
+    return _asm(1, "r", [cutlass.Int32(flag)], SYNC_THREADS_OR_PTX, ["r"], loc, ip)[0]
+
+
 @dsl_user_op
 def sts_v4(addr, v, *, loc=None, ip=None):
     _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in v],
@@ -297,6 +330,22 @@ set.eq.u32.bf16x2 n, t, k;       // e8m0 0xFF (NaN) landed on inf
 or.b32 t, t, n;""" + _PAIR_SPLIT
 
 
+# MXFP4 weights with the fold (the decode kernel's sub-chunks whose block scales are all at most
+# MX_FOLD_MAX_CODE, Sm90DecodeGemm.mx_fold): the scale carries the bit trick's 2^126 too, as
+# 2^126 * 2^(code - 127) = 2^(code - 1), the bf16 of exponent field code + 126. That is a finite
+# bf16 only up to code 128 (scale 2), so the kernel takes this form only for sub-chunks it has
+# checked; a NaN code (0xFF) is above it and never reaches this form. One multiply per pair then
+# applies scale and offset, as the NVFP4 fold does, and the products are the exact values.
+MX_FOLD_MAX_CODE = 0x80
+_SCALE_PAIR_E8M0_FOLDED = """{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, $3, $4;
+and.b32 t, t, 0x00FF00FF;
+shl.b32 t, t, 7;
+add.u32 t, t, 0x3F003F00;        // exponent field code + 126: 2^(code - 1)""" + _PAIR_SPLIT
+
+
 def scale_pair_sel(byte_a: int, byte_b: int) -> int:
     """prmt selector of scale_pair_bf16x2: byte `byte_a` (0-3 of word A, 4-7 of word B) to the
     low half, `byte_b` to the high half."""
@@ -305,18 +354,18 @@ def scale_pair_sel(byte_a: int, byte_b: int) -> int:
 
 def scale_pair_ptx(kind: str, fold: bool = False) -> str:
     """PTX of scale_pair_bf16x2: $2, $3 = scale words, $4 = scale_pair_sel -> $0, $1 = bf16x2
-    scales (both halves equal)."""
+    scales (both halves equal). fold: an e4m3 scale times 2^119; an e8m0 one times 2^126 (codes
+    up to MX_FOLD_MAX_CODE only: the caller has checked them)."""
     if KINDS[kind]["scale"] == "e4m3":
         return _SCALE_PAIR_E4M3_FOLDED if fold else _SCALE_PAIR_E4M3
-    assert not fold, "only e4m3 scales are folded"
-    return _SCALE_PAIR_E8M0
+    return _SCALE_PAIR_E8M0_FOLDED if fold else _SCALE_PAIR_E8M0
 
 
 @dsl_user_op
 def scale_pair_bf16x2(kind, word_a, word_b, sel, fold=False, *, loc=None, ip=None):
     """Two block-scale bytes (picked by `sel` = scale_pair_sel(...) from words A and B) -> two
-    bf16x2, each with its scale in both halves (times 2^119 when `fold`), as scale_bf16x2 gives
-    for each alone."""
+    bf16x2, each with its scale in both halves (when `fold`, times 2^119 for e4m3 and 2^126 for
+    e8m0: scale_pair_ptx), as scale_bf16x2 gives for each alone."""
     return _asm(2, "r", [cutlass.Int32(word_a), cutlass.Int32(word_b), cutlass.Int32(sel)],
                 scale_pair_ptx(kind, fold), ["r", "r", "r"], loc, ip, side_effects=False)
 

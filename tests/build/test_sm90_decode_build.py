@@ -68,6 +68,7 @@ def scale_word_reg(kind, words, col, fold=False):
 
 
 FOLD = 2.0 ** 119  # what a folded NVFP4 scale register carries beside the scale
+MX_FOLD = 2.0 ** 126  # what a folded e8m0 scale carries (codes up to MX_FOLD_MAX_CODE only)
 
 
 @needs_dsl
@@ -109,14 +110,19 @@ def scale_pair_regs(kind, word_a, word_b, byte_a, byte_b, fold=False):
 
 
 @needs_dsl
-@pytest.mark.parametrize("kind,fold", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize("kind,fold", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False),
+                                       ("mxfp4", True)])
 def test_scale_pair_every_code_matches_one_at_a_time(kind, fold):
     """Two scale bytes converted together (an NVFP4 thread's two blocks of one word; an MX
     thread's block of two rows, one byte of each of two words) equal each converted alone, on
     every code in both halves and every column, with random bytes around them: a NaN code (e4m3
-    0x7F and 0xFF, e8m0 0xFF) reads as NaN, e8m0 0 as 2^-127, folded scales carry 2^119."""
+    0x7F and 0xFF, e8m0 0xFF) reads as NaN, e8m0 0 as 2^-127, folded scales carry 2^119 (e4m3)
+    or 2^126 (e8m0, whose folded form takes the codes up to MX_FOLD_MAX_CODE: scales to 2)."""
     rng = np.random.default_rng(5)
     codes = np.append(np.arange(128), 0xFF) if kind == "nvfp4" else np.arange(256)
+    if kind == "mxfp4" and fold:
+        codes = np.arange(sm90_ptx.MX_FOLD_MAX_CODE + 1)
+    fold_factor = (FOLD if kind == "nvfp4" else MX_FOLD) if fold else 1.0
     for col in range(4):
         for start in range(0, len(codes), 32):
             lo_b = codes[np.arange(start, start + 32) % len(codes)].astype(np.uint32)
@@ -134,9 +140,31 @@ def test_scale_pair_every_code_matches_one_at_a_time(kind, fold):
                 regs = scale_pair_regs(kind, a, b, col, 4 + col, fold)
             for reg, byte in zip(regs, (lo_b, hi_b)):
                 want = np.array([scale_value(kind, x & (0x7F if kind == "nvfp4" else 0xFF))
-                                 for x in byte]) * (FOLD if fold else 1.0)
+                                 for x in byte]) * fold_factor
                 for half in halves(reg):
                     np.testing.assert_array_equal(half, want)
+
+
+@needs_dsl
+@pytest.mark.parametrize("n_words", [1, 2, 4])
+def test_bytes_above_mx_fold_every_byte(n_words):
+    """The MXFP4 fold's check of a thread's scale words: nonzero exactly where a byte is above
+    MX_FOLD_MAX_CODE, for every byte value in every byte of every word, the other bytes random
+    codes at or below it (the common case: a single large code among folding ones)."""
+    rng = np.random.default_rng(7)
+    limit = sm90_ptx.MX_FOLD_MAX_CODE
+    ptx = sm90_ptx.bytes_above_ptx(n_words)
+    for word in range(n_words):
+        for byte in range(4):
+            for start in range(0, 256, 32):
+                vals = np.arange(start, start + 32, dtype=np.uint32)
+                words = [rng.integers(0, limit + 1, (32, 4)).astype(np.uint32) for _ in
+                         range(n_words)]
+                words = [w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
+                         for w in words]
+                words[word] = (words[word] & ~np.uint32(0xFF << (8 * byte))) | (vals << (8 * byte))
+                out = emu.run(ptx, {f"${i + 1}": words[i] for i in range(n_words)})["$0"]
+                np.testing.assert_array_equal(out != 0, vals > limit)
 
 
 @needs_dsl
@@ -178,13 +206,13 @@ def test_fp8_pairs_every_byte(elem):
 
 
 # ---- one step of a row tile, end to end (staging order + conversion + mma fragments) -----------
-def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
+def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None, mx_fold=False):
     """One k-step of one 16-row tile: weights W (16 x se), activations X (8nt x se), as the kernel
     lays them out (thread 4g+t: bytes [16t, 16t+16) of rows g and g+8; activations staged in
     fragment order). Returns (kernel result (16, 8nt) with alpha's fold factor applied, float64
-    reference)."""
+    reference). mx_fold: MXFP4 weights on the folded path (scales up to 2, as the kernel checks)."""
     tuning = tuning or cat.DEFAULT_TUNING
-    fold = tuning.fold_scale and b_kind == "nvfp4"
+    fold = (tuning.fold_scale and b_kind == "nvfp4") or mx_fold
     rng = np.random.default_rng(seed)
     bits, block = dec.KINDS[b_kind]["bits"], dec.KINDS[b_kind]["block"]
     se = dec.steps_elems(b_kind)
@@ -200,6 +228,8 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     nblk = se // block
     sbytes = (rng.integers(0, 120, (16, nblk)) if b_kind == "nvfp4"
               else 127 + rng.integers(-5, 6, (16, nblk))).astype(np.uint32)
+    if mx_fold:  # the folded path's whole range, 2^-127 to 2: the MMA sees the exact values
+        sbytes = rng.integers(0, sm90_ptx.MX_FOLD_MAX_CODE + 1, (16, nblk)).astype(np.uint32)
     svals = np.vectorize(lambda b: scale_value(b_kind, b))(sbytes)
     W = W * np.repeat(svals, block, axis=1)
     # activations (bf16) and their staged fragment-order words, as _stage_activations writes them
@@ -261,7 +291,7 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
     for i in range(nt):
         for x, (roff, coff) in enumerate([(0, 0), (0, 1), (8, 0), (8, 1)]):
             D[g + roff, i * 8 + 2 * t + coff] = acc[f"${4 * i + x}"]
-    return D * ((1.0 / dq.FOLD_FACTOR) if fold else 1.0), W @ X.T
+    return D * ((1.0 / dq.FOLD_FACTOR) if fold and b_kind == "nvfp4" else 1.0), W @ X.T
 
 
 @needs_dsl
@@ -272,6 +302,15 @@ def _emulate_step(b_kind, elem, nt, a_fmt=None, seed=0, tuning=None):
                          ids=["default", "nofold"])
 def test_warp_step_matches_reference(b_kind, elem, nt, tuning):
     D, ref = _emulate_step(b_kind, elem, nt, tuning=tuning)
+    np.testing.assert_allclose(D, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+@needs_dsl
+@pytest.mark.parametrize("nt", [1, 2, 4])
+def test_warp_step_mx_fold_matches_reference(nt):
+    """MXFP4 weights on the folded path (one multiply per pair by 2^(code - 1)), scale codes
+    0..MX_FOLD_MAX_CODE: the same exact products as the unfolded path."""
+    D, ref = _emulate_step("mxfp4", "e2m1", nt, mx_fold=True, seed=nt)
     np.testing.assert_allclose(D, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
 
 
@@ -447,6 +486,31 @@ def test_export_act_window_tuning(variant, tmp_path):
     assert "HMMA.16816.F32.BF16" in main and "BAR.SYNC" in main
     assert "LDGSTS.E.BYPASS.LTC256B.128" in main
     assert "LDL" not in main and "STL" not in main
+
+
+@needs_dsl
+@pytest.mark.parametrize("variant", [
+    cat.DecodeVariant("bf16", "mxfp4", "bf16", 1), cat.DecodeVariant("bf16", "mxfp4", "bf16", 8),
+    cat.DecodeVariant("bf16", "mxfp4", "f32", 2, grouped=True),
+    cat.DecodeVariant("mxfp4", "mxfp4", "bf16", 4, grouped=True)], ids=lambda v: v.name)
+def test_mx_fold_loops(variant, tmp_path):
+    """MXFP4 weights: the variants the catalogue gives the fold (decode_mx_fold) hold both
+    loops, the folded one with one HMUL2 per weight pair and the unfolded with two, chosen once
+    per CTA (a barrier that ORs every thread's scale check); the MMAs stay unpredicated (as one
+    if / else per sub-chunk, ptxas merged both paths into one predicated block) and nothing
+    spills. nt = 8 keeps the one unfolded loop."""
+    h, o = dec.export_variant(variant, str(tmp_path), variant.name)
+    main = _main_kernel_sass(o, str(tmp_path))
+    hmma = len(re.findall(r"HMMA\.16816", main))
+    hmul2 = len(re.findall(r"HMUL2", main))
+    assert not re.search(r"@!?P\d+ HMMA", main)
+    assert "LDL" not in main and "STL" not in main or variant.nt == 8
+    if cat.decode_mx_fold(variant.b_kind, variant.nt):
+        assert "BAR.RED.OR" in main
+        if variant.a_kind == "bf16":  # a quantized activation adds its own HMUL2s
+            assert hmul2 * variant.nt == 6 * hmma  # (1 + 2) per pair over the two loops
+    else:
+        assert "BAR.RED.OR" not in main and hmul2 * variant.nt == 8 * hmma
 
 
 @needs_dsl

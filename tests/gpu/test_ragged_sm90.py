@@ -272,15 +272,19 @@ def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rh
 def test_decode_kernel_mxfp4_large_block_scales(m, monkeypatch):
     """The grouped decode kernel with MXFP4 experts some of whose blocks are scaled up by 2^9 to
     2^14 (e8m0 scales far over 1, beside ordinary blocks of the same items): equal to the
-    reference."""
+    reference. A CTA whose tiles hold such a scale runs the unfolded loop, the others the
+    folded one (Sm90DecodeGemm.mx_fold); one block alone in the last expert's last row and K
+    block checks the far end of a CTA's scale check."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
     rng = _rng()
     g, n, k = 8, 384, 512
     sizes = np.bincount(rng.integers(0, g, m - 3), minlength=g)
+    sizes[g - 1] += 1  # the last expert owns a row
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
     w[1, 5:90:9, 32:96] *= 2.0 ** 14
     w[6, 200, :] *= 2.0 ** 9
+    w[g - 1, n - 1, k - 32:] *= 2.0 ** 12
     rhs = jbs.quantize(w, "mxfp4", layout="blocked")
     assert int(np.max(np.asarray(rhs.scales).view(np.uint8))) > 128
     p = _compare(jnp.asarray(x, jnp.bfloat16), rhs, jnp.asarray(sizes.astype(np.int32)), "f32",

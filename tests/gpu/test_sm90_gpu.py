@@ -457,7 +457,9 @@ def test_decode_pairs(fmt_a, fmt_b, m):
 def test_decode_mxfp4_large_block_scales(m, fmt_a):
     """MXFP4 weights whose block scales span 2^-1 to 2^21 (blocks scaled up by 2^5 to 2^20 in a
     few rows and K ranges, beside ordinary ones in the same steps and CTAs): the decode kernel's
-    exact conversion at every scale, equal to the reference."""
+    exact conversion at every scale, equal to the reference. The CTAs (tiles x K splits) that
+    see such a scale run the unfolded loop, the others the folded one (Sm90DecodeGemm.mx_fold);
+    one block alone in the last row and K block checks the far end of a CTA's scale check."""
     n, k = 777, 1056
     ka, kb = jax.random.split(_key())
     x = jax.random.normal(ka, (m, k), jnp.float32)
@@ -465,6 +467,7 @@ def test_decode_mxfp4_large_block_scales(m, fmt_a):
     w[3:40:7, 64:128] *= 2.0 ** 12
     w[300:303, 1000:1056] *= 2.0 ** 5
     w[600, :] *= 2.0 ** 20  # a whole row
+    w[n - 1, k - 32:] *= 2.0 ** 9  # the last block of the last (partial) row group
     a = x.astype(jnp.bfloat16) if fmt_a is None else jbs.quantize(x, fmt_a)
     b = jbs.quantize(jnp.asarray(w), "mxfp4")
     assert int(np.max(np.asarray(b.scales).view(np.uint8))) > 128
