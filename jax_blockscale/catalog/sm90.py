@@ -543,12 +543,10 @@ RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
-def ragged_prefill_narrow_widths(tile_m: int, b_kind: str = "nvfp4") -> tuple[int, ...]:
+def ragged_prefill_narrow_widths(tile_m: int) -> tuple[int, ...]:
     """The narrower wgmma widths (activation rows, widest first) on which a grouped
-    register-weight tile of `tile_m` rows and weight kind `b_kind` runs an item of fewer rows,
-    chosen per tile at run time: half and a quarter of the 64- and 128-row tiles; with the
-    MXFP4 fold (ragged_prefill_mx_fold) only half, since the fold's unfolded loop is one more
-    copy, and with a fourth ptxas ran every wgmma alone. An expert's rows seldom fill its last
+    register-weight tile of `tile_m` rows runs an item of fewer rows, chosen per tile at run
+    time: half and a quarter of the 64- and 128-row tiles. An expert's rows seldom fill its last
     item: with the rows spread over the experts it holds about half a tile on average
     (docs/design/sm90_ragged_prefill.md counts them), and a full-width wgmma costs its whole
     width however few of its rows are real. The weights
@@ -556,19 +554,7 @@ def ragged_prefill_narrow_widths(tile_m: int, b_kind: str = "nvfp4") -> tuple[in
     width's activation rows. The 32- and 256-row tiles keep one width: with a loop per width
     ptxas runs their wgmmas one at a time (not enough registers to keep a group in flight;
     tests/build/test_sm90_register_weights_build.py)."""
-    if tile_m not in (64, 128):
-        return ()
-    return (tile_m // 2,) if ragged_prefill_mx_fold(b_kind, tile_m) else (tile_m // 2, tile_m // 4)
-
-
-def ragged_prefill_mx_fold(b_kind: str, tile_m: int) -> bool:
-    """Whether the grouped register-weight tile of `tile_m` rows folds MXFP4 block scales up to
-    2 into the bit trick's 2^126 (one multiply per weight pair instead of two) in a tile whose
-    scales all allow it, as the decode kernel does per CTA (MX_FOLD_NTS): the producer warp
-    group checks each tile's scales and the consumers run a folded loop per wgmma width, or one
-    unfolded at the whole width. The 64- and 128-row tiles; the 32- and 256-row tiles keep one
-    loop (ragged_prefill_narrow_widths says why)."""
-    return b_kind == "mxfp4" and tile_m in (64, 128)
+    return (tile_m // 2, tile_m // 4) if tile_m in (64, 128) else ()
 
 
 # The grouped decode kernel makes its own work items from the raw group sizes (one kernel, no

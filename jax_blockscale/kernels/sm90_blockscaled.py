@@ -48,11 +48,10 @@ from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
 from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx
 from .export import compile_for_arch, placeholder_ptr
-from .sm90_ptx import (OUT_DTYPES, SCALE_BYTE_SEL, barrier_red_or, bytes_above_mx_fold, ldg_v4,
-                       scale_bf16x2)
+from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
-    REGISTER_WEIGHT_TILES, ragged_prefill_mx_fold, ragged_prefill_narrow_widths)
+    REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths)
 
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
@@ -69,11 +68,6 @@ BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom w
 SPLITS_SHIFT = 8
 MAX_SPLITS = 255
 SCALE_CHUNK = 512  # bytes of one blocked scale tile: 128 rows x 4 scale columns
-# the grouped kernel's MXFP4 fold (Sm90BlockScaledGemm.mx_fold): the named barrier on which the
-# producer warp group ORs its check of a tile's scales, and the 16-byte loads each checking
-# thread keeps in flight
-FOLD_BARRIER = 3
-FOLD_LOADS = 4
 
 
 def _i32(x, loc, ip):
@@ -208,10 +202,9 @@ def rw_fp4_pairs_ptx(fold: bool) -> str:
 
 
 @dsl_user_op
-def _rw_convert(kind, w0, w1, sword, sel, mx_fold=False, *, loc=None, ip=None):
-    """A row's 16 fp4 elements (two words) and byte `sel` of its scale word -> 8 bf16x2 words
-    (mx_fold: MXFP4 with the scale folded, for a tile whose scales all allow it)."""
-    fold = kind == "nvfp4" or mx_fold
+def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
+    """A row's 16 fp4 elements (two words) and byte `sel` of its scale word -> 8 bf16x2 words."""
+    fold = kind == "nvfp4"
     scale = scale_bf16x2(kind, sword, sel, fold, loc=loc, ip=ip)
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 8),
@@ -236,20 +229,15 @@ class _Slot:
         self.phase = state.phase
 
 
-def _produce(pipe, slot, copies, tx=None, flag=None, full_tx=None):
+def _produce(pipe, slot, copies, tx=None):
     """One k-tile's TMA copies into stage slot.index, counted by its full barrier. copies:
     (atom, global tile, shared tensor, tiles per stage, which of them). tx: the bytes the copies
-    bring where that is not the pipeline's full stage (a narrow item's activation rows; else
-    full_tx, the stage's, where flag is given). flag = (a word per stage, value): the value is
-    written to the stage's word before its full barrier's arrival (whose release makes it
-    visible to the consumers that wait on it)."""
-    if tx is None and flag is None:
+    bring where that is not the pipeline's full stage (a narrow item's activation rows)."""
+    if tx is None:
         pipe.producer_acquire(slot)
     else:  # producer_acquire with the stage's bytes of this k-tile
         pipe.sync_object_empty.wait(slot.index, slot.phase)
-        if cutlass.const_expr(flag is not None):
-            flag[0][slot.index] = flag[1]
-        pipe.sync_object_full.arrive_and_expect_tx(slot.index, full_tx if tx is None else tx)
+        pipe.sync_object_full.arrive_and_expect_tx(slot.index, tx)
     bar = pipe.producer_get_barrier(slot)
     for atom, src, dst, per_stage, j in copies:
         at = slot.index if per_stage == 1 else slot.index * per_stage + j
@@ -318,16 +306,8 @@ class Sm90BlockScaledGemm:
         self.tx_bytes = raw_stage
         # grouped: narrower wgmma widths for items of fewer rows (an expert's last item), chosen
         # per tile at run time (catalog.sm90.ragged_prefill_narrow_widths says why)
-        self.narrow = ragged_prefill_narrow_widths(self.bm, b_kind) if self.grouped else ()
+        self.narrow = ragged_prefill_narrow_widths(self.bm) if self.grouped else ()
         assert len(self.narrow) <= 2, "kernel_grouped takes two narrow activation boxes"
-        # grouped MXFP4: a tile whose block scales are all at most 2 converts with them folded
-        # (one multiply per pair, as the decode kernel's CTAs do: catalog.sm90.
-        # ragged_prefill_mx_fold). Warps 1-3 of the producer group check each tile's scales
-        # (global loads, a tile ahead of the producer), the named barrier FOLD_BARRIER ORs their
-        # answers for warp 0, which writes it beside the tile's k-tiles in a word per stage; the
-        # consumers read it at the tile's first stage and run the folded or the unfolded loop.
-        self.mx_fold = self.grouped and self.reg_w and ragged_prefill_mx_fold(b_kind, self.bm)
-        assert not self.mx_fold or (self.k_groups == 1 and self.nsb == 1), "one ring, one group"
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -460,8 +440,6 @@ class Sm90BlockScaledGemm:
             red: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, bm * bn if self.k_groups > 1 else 4], 16
             ]
-            # mx_fold: per stage, 1 where its tile streams a scale too large to fold
-            unfolded: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.stages], 16]
 
         self.storage = Storage
 
@@ -470,7 +448,7 @@ class Sm90BlockScaledGemm:
             kern = self.kernel_grouped(
                 tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
                 b_e5m2, self.tiled_mma, sched, mItems, l, narrow_a[0][0], narrow_a[0][1],
-                narrow_a[1][0], narrow_a[1][1], mSB)
+                narrow_a[1][0], narrow_a[1][1])
         else:
             kern = self.kernel(
                 tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
@@ -532,10 +510,9 @@ class Sm90BlockScaledGemm:
 
     @cute.jit
     def _body(self, tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-              b_e5m2, tiled_mma, sched, table=None, narrow_a=(), scales=None):
+              b_e5m2, tiled_mma, sched, table=None, narrow_a=()):
         """The kernel (traced inline). table = (the work table, G) for the grouped kernel;
-        narrow_a: its (TMA atom, tensor) of the activation box of each narrower width; scales:
-        B's blocked scales in global memory (mx_fold's check)."""
+        narrow_a: its (TMA atom, tensor) of the activation box of each narrower width."""
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -624,10 +601,6 @@ class Sm90BlockScaledGemm:
                     tm, tn, tl = work.tile_idx
                     tile_k_tiles = k_tiles
                     kt0 = 0  # the tile's first k-tile
-                    flag = None  # mx_fold: (the stage words, 1 where the tile cannot fold)
-                    if cutlass.const_expr(self.mx_fold):
-                        flag = (st.unfolded.get_tensor(cute.make_layout(self.stages)),
-                                barrier_red_or(0, FOLD_BARRIER, 128))
                     if cutlass.const_expr(self.splittable):
                         tl, kt0, tile_k_tiles = self._split_range(tl, splits, mC, k_tiles)
                     a_tiles, a_l = tAg, tl
@@ -672,16 +645,15 @@ class Sm90BlockScaledGemm:
                         full_a = [(tma_a, a_tiles[(None, tm, kt, a_l)], tAs, 1, 0)]
                         if cutlass.const_expr(self.k_groups == 1):
                             if cutlass.const_expr(len(narrow_tiles) == 0):
-                                _produce(pipe, ps, full_a + copies, None, flag, self.tx_bytes)
+                                _produce(pipe, ps, full_a + copies)
                             else:
                                 if level == 0:
-                                    _produce(pipe, ps, full_a + copies, None, flag,
-                                             self.tx_bytes)
+                                    _produce(pipe, ps, full_a + copies)
                                 for i in cutlass.range_constexpr(len(narrow_tiles)):
                                     atom_w, src_w, dst_w, tx_w = narrow_tiles[i]
                                     if level == i + 1:
                                         _produce(pipe, ps, [(atom_w, src_w[(None, 0, kt, 0)],
-                                                             dst_w, 1, 0)] + copies, tx_w, flag)
+                                                             dst_w, 1, 0)] + copies, tx_w)
                             ps.advance()
                         else:  # register-weight mode, the tile's k-tile kr to k-group kr % 2
                             if kr % 2 == 0:
@@ -700,9 +672,6 @@ class Sm90BlockScaledGemm:
                         ps.advance()
                         pipe.sync_object_empty.wait(ps1.index + ring, ps1.phase)
                         ps1.advance()
-            elif cutlass.const_expr(self.mx_fold):  # warps 1-3: each tile's scale check
-                self._check_tiles(scales, table, sched, m, k_tiles, sk4_b, scale_tiles_n,
-                                  tidx - 32)
         elif cutlass.const_expr(self.reg_w):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
@@ -852,36 +821,6 @@ class Sm90BlockScaledGemm:
                 sch.advance_to_next_work()
                 work = sch.get_current_work()
 
-    @cute.jit
-    def _check_tiles(self, scales, table, sched, m, k_tiles, sk4_b, scale_tiles_n, ctid):
-        """Warps 1-3 of the producer group (mx_fold): for each of the CTA's tiles, in the
-        producer's order, whether its expert's block scales over its 128 rows of N and all of K
-        (one contiguous run of 512-byte scale tiles) hold a code above MX_FOLD_MAX_CODE (their
-        share of the run's 16-byte entries, FOLD_LOADS loads in flight), ORed with warp 0 on
-        the named barrier FOLD_BARRIER. They run a tile ahead of warp 0, which waits there only
-        at a tile's start."""
-        sch = utils.StaticPersistentTileScheduler.create(
-            sched, cute.arch.block_idx(), cute.arch.grid_dim()
-        )
-        work = sch.initial_work_tile_info()
-        base = scales.iterator.toint()
-        checkers = 96
-        while work.is_valid_tile:
-            tn, item, _ = work.tile_idx
-            expert, _, _, tile_k_tiles = self._work_item(table, item, m, k_tiles)
-            run = base + (cutlass.Int64(expert) * scale_tiles_n + tn) * sk4_b * SCALE_CHUNK
-            total = sk4_b * (SCALE_CHUNK // 16) * cutlass.Int32(tile_k_tiles > 0)
-            past = cutlass.Int32(0)
-            for j0 in range(ctid, total, FOLD_LOADS * checkers):
-                words = []
-                for u in cutlass.range_constexpr(FOLD_LOADS):
-                    j = j0 + u * checkers
-                    words += ldg_v4(run + cutlass.Int64(j) * 16, cutlass.Int32(j < total))
-                past = past | bytes_above_mx_fold(words)
-            barrier_red_or(past, FOLD_BARRIER, 128)
-            sch.advance_to_next_work()
-            work = sch.get_current_work()
-
     def _epilogue_alpha(self, mAlpha, expert=0):
         """alpha from device memory (grouped: the expert's), times the NVFP4 fold's correction
         (plain Python, traced inline into the kernel)."""
@@ -994,17 +933,6 @@ class Sm90BlockScaledGemm:
                 tn, c_l = tm, 0
                 tile_k_tiles = (item_k_tiles - kg + kgs - 1) // kgs
                 level = self._width_level(m_end - m0)
-                if cutlass.const_expr(self.mx_fold):
-                    # the producer's answer for this tile, beside its first stage. A tile that
-                    # cannot fold runs the one unfolded loop, at the whole width: a loop per
-                    # width and conversion made ptxas run every wgmma alone. Its narrow item's
-                    # stage holds only the item's rows; the other columns, never stored, read
-                    # what an earlier tile left there.
-                    if tile_k_tiles > 0:
-                        pipe.consumer_wait(self._slot(rs, ring_base))
-                        unfolded = st.unfolded.get_tensor(cute.make_layout(self.stages))
-                        if unfolded[rs.index] != 0:
-                            level = cutlass.Int32(len(widths))
             acc.fill(0.0)
             # the rows' scale words inside the stage's 128-row scale tile (a 64-row tile may
             # be its second half)
@@ -1015,31 +943,26 @@ class Sm90BlockScaledGemm:
             # k-tile is converted into. (A loop over single k-tiles rewrites one set each pass;
             # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
             # One copy of the loop per wgmma width (grouped: an item of few rows runs on a
-            # narrower one, self.narrow; with mx_fold folded, and one more unfolded at the whole
-            # width), each waiting for its last MMAs before the copies join.
-            loops = [(w, self.mx_fold) for w in widths]  # (wgmma width, MXFP4 folded)
-            if cutlass.const_expr(self.mx_fold):
-                loops.append((bm, False))
-            for wi in cutlass.range_constexpr(len(loops)):
+            # narrower one, self.narrow), each waiting for its last MMAs before the copies join.
+            for wi in cutlass.range_constexpr(len(widths)):
                 if level == wi:
-                    an, mx = loops[wi]
+                    an = widths[wi]
                     for kp in range(tile_k_tiles // 2):
                         self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
-                                                     s_off, kt0 + kg + kgs * (2 * kp), an, mx)
+                                                     s_off, kt0 + kg + kgs * (2 * kp), an)
                         rs.advance()
                         if kp > 0:  # the previous pair's second k-tile's MMAs are done
                             pipe.consumer_release(self._slot(rel, ring_base))
                             rel.advance()
                         self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
-                                                     s_off, kt0 + kg + kgs * (2 * kp + 1), an,
-                                                     mx)
+                                                     s_off, kt0 + kg + kgs * (2 * kp + 1), an)
                         rs.advance()
                         pipe.consumer_release(self._slot(rel, ring_base))  # the pair's first
                         rel.advance()
                     if tile_k_tiles % 2 == 1:
                         self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
                                                      s_off, kt0 + kg + kgs * (tile_k_tiles - 1),
-                                                     an, mx)
+                                                     an)
                         rs.advance()
                         if tile_k_tiles > 1:
                             pipe.consumer_release(self._slot(rel, ring_base))
@@ -1094,14 +1017,13 @@ class Sm90BlockScaledGemm:
         one ring)."""
         return state if self.k_groups == 1 else _Slot(state, ring_base)
 
-    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt, an, mx_fold=False):
+    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt, an):
         """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
         stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the
         four k16 MMAs' A registers and issue them (acc += W A^T) over the tile's first `an`
-        columns (acc[:an // 2]); mx_fold: MXFP4 scales folded (the tile's all allow it).
-        Returns once the previous k-tile's MMAs are done; this one's may still run. The caller
-        advances rs (the tracer only sees state rebound in the loop body itself) and releases
-        the stages."""
+        columns (acc[:an // 2]). Returns once the previous k-tile's MMAs are done; this one's
+        may still run. The caller advances rs (the tracer only sees state rebound in the loop
+        body itself) and releases the stages."""
         pipe.consumer_wait(slot)
         stage = slot.index
         b_blk = KINDS[self.b_kind]["block"]
@@ -1119,7 +1041,7 @@ class Sm90BlockScaledGemm:
                 self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
                 + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
             if KINDS[self.b_kind]["bits"] == 4:
-                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel, mx_fold))
+                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
             else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
                 sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
                 pairs.append(
@@ -1210,11 +1132,10 @@ class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
         tA1: cute.Tensor,
         tma_a2: cute.CopyAtom,
         tA2: cute.Tensor,
-        mSB: cute.Tensor,
     ):
         self._body(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
                    b_e5m2, tiled_mma, sched, table=(mItems, groups),
-                   narrow_a=((tma_a1, tA1), (tma_a2, tA2)), scales=mSB)
+                   narrow_a=((tma_a1, tA1), (tma_a2, tA2)))
 
 
 def compile_variant(a_kind: str, b_kind: str, out: str, tile_mn=(128, 128),

@@ -138,19 +138,6 @@ def sync_threads_or(flag, *, loc=None, ip=None):
     return _asm(1, "r", [cutlass.Int32(flag)], SYNC_THREADS_OR_PTX, ["r"], loc, ip)[0]
 
 
-BARRIER_RED_OR_PTX = ("{{\n.reg .pred p, q;\nsetp.ne.b32 p, $1, 0;\n"
-                      "barrier.cta.red.or.pred q, {bar}, {threads}, p;\n"
-                      "vote.sync.ballot.b32 $0, q, 0xffffffff;\n}}")
-
-
-@dsl_user_op
-def barrier_red_or(flag, barrier_id: int, threads: int, *, loc=None, ip=None):
-    """Named barrier `barrier_id` of `threads` threads (whole warps) that ORs `flag` over them:
-    each gets the same nonzero value where any thread's flag is nonzero, else 0."""
-    return _asm(1, "r", [cutlass.Int32(flag)],
-                BARRIER_RED_OR_PTX.format(bar=barrier_id, threads=threads), ["r"], loc, ip)[0]
-
-
 @dsl_user_op
 def sts_v4(addr, v, *, loc=None, ip=None):
     _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in v],
@@ -383,22 +370,12 @@ def scale_pair_bf16x2(kind, word_a, word_b, sel, fold=False, *, loc=None, ip=Non
                 scale_pair_ptx(kind, fold), ["r", "r", "r"], loc, ip, side_effects=False)
 
 
-# one e8m0 byte folded (the register-weight kernel's MXFP4 tiles whose scales are all at most
-# MX_FOLD_MAX_CODE): 2^(code - 1), as _SCALE_PAIR_E8M0_FOLDED gives for two
-_SCALE_E8M0_FOLDED = """{
-.reg .b32 t;
-prmt.b32 t, $1, 0, $2;
-shl.b32 t, t, 7;
-add.u32 $0, t, 0x3F003F00;       // exponent field code + 126: 2^(code - 1)
-}"""
-
-
 def scale_ptx(kind: str, fold: bool = False) -> str:
-    """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale. fold: an
-    e4m3 scale times 2^119, an e8m0 one times 2^126 (codes up to MX_FOLD_MAX_CODE only)."""
+    """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale."""
     if KINDS[kind]["scale"] == "e4m3":
         return _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
-    return _SCALE_E8M0_FOLDED if fold else _SCALE_E8M0
+    assert not fold, "only e4m3 scales are folded"
+    return _SCALE_E8M0
 
 
 @dsl_user_op

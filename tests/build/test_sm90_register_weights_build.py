@@ -59,32 +59,9 @@ def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
     if kernel == "ragged_prefill":
         # the grouped tiles run an item of few rows on a narrower wgmma (a loop per width)
-        widths = (tile[0],) + cat.ragged_prefill_narrow_widths(tile[0], b_kind)
+        widths = (tile[0],) + cat.ragged_prefill_narrow_widths(tile[0])
         found = {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
         assert found == set(widths), (found, widths)
-
-
-@pytest.mark.parametrize("tile", [(64, 128), (128, 128)])
-def test_mx_fold_loops(tmp_path, tile):
-    """Grouped MXFP4 tiles (catalog.sm90.ragged_prefill_mx_fold): a folded loop per wgmma width
-    (one HMUL2 per weight pair) and one unfolded loop at the whole width (two), chosen per tile
-    from the producer group's check of the tile's scales (a named barrier that ORs it); every
-    loop keeps a wgmma group in flight, no in-flight register is rewritten, nothing spills."""
-    sass = _sass(tmp_path, "mxfp4", tile, "ragged_prefill")
-    assert "LDL" not in sass and "STL" not in sass, "spills to local memory"
-    groups, hazards = register_a_hazards(sass)
-    assert groups >= 2 and not hazards, "\n".join(hazards[:20])
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "no wgmma group kept in flight"
-    assert "BAR.RED.OR" in sass
-    widths = (tile[0],) + cat.ragged_prefill_narrow_widths(tile[0], "mxfp4")
-    assert widths == (tile[0], tile[0] // 2)
-    assert {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)} == set(widths)
-    hgmma = len(re.findall(r"HGMMA\.64x", sass))
-    hmul2 = len(re.findall(r"HMUL2", sass))
-    # per k-tile: 4 wgmmas and 16 weight pairs a thread, 1 multiply each folded, 2 unfolded;
-    # len(widths) folded loops, 1 unfolded, alike in k-tiles
-    folded, unfolded = len(widths), 1
-    assert hmul2 * 4 * (folded + unfolded) == hgmma * (16 * folded + 32 * unfolded)
 
 
 SYNTHETIC = """
