@@ -292,6 +292,30 @@ def test_decode_kernel_mxfp4_large_block_scales(m, monkeypatch):
     assert p.kernel == "ragged_decode", p
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_register_weight_kernel_mxfp4_large_block_scales(tile_m, monkeypatch):
+    """The grouped register-weight kernel with MXFP4 experts some of whose blocks are scaled up
+    by 2^9 to 2^14 (e8m0 scales far over 1, beside ordinary blocks of the same tiles): equal to
+    the reference on every wgmma width. The scaled blocks sit in an expert of 5 rows (a narrow
+    item), one of 130 (a whole item and a narrow one), and alone in the last expert's last row
+    and K block."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
+            JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
+    rng = _rng()
+    g, n, k = 8, 384, 512
+    sizes = np.array([70, 5, 40, 0, 130, 3, 33, 20])
+    x = rng.standard_normal((int(sizes.sum()) + 7, k)).astype(np.float32)
+    w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
+    w[1, 5:90:9, 32:96] *= 2.0 ** 14
+    w[4, 200, :] *= 2.0 ** 9
+    w[g - 1, n - 1, k - 32:] *= 2.0 ** 12
+    rhs = jbs.quantize(w, "mxfp4", layout="blocked")
+    assert int(np.max(np.asarray(rhs.scales).view(np.uint8))) > 128
+    p = _compare(jnp.asarray(x, jnp.bfloat16), rhs, jnp.asarray(sizes.astype(np.int32)), "f32",
+                 "prefill")
+    assert p.tile == (tile_m, 128), p
+
+
 def test_split_k_is_planned_and_correct():
     """Few experts hit at a long K: the plan splits K, the finalize adds the splits."""
     lhs, rhs, gs = _problem(None, "mxfp4", [0, 2, 0, 0], 4, 256, 8192)
