@@ -268,6 +268,19 @@ def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rh
     assert p.tile == (tile_m, 128), p
 
 
+def _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert):
+    """G MXFP4 experts (N, K), blocked scales, some of whose blocks are scaled up by 2^9 to 2^14
+    beside ordinary ones: rows of expert 1 over one K range, a whole row of `whole_row_expert`,
+    and one block alone in the last expert's last row and K block."""
+    w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
+    w[1, 5:90:9, 32:96] *= 2.0 ** 14
+    w[whole_row_expert, 200, :] *= 2.0 ** 9
+    w[g - 1, n - 1, k - 32:] *= 2.0 ** 12
+    rhs = jbs.quantize(w, "mxfp4", layout="blocked")
+    assert int(np.max(np.asarray(rhs.scales).view(np.uint8))) > 128
+    return rhs
+
+
 @pytest.mark.parametrize("m", [8, 40])
 def test_decode_kernel_mxfp4_large_block_scales(m, monkeypatch):
     """The grouped decode kernel with MXFP4 experts some of whose blocks are scaled up by 2^9 to
@@ -281,12 +294,7 @@ def test_decode_kernel_mxfp4_large_block_scales(m, monkeypatch):
     sizes = np.bincount(rng.integers(0, g, m - 3), minlength=g)
     sizes[g - 1] += 1  # the last expert owns a row
     x = rng.standard_normal((m, k)).astype(np.float32)
-    w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
-    w[1, 5:90:9, 32:96] *= 2.0 ** 14
-    w[6, 200, :] *= 2.0 ** 9
-    w[g - 1, n - 1, k - 32:] *= 2.0 ** 12
-    rhs = jbs.quantize(w, "mxfp4", layout="blocked")
-    assert int(np.max(np.asarray(rhs.scales).view(np.uint8))) > 128
+    rhs = _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert=6)
     p = _compare(jnp.asarray(x, jnp.bfloat16), rhs, jnp.asarray(sizes.astype(np.int32)), "f32",
                  "decode")
     assert p.kernel == "ragged_decode", p
@@ -305,12 +313,7 @@ def test_register_weight_kernel_mxfp4_large_block_scales(tile_m, monkeypatch):
     g, n, k = 8, 384, 512
     sizes = np.array([70, 5, 40, 0, 130, 3, 33, 20])
     x = rng.standard_normal((int(sizes.sum()) + 7, k)).astype(np.float32)
-    w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
-    w[1, 5:90:9, 32:96] *= 2.0 ** 14
-    w[4, 200, :] *= 2.0 ** 9
-    w[g - 1, n - 1, k - 32:] *= 2.0 ** 12
-    rhs = jbs.quantize(w, "mxfp4", layout="blocked")
-    assert int(np.max(np.asarray(rhs.scales).view(np.uint8))) > 128
+    rhs = _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert=4)
     p = _compare(jnp.asarray(x, jnp.bfloat16), rhs, jnp.asarray(sizes.astype(np.int32)), "f32",
                  "prefill")
     assert p.tile == (tile_m, 128), p
