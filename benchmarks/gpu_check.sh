@@ -3,8 +3,8 @@
 # the built library, the demo, a benchmark subset beside the anchors and the roofline sweep
 # (benchmarks/sweep.py: table, JSON, PNG). Logs and results go to $OUT.
 #   JAX_BLOCKSCALE_LIBRARY=/path/to/libjax_blockscale.so OUT=/tmp/out benchmarks/gpu_check.sh [PHASE]
-# PHASE: "tests" (the gpu tests), "memcheck" (the compute-sanitizer ones, one at a time: they
-# took 140-200 s), "bench" (demo, benchmark, sweep) or "all" (default). Each phase's timeouts
+# PHASE: "tests" (the gpu tests), "memcheck" (the compute-sanitizer ones, one at a time, in a
+# phase of their own: beside the suite they ran out of time), "bench" (demo, benchmark, sweep) or "all" (default). Each phase's timeouts
 # add up to under 600 s, the lent machines' limit per command: run the phases as three commands
 # there.
 set -uo pipefail

@@ -126,11 +126,12 @@ class Sm90DecodeGemm:
         self.q = self.e // 8  # 8-element groups per thread per step
         self.c_dtype = OUT_DTYPES[v.out]
         self.fold = tuning.fold_scale and v.b_kind == "nvfp4"
-        # MXFP4 weights: a sub-chunk whose block scales are all at most 2 (e8m0 codes up to
+        # MXFP4 weights: a CTA whose block scales are all at most 2 (e8m0 codes up to
         # MX_FOLD_MAX_CODE: real weights' scales) folds the bit trick's 2^126 into them, one
-        # multiply per pair instead of two; the CTA barrier that follows the sub-chunk's arrival
-        # also ORs every thread's check of the stage's scales, and a sub-chunk holding a larger
-        # (or NaN) code converts unfolded. Exact either way: the products are the values.
+        # multiply per pair instead of two; every thread checks its share of the scales the CTA
+        # streams before the first sub-chunk, one barrier ORs the answers (_mainloop_tma), and a
+        # CTA holding a larger (or NaN) code runs the unfolded loop. Exact either way: the
+        # products are the values.
         self.mx_fold = (tuning.fold_scale and decode_mx_fold(v.b_kind, v.nt)
                         and tuning.pipeline == "tma" and not tuning.probe)
         # chained (DecodeVariant.chained): launched with programmatic dependent launch behind the
@@ -728,17 +729,16 @@ class Sm90DecodeGemm:
             past = self._scales_past_fold(sb_addr, bx, tiles[0] if tiles is not None else 1, li,
                                           nb128, k, k_begin, k_end, n_sub, tid)
             if sync_threads_or(past) == 0:
-                self._tma_stream(run, tiles, k_begin, chunk, True)
+                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, chunk, True)
             else:
-                self._tma_stream(run, tiles, k_begin, chunk, False)
+                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, chunk, False)
         else:
-            self._tma_stream(run, tiles, k_begin, chunk, self.fold)
+            self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, chunk, self.fold)
 
     @cute.jit
-    def _tma_stream(self, run, tiles, k_begin, chunk, fold):
-        """_mainloop_tma's sub-chunks, converted with `fold` (_step_compute): one tile's, or
-        (tiles) each tile's followed by its outputs."""
-        acc, n_sub, total, bx = run[6], run[19], run[20], run[16]
+    def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, chunk, fold):
+        """_mainloop_tma's `total` sub-chunks (run: its state), converted with `fold`
+        (_step_compute): one tile's, or (tiles) each tile's n_sub followed by its outputs."""
         if cutlass.const_expr(tiles is None):
             self._tma_sub_chunks(run, total, k_begin, chunk, fold)
         elif tiles[0] == 1:  # one tile: the dense kernel's loop, then the tile's outputs
@@ -1025,8 +1025,8 @@ class Sm90DecodeGemm:
     def _step_compute(self, w, sw, t, buf, c, lane, acc, b_fp8, win=None, fold=None):
         """Step c of a sub-chunk for the thread's rows: w[j] = 4 weight words of row j, sw[j] = the
         scale word of row j (4 scale columns); t = the thread's quarter of the step. fold: the
-        scales carry the bit trick's offset (default self.fold, NVFP4's; MXFP4's where the
-        sub-chunk's scales allow it, _tma_sub_chunk).
+        scales carry the bit trick's offset (default self.fold, NVFP4's; MXFP4's where the CTA's
+        scales allow it, _mainloop_tma).
         Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
         per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
         sub-chunk's first item)."""

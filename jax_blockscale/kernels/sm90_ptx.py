@@ -105,8 +105,14 @@ def lds_v2(addr, *, loc=None, ip=None):
                 ip)
 
 
+# The largest e8m0 code the MXFP4 fold carries (a scale of 2; _SCALE_PAIR_E8M0_FOLDED says why)
+MX_FOLD_MAX_CODE = 0x80
+
+
 def bytes_above_ptx(n_words: int) -> str:
-    """PTX of bytes_above_mx_fold: $1..$n = words -> $0 nonzero iff a byte is above 0x80."""
+    """PTX of bytes_above_mx_fold: $1..$n = words -> $0 nonzero iff a byte is above
+    MX_FOLD_MAX_CODE (the bit test below works for 0x80 only)."""
+    assert MX_FOLD_MAX_CODE == 0x80
     code = ["{", ".reg .b32 t, acc;", "mov.b32 acc, 0;"]
     for i in range(1, n_words + 1):
         code += [f"and.b32 t, ${i}, 0x7F7F7F7F;",
@@ -330,13 +336,12 @@ set.eq.u32.bf16x2 n, t, k;       // e8m0 0xFF (NaN) landed on inf
 or.b32 t, t, n;""" + _PAIR_SPLIT
 
 
-# MXFP4 weights with the fold (the decode kernel's sub-chunks whose block scales are all at most
+# MXFP4 weights with the fold (the decode kernel's CTAs whose block scales are all at most
 # MX_FOLD_MAX_CODE, Sm90DecodeGemm.mx_fold): the scale carries the bit trick's 2^126 too, as
 # 2^126 * 2^(code - 127) = 2^(code - 1), the bf16 of exponent field code + 126. That is a finite
-# bf16 only up to code 128 (scale 2), so the kernel takes this form only for sub-chunks it has
+# bf16 only up to code 128 (scale 2), so the kernel takes this form only for CTAs it has
 # checked; a NaN code (0xFF) is above it and never reaches this form. One multiply per pair then
 # applies scale and offset, as the NVFP4 fold does, and the products are the exact values.
-MX_FOLD_MAX_CODE = 0x80
 _SCALE_PAIR_E8M0_FOLDED = """{
 .reg .b32 t;
 .reg .b16 lo, hi;

@@ -1,8 +1,8 @@
 """A tiny warp-level emulator for the straight-line PTX that sm90_decode.py generates.
 
 Enough PTX to run the dequantization / MMA blocks on the CPU: mov (also to and from 16-bit halves),
-shl, shr, mul.lo, add, and, or, lop3, prmt, setp.eq, selp, mul.rn.bf16x2, max.bf16x2, set.eq.u32.bf16x2
-and mma.sync.m16n8k16 (bf16 in, f32 out). Every register holds one
+shl, shr, mul.lo, add, and, or, lop3, prmt, setp.eq, selp, mul.rn.bf16x2, max.bf16x2,
+set.eq.u32.bf16x2 and mma.sync.m16n8k16 (bf16 in, f32 out). Every register holds one
 value per lane (a numpy array of 32). Used by tests/test_sm90_decode_build.py to check the bit
 tricks on every code and the fragment/permutation bookkeeping end to end, with no GPU.
 """
