@@ -52,7 +52,11 @@ MODELS = {
     "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
     "gpt-oss-20b": dict(hidden=2880, intermediate=2880, experts=32, top_k=4),
     "gpt-oss-120b": dict(hidden=2880, intermediate=2880, experts=128, top_k=4),
+    # other served expert shapes (bench_moe_peers.py --models): timed when named
+    "qwen3-235b-a22b": dict(hidden=4096, intermediate=1536, experts=128, top_k=8),
+    "deepseek-v3": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
 }
+DEFAULT_MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b")
 TINY_MODELS = {"tiny": dict(hidden=256, intermediate=128, experts=8, top_k=2)}
 TOKENS = (1, 16, 64, 256, 4096)
 TINY_TOKENS = (1, 16, 64)
@@ -305,7 +309,8 @@ def plot(rows, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
-    p.add_argument("--models", help=f"comma-separated, from {sorted(MODELS)}")
+    p.add_argument("--models", help=f"comma-separated, from {sorted(MODELS)} (default: "
+                   f"{', '.join(DEFAULT_MODELS)})")
     p.add_argument("--gemms", default=",".join(GEMMS))
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--tokens", help="comma-separated token counts")
@@ -317,7 +322,7 @@ def main():
                         f"from {list(KERNEL_METHODS)} (no value: decode and prefill)")
     args = p.parse_args()
     models = (args.models.split(",") if args.models else
-              list(TINY_MODELS) if args.tiny else list(MODELS))
+              list(TINY_MODELS) if args.tiny else list(DEFAULT_MODELS))
     tokens = ([int(t) for t in args.tokens.split(",")] if args.tokens else
               list(TINY_TOKENS if args.tiny else TOKENS))
     timing = dict(iters=args.iters or (2 if args.tiny else 20),

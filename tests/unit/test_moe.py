@@ -214,6 +214,41 @@ def test_bench_moe_peers_pairs_rows_and_refuses_without_a_peer(tmp_path):
         bp.load_peer(str(tmp_path))
 
 
+def test_bench_moe_peers_splits_cases_between_the_anchor_and_our_peer_script():
+    """bench_moe_peers.py: the anchor times gate+up of its own models only; every other case
+    (down projections, other models) goes to peer_moe_gemms.py at bench_moe's shapes; rows are
+    paired by (model, gemm, tokens), an anchor row (no gemm) being gate+up; experts quantized in
+    chunks equal the experts quantized at once."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_moe as bm
+    import bench_moe_peers as bp
+
+    class Peer:
+        MODELS = {"gpt-oss-20b": (32, 5760, 2880, 4)}
+
+    cases = [("gpt-oss-20b", "gate_up"), ("gpt-oss-20b", "down"), ("deepseek-v3", "gate_up")]
+    assert bp.anchor_cases(Peer, cases) == [("gpt-oss-20b", "gate_up")]
+    others = bp.other_cases(Peer, cases, (1, 16))
+    assert [(c["model"], c["gemm"], c["experts"], c["n"], c["k"], c["top_k"]) for c in others] \
+        == [("gpt-oss-20b", "down", 32, 2880, 2880, 4), ("deepseek-v3", "gate_up", 256, 4096,
+                                                          7168, 8)]
+    assert all(c["tokens"] == [1, 16] for c in others)
+    ours = [dict(model="gpt-oss-20b", gemm=g, tokens=16, ours_us=10.0, hit_bytes=1e6)
+            for g in ("gate_up", "down")]
+    peer = dict(rows=[dict(part="moe", model="gpt-oss-20b", tokens=16, device_us=20.0),
+                      dict(part="moe", model="gpt-oss-20b", gemm="down", tokens=16,
+                           device_us=5.0)])
+    got = {r["gemm"]: r["triton_over_ours"] for r in bp.merge(ours, peer, 1.0)}
+    assert got == {"gate_up": 2.0, "down": 0.5}
+    key = jax.random.PRNGKey(1)
+    chunked = bp.mxfp4_experts(key, bp.EXPERTS_PER_CHUNK + 3, 32, 64)
+    parts = [bm.quantize(bm.normal(jax.random.fold_in(key, e0), (e, 32, 64), jnp.float32) / 8.0,
+                         "mxfp4", layout="blocked")
+             for e0, e in ((0, bp.EXPERTS_PER_CHUNK), (bp.EXPERTS_PER_CHUNK, 3))]
+    for leaf, a, b in zip(jax.tree.leaves(chunked), *map(jax.tree.leaves, parts)):
+        np.testing.assert_array_equal(np.asarray(leaf), np.concatenate([a, b]))
+
+
 def test_stacked_layers_run_in_place():
     """A QuantizedMoE holding L layers' weights stacked runs layer i with layer=i (eager, and
     traced inside lax.scan over the index, the experts never sliced) exactly as the layer built
