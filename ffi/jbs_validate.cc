@@ -140,12 +140,14 @@ const char* ValidateProblem(const Problem& p, const Variant* variants, int num_v
   if (p.a_kind == JBS_BF16_KPERM && p.k % 64)
     return Fail(buf, n, "K=%lld must be a multiple of 64 for a K-permuted activation",
                 (long long)p.k);
-  // The kernel indexes with 32-bit integers. la: batch of A and C (a grouped call has one
-  // activation and one output; its L counts the experts of B).
+  // The kernel indexes A and C with 32-bit integers, and B (TMA: 64-bit addresses, 32-bit
+  // coordinates and strides) per batch entry or expert, so a stack of B may pass 2 GiB (its
+  // scale rows are checked below). la: batch of A and C (a grouped call has one activation and
+  // one output; its L counts the experts of B).
   const int64_t la = p.grouped ? 1 : p.l;
   const int64_t a_row = RowBytes(p.a_kind, p.k), b_row = RowBytes(p.b_kind, p.k);
   if (p.m > kInt32Max / p.n / la || p.m > kInt32Max / a_row / la ||
-      p.n > kInt32Max / b_row / p.l || p.k > kInt32Max)
+      p.n > kInt32Max / b_row || p.l > kInt32Max / p.n || p.k > kInt32Max)
     return Fail(buf, n, "problem too large for 32-bit indexing (M=%lld N=%lld K=%lld L=%lld)",
                 (long long)p.m, (long long)p.n, (long long)p.k, (long long)p.l);
   // Buffer sizes.

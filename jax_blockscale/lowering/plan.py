@@ -248,14 +248,26 @@ def _padded_k(spec: GemmSpec) -> int:
     return spec.k + (spec.k % 32)  # NVFP4 (block 16) can leave 16 over; TMA needs 16-byte rows
 
 
+def weights_fit_32bit_indexing(n: int, k: int, kind: str, batch: int) -> bool:
+    """Whether the sm90 kernels address a (batch, N, K) weight stack of `kind` (a batch of
+    weights, a grouped call's experts, a stack's layers): every kernel reads weights and their
+    blocked scales by TMA, whose global address is 64-bit and whose coordinates and strides are
+    32-bit: one entry's bytes (the batch stride) and the stack's 128-byte scale rows must fit,
+    the stack itself may pass 2 GiB (DeepSeek-V3's 256 experts of gate+up: 3.8 GB)."""
+    b_row = k * cat90.KINDS[kind]["bits"] // 8
+    scale_rows = 4 * -(-n // 128) * -(-k // (4 * cat90.KINDS[kind]["block"])) * batch
+    return max(n * b_row, scale_rows) <= _INT32_MAX
+
+
 def fits_32bit_indexing(spec: GemmSpec) -> bool:
-    """Whether the sm90 kernels' buffers (A and B bytes, C elements) have 32-bit offsets."""
+    """Whether the sm90 kernels' buffers have 32-bit offsets: A's bytes and C's elements over
+    the whole batch, the weights per batch entry (weights_fit_32bit_indexing)."""
     m, l = kernel_rows_and_batch(spec)
     k = _padded_k(spec)
     ka, kb = cat90.KIND_OF_FORMAT[spec.fmt_a], cat90.KIND_OF_FORMAT[spec.fmt_b]
     a_row = k * cat90.KINDS[ka]["bits"] // 8
-    b_row = k * cat90.KINDS[kb]["bits"] // 8
-    return max(m * spec.n * l, m * a_row * l, spec.n * b_row * l) <= _INT32_MAX
+    return (max(m * spec.n * l, m * a_row * l) <= _INT32_MAX
+            and weights_fit_32bit_indexing(spec.n, k, kb, l))
 
 
 def with_dequantized_activation(spec: GemmSpec) -> GemmSpec:
@@ -510,8 +522,8 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     v, splits, items = choice
     ka, kb = v.a_kind, v.b_kind
     a_row = spec.k * cat90.KINDS[ka]["bits"] // 8
-    b_row = spec.k * cat90.KINDS[kb]["bits"] // 8
-    if max(splits * spec.m * spec.n, spec.m * a_row, spec.groups * spec.n * b_row) > _INT32_MAX:
+    if (max(splits * spec.m * spec.n, spec.m * a_row) > _INT32_MAX
+            or not weights_fit_32bit_indexing(spec.n, spec.k, kb, spec.groups)):
         return "problem too large for the kernel's 32-bit indexing"
     name = v.name
     why = sm90_unavailable(device, library, name, "grouped decode variant")
@@ -544,8 +556,8 @@ def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):
     chose variant v): the activation dequantized to bf16 first where it is quantized (exact),
     K-permuted; its own work table of at most tile_m rows per item."""
 
-    b_row = spec.k * cat90.KINDS[v.b_kind]["bits"] // 8
-    if max(spec.m * spec.n, spec.m * 2 * spec.k, spec.groups * spec.n * b_row) > _INT32_MAX:
+    if (max(spec.m * spec.n, spec.m * 2 * spec.k) > _INT32_MAX
+            or not weights_fit_32bit_indexing(spec.n, spec.k, v.b_kind, spec.groups)):
         return "problem too large for the kernel's 32-bit indexing"
     why = sm90_unavailable(device, library, v.name, "grouped register-weight variant")
     if why is not None:

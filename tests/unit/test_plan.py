@@ -498,3 +498,35 @@ def test_a_shard_the_whole_call_cannot_run_as_plans_itself(monkeypatch):
     assert (p.backend, p.spec) == (SmallOnly.name, dataclasses.replace(shard, plan_shape=None))
     with pytest.raises(ValueError, match="too large"):
         P.plan(P.unsharded(shard), "cpu", SmallOnly.name)
+
+
+def test_weight_stacks_past_2_gib_run_the_kernels():
+    """The sm90 kernels read weights and their scales by TMA (64-bit addresses, 32-bit
+    coordinates and strides), so a stack of experts or layers may pass 2 GiB as long as one
+    entry's bytes and the stack's 128-byte scale rows fit 32 bits: DeepSeek-V3's gate+up (256
+    experts of 4096 x 7168, 3.8 GB in MXFP4) runs the grouped decode kernel at decode sizes and
+    the register-weight kernel at prefill sizes, a scanned 70B model's stacked gate+up (80
+    layers, 18.8 GB in NVFP4) runs index mode in place, and a dense batch of weights past 2 GiB
+    runs the dense kernels; one expert past 2 GiB is still refused, naming why."""
+    from jax_blockscale.lowering.specs import RaggedSpec
+    bf16 = np.dtype("bfloat16")
+
+    def ragged(m, n, k, g, fmt="mxfp4", **kw):
+        return P.plan_ragged_sm90(RaggedSpec(None, fmt, None, "blocked", bf16, bf16, m, n, k, g,
+                                             **kw), H100, library=FullLibrary())
+
+    assert 256 * 4096 * 7168 // 2 > 2**31  # the stack passes 2 GiB
+    for m, kernel in ((8, "ragged_decode"), (128, "ragged_decode"),
+                      (32768, "ragged_prefill")):
+        p = ragged(m, 4096, 7168, 256)
+        assert not isinstance(p, str) and p.kernel == kernel, (m, p)
+    p = ragged(16, 28672, 8192, 80, fmt="nvfp4", group_index=True)  # layer=i of a stack
+    assert not isinstance(p, str) and p.kernel == "ragged_decode", p
+    p = _plan(dataclasses.replace(_w(m=8, n=16384, k=16384), batch_shape=(20,),
+                                  b_batch=(20,), a_batch=(20,)))
+    assert not isinstance(p, str) and p.kernel == "decode", p
+    too_large = "problem too large for the kernel's 32-bit indexing"
+    assert ragged(8, 65536, 65536, 2) == too_large  # one expert of 2 GiB
+    assert P.weights_fit_32bit_indexing(4096, 7168, "mxfp4", 256)
+    assert not P.weights_fit_32bit_indexing(65536, 65536, "mxfp4", 1)
+    assert not P.weights_fit_32bit_indexing(128, 128, "nvfp4", 2**29)  # 2^32 scale rows
