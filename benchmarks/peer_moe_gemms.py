@@ -49,10 +49,11 @@ def mxfp4_experts(torch, e, n, k, dev):
         c = min(EXPERTS_PER_CHUNK, e - e0)
         w = 0.02 * torch.randn(c, k, n, device=dev, dtype=torch.bfloat16)
         q, s = downcast_to_mxfp(w, torch.uint8, axis=1)
-        values.append(q)
-        scales.append(s)
+        # (c, K/2, N) and (c, K/32, N) views of contiguous (c, N, ...) tensors: kept so
+        values.append(q.transpose(1, 2))
+        scales.append(s.transpose(1, 2))
         del w
-    q, s = torch.cat(values), torch.cat(scales)
+    q, s = torch.cat(values).transpose(1, 2), torch.cat(scales).transpose(1, 2)
     value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
     scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(
         mx_axis=1, num_warps=8)
