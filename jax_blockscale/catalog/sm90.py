@@ -330,12 +330,15 @@ def decode_chunk_elems(b_kind: str, tuning: Tuning) -> int:
     return tuning.sub_steps * steps_elems(b_kind)
 
 
-def decode_splits(k: int, b_kind: str, tuning: Tuning, ctas: int, sm_count: int) -> int:
+def decode_splits(k: int, b_kind: str, tuning: Tuning, ctas: int, sm_count: int,
+                  min_chunks: int = 1) -> int:
     """K ranges for a decode call of `ctas` CTAs per range (tiles of N x chunks or items of M)
     over K elements: about `tuning.ctas_per_sm` CTAs per SM in all (one wave, no tail), each
-    range a whole number of sub-chunks, every range the same length but the last."""
+    range a whole number of sub-chunks, at least `min_chunks` of them, every range the same
+    length but the last."""
     k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
-    splits = max(1, min(k_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas)))
+    splits = max(1, min(k_chunks // min_chunks,
+                        tuning.ctas_per_sm * sm_count // max(1, ctas)))
     per = _ceil_div(k_chunks, splits)  # equalize: every split the same number of sub-chunks
     return _ceil_div(k_chunks, per)
 
@@ -453,6 +456,11 @@ RAGGED_DECODE_SHORT_TILE_BYTES = 160 * 1024
 RAGGED_DECODE_CTA_BYTES = 320 * 1024
 RAGGED_DECODE_MIN_WAVES = 1.5
 RAGGED_DECODE_MAX_TILES_PER_CTA = 4  # the most measured (the kernel takes up to 16)
+# A grouped call splits K only into ranges of at least this many sub-chunks: a shorter range
+# does not pay for its CTAs' ring fill and epilogue and the partials' sum (on the H100 and the
+# H200, 1-token calls of 2 and 4 sub-chunks ran faster unsplit, 6 faster in two ranges on the
+# H100: docs/design/sm90_ragged_decode.md).
+RAGGED_DECODE_MIN_SPLIT_CHUNKS = 3
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
 # dense kernel's 256-row CTAs the grouped kernel once took at 16-row items, they gained:
@@ -506,7 +514,8 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
     v = DecodeVariant(a_kind, b_kind, out, nt_for(max(avg, min(2 * avg, 32))), grouped=True)
     ctas = _ceil_div(n, v.tuning.bn) * min(groups, m)
-    return (v, decode_splits(k, b_kind, v.tuning, ctas, sm_count),
+    return (v, decode_splits(k, b_kind, v.tuning, ctas, sm_count,
+                             min_chunks=RAGGED_DECODE_MIN_SPLIT_CHUNKS),
             ragged_decode_items(m, groups, v.nt))
 
 

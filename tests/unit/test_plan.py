@@ -530,3 +530,21 @@ def test_weight_stacks_past_2_gib_run_the_kernels():
     assert P.weights_fit_32bit_indexing(4096, 7168, "mxfp4", 256)
     assert not P.weights_fit_32bit_indexing(65536, 65536, "mxfp4", 1)
     assert not P.weights_fit_32bit_indexing(128, 128, "nvfp4", 2**29)  # 2^32 scale rows
+
+
+@pytest.mark.parametrize("g,n,k,top_k,splits", [
+    (128, 2 * 768, 2048, 8, 1),  # Qwen3-30B-A3B gate+up: 4 sub-chunks of K
+    (128, 2048, 768, 8, 1),  # its down projection: 2
+    (32, 2880, 2880, 4, 2),  # gpt-oss-20b down: 6, two ranges of 3
+])
+def test_grouped_decode_splits_keep_three_sub_chunks(g, n, k, top_k, splits):
+    """At one token a grouped call has few CTAs, and the wave rule alone would split K in two;
+    a range of fewer than RAGGED_DECODE_MIN_SPLIT_CHUNKS sub-chunks does not pay for its
+    partials' sum, so short K stays whole (measured: docs/design/sm90_ragged_decode.md)."""
+    from jax_blockscale.lowering.specs import RaggedSpec
+    bf16 = np.dtype("bfloat16")
+    p = P.plan_ragged_sm90(RaggedSpec(None, "mxfp4", None, "blocked", bf16, bf16, top_k, n, k,
+                                      g), H100, library=FullLibrary())
+    assert (p.kernel, p.splits) == ("ragged_decode", splits), p
+    chunk = cat90.decode_chunk_elems("mxfp4", cat90.tuning_for(1, "mxfp4", grouped=True))
+    assert -(-k // chunk) // p.splits >= cat90.RAGGED_DECODE_MIN_SPLIT_CHUNKS or p.splits == 1
