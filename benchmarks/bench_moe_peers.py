@@ -169,8 +169,9 @@ def plot(rows, device, path):
         return
     series = list(dict.fromkeys((r["model"], r.get("gemm", "gate_up")) for r in rows))
     tokens = sorted({r["tokens"] for r in rows})
-    fig, ax = plt.subplots(figsize=(max(7.5, 1.2 * len(series) + 4), 3.8))
+    fig, ax = plt.subplots(figsize=(max(9.5, 1.2 * len(series) + 6), 3.8))
     width = 0.8 / len(series)
+    floors = []
     for i, (model, which) in enumerate(series):
         mine = {r["tokens"]: r for r in rows if (r["model"], r.get("gemm", "gate_up"))
                 == (model, which) and r.get("triton_over_ours")}
@@ -178,15 +179,24 @@ def plot(rows, device, path):
         ax.bar(xs, [mine[t]["triton_over_ours"] for t in tokens if t in mine], width,
                label=f"{model} {which.replace('_', '+')}",
                color=plt.get_cmap("tab20")(i % 20))
-        ax.scatter(xs, [mine[t]["triton_over_floor"] for t in tokens if t in mine], marker="_",
-                   s=150, color="k", label="at the bytes' floor" if i == 0 else None)
+        floors.append((xs, [mine[t]["triton_over_floor"] for t in tokens if t in mine]))
+    # the bytes' floor of each row; past the top (compute-bound rows) a triangle at the top
+    top = max(2.0, 1.25 * max([r["triton_over_ours"] for r in rows
+                               if r.get("triton_over_ours")] or [1.0]))
+    for i, (xs, ys) in enumerate(floors):
+        ax.scatter(xs, [min(y, top) for y in ys], marker="_", s=150, color="k",
+                   label="at the bytes' floor (triangle: above the scale)" if i == 0 else None)
+        off = [(x, top) for x, y in zip(xs, ys) if y > top]
+        if off:
+            ax.scatter(*zip(*off), marker="^", s=25, color="k")
+    ax.set_ylim(0, top * 1.04)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.15, color="tab:red", lw=0.8, ls="--", label="issue 49 target (1.15)")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))],
                   [f"{t} tokens" for t in tokens])
     ax.set_ylabel("triton_kernels time / ours")
     ax.set_title(f"MXFP4 MoE expert GEMMs, {device}: above 1 ours is faster", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
