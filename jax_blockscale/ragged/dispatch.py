@@ -63,7 +63,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.quantize import BlockScaled
 from .api import _operands_and_params
-from .primitive import bind_local, inverse_permutation, stable_order, unsort_rows
+from .primitive import (bind_local, inverse_permutation, stable_order_and_counts,
+                        unsort_rows)
 
 __all__ = ["EXCHANGES", "combine", "dispatch_moe", "expert_gemm", "expert_order",
            "quantize_as_one_device", "ragged_exchange", "sum_shares"]
@@ -78,9 +79,9 @@ EXCHANGES = ("auto", "ragged", "padded", "reduce")
 def expert_order(flat, num_experts: int):
     """(order, counts) of the routed rows `flat` ((n,) int32 expert ids in [0, num_experts)):
     the stable permutation sorting them by expert (`stable_order`) and each expert's row count
-    ((num_experts,) int32): the sorted rows and group sizes of every MoE layer here."""
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    return stable_order(flat, num_keys=num_experts), counts
+    ((num_experts,) int32): the sorted rows and group sizes of every MoE layer here. Where the
+    order counts the rows per expert itself, the counts are those (no second count)."""
+    return stable_order_and_counts(flat, num_experts)
 
 
 def combine(rows, weights):

@@ -257,21 +257,35 @@ def stable_order(keys, num_keys: int | None = None):
     STABLE_ORDER_RANK_MAX keys each key's place is counted from all key pairs and the
     permutation is its inverse; up to STABLE_ORDER_COUNT_MAX keys with `num_keys` they are
     counted per chunk; more are sorted."""
+    return stable_order_and_counts(keys, num_keys, counts=False)[0]
+
+
+def _counts_the_keys(n: int, num_keys: int | None) -> bool:
+    """Whether stable_order places n keys by counting them per value (_counted_order)."""
+    return (STABLE_ORDER_RANK_MAX < n <= STABLE_ORDER_COUNT_MAX and num_keys is not None
+            and num_keys <= STABLE_ORDER_COUNT_MAX_KEYS)
+
+
+def stable_order_and_counts(keys, num_keys: int | None, counts: bool = True):
+    """(stable_order(keys, num_keys), each key value's count: int32 (num_keys,), or None
+    without `counts`): the counts come with the order where it counts the keys itself
+    (_counted_order), else from one scatter-add."""
     n = keys.shape[0]
-    if n > STABLE_ORDER_RANK_MAX:
-        if (num_keys is None or num_keys > STABLE_ORDER_COUNT_MAX_KEYS
-                or n > STABLE_ORDER_COUNT_MAX):
-            return jnp.argsort(keys, stable=True).astype(jnp.int32)
+    if _counts_the_keys(n, num_keys):
         return _counted_order(keys, int(num_keys))
+    count = (jnp.zeros((num_keys,), jnp.int32).at[keys].add(1) if counts else None)
+    if n > STABLE_ORDER_RANK_MAX:
+        return jnp.argsort(keys, stable=True).astype(jnp.int32), count
     i = jnp.arange(n, dtype=jnp.int32)
     mine, other = keys[:, None], keys[None, :]
     before = (other < mine) | ((other == mine) & (i[None, :] < i[:, None]))
-    return inverse_permutation(jnp.sum(before, axis=1, dtype=jnp.int32))
+    return inverse_permutation(jnp.sum(before, axis=1, dtype=jnp.int32)), count
 
 
 def _counted_order(keys, num_keys: int):
-    """stable_order of keys in [0, num_keys) from counts (see STABLE_ORDER_CHUNK). The keys are
-    padded to whole chunks with the key num_keys, which sorts after all of them."""
+    """(stable_order, each key value's count) of keys in [0, num_keys) from counts (see
+    STABLE_ORDER_CHUNK). The keys are padded to whole chunks with the key num_keys, which sorts
+    after all of them."""
     n, c = keys.shape[0], STABLE_ORDER_CHUNK
     chunks = jnp.concatenate([keys.astype(jnp.int32),
                               jnp.full((-n % c,), num_keys, jnp.int32)]).reshape(-1, c)
@@ -284,7 +298,7 @@ def _counted_order(keys, num_keys: int):
     same = chunks[:, :, None] == chunks[:, None, :]  # [chunk, key, other key of its chunk]
     within = jnp.sum(same & (i[None, None, :] < i[None, :, None]), axis=2, dtype=jnp.int32)
     place = smaller[chunks] + jnp.take_along_axis(earlier_chunks, chunks, axis=1) + within
-    return inverse_permutation(place.reshape(-1))[:n]
+    return inverse_permutation(place.reshape(-1))[:n], per_value[:num_keys]
 
 
 def inverse_permutation(order):

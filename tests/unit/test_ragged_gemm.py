@@ -447,3 +447,21 @@ def test_stable_order_is_a_stable_argsort(n, values):
         np.testing.assert_array_equal(np.asarray(order(jnp.asarray(keys))), want)
         np.testing.assert_array_equal(np.asarray(jax.jit(order)(jnp.asarray(keys))), want)
         assert order(jnp.asarray(keys)).dtype == jnp.int32
+
+
+@pytest.mark.parametrize("n, experts", [(37, 5), (4097, 17), (8192, 128), (32769, 128)])
+def test_expert_order_counts_the_rows_once(n, experts):
+    """expert_order (every MoE layer's sorted rows and group sizes) gives NumPy's stable argsort
+    and bincount; where the order counts the rows per expert itself (past
+    STABLE_ORDER_RANK_MAX keys of a bounded range) those counts are the group sizes: no
+    scatter-add counts them a second time."""
+    from jax_blockscale.ragged.dispatch import expert_order
+    keys = np.random.default_rng(n).integers(0, experts, n).astype(np.int32)
+    keys[:: max(1, n // 9)] = experts - 1  # one expert far above the average
+    order, counts = jax.jit(expert_order, static_argnums=1)(jnp.asarray(keys), experts)
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(keys, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(keys, minlength=experts))
+    assert counts.dtype == jnp.int32 and counts.shape == (experts,)
+    jaxpr = str(jax.make_jaxpr(expert_order, static_argnums=1)(jnp.asarray(keys), experts))
+    counted = ragged.STABLE_ORDER_RANK_MAX < n <= ragged.STABLE_ORDER_COUNT_MAX
+    assert ("scatter-add" in jaxpr) != counted, jaxpr[-2000:]
