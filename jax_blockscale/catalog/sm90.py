@@ -627,7 +627,11 @@ def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf1
     decode = choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out)
     if decode is None:
         return True
-    v, splits, _ = decode
+    v = decode[0]
+    # the split count of the wave rule alone, without RAGGED_DECODE_MIN_SPLIT_CHUNKS: the rule
+    # was measured on it (long weight tiles), and short K ranges left whole are not long tiles
+    splits = decode_splits(k, v.b_kind, v.tuning, _ceil_div(n, v.tuning.bn) * min(groups, m),
+                           sm_count)
     return splits == 1 and ragged_decode_tiles_per_cta(m, n, k, groups, v.b_kind, v.nt, splits,
                                                        sm_count) == 1
 
