@@ -513,10 +513,16 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
     v = DecodeVariant(a_kind, b_kind, out, nt_for(max(avg, min(2 * avg, 32))), grouped=True)
-    ctas = _ceil_div(n, v.tuning.bn) * min(groups, m)
-    return (v, decode_splits(k, b_kind, v.tuning, ctas, sm_count,
-                             min_chunks=RAGGED_DECODE_MIN_SPLIT_CHUNKS),
+    return (v, _ragged_decode_splits(v, m, n, k, groups, sm_count,
+                                     min_chunks=RAGGED_DECODE_MIN_SPLIT_CHUNKS),
             ragged_decode_items(m, groups, v.nt))
+
+
+def _ragged_decode_splits(v, m, n, k, groups, sm_count, min_chunks=1):
+    """decode_splits for grouped variant v: its CTAs per K range are the tiles of N of the
+    experts that can be hit (at most min(G, M) of them)."""
+    ctas = _ceil_div(n, v.tuning.bn) * min(groups, m)
+    return decode_splits(k, v.b_kind, v.tuning, ctas, sm_count, min_chunks=min_chunks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -630,8 +636,7 @@ def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf1
     v = decode[0]
     # the split count of the wave rule alone, without RAGGED_DECODE_MIN_SPLIT_CHUNKS: the rule
     # was measured on it (long weight tiles), and short K ranges left whole are not long tiles
-    splits = decode_splits(k, v.b_kind, v.tuning, _ceil_div(n, v.tuning.bn) * min(groups, m),
-                           sm_count)
+    splits = _ragged_decode_splits(v, m, n, k, groups, sm_count)
     return splits == 1 and ragged_decode_tiles_per_cta(m, n, k, groups, v.b_kind, v.nt, splits,
                                                        sm_count) == 1
 
