@@ -104,9 +104,9 @@ def anchor_cases(peer, cases):
 
 def other_cases(peer, cases, tokens):
     """peer_moe_gemms.py's cases: the rest, at bench_moe's shapes."""
-    out = []
+    out, anchored = [], anchor_cases(peer, cases)
     for model, which in cases:
-        if (model, which) not in anchor_cases(peer, cases):
+        if (model, which) not in anchored:
             e, n, k = bm.gemm_shape(model, which)
             out.append(dict(model=model, gemm=which, experts=e, n=n, k=k,
                             top_k=bm.MODELS[model]["top_k"], tokens=list(tokens)))
@@ -233,7 +233,10 @@ def main():
                 else dict(rows=[], device=None, torch=None, triton=None))
     others = other_cases(peer, cases, peer.TOKENS)
     if others:
-        peer_out["rows"] = peer_out["rows"] + other_peer_rows(peer_dir, others)["rows"]
+        other = other_peer_rows(peer_dir, others)
+        for key in ("device", "torch", "triton"):  # when the anchor did not run
+            peer_out[key] = peer_out.get(key) or other.get(key)
+        peer_out["rows"] = peer_out["rows"] + other["rows"]
     rows = merge(rows, peer_out, copy_tbps)
     print(f"\n{device}; MXFP4 expert GEMMs, bf16 activations; device time (us); copy bandwidth "
           f"{copy_tbps:.2f} TB/s; floor: the hit experts' bytes at it")
