@@ -668,6 +668,18 @@ def test_ragged_rejects(over, match):
     _assert_refused(_ragged_call_of(p), over, match)
 
 
+@pytest.mark.parametrize("m", [8, 32768])  # the grouped decode and register-weight kernels
+def test_expert_stacks_past_2_gib_are_accepted_one_expert_is_not(m):
+    """The handler checks B per expert, as the planner does (weights_fit_32bit_indexing):
+    DeepSeek-V3's 256 experts of 4096 x 7168 (3.8 GB of MXFP4) are accepted as planned; an
+    expert of more than 2^31 bytes is refused by name, before any buffer is looked at."""
+    p = P.plan_ragged_sm90(_ragged_spec(None, "mxfp4", None, "bfloat16", m, 4096, 7168, 256),
+                           H100)
+    call = _ragged_call_of(p)
+    assert call["b_bytes"] > 2**31
+    _assert_refused(call, dict(n=600_000), "problem too large for 32-bit indexing")
+
+
 def test_sizes_mode_is_planned_where_groups_start_at_row_0():
     """The grouped decode kernel makes its items from the raw sizes unless the call is an
     expert-parallel shard (row_start from the sharding rule: XLA's table carries it); the
