@@ -92,8 +92,8 @@ from jax_blockscale.kernels.sm90_ptx import (
     FIN_FOUR_FROM, FOLD_ALPHA, OUT_DTYPES, cp_async, cp_async_commit,
     cp_async_wait, dequant_group, dequant_mma, ldg4_f32, ldg_bytes, ldg_f32, ldg_stream_v4, ldg_v4,
     bytes_above_mx_fold, lds_v2, lds_v4, mbar_arrive_expect_tx, mbar_init, mbar_init_fence,
-    mbar_wait, permute_fp4_order, scale_bf16x2, scale_pair_bf16x2, scale_pair_sel, stg4_out,
-    stg_f32, sts_v4, sync_threads_or)
+    mbar_wait, opaque_i32, permute_fp4_order, scale_bf16x2, scale_pair_bf16x2, scale_pair_sel,
+    stg4_out, stg_f32, sts_v4, sync_threads_or)
 
 # mx_fold's check of a CTA's block scales: 16-byte loads each thread keeps in flight at a time
 MX_FOLD_LOADS = 4
@@ -134,6 +134,10 @@ class Sm90DecodeGemm:
         # products are the values.
         self.mx_fold = (tuning.fold_scale and decode_mx_fold(v.b_kind, v.nt)
                         and tuning.pipeline == "tma" and not tuning.probe)
+        # A K range's last sub-chunk, where it holds fewer steps of K than the others, runs
+        # apart and skips the steps past K (_sub_chunk_compute); with 2-step sub-chunks (the wide
+        # tuning) there is one step at most to skip, and the second path spilled registers
+        self.skip_steps = tuning.pipeline == "tma" and self.sub >= 4 and not tuning.probe
         # chained (DecodeVariant.chained): launched with programmatic dependent launch behind the
         # activation's producer; waits for it after the first weight copies are issued
         self.chained = v.chained
@@ -729,46 +733,70 @@ class Sm90DecodeGemm:
             past = self._scales_past_fold(sb_addr, bx, tiles[0] if tiles is not None else 1, li,
                                           nb128, k, k_begin, k_end, n_sub, tid)
             if sync_threads_or(past) == 0:
-                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, chunk, True)
+                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, True)
             else:
-                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, chunk, False)
+                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, False)
         else:
-            self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, chunk, self.fold)
+            self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, self.fold)
 
     @cute.jit
-    def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, chunk, fold):
+    def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold):
         """_mainloop_tma's `total` sub-chunks (run: its state), converted with `fold`
         (_step_compute): one tile's, or (tiles) each tile's n_sub followed by its outputs."""
         if cutlass.const_expr(tiles is None):
-            self._tma_sub_chunks(run, total, k_begin, chunk, fold)
+            self._tma_sub_chunks(run, total, k_begin, k_end, chunk, fold)
         elif tiles[0] == 1:  # one tile: the dense kernel's loop, then the tile's outputs
-            self._tma_sub_chunks(run, total, k_begin, chunk, fold)
+            self._tma_sub_chunks(run, total, k_begin, k_end, chunk, fold)
             self._grouped_epilogue(acc, bx, *tiles[1])
         else:
             # tile by tile: each tile's outputs are written between its last sub-chunk and the
             # next tile's first, outside the sub-chunk loop (whose body stays the dense one's)
+            partial = self._partial_last(k_begin, k_end, n_sub, chunk)
             for tile in range(tiles[0]):
-                for sub in range(n_sub):
+                for sub in range(n_sub - partial):
                     nxt = self._next_sub_chunk((sub, tile), n_sub)
                     self._tma_sub_chunk(run, tile * n_sub + sub, k_begin + sub * chunk,
                                         k_begin + nxt[0] * chunk, nxt, fold)
+                if cutlass.const_expr(self.skip_steps):
+                    if partial > 0:  # the tile's last sub-chunk holds fewer steps of K
+                        sub = n_sub - 1
+                        nxt = self._next_sub_chunk((sub, tile), n_sub)
+                        self._tma_sub_chunk(run, tile * n_sub + sub, k_begin + sub * chunk,
+                                            k_begin + nxt[0] * chunk, nxt, fold, last=True)
                 self._grouped_epilogue(acc, bx + tile, *tiles[1])
                 acc.fill(0.0)
 
     @cute.jit
-    def _tma_sub_chunks(self, run, total, k_begin, chunk, fold):
-        """Sub-chunks 0 .. total - 1 of one tile of N, one after the other (_tma_sub_chunk)."""
-        for it in range(total):
+    def _tma_sub_chunks(self, run, total, k_begin, k_end, chunk, fold):
+        """Sub-chunks 0 .. total - 1 of one tile of N, one after the other (_tma_sub_chunk); a
+        last one that holds fewer steps of K than a sub-chunk runs apart, skipping the rest."""
+        partial = self._partial_last(k_begin, k_end, total, chunk)
+        for it in range(total - partial):
             kc = k_begin + it * chunk
             self._tma_sub_chunk(run, it, kc, kc + chunk, fold=fold)
+        if cutlass.const_expr(self.skip_steps):
+            if partial > 0:
+                kc = k_begin + (total - 1) * chunk
+                self._tma_sub_chunk(run, total - 1, kc, kc + chunk, fold=fold, last=True)
+
+    def _partial_last(self, k_begin, k_end, n_sub, chunk):
+        """1 when the last of the n_sub sub-chunks from k_begin ends past k_end (it holds fewer
+        steps of K than a sub-chunk) and the kernel skips steps (self.skip_steps), else 0. Only
+        such a sub-chunk takes the path that skips steps: a whole one keeps the main loop's
+        schedule, whose steps overlap."""
+        if cutlass.const_expr(not self.skip_steps):
+            return 0
+        return cutlass.Int32(k_begin + n_sub * chunk > k_end)
 
     @cute.jit
-    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None, fold=None):
+    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None, fold=None, last=False):
         """Sub-chunk `it` of the TMA main loop (_mainloop_tma's state in `run`): stage its
         activation (loaded one sub-chunk ago) and load the next one's (K offset kn), wait for its
         weights, refill the slot the sub-chunk before it used with sub-chunk it + S - 1, and
         compute. nxt = the position (sub-chunk in its tile, tile) of sub-chunk it + 1 when the
-        CTA runs several tiles of N. fold: _step_compute's (default self.fold)."""
+        CTA runs several tiles of N. fold: _step_compute's (default self.fold). last: the last
+        sub-chunk of a tile's K range, whose steps past the range's end (TMA zeros) are
+        skipped."""
         (views, ring_w, ring_s, bars, act_raw, act_base, acc, a_addr, a_scales, li_a, m, m0, k,
          k_begin, k_end, m_end, bx, li, nb128, n_sub, total, tid, lane, warp, g, t, a_fp8,
          b_fp8) = run
@@ -789,18 +817,36 @@ class Sm90DecodeGemm:
                 for _ in cutlass.range_constexpr(S - 2 if nxt is not None else 0):
                     ahead = self._next_sub_chunk(ahead, n_sub)
                 self._issue_tma(views, it + S - 1, k_begin, bx, li, nb128, lane, ahead)
-        self._sub_chunk_compute(ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold)
+        steps = None
+        if cutlass.const_expr(last):  # steps holding elements of the K range (1 .. self.sub)
+            steps = (k_end - kc + self.se - 1) // self.se
+        self._sub_chunk_compute(ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold,
+                                steps)
 
     @cute.jit
-    def _sub_chunk_compute(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold):
+    def _sub_chunk_compute(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold,
+                           steps=None):
         """The steps of the sub-chunk in ring stage `stage` (fold: the scales carry the bit
-        trick's offset, _step_compute)."""
+        trick's offset, _step_compute). steps: how many hold elements of K (None: all); each
+        later one runs as a loop of zero or one pass whose count the compiler cannot see, so it
+        is branched over, not issued predicated off (ptxas predicates an `if` of this size)."""
         for c in cutlass.range_constexpr(self.sub):
-            w, sw = self._tma_words(ring_w, ring_s, stage, c, warp, g, t)
-            if cutlass.const_expr(self.tuning.probe != "nocompute"):
-                self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8, fold=fold)
-            else:  # keep the shared-memory reads: fold them into one accumulator
-                acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
+            if cutlass.const_expr(steps is None or c == 0):
+                self._sub_chunk_step(ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8,
+                                     fold, c)
+            else:
+                for _ in cutlass.range(opaque_i32(cutlass.Int32(c < steps)), unroll=1):
+                    self._sub_chunk_step(ring_w, ring_s, stage, buf, warp, g, t, lane, acc,
+                                         b_fp8, fold, c)
+
+    @cute.jit
+    def _sub_chunk_step(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold, c):
+        """Step c of the sub-chunk in ring stage `stage` (_sub_chunk_compute)."""
+        w, sw = self._tma_words(ring_w, ring_s, stage, c, warp, g, t)
+        if cutlass.const_expr(self.tuning.probe != "nocompute"):
+            self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8, fold=fold)
+        else:  # keep the shared-memory reads: fold them into one accumulator
+            acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
 
     @cute.jit
     def _scales_past_fold(self, sb_addr, bx, n_tiles, li, nb128, k, k_begin, k_end, n_sub, tid):

@@ -43,6 +43,14 @@ def _asm(n_out, out_kind, ins, body, in_cons, loc=None, ip=None, side_effects=Tr
     return [wrap(o) for o in outs]
 
 
+@dsl_user_op
+def opaque_i32(x, *, loc=None, ip=None):
+    """x, through a register move the compiler cannot see into: a loop whose trip count comes
+    from it stays a loop (LLVM does not turn a trip count it cannot bound into an `if`, and
+    ptxas does not predicate a loop's body as it does an `if`'s)."""
+    return _asm(1, "r", [x], "mov.b32 $0, $1;", ["r"], loc, ip, side_effects=False)[0]
+
+
 def _ldg_v4_ptx(qualifiers):
     """16 bytes into 4 registers, zeros if !pred ($5), with the load's cache qualifiers."""
     return ("{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"

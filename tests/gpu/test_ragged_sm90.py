@@ -194,6 +194,30 @@ def test_decode_kernel_runs_several_tiles_of_n_per_cta(per_cta, splits, work, mo
                 "ragged_decode", per_cta, splits, bn), p
 
 
+@pytest.mark.parametrize("per_cta", [1, 3])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8_e4m3"])
+def test_decode_kernel_skips_the_steps_past_k(per_cta, splits, fmt, monkeypatch):
+    """K whose last sub-chunk holds 1, 2, 3 or 4 steps of K (the last one half full, or all
+    whole: Qwen3-30B-A3B's K = 768), one tile of N per CTA or several (each tile's last
+    sub-chunk then comes between full ones of the next tile), K unsplit or in two ranges: the
+    grouped kernel skips each tile's steps past K and no others."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
+    choose = cat.choose_ragged_decode_variant
+
+    def forced(*args, **kw):
+        v, _, items = choose(*args, **kw)
+        return v, splits, items
+    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
+    monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+    se = 64 if fmt.startswith("mxfp8") else 128  # K elements per step, 4 steps a sub-chunk
+    ks = [4 * se + steps * se - se // 2 for steps in (1, 2, 3, 4)] + [6 * se]
+    for k in ks:
+        lhs, rhs, gs = _problem(None, fmt, [0, 3, 1, 0, 2, 4, 0, 1], 12, 1000, k)
+        p = _compare(lhs, rhs, gs, "f32")
+        assert (p.kernel, p.tiles_per_cta, p.splits) == ("ragged_decode", per_cta, splits), p
+
+
 def test_blocked_activation_scales_and_f16_output(kernel):
     lhs, rhs, gs = _problem("mxfp4", "mxfp4", [10, 0, 100, 20, 0, 1], 200, 512, 256,
                             layout_lhs="blocked")

@@ -490,6 +490,23 @@ def test_decode_shapes(m, n, k, fmt_a, fmt_b):
 
 
 @needs_sm90
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp4"), ("mxfp4", "mxfp4"),
+                                         (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4")])
+def test_decode_last_sub_chunk_of_every_length(m, fmt_a, fmt_b):
+    """K whose last sub-chunk holds 1, 2, 3 or 4 steps (fp4: 128 elements a step, fp8: 64;
+    4 steps a sub-chunk), the last step whole or half full: the kernel skips the steps past K
+    (Sm90DecodeGemm._sub_chunk_compute) and no other. Few tiles of N, so K is split too: the
+    last split's range ends in the partial sub-chunk."""
+    se = 64 if fmt_b.startswith("mxfp8") else 128
+    for steps in (1, 2, 3, 4):
+        for k in (8 * se + steps * se, 8 * se + steps * se - se // 2):
+            a, b = _operands(fmt_a, fmt_b, (), (), m, 300, k)
+            _assert_decode_lowering(a, b)
+            _check(a, b, "f32")
+
+
+@needs_sm90
 @pytest.mark.parametrize("out", ["bf16", "f16"])
 @pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")])
 def test_decode_outputs(out, fmt_a, fmt_b):
