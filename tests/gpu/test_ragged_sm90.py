@@ -162,6 +162,19 @@ def test_decode_kernel_makes_its_items_from_the_raw_sizes(g, m, nt_rows, monkeyp
             assert p.tile[0] == nt_rows, p
 
 
+def _force_decode_plan(monkeypatch, splits, per_cta):
+    """The grouped decode kernel, with its split count and tiles of N per CTA forced (its item
+    height as the catalogue chooses it)."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
+    choose = cat.choose_ragged_decode_variant
+
+    def forced(*args, **kw):
+        v, _, items = choose(*args, **kw)
+        return v, splits, items
+    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
+    monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+
+
 @pytest.mark.parametrize("per_cta", [2, 3, 16])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("work", ["sizes", "table"])
@@ -172,14 +185,7 @@ def test_decode_kernel_runs_several_tiles_of_n_per_cta(per_cta, splits, work, mo
     last split's range is empty and writes zeros), experts with no rows and rows past the
     groups (zero items over several tiles), on 8- and 16-row items, in sizes mode and from
     XLA's work table."""
-    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
-    choose = cat.choose_ragged_decode_variant
-
-    def forced(*args, **kw):
-        v, _, items = choose(*args, **kw)
-        return v, splits, items
-    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
-    monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+    _force_decode_plan(monkeypatch, splits, per_cta)
     if work == "table":
         plan_ragged = ragged_sm90.plan_ragged_sm90
         monkeypatch.setattr(ragged_sm90, "plan_ragged_sm90", lambda *args: dataclasses.replace(
@@ -202,14 +208,7 @@ def test_decode_kernel_skips_the_steps_past_k(per_cta, splits, fmt, monkeypatch)
     whole: Qwen3-30B-A3B's K = 768), one tile of N per CTA or several (each tile's last
     sub-chunk then comes between full ones of the next tile), K unsplit or in two ranges: the
     grouped kernel skips each tile's steps past K and no others."""
-    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
-    choose = cat.choose_ragged_decode_variant
-
-    def forced(*args, **kw):
-        v, _, items = choose(*args, **kw)
-        return v, splits, items
-    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
-    monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+    _force_decode_plan(monkeypatch, splits, per_cta)
     se = 64 if fmt.startswith("mxfp8") else 128  # K elements per step, 4 steps a sub-chunk
     ks = [4 * se + steps * se - se // 2 for steps in (1, 2, 3, 4)] + [6 * se]
     for k in ks:
