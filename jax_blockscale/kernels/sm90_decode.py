@@ -780,13 +780,15 @@ class Sm90DecodeGemm:
                 self._tma_sub_chunk(run, total - 1, kc, kc + chunk, fold=fold, last=True)
 
     def _partial_last(self, k_begin, k_end, n_sub, chunk):
-        """1 when the last of the n_sub sub-chunks from k_begin ends past k_end (it holds fewer
-        steps of K than a sub-chunk) and the kernel skips steps (self.skip_steps), else 0. Only
-        such a sub-chunk takes the path that skips steps: a whole one keeps the main loop's
-        schedule, whose steps overlap."""
+        """1 when there are sub-chunks (n_sub > 0) and the last of them from k_begin ends past
+        k_end (it holds fewer steps of K than a sub-chunk) and the kernel skips steps
+        (self.skip_steps), else 0. Only such a sub-chunk takes the path that skips steps: a
+        whole one keeps the main loop's schedule, whose steps overlap. (An empty K range, a
+        split past the end of a K that is not a whole number of sub-chunks, begins past k_end:
+        it has no last sub-chunk.)"""
         if cutlass.const_expr(not self.skip_steps):
             return 0
-        return cutlass.Int32(k_begin + n_sub * chunk > k_end)
+        return cutlass.Int32(k_begin + n_sub * chunk > k_end) * cutlass.Int32(n_sub > 0)
 
     @cute.jit
     def _tma_sub_chunk(self, run, it, kc, kn, nxt=None, fold=None, last=False):

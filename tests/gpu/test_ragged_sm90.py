@@ -201,16 +201,20 @@ def test_decode_kernel_runs_several_tiles_of_n_per_cta(per_cta, splits, work, mo
 
 
 @pytest.mark.parametrize("per_cta", [1, 3])
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [1, 2, 4])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8_e4m3"])
 def test_decode_kernel_skips_the_steps_past_k(per_cta, splits, fmt, monkeypatch):
     """K whose last sub-chunk holds 1, 2, 3 or 4 steps of K (the last one half full, or all
     whole: Qwen3-30B-A3B's K = 768), one tile of N per CTA or several (each tile's last
-    sub-chunk then comes between full ones of the next tile), K unsplit or in two ranges: the
+    sub-chunk then comes between full ones of the next tile), K unsplit or in ranges. Four
+    ranges over 5.6 sub-chunks (gpt-oss's K = 2880) are 2, 2, 1.6 and none: the last range
+    begins past K, is empty and must write zeros (no last sub-chunk to skip steps in). The
     grouped kernel skips each tile's steps past K and no others."""
     _force_decode_plan(monkeypatch, splits, per_cta)
     se = 64 if fmt.startswith("mxfp8") else 128  # K elements per step, 4 steps a sub-chunk
     ks = [4 * se + steps * se - se // 2 for steps in (1, 2, 3, 4)] + [6 * se]
+    if splits == 4:
+        ks = [20 * se + 2 * se + se // 2]  # 5.6 sub-chunks
     for k in ks:
         lhs, rhs, gs = _problem(None, fmt, [0, 3, 1, 0, 2, 4, 0, 1], 12, 1000, k)
         p = _compare(lhs, rhs, gs, "f32")

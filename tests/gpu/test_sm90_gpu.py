@@ -507,6 +507,29 @@ def test_decode_last_sub_chunk_of_every_length(m, fmt_a, fmt_b):
 
 
 @needs_sm90
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp4"), ("mxfp4", "mxfp4"),
+                                         (None, "mxfp8_e4m3")])
+def test_decode_k_range_past_k_is_empty(monkeypatch, m, fmt_a, fmt_b):
+    """Four K ranges over 5.6 sub-chunks (gpt-oss's K = 2880 in FP4) are 2, 2, 1.6 and none:
+    the last range begins past K. The handler takes any split count up to the sub-chunks (the
+    catalogue itself makes no empty range); the kernel must write that range's partials as
+    zeros and skip steps only in the range that ends in a partial sub-chunk."""
+    choose = cat.choose_decode_variant
+
+    def four_splits(*args, **kw):
+        v, _ = choose(*args, **kw)
+        return v, 4
+    monkeypatch.setattr(cat, "choose_decode_variant", four_splits)
+    se = 64 if fmt_b.startswith("mxfp8") else 128  # K elements per step, 4 steps a sub-chunk
+    a, b = _operands(fmt_a, fmt_b, (), (), m, 300, 22 * se + se // 2)
+    _assert_decode_lowering(a, b)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    assert "splits = 4 : i32" in f.lower(a, b).as_text()
+    _check(a, b, "f32", f)
+
+
+@needs_sm90
 @pytest.mark.parametrize("out", ["bf16", "f16"])
 @pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), ("mxfp8_e4m3", "mxfp8_e4m3")])
 def test_decode_outputs(out, fmt_a, fmt_b):
