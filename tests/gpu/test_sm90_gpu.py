@@ -499,11 +499,13 @@ def test_decode_last_sub_chunk_of_every_length(m, fmt_a, fmt_b):
     (Sm90DecodeGemm._sub_chunk_compute) and no other. Few tiles of N, so K is split too: the
     last split's range ends in the partial sub-chunk."""
     se = 64 if fmt_b.startswith("mxfp8") else 128
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     for steps in (1, 2, 3, 4):
         for k in (8 * se + steps * se, 8 * se + steps * se - se // 2):
             a, b = _operands(fmt_a, fmt_b, (), (), m, 300, k)
             _assert_decode_lowering(a, b)
-            _check(a, b, "f32")
+            assert "splits = 3 : i32" in f.lower(a, b).as_text()  # one sub-chunk per range
+            _check(a, b, "f32", f)
 
 
 @needs_sm90
