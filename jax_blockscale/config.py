@@ -60,6 +60,9 @@ class Config:
     # JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS: force the dense register-weight variants'
     # split-K count (1: no split; tuning aid; None: the catalogue's choice)
     sm90_register_weight_splits: int | None = None
+    # JAX_BLOCKSCALE_SM90_DECODE_SPLITS: force the dense decode kernel's split-K count (1: no
+    # split; at most one K range per sub-chunk; tuning aid; None: the catalogue's choice)
+    sm90_decode_splits: int | None = None
     # JAX_BLOCKSCALE_SM90_RAGGED_KERNEL: ragged_gemm's sm90 kernel ("decode": the grouped decode
     # kernel, "prefill": the grouped register-weight kernel where it can run; "auto" or unset:
     # the catalogue's choice by rows per expert; tuning and testing aid)
@@ -88,6 +91,9 @@ def _read() -> Config:
     if rw_splits is not None and not 1 <= rw_splits <= 255:
         raise ValueError(f"JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS={rw_splits} must be in "
                          "[1, 255]")
+    decode_splits = _int("JAX_BLOCKSCALE_SM90_DECODE_SPLITS")
+    if decode_splits is not None and not 1 <= decode_splits <= 255:
+        raise ValueError(f"JAX_BLOCKSCALE_SM90_DECODE_SPLITS={decode_splits} must be in [1, 255]")
     return Config(
         backend=None if backend == "auto" else backend,
         library=os.environ.get("JAX_BLOCKSCALE_LIBRARY") or None,
@@ -99,6 +105,7 @@ def _read() -> Config:
         sm90_dot_alpha=os.environ.get("JAX_BLOCKSCALE_SM90_DOT_ALPHA") != "0",
         sm90_tile_n=tile_n,
         sm90_register_weight_splits=rw_splits,
+        sm90_decode_splits=decode_splits,
         sm90_ragged_kernel=_choice("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL",
                                    ("auto", "decode", "prefill"), "auto"),
         sm90_ragged_tile_m=ragged_tile_m,

@@ -294,6 +294,14 @@ WIDE_TUNING = Tuning("tma", stages=2, sub_steps=2, min_blocks=2, ctas_per_sm=2,
 NARROW_16_ROW_KINDS = frozenset({"mxfp8"})
 
 
+# The dense decode kernel's 1-8-row calls (nt = 1: NARROW_TUNING, 2 CTAs per SM) give every K
+# range at least this many sub-chunks: a CTA of one sub-chunk spends about as long filling its
+# ring and staging its first activation as computing, and half as many CTAs of two sub-chunks
+# each were faster. At 9-16 rows (DEFAULT_TUNING, 1 CTA per SM) and in the grouped kernel
+# ranges of one sub-chunk were as fast or faster (docs/design/sm90_decode.md, "What was tried").
+DECODE_MIN_CHUNKS_NT1 = 2
+
+
 # MXFP4 weights: the decode kernel folds the bit trick's 2^126 into the block scales of a CTA
 # whose scales are all at most 2 (every real checkpoint's), one bf16x2 multiply per pair instead of
 # two, and keeps the unfolded loop for any other CTA (Sm90DecodeGemm.mx_fold). Not at nt = 8:
@@ -381,11 +389,14 @@ DECODE_VARIANTS = tuple(DecodeVariant(a, b, out, nt) for (a, b) in DECODE_PAIRS 
 RAGGED_DECODE_VARIANTS = tuple(dataclasses.replace(v, grouped=True) for v in DECODE_VARIANTS)
 
 
-def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=None):
+def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=None,
+                          splits=None):
     """(variant, splits) for a decode-shaped call, or None if the decode kernel does not run it.
 
-    fmt_a is None/"bf16" for weight-only. splits: K ranges per output tile (decode_splits).
-    `tuning` defaults to tuning_for(nt, b) (what the library ships)."""
+    fmt_a is None/"bf16" for weight-only. splits: K ranges per output tile (decode_splits; a
+    given `splits` is taken as the count wanted, at most one range per sub-chunk, every range
+    the same length but the last). `tuning` defaults to tuning_for(nt, b) (what the library
+    ships)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if a_kind is None or b_kind not in DECODE_B_KINDS:
@@ -399,7 +410,13 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
     nt = nt_for(m)
     tuning = tuning or tuning_for(nt, b_kind)
     ctas = _ceil_div(n, tuning.bn) * _ceil_div(m, 8 * nt)
-    return DecodeVariant(a_kind, b_kind, out, nt), decode_splits(k, b_kind, tuning, ctas, sm_count)
+    if splits is None:
+        splits = decode_splits(k, b_kind, tuning, ctas, sm_count,
+                               min_chunks=DECODE_MIN_CHUNKS_NT1 if nt == 1 else 1)
+    else:
+        k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
+        splits = _ceil_div(k_chunks, _ceil_div(k_chunks, max(1, min(splits, k_chunks))))
+    return DecodeVariant(a_kind, b_kind, out, nt), splits
 
 
 # ----------------------------------------------------------------------------------------------

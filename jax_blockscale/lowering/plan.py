@@ -348,7 +348,8 @@ class _Sm90:
         if self.register_weights_take_decode_rows():
             return None
         choice = cat90.choose_decode_variant(self.m, spec.n, _padded_k(spec), spec.fmt_a,
-                                             spec.fmt_b, self.device.sm_count, out=self.out)
+                                             spec.fmt_b, self.device.sm_count, out=self.out,
+                                             splits=self.cfg.sm90_decode_splits)
         if choice is None or not self.lib.has(choice[0].name):
             return None
         return choice

@@ -366,6 +366,11 @@ def test_choose_decode_variant():
             k_chunks = -(-k // chunk)
             per = -(-k_chunks // s)
             assert (s - 1) * per < k_chunks, (m, n, k, fmt, s)
+    # a forced split count (JAX_BLOCKSCALE_SM90_DECODE_SPLITS): at most one range per sub-chunk
+    # (K = 14336 NVFP4: 28), the ranges evened out (5 wanted: 6 sub-chunks each, 5 ranges)
+    for want, got in [(1, 1), (4, 4), (5, 5), (8, 7), (28, 28), (255, 28)]:
+        v, s = cat.choose_decode_variant(1, 4096, 14336, None, "nvfp4", 132, splits=want)
+        assert s == got, (want, s)
     # M = 17..64: the wide variants (one row tile per warp, 128 rows of N per CTA)
     for m, nt in [(17, 4), (32, 4), (33, 8), (64, 8)]:
         v, s = cat.choose_decode_variant(m, 16384, 16384, None, "nvfp4", 132)

@@ -493,11 +493,13 @@ def test_decode_shapes(m, n, k, fmt_a, fmt_b):
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp4"), ("mxfp4", "mxfp4"),
                                          (None, "mxfp8_e4m3"), ("nvfp4", "nvfp4")])
-def test_decode_last_sub_chunk_of_every_length(m, fmt_a, fmt_b):
+def test_decode_last_sub_chunk_of_every_length(monkeypatch, m, fmt_a, fmt_b):
     """K whose last sub-chunk holds 1, 2, 3 or 4 steps (fp4: 128 elements a step, fp8: 64;
     4 steps a sub-chunk), the last step whole or half full: the kernel skips the steps past K
-    (Sm90DecodeGemm._sub_chunk_compute) and no other. Few tiles of N, so K is split too: the
-    last split's range ends in the partial sub-chunk."""
+    (Sm90DecodeGemm._sub_chunk_compute) and no other. K split in 3 ranges of one sub-chunk
+    (forced: the catalogue gives 1-row calls two sub-chunks a range at least): the last
+    split's range ends in the partial sub-chunk."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_SPLITS="3")
     se = 64 if fmt_b.startswith("mxfp8") else 128
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     for steps in (1, 2, 3, 4):

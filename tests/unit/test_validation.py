@@ -97,3 +97,13 @@ def test_bad_register_weight_split_count_is_refused(monkeypatch, value):
     assert set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="3") \
         .sm90_register_weight_splits == 3
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=None)
+
+
+@pytest.mark.parametrize("value", ["0", "256", "-1"])
+def test_bad_decode_split_count_is_refused(monkeypatch, value):
+    """JAX_BLOCKSCALE_SM90_DECODE_SPLITS outside [1, 255] fails when the configuration is read,
+    naming the variable; a valid one is taken."""
+    with pytest.raises(ValueError, match="JAX_BLOCKSCALE_SM90_DECODE_SPLITS"):
+        set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_SPLITS=value)
+    assert set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_SPLITS="5").sm90_decode_splits == 5
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_SPLITS=None)
