@@ -478,6 +478,17 @@ RAGGED_DECODE_MAX_TILES_PER_CTA = 4  # the most measured (the kernel takes up to
 # H200, 1-token calls of 2 and 4 sub-chunks ran faster unsplit, 6 faster in two ranges on the
 # H100: docs/design/sm90_ragged_decode.md).
 RAGGED_DECODE_MIN_SPLIT_CHUNKS = 3
+# Per GPU model where it differs (Device.card): on the H200 a 1-token call of 6 sub-chunks
+# (gpt-oss's down projection, K = 2880) ran faster unsplit, the same kernel time without the
+# partials' sum, where the H100 gained from two ranges (docs/design/sm90_ragged_decode.md).
+RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
+
+
+def card_of(device_kind: str) -> str | None:
+    """The GPU model a catalogue rule may depend on, from a JAX device's `device_kind` ("NVIDIA
+    H200", "NVIDIA H100 80GB HBM3"): "h200", "h100", or None for any other."""
+    kind = device_kind.upper().split()
+    return next((c.lower() for c in ("H200", "H100") if c in kind), None)
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
 # dense kernel's 256-row CTAs the grouped kernel once took at 16-row items, they gained:
@@ -510,12 +521,14 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
     return per
 
 
-def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16"):
+def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16",
+                                card=None):
     """(variant, splits, items) for a grouped call of M rows (all groups together) over
     `groups` experts of (N, K), or None if the grouped decode kernel cannot run it.
 
     The item height follows twice the average rows per expert; splits fill about one wave with the
-    CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense kernel."""
+    CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense kernel, in
+    ranges of the card's RAGGED_DECODE_MIN_SPLIT_CHUNKS at least (card: Device.card)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if (a_kind, b_kind) not in DECODE_PAIRS or out not in OUTS:
@@ -530,8 +543,8 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
     v = DecodeVariant(a_kind, b_kind, out, nt_for(max(avg, min(2 * avg, 32))), grouped=True)
-    return (v, _ragged_decode_splits(v, m, n, k, groups, sm_count,
-                                     min_chunks=RAGGED_DECODE_MIN_SPLIT_CHUNKS),
+    min_chunks = RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD.get(card, RAGGED_DECODE_MIN_SPLIT_CHUNKS)
+    return (v, _ragged_decode_splits(v, m, n, k, groups, sm_count, min_chunks=min_chunks),
             ragged_decode_items(m, groups, v.nt))
 
 

@@ -61,7 +61,9 @@ def _gpu_device() -> Device:
     ccs = sorted({str(getattr(d, "compute_capability", "?")) for d in gpus})
     sms = max((getattr(d, "core_count", 0) or 0) for d in gpus)
     if ccs == ["9.0"]:
-        return Device("cuda", "sm90", sms or cat90.DEFAULT_SM_COUNT)
+        cards = {cat90.card_of(getattr(d, "device_kind", "")) for d in gpus}
+        return Device("cuda", "sm90", sms or cat90.DEFAULT_SM_COUNT,
+                      card=cards.pop() if len(cards) == 1 else None)
     if set(ccs) <= set(cat100.BLACKWELL_CCS):
         return Device("cuda", "sm100", sms or cat100.DEFAULT_SM_COUNT)
     return Device("cuda", None, sms, f"no kernels for compute capability {', '.join(ccs)} (sm90 "
@@ -514,7 +516,8 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         if prefill is not None:
             return _ragged_prefill_plan(spec, prefill[0], device, library)
         choice = cat90.choose_ragged_decode_variant(pm, pn, spec.k, pg, spec.fmt_lhs,
-                                                    spec.fmt_rhs, device.sm_count, out)
+                                                    spec.fmt_rhs, device.sm_count, out,
+                                                    card=device.card)
         if choice is not None:
             choice = (*choice[:2], cat90.ragged_decode_items(spec.m, spec.groups, choice[0].nt))
     if choice is None:

@@ -133,3 +133,6 @@ class Device:
     arch: str | None  # "sm90", "sm100" or None (no kernel architecture; `reason` says why)
     sm_count: int
     reason: str | None = None
+    # the GPU model where a catalogue rule depends on it ("h100", "h200"; catalog/sm90.py:
+    # card_of), else None (the rules' default)
+    card: str | None = None

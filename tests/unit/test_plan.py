@@ -101,11 +101,23 @@ def _register_weight_split(r, p):
     return cat90.fused_variant("bf16_kperm", kind, "f32", *tile).name, splits
 
 
+def _one_row_decode_splits(r, p):
+    """The third decision changed on purpose: the dense decode kernel's 1-8-row calls give
+    every K range DECODE_MIN_CHUNKS_NT1 sub-chunks at least (catalog/sm90.py; the record split
+    4096 x 4096 FP4 in 8 ranges of one). The record's split count as the planner now makes it,
+    or None for any other call."""
+    variant = r["variant"] or ""
+    if not (variant.startswith("jbs_sm90_decode_") and variant.endswith("_m8")) or isinstance(
+            p, str):
+        return None
+    return p.splits
+
+
 def test_sm90_plans_match_the_recorded_dispatch():
     rows = _rows("sm90_dispatch_before_planner.json.gz")
     assert len(rows) > 50_000
     lib, cfg = FullLibrary(), Config()
-    wrong, changed, split = [], 0, 0
+    wrong, changed, split, one_row = [], 0, 0, 0
     for r in rows:
         spec = _spec(r)
         p = P.plan_sm90(spec, H100, cfg=cfg, library=lib)
@@ -120,9 +132,18 @@ def test_sm90_plans_match_the_recorded_dispatch():
         elif (now := _register_weight_split(r, p)) is not None:
             split += 1
             want = ("kernel", *now, r["dequantize_a"], r["a_scales_plain"])
+        elif (now := _one_row_decode_splits(r, p)) is not None and now != r["splits"]:
+            # fewer, longer K ranges only: the count the record made, evened out over at least
+            # two sub-chunks a range
+            fmt_b = cat90.KIND_OF_FORMAT[spec.fmt_b]
+            chunks = -(-p.k // cat90.decode_chunk_elems(fmt_b, cat90.tuning_for(1, fmt_b)))
+            assert now < r["splits"] and chunks // now >= cat90.DECODE_MIN_CHUNKS_NT1, (r, now)
+            assert chunks // r["splits"] < cat90.DECODE_MIN_CHUNKS_NT1, (r, now)
+            one_row += 1
+            want = want[:2] + (now,) + want[3:]
         if got != want:
             wrong.append((r, got))
-    assert changed > 100 and split > 100
+    assert changed > 100 and split > 100 and one_row > 100
     assert not wrong, f"{len(wrong)} of {len(rows)} differ, e.g. {wrong[:3]}"
 
 
@@ -548,3 +569,44 @@ def test_grouped_decode_splits_keep_three_sub_chunks(g, n, k, top_k, splits):
     assert (p.kernel, p.splits) == ("ragged_decode", splits), p
     chunk = cat90.decode_chunk_elems("mxfp4", cat90.tuning_for(1, "mxfp4", grouped=True))
     assert -(-k // chunk) // p.splits >= cat90.RAGGED_DECODE_MIN_SPLIT_CHUNKS or p.splits == 1
+
+
+def test_grouped_decode_split_rule_follows_the_card():
+    """On the H200 a 1-token grouped call of 6 sub-chunks (gpt-oss's down projection) stays
+    unsplit, where the H100 (and any card without a rule of its own) splits it in two; a K of
+    14 sub-chunks still splits on both. The card comes from JAX's device_kind."""
+    from jax_blockscale.lowering.specs import RaggedSpec
+    assert [cat90.card_of(k) for k in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                       "NVIDIA H20", "")] == ["h200", "h100", "h100", None, None]
+    bf16 = np.dtype("bfloat16")
+
+    def splits(device, k):
+        p = P.plan_ragged_sm90(RaggedSpec(None, "mxfp4", None, "blocked", bf16, bf16, 4, 2880, k,
+                                          32), device, library=FullLibrary())
+        assert p.kernel == "ragged_decode", p
+        return p.splits
+
+    h200 = dataclasses.replace(H100, card="h200")
+    assert (splits(H100, 2880), splits(dataclasses.replace(H100, card="h100"), 2880),
+            splits(h200, 2880)) == (2, 2, 1)
+    assert splits(H100, 7168) > 1 and splits(h200, 7168) > 1
+    assert cat90.RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD["h200"] > 3
+
+
+def test_the_device_names_its_card(monkeypatch):
+    """_gpu_device reads the card from every GPU's device_kind; GPUs of two models have none."""
+    class Gpu:
+        platform, compute_capability, core_count = "gpu", "9.0", 132
+
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    for kinds, card in [(["NVIDIA H200"] * 2, "h200"), (["NVIDIA H100 80GB HBM3"], "h100"),
+                        (["NVIDIA H200", "NVIDIA H100 80GB HBM3"], None)]:
+        monkeypatch.setattr(P.jax, "devices", lambda kinds=kinds: [Gpu(k) for k in kinds])
+        P._gpu_device.cache_clear()
+        try:
+            dev = P._gpu_device()
+        finally:
+            P._gpu_device.cache_clear()
+        assert (dev.arch, dev.sm_count, dev.card) == ("sm90", 132, card)
