@@ -84,7 +84,8 @@ def main():
     args = p.parse_args()
     rows = []
     choose = cat.choose_ragged_decode_variant
-    sm_count = plan.device_for("cuda").sm_count
+    device = plan.device_for("cuda")
+    sm_count = device.sm_count
     cases = CASES if not args.cases else [
         (c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.cases.split(",")]
     nts = [int(x) for x in args.nts.split(",")] if args.nts else cat.DECODE_NTS
@@ -99,7 +100,7 @@ def main():
         gs = bm.routing(jax.random.fold_in(key, tokens), tokens, g, top_k)
         x = bm.normal(jax.random.fold_in(key, 7), (m, k), jnp.bfloat16)
         hit_bytes = int(jnp.sum(gs > 0)) * bm.quantized_bytes("mxfp4", n, k)
-        v, splits, _ = choose(m, n, k, g, None, "mxfp4", sm_count, "bf16")
+        v, splits, _ = choose(m, n, k, g, None, "mxfp4", sm_count, "bf16", card=device.card)
         configs = [(v.nt, splits, True)]
         if args.sweep:
             configs += [(nt, s, False) for nt in nts for s in (1, 2, 4)
