@@ -16,43 +16,32 @@ Needs an sm90 GPU and the library.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_blockscale as jbs  # noqa: E402
-from register_weight_splits import SHAPES, configured, gemm_fn, kernel_of  # noqa: E402
+from register_weight_splits import (  # noqa: E402
+    configured, gemm_fn, kernel_of, print_split_table, problems, save_results, split_arguments)
 from timing import L2_BYTES, copies, device_time_us, rotation_count  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,16")
-    p.add_argument("--formats", default="nvfp4,mxfp4")
-    p.add_argument("--splits", default="1,2,3,4,6,8,12,16")
-    p.add_argument("--shapes", default=",".join(SHAPES),
-                   help="names of SHAPES or NxK, comma-separated")
+    p = split_arguments(__doc__, rows="1,16", formats="nvfp4,mxfp4", splits="1,2,3,4,6,8,12,16")
     p.add_argument("--calls", type=int, default=20, help="profiled calls per timing")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default="decode_splits")
     args = p.parse_args(argv)
-    rows_list = [int(r) for r in args.rows.split(",")]
     forced = [int(s) for s in args.splits.split(",")]
     results = []
 
     def timed(x, ws):  # weights rotated through ~3x L2 (up to 12 copies: small GEMMs too)
         return device_time_us(gemm_fn(), arg_sets=[(x, w) for w in ws], calls=args.calls)
 
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name] if name in SHAPES else (int(d) for d in name.split("x"))
-        w32 = jax.random.normal(jax.random.PRNGKey(len(name)), (n, k), jnp.float32) / np.sqrt(k)
-        wb = w32.astype(jnp.bfloat16)
+    for name, n, k, w32, wb, rows_list in problems(args):
         for m in rows_list:
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k)).astype(jnp.bfloat16)
             bf16_sets = [(x, w.T) for w in copies(wb, rotation_count(2 * n * k, L2_BYTES, 3, 12))]
@@ -74,22 +63,8 @@ def main(argv=None):
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 del ws, w
-    counts = sorted({s for r in results for s in r["forced_us"]})
-    print("\n| GEMM | rows | format | bf16 dot | auto (kernel, splits) | "
-          + " | ".join(f"{s} split{'s' * (s > 1)}" for s in counts) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(counts))
-    for r in results:
-        cells = " | ".join(f"{r['forced_us'][s]:.1f}" if s in r["forced_us"] else "-"
-                           for s in counts)
-        print(f"| {r['gemm']} {r['n']}x{r['k']} | {r['rows']} | {r['fmt']} | {r['bf16_us']:.1f} "
-              f"| {r['auto_us']:.1f} ({r['auto_kernel']}, {r['auto_splits']}) | {cells} |")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,
-                  indent=1)
-    print("wrote", path)
-
+    print_split_table(results, sorted({s for r in results for s in r["forced_us"]}))
+    save_results(results, args.out, args.tag)
 
 if __name__ == "__main__":
     main()

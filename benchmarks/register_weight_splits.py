@@ -67,26 +67,60 @@ def time_gemm(x, ws):
     return device_time_us(gemm_fn(), arg_sets=[(x, w) for w in ws])
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="33,48,64")
-    p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3")
-    p.add_argument("--splits", default="1,2,3,4,6,8")
+def split_arguments(doc, rows, formats, splits):
+    """The argument parser the split-count scripts share (their defaults given)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--rows", default=rows)
+    p.add_argument("--formats", default=formats)
+    p.add_argument("--splits", default=splits)
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help="names of SHAPES or NxK, comma-separated")
-    p.add_argument("--tile-n", type=int, default=None,
-                   help="force the forced runs' tile N (64 or 128 weight rows; default: the "
-                        "catalogue's)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    p.add_argument("--tag", default="register_weight_splits_h100")
-    args = p.parse_args(argv)
+    return p
+
+
+def problems(args):
+    """(name, N, K, f32 weight, its bf16, rows list) for each of args.shapes."""
     rows_list = [int(r) for r in args.rows.split(",")]
-    forced = [int(s) for s in args.splits.split(",")]
-    results = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name] if name in SHAPES else (int(d) for d in name.split("x"))
         w32 = jax.random.normal(jax.random.PRNGKey(len(name)), (n, k), jnp.float32) / np.sqrt(k)
-        wb = w32.astype(jnp.bfloat16)
+        yield name, n, k, w32, w32.astype(jnp.bfloat16), rows_list
+
+
+def print_split_table(results, counts):
+    """The markdown table of split-count rows: bf16, the plan, and each forced count."""
+    print("\n| GEMM | rows | format | bf16 dot | auto (kernel, splits) | "
+          + " | ".join(f"{s} split{'s' * (s > 1)}" for s in counts) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(counts))
+    for r in results:
+        cells = " | ".join(f"{r['forced_us'][s]:.1f}" if s in r["forced_us"] else "-"
+                           for s in counts)
+        print(f"| {r['gemm']} {r['n']}x{r['k']} | {r['rows']} | {r['fmt']} | {r['bf16_us']:.1f} "
+              f"| {r['auto_us']:.1f} ({r['auto_kernel']}, {r['auto_splits']}) | {cells} |")
+
+
+def save_results(results, out, tag):
+    """<out>/<tag>.json: the rows with JAX's version and the device."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{tag}.json")
+    with open(path, "w") as f:
+        json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,
+                  indent=1)
+    print("wrote", path)
+
+
+def main(argv=None):
+    p = split_arguments(__doc__, rows="33,48,64", formats="nvfp4,mxfp4,mxfp8_e4m3",
+                        splits="1,2,3,4,6,8")
+    p.add_argument("--tile-n", type=int, default=None,
+                   help="force the forced runs' tile N (64 or 128 weight rows; default: the "
+                        "catalogue's)")
+    p.add_argument("--tag", default="register_weight_splits_h100")
+    args = p.parse_args(argv)
+    forced = [int(s) for s in args.splits.split(",")]
+    results = []
+    for name, n, k, w32, wb, rows_list in problems(args):
         for m in rows_list:
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k)).astype(jnp.bfloat16)
             bf16_sets = [(x, w.T) for w in copies(wb, rotation_count(2 * n * k))]
@@ -114,21 +148,8 @@ def main(argv=None):
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 del ws, w
-    print("\n| GEMM | rows | format | bf16 dot | auto (kernel, splits) | "
-          + " | ".join(f"{s} split{'s' * (s > 1)}" for s in forced) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(forced))
-    for r in results:
-        cells = " | ".join(f"{r['forced_us'][s]:.1f}" if s in r["forced_us"] else "-"
-                           for s in forced)
-        print(f"| {r['gemm']} {r['n']}x{r['k']} | {r['rows']} | {r['fmt']} | {r['bf16_us']:.1f} "
-              f"| {r['auto_us']:.1f} ({r['auto_kernel']}, {r['auto_splits']}) | {cells} |")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,
-                  indent=1)
-    print("wrote", path)
-
+    print_split_table(results, forced)
+    save_results(results, args.out, args.tag)
 
 if __name__ == "__main__":
     main()
