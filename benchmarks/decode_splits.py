@@ -66,5 +66,6 @@ def main(argv=None):
     print_split_table(results, sorted({s for r in results for s in r["forced_us"]}))
     save_results(results, args.out, args.tag)
 
+
 if __name__ == "__main__":
     main()

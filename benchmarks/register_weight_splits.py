@@ -151,5 +151,6 @@ def main(argv=None):
     print_split_table(results, forced)
     save_results(results, args.out, args.tag)
 
+
 if __name__ == "__main__":
     main()

@@ -25,6 +25,14 @@ def _int(name: str) -> int | None:
         raise ValueError(f"{name}={v!r} must be an integer") from None
 
 
+def _split_count(name: str) -> int | None:
+    """A forced split-K count: an integer in [1, 255] (the kernels' limit), or None if unset."""
+    v = _int(name)
+    if v is not None and not 1 <= v <= 255:
+        raise ValueError(f"{name}={v} must be in [1, 255]")
+    return v
+
+
 def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
     v = os.environ.get(name, "").strip() or default
     if v not in choices:
@@ -87,13 +95,6 @@ def _read() -> Config:
         raise ValueError(f"JAX_BLOCKSCALE_SM90_RAGGED_TILE_M={ragged_tile_m} must be 32, 64, 128 "
                          "or 256")
     candidates = _int("JAX_BLOCKSCALE_DOT_ALPHA_CANDIDATES")
-    rw_splits = _int("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS")
-    if rw_splits is not None and not 1 <= rw_splits <= 255:
-        raise ValueError(f"JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS={rw_splits} must be in "
-                         "[1, 255]")
-    decode_splits = _int("JAX_BLOCKSCALE_SM90_DECODE_SPLITS")
-    if decode_splits is not None and not 1 <= decode_splits <= 255:
-        raise ValueError(f"JAX_BLOCKSCALE_SM90_DECODE_SPLITS={decode_splits} must be in [1, 255]")
     return Config(
         backend=None if backend == "auto" else backend,
         library=os.environ.get("JAX_BLOCKSCALE_LIBRARY") or None,
@@ -104,8 +105,8 @@ def _read() -> Config:
         sm90_register_weights=os.environ.get("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHTS") != "0",
         sm90_dot_alpha=os.environ.get("JAX_BLOCKSCALE_SM90_DOT_ALPHA") != "0",
         sm90_tile_n=tile_n,
-        sm90_register_weight_splits=rw_splits,
-        sm90_decode_splits=decode_splits,
+        sm90_register_weight_splits=_split_count("JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS"),
+        sm90_decode_splits=_split_count("JAX_BLOCKSCALE_SM90_DECODE_SPLITS"),
         sm90_ragged_kernel=_choice("JAX_BLOCKSCALE_SM90_RAGGED_KERNEL",
                                    ("auto", "decode", "prefill"), "auto"),
         sm90_ragged_tile_m=ragged_tile_m,

@@ -54,6 +54,14 @@ KIND_OF_FORMAT = {None: "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8_e4m3"
 # jax.export): an H100 SXM / H200.
 DEFAULT_SM_COUNT = 132
 
+
+def card_of(device_kind: str) -> str | None:
+    """The GPU model a catalogue rule may depend on, from a JAX device's `device_kind` ("NVIDIA
+    H200", "NVIDIA H100 80GB HBM3"): "h200", "h100", or None for any other."""
+    kind = device_kind.upper().split()
+    return next((c.lower() for c in ("H200", "H100") if c in kind), None)
+
+
 # ----------------------------------------------------------------------------------------------
 # The fused GEMM and its register-weight variants
 
@@ -339,14 +347,16 @@ def decode_chunk_elems(b_kind: str, tuning: Tuning) -> int:
 
 
 def decode_splits(k: int, b_kind: str, tuning: Tuning, ctas: int, sm_count: int,
-                  min_chunks: int = 1) -> int:
+                  min_chunks: int = 1, want: int | None = None) -> int:
     """K ranges for a decode call of `ctas` CTAs per range (tiles of N x chunks or items of M)
     over K elements: about `tuning.ctas_per_sm` CTAs per SM in all (one wave, no tail), each
     range a whole number of sub-chunks, at least `min_chunks` of them, every range the same
-    length but the last."""
+    length but the last. `want`: that many ranges instead of the wave's (a forced count; at
+    most one per sub-chunk), evened out the same way."""
     k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
-    splits = max(1, min(k_chunks // min_chunks,
-                        tuning.ctas_per_sm * sm_count // max(1, ctas)))
+    if want is None:
+        want = min(k_chunks // min_chunks, tuning.ctas_per_sm * sm_count // max(1, ctas))
+    splits = max(1, min(want, k_chunks))
     per = _ceil_div(k_chunks, splits)  # equalize: every split the same number of sub-chunks
     return _ceil_div(k_chunks, per)
 
@@ -410,13 +420,9 @@ def choose_decode_variant(m, n, k, fmt_a, fmt_b, sm_count, out="bf16", tuning=No
     nt = nt_for(m)
     tuning = tuning or tuning_for(nt, b_kind)
     ctas = _ceil_div(n, tuning.bn) * _ceil_div(m, 8 * nt)
-    if splits is None:
-        splits = decode_splits(k, b_kind, tuning, ctas, sm_count,
-                               min_chunks=DECODE_MIN_CHUNKS_NT1 if nt == 1 else 1)
-    else:
-        k_chunks = _ceil_div(k, decode_chunk_elems(b_kind, tuning))
-        splits = _ceil_div(k_chunks, _ceil_div(k_chunks, max(1, min(splits, k_chunks))))
-    return DecodeVariant(a_kind, b_kind, out, nt), splits
+    return DecodeVariant(a_kind, b_kind, out, nt), decode_splits(
+        k, b_kind, tuning, ctas, sm_count, min_chunks=DECODE_MIN_CHUNKS_NT1 if nt == 1 else 1,
+        want=splits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,12 +489,6 @@ RAGGED_DECODE_MIN_SPLIT_CHUNKS = 3
 # partials' sum, where the H100 gained from two ranges (docs/design/sm90_ragged_decode.md).
 RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
 
-
-def card_of(device_kind: str) -> str | None:
-    """The GPU model a catalogue rule may depend on, from a JAX device's `device_kind` ("NVIDIA
-    H200", "NVIDIA H100 80GB HBM3"): "h200", "h100", or None for any other."""
-    kind = device_kind.upper().split()
-    return next((c.lower() for c in ("H200", "H100") if c in kind), None)
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
 # dense kernel's 256-row CTAs the grouped kernel once took at 16-row items, they gained:
