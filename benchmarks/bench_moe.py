@@ -22,6 +22,8 @@ quantized bytes (elements + scales), the floor for a kernel that streams only th
     python benchmarks/bench_moe.py --out benchmarks/results/moe_h100   # GPU: the full matrix
     python benchmarks/bench_moe.py --models qwen3-30b-a3b --gemms gate_up --tokens 16,256
     python benchmarks/bench_moe.py --tokens 64,256,1024,4096 --compare-kernels --out /tmp/k
+    python benchmarks/bench_moe.py --methods ours --compare-kernels ours_decode,ours_prefill32
+        (our kernels alone: the anchors left out; `ours` always runs)
 
 Timing: benchmarks/timing.py, as sweep.py: "<method>_us" is the Python-loop time (median of
 --trials x --iters jitted calls), "<method>_device_us" the GPU's kernel time per call from a
@@ -203,19 +205,20 @@ def timed(row, key, f, arg_sets, timing):
 
 
 def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax,
-               compare_kernels=()):
+               compare_kernels=(), methods=METHODS):
     g, n, k = gemm_shape(model, gemm)
     kw, kx, kr = jax.random.split(key, 3)
     w_f32 = normal(kw, (g, n, k), jnp.float32) / np.sqrt(k)
     w_bf16 = jnp.swapaxes(w_f32, 1, 2).astype(jnp.bfloat16)  # (G, K, N): ragged_dot's layout
-    bf16_sets = copies(w_bf16, rotation_count(2 * g * n * k))
+    bf16_sets = (copies(w_bf16, rotation_count(2 * g * n * k)) if "bf16_ragged_dot" in methods
+                 else None)
     quantized = {}
     for fmt in fmts:
         gscale = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
         quantized[fmt] = (quantize(w_f32, fmt, layout="blocked", **gscale),
                           quantize(w_f32, fmt, **gscale))  # blocked (ours), plain (dequantize)
     tk_w = None
-    if tokamax[0] is not None:
+    if tokamax[0] is not None and "tokamax_int4" in methods:
         try:
             tk_w = tokamax[0][0](w_bf16)
         except Exception as e:  # noqa: BLE001
@@ -230,11 +233,12 @@ def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax,
         base = dict(model=model, gemm=gemm, tokens=t, rows=m, experts=g, n=n, k=k,
                     experts_hit=hit)
         bf16_row = dict(base)
-        timed(bf16_row, "bf16_ragged_dot", bf16_ragged_dot, [(x, w, gs) for w in bf16_sets],
-              timing)
-        if tk_w is not None:
+        if "bf16_ragged_dot" in methods:
+            timed(bf16_row, "bf16_ragged_dot", bf16_ragged_dot, [(x, w, gs) for w in bf16_sets],
+                  timing)
+        if "tokamax_int4" in methods and tk_w is not None:
             timed(bf16_row, "tokamax_int4", tokamax[0][1], [(x, tk_w, gs)], timing)
-        elif tokamax[1]:
+        elif "tokamax_int4" in methods and tokamax[1]:
             bf16_row["tokamax_int4_err"] = tokamax[1]
         for fmt in fmts:
             q_blocked, q_plain = quantized[fmt]
@@ -243,14 +247,17 @@ def bench_gemm(model, gemm, fmts, token_counts, top_k, timing, key, tokamax,
             row = dict(bf16_row, fmt=fmt, weight_copies=n_copies,
                        hit_bytes=hit * quantized_bytes(fmt, n, k),
                        all_bytes=quantized_bytes(fmt, g * n, k))
-            timed(row, "deq_ragged_dot", deq_ragged_dot, [(x, q, gs) for q in qp_sets], timing)
+            if "deq_ragged_dot" in methods:
+                timed(row, "deq_ragged_dot", deq_ragged_dot, [(x, q, gs) for q in qp_sets],
+                      timing)
             timed(row, "ours", ours, [(x, q, gs) for q in qb_sets], timing)
             row["ours_path"] = ours_path(x, q_blocked, gs)
             row["ours_rel_err"] = rel_error(x, q_blocked, gs)
-            xq = quantize(x, fmt)
-            timed(row, "ours_qact", ours, [(xq, q, gs) for q in qb_sets], timing)
-            row["ours_qact_path"] = ours_path(xq, q_blocked, gs)
-            row["ours_qact_rel_err"] = rel_error(xq, q_blocked, gs)
+            if "ours_qact" in methods:
+                xq = quantize(x, fmt)
+                timed(row, "ours_qact", ours, [(xq, q, gs) for q in qb_sets], timing)
+                row["ours_qact_path"] = ours_path(xq, q_blocked, gs)
+                row["ours_qact_rel_err"] = rel_error(xq, q_blocked, gs)
             if compare_kernels:
                 for method in compare_kernels:
                     timed(row, method, forced_kernel(*KERNEL_METHODS[method]),
@@ -317,6 +324,9 @@ def main():
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--out", default="bench_moe", help="output path prefix (.json, .png)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated, from the default (ours always runs): leave out the "
+                        "anchors to time only our kernels, e.g. with --compare-kernels")
     p.add_argument("--compare-kernels", nargs="?", const="ours_decode,ours_prefill", default="",
                    help="also time ours with sm90 grouped kernels forced: comma-separated "
                         f"from {list(KERNEL_METHODS)} (no value: decode and prefill)")
@@ -329,6 +339,10 @@ def main():
                   trials=args.trials or (1 if args.tiny else 5))
     fmts = args.formats.split(",")
     compare = tuple(m for m in args.compare_kernels.split(",") if m)
+    methods = tuple(m for m in args.methods.split(",") if m) + ("ours",)
+    if set(methods) - set(METHODS):
+        p.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}, choose from "
+                f"{list(METHODS)}")
     unknown = [m for m in compare if m not in KERNEL_METHODS]
     if unknown:
         p.error(f"--compare-kernels: unknown {unknown}, choose from {list(KERNEL_METHODS)}")
@@ -345,7 +359,7 @@ def main():
         for gemm in args.gemms.split(","):
             key, sub = jax.random.split(key)
             rows += bench_gemm(model, gemm, fmts, tokens, top_k, timing, sub, tk,
-                               compare)
+                               compare, methods)
     out = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,

@@ -10,6 +10,9 @@ table built by XLA (what an expert-parallel shard runs) instead of the kernel's 
     python benchmarks/ragged_decode_probe.py --sweep --out /tmp/probe    # every nt x splits
     python benchmarks/ragged_decode_probe.py --table --out /tmp/probe    # sizes mode vs table
     python benchmarks/ragged_decode_probe.py --per-cta 1,2,3 --out /tmp/probe  # tiles per CTA
+    python benchmarks/ragged_decode_probe.py --sweep --nts 2 --splits 1 --out /tmp/probe
+        # 16-row items, one split, beside the plan (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL=decode
+        # keeps the planner off the register-weight kernel where it would take over)
 
 Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (mxfp4; --cases),
 its routing and weight rotation. Writes <out>.json.
@@ -77,6 +80,8 @@ def main():
     p.add_argument("--cases", help="model:gemm:tokens,... (default: "
                    + ",".join(":".join(map(str, c)) for c in CASES) + ")")
     p.add_argument("--nts", help="with --sweep: only these item heights (comma-separated nt)")
+    p.add_argument("--splits", default="1,2,4",
+                   help="with --sweep: these split counts (comma-separated)")
     p.add_argument("--table", action="store_true",
                    help="also each configuration with XLA's work table (no sizes mode)")
     p.add_argument("--per-cta", help="also these tiles of N per CTA (comma-separated)")
@@ -89,6 +94,7 @@ def main():
     cases = CASES if not args.cases else [
         (c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.cases.split(",")]
     nts = [int(x) for x in args.nts.split(",")] if args.nts else cat.DECODE_NTS
+    split_counts = [int(x) for x in args.splits.split(",")]
     for model, gemm, tokens in cases:
         g, n, k = bm.gemm_shape(model, gemm)
         top_k = bm.MODELS[model]["top_k"]
@@ -103,7 +109,7 @@ def main():
         v, splits, _ = choose(m, n, k, g, None, "mxfp4", sm_count, "bf16", card=device.card)
         configs = [(v.nt, splits, True)]
         if args.sweep:
-            configs += [(nt, s, False) for nt in nts for s in (1, 2, 4)
+            configs += [(nt, s, False) for nt in nts for s in split_counts
                         if (nt, s) != (v.nt, splits)]
         planner = ragged_sm90.plan_ragged_sm90
         per_ctas = [None] + ([int(x) for x in args.per_cta.split(",")] if args.per_cta else [])

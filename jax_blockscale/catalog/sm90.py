@@ -488,6 +488,11 @@ RAGGED_DECODE_MIN_SPLIT_CHUNKS = 3
 # (gpt-oss's down projection, K = 2880) ran faster unsplit, the same kernel time without the
 # partials' sum, where the H100 gained from two ranges (docs/design/sm90_ragged_decode.md).
 RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
+# Items hold twice the average rows per expert (below). Per GPU model where it differs: on the
+# H200 16-row items run up to this many rows per expert on average, where twice the average
+# would take 32-row items, whose CTAs ran 9-27 % slower there than 16-row ones with the second
+# item the busiest experts then need (docs/design/sm90_ragged_decode.md).
+RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD = {"h200": 15}
 
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
@@ -526,9 +531,11 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     """(variant, splits, items) for a grouped call of M rows (all groups together) over
     `groups` experts of (N, K), or None if the grouped decode kernel cannot run it.
 
-    The item height follows twice the average rows per expert; splits fill about one wave with the
-    CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense kernel, in
-    ranges of the card's RAGGED_DECODE_MIN_SPLIT_CHUNKS at least (card: Device.card)."""
+    The item height follows twice the average rows per expert (the card's
+    RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD keeps 16-row items longer); splits fill about one wave
+    with the CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense
+    kernel, in ranges of the card's RAGGED_DECODE_MIN_SPLIT_CHUNKS at least (card:
+    Device.card)."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if (a_kind, b_kind) not in DECODE_PAIRS or out not in OUTS:
@@ -542,7 +549,10 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # Routing is uneven: items of twice the average keep most experts to one item (one pass over
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
-    v = DecodeVariant(a_kind, b_kind, out, nt_for(max(avg, min(2 * avg, 32))), grouped=True)
+    rows = max(avg, min(2 * avg, 32))
+    if avg <= RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD.get(card, 0):
+        rows = min(rows, 16)
+    v = DecodeVariant(a_kind, b_kind, out, nt_for(rows), grouped=True)
     min_chunks = RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD.get(card, RAGGED_DECODE_MIN_SPLIT_CHUNKS)
     return (v, _ragged_decode_splits(v, m, n, k, groups, sm_count, min_chunks=min_chunks),
             ragged_decode_items(m, groups, v.nt))
@@ -585,6 +595,12 @@ RAGGED_PREFILL_MIN_ROWS = 32
 RAGGED_PREFILL_FP4_MIN_ROWS = 26  # between two measured points (the design note's table)
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
+# Per GPU model where it differs (Device.card): (rows per expert from which, rows per item) for
+# those long-tile experts. On the H200 the decode kernel's 16-row items
+# (RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD) beat both item heights here up to 15 rows per expert,
+# and from 16 the 64-row items beat the 32-row ones on every long-tile shape measured
+# (docs/design/sm90_ragged_prefill.md).
+RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (16, 64)}
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
@@ -617,13 +633,20 @@ def ragged_items(m: int, groups: int, rows_per_item: int) -> int:
     return _ceil_div(m, rows_per_item) + min(groups, m) + 2
 
 
+def ragged_prefill_long_tiles(card=None) -> tuple[int, int]:
+    """(rows per expert on average from which, rows per item) of this kernel for FP4 experts
+    whose tiles the decode kernel would stream one per CTA over all of K, on `card`."""
+    return RAGGED_PREFILL_LONG_TILES_BY_CARD.get(
+        card, (RAGGED_PREFILL_NARROW_MIN_ROWS, RAGGED_PREFILL_NARROW_TILE_M))
+
+
 def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16",
-                                  force=False, tile_m=None):
+                                  force=False, tile_m=None, card=None):
     """(variant, items) of the grouped register-weight kernel for a grouped call of M rows over
     `groups` experts of (N, K), or None where it cannot run it or (unless `force`) the grouped
     decode kernel is faster: fewer than RAGGED_PREFILL_MIN_ROWS rows per expert on average, but
     for register_weights_win_early's calls. tile_m: force the rows per item (a tile of
-    RAGGED_PREFILL_TILES)."""
+    RAGGED_PREFILL_TILES); card: Device.card."""
     a_kind = KIND_OF_FORMAT.get(fmt_a, fmt_a if fmt_a in KINDS else None)
     b_kind = KIND_OF_FORMAT.get(fmt_b, fmt_b if fmt_b in KINDS else None)
     if a_kind is None or b_kind not in REGISTER_WEIGHT_KINDS or out not in OUTS:
@@ -633,12 +656,12 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="
     avg = _ceil_div(m, groups)
     early = avg < RAGGED_PREFILL_MIN_ROWS
     if early and not force and not register_weights_win_early(m, n, k, groups, fmt_a, fmt_b,
-                                                              sm_count, out):
+                                                              sm_count, out, card):
         return None
     tiles = dict(RAGGED_PREFILL_TILES)
     if tile_m is None:
-        narrow = early and not force and avg < RAGGED_PREFILL_FP4_MIN_ROWS
-        tile_m = (RAGGED_PREFILL_NARROW_TILE_M if narrow
+        long_tiles = early and not force and avg < RAGGED_PREFILL_FP4_MIN_ROWS
+        tile_m = (ragged_prefill_long_tiles(card)[1] if long_tiles
                   else 64 if avg < RAGGED_PREFILL_WIDE_ROWS
                   else 128 if avg < RAGGED_PREFILL_WIDEST_ROWS else 256)
     tile_n = tiles[tile_m]
@@ -646,21 +669,22 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="
             ragged_items(m, groups, tile_m))
 
 
-def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16") -> bool:
+def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16",
+                               card=None) -> bool:
     """Whether the register-weight kernel beats the grouped decode kernel on a call of fewer
     than RAGGED_PREFILL_MIN_ROWS rows per expert: RAGGED_PREFILL_FP4_KINDS weights with a
     bf16 activation or one of those kinds, from RAGGED_PREFILL_FP4_MIN_ROWS rows per expert, and
-    from RAGGED_PREFILL_NARROW_MIN_ROWS where the decode kernel would run one tile of N per CTA
-    over all of K (the measurements: docs/design/sm90_ragged_prefill.md)."""
+    from the card's ragged_prefill_long_tiles rows where the decode kernel would run one tile
+    of N per CTA over all of K (the measurements: docs/design/sm90_ragged_prefill.md)."""
     if (KIND_OF_FORMAT.get(fmt_a, fmt_a) not in ("bf16",) + RAGGED_PREFILL_FP4_KINDS
             or KIND_OF_FORMAT.get(fmt_b, fmt_b) not in RAGGED_PREFILL_FP4_KINDS):
         return False
     avg = _ceil_div(m, groups)
     if avg >= RAGGED_PREFILL_FP4_MIN_ROWS:
         return True
-    if avg < RAGGED_PREFILL_NARROW_MIN_ROWS:
+    if avg < ragged_prefill_long_tiles(card)[0]:
         return False
-    decode = choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out)
+    decode = choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out, card)
     if decode is None:
         return True
     v = decode[0]

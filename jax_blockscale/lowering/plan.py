@@ -512,7 +512,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         mode = cfg.sm90_ragged_kernel
         prefill = None if mode == "decode" else cat90.choose_ragged_prefill_variant(
             pm, pn, spec.k, pg, spec.fmt_lhs, spec.fmt_rhs, device.sm_count, out,
-            force=mode == "prefill", tile_m=cfg.sm90_ragged_tile_m)
+            force=mode == "prefill", tile_m=cfg.sm90_ragged_tile_m, card=device.card)
         if prefill is not None:
             return _ragged_prefill_plan(spec, prefill[0], device, library)
         choice = cat90.choose_ragged_decode_variant(pm, pn, spec.k, pg, spec.fmt_lhs,

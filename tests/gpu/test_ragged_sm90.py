@@ -260,17 +260,33 @@ def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
                                              ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")])
 def test_narrow_items_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
-    """With no forcing, ~16 rows per expert of long weight tiles (N = 2880, K = 2880, as
-    gpt-oss's down projection) go to the register-weight kernel's 32-row items (uneven routing:
-    experts past one item, an empty one, rows past the groups), weight-only or with the
-    activation quantized too."""
+    """With no forcing, ~18 rows per expert of long weight tiles (N = 2880, K = 2880, as
+    gpt-oss's down projection) go to the register-weight kernel's items for long tiles on this
+    card (32 rows; 64 on the H200) (uneven routing: experts past one item, an empty one, rows
+    past the groups), weight-only or with the activation quantized too."""
     sizes = [40, 10, 16, 0, 20, 12, 18, 15]  # 131 of 140 rows; expert 0 takes two items
     m, g = 140, len(sizes)
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 2880, 2880)
+    card = planner.device_for("cuda").card
     assert cat.register_weights_win_early(m, 2880, 2880, g, fmt_lhs, fmt_rhs,
-                                          cat.DEFAULT_SM_COUNT)
+                                          cat.DEFAULT_SM_COUNT, card=card)
     p = _compare(lhs, rhs, gs, "bf16")
-    assert p.kernel == "ragged_prefill" and p.tile == (cat.RAGGED_PREFILL_NARROW_TILE_M, 128), p
+    assert p.kernel == "ragged_prefill", p
+    assert p.tile == (cat.ragged_prefill_long_tiles(card)[1], 128), p
+
+
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
+                                             ("nvfp4", "nvfp4"), (None, "mxfp8_e4m3")])
+def test_sixteen_row_items_at_twelve_rows_per_expert(fmt_lhs, fmt_rhs):
+    """~12 rows per expert of long weight tiles: the H200's 16-row decode items (the busiest
+    experts take two, one expert none), elsewhere the catalogue's own choice; the numbers
+    against the reference either way."""
+    sizes = [12, 30, 9, 0, 14, 11, 16, 17, 5, 13]  # 127 of 130 rows; expert 1 takes two items
+    m, g = 130, len(sizes)
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 2880, 2880)
+    p = _compare(lhs, rhs, gs, "bf16")
+    if planner.device_for("cuda").card == "h200":
+        assert p.kernel == "ragged_decode" and p.nt == 2, p
 
 
 @pytest.mark.parametrize("k", [512, 576])
