@@ -282,8 +282,7 @@ def test_sixteen_row_items_at_twelve_rows_per_expert(fmt_lhs, fmt_rhs):
     experts take two, one expert none), elsewhere the catalogue's own choice; the numbers
     against the reference either way."""
     sizes = [12, 30, 9, 0, 14, 11, 16, 17, 5, 13]  # 127 of 130 rows; expert 1 takes two items
-    m, g = 130, len(sizes)
-    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 2880, 2880)
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 130, 2880, 2880)
     p = _compare(lhs, rhs, gs, "bf16")
     if planner.device_for("cuda").card == "h200":
         assert p.kernel == "ragged_decode" and p.nt == 2, p
