@@ -141,13 +141,15 @@ def test_out_of_range_group_sizes_are_clamped(kernel):
         _compare(lhs, rhs, gs, "f32", kernel)
 
 
-@pytest.mark.parametrize("g,m,nt_rows", [(1, 40, 64), (33, 64, 8), (64, 512, 16),
-                                          (100, 1000, 32), (300, 600, 8), (1100, 64, 8)])
-def test_decode_kernel_makes_its_items_from_the_raw_sizes(g, m, nt_rows, monkeypatch):
+@pytest.mark.parametrize("g,m,nt_rows,h200_rows", [
+    (1, 40, 64, 64), (33, 64, 8, 8), (64, 512, 16, 16), (100, 1000, 32, 16), (60, 1200, 32, 32),
+    (300, 600, 8, 8), (1100, 64, 8, 8)])
+def test_decode_kernel_makes_its_items_from_the_raw_sizes(g, m, nt_rows, h200_rows, monkeypatch):
     """Sizes mode (the grouped decode kernel reads the raw group sizes, every warp makes its
     CTA's item): one expert per lane and several (G past 32, up to 35 per lane at G = 1100),
-    G not a multiple of 32, item heights 8 to 64 rows, and sizes that must be clamped
-    (negative, int32 extremes whose sum would overflow, a group past M) beside random routing."""
+    G not a multiple of 32, item heights 8 to 64 rows (the H200 keeps 16-row items to 15 rows
+    per expert), and sizes that must be clamped (negative, int32 extremes whose sum would
+    overflow, a group past M) beside random routing."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
     rng = _rng()
     routed = np.bincount(rng.integers(0, g, m - 3), minlength=g)
@@ -159,7 +161,8 @@ def test_decode_kernel_makes_its_items_from_the_raw_sizes(g, m, nt_rows, monkeyp
         p = _compare(lhs, rhs, gs, "f32")
         assert p.kernel == "ragged_decode" and p.raw_sizes, p
         if sizes is routed:
-            assert p.tile[0] == nt_rows, p
+            card = planner.device_for("cuda").card
+            assert p.tile[0] == (h200_rows if card == "h200" else nt_rows), p
 
 
 def _force_decode_plan(monkeypatch, splits, per_cta):
