@@ -1,5 +1,6 @@
 """`jbs.ragged_gemm` at decode sizes on the sm90 grouped decode kernel: the whole call's device
-time, its share of the copy bandwidth on the hit experts' bytes, and the call's kernels by time
+time, its share of the copy bandwidth on the hit experts' bytes (the GPU's copy bandwidth
+measured in the same run, `e2e_decode.copy_bandwidth_TBps`), and the call's kernels by time
 (the kernel itself, and the small XLA kernels that build a work table where the kernel does not
 make its items from the raw sizes). `--sweep` also forces every item height (nt) and split count
 the kernel has, to check the catalogue's choice; `--table` also runs each plan with the work
@@ -36,9 +37,9 @@ import bench_moe as bm  # noqa: E402
 import jax_blockscale as jbs  # noqa: E402
 from jax_blockscale.catalog import sm90 as cat  # noqa: E402
 from jax_blockscale.lowering import plan, ragged_sm90  # noqa: E402
+from e2e_decode import copy_bandwidth_TBps  # noqa: E402
 from timing import device_time_us, gpu_kernel_events  # noqa: E402
 
-COPY_TBPS = 2.93  # the H100's measured copy bandwidth (benchmarks/README.md)
 CASES = (("qwen3-30b-a3b", "gate_up", 1), ("qwen3-30b-a3b", "gate_up", 16),
          ("gpt-oss-20b", "gate_up", 16), ("qwen3-30b-a3b", "gate_up", 64))
 
@@ -62,7 +63,7 @@ def replanned(planner, **fields):
     return pick
 
 
-def measure(x, weights, gs, hit_bytes):
+def measure(x, weights, gs, hit_bytes, copy_tbps):
     f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
     sets = [(x, q, gs) for q in weights]
     jax.block_until_ready(f(*sets[0]))
@@ -70,7 +71,7 @@ def measure(x, weights, gs, hit_bytes):
     per = collections.defaultdict(float)
     for name, s, e in gpu_kernel_events(f, arg_sets=sets, calls=4):
         per[name[:48]] += (e - s) / 4e3
-    return dict(device_us=us, copy_bw_share=hit_bytes / us / 1e6 / COPY_TBPS,
+    return dict(device_us=us, copy_bw_share=hit_bytes / us / 1e6 / copy_tbps,
                 kernels_us=dict(sorted(per.items(), key=lambda kv: -kv[1])))
 
 
@@ -91,6 +92,8 @@ def main():
     choose = cat.choose_ragged_decode_variant
     device = plan.device_for("cuda")
     sm_count = device.sm_count
+    copy_tbps = copy_bandwidth_TBps(True, {})  # this GPU's, measured here: the share's base
+    print(f"{jax.devices()[0].device_kind}: copy bandwidth {copy_tbps:.2f} TB/s")
     cases = CASES if not args.cases else [
         (c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.cases.split(",")]
     nts = [int(x) for x in args.nts.split(",")] if args.nts else cat.DECODE_NTS
@@ -128,7 +131,7 @@ def main():
             if fields:
                 ragged_sm90.plan_ragged_sm90 = replanned(planner, **fields)
             try:
-                row.update(measure(x, weights, gs, hit_bytes))
+                row.update(measure(x, weights, gs, hit_bytes, copy_tbps))
             except Exception as e:  # noqa: BLE001  (a split count the problem cannot take)
                 row["err"] = bm.short_error(e)
             finally:
@@ -145,8 +148,8 @@ def main():
     out = os.path.splitext(args.out)[0] + ".json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f,
-                  indent=1)
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       copy_TBps=copy_tbps, rows=rows), f, indent=1)
     print(f"wrote {out}")
 
 
