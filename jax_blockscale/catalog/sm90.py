@@ -597,11 +597,11 @@ RAGGED_PREFILL_FP4_MIN_ROWS = 26  # between two measured points (the design note
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 # Per GPU model where it differs (Device.card): (rows per expert from which, rows per item) for
-# those long-tile experts. On the H200 the decode kernel's 16-row items
-# (RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD) beat both item heights here up to 15 rows per expert,
-# and from 16 the 64-row items beat the 32-row ones on every long-tile shape measured
+# those long-tile experts. On the H200 the decode kernel's 16-row items beat both item heights
+# here as long as it runs them (RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD), and past that the 64-row
+# items beat the 32-row ones on every long-tile shape measured
 # (docs/design/sm90_ragged_prefill.md).
-RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (16, 64)}
+RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD["h200"] + 1, 64)}
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
