@@ -490,9 +490,9 @@ RAGGED_DECODE_MIN_SPLIT_CHUNKS = 3
 RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
 # Items hold twice the average rows per expert (below). Per GPU model where it differs: on the
 # H200 16-row items run up to this many rows per expert on average, where twice the average
-# would take 32-row items: those took 7-26 % longer there on every long-tile expert shape
-# measured, the second item the busiest experts need with 16-row items included, and tied or
-# lost on short tiles (docs/design/sm90_ragged_decode.md).
+# would take 32-row items: those were slower there on every long-tile expert shape measured,
+# even counting the second item the busiest experts need with 16-row items, and tied or lost on
+# short tiles (numbers: docs/design/sm90_ragged_decode.md).
 RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD = {"h200": 15}
 
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a

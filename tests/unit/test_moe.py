@@ -191,6 +191,27 @@ def test_bench_moe_tiny(tmp_path):
             assert r[method + "_us"] > 0, r
 
 
+def test_bench_moe_times_only_the_methods_named(tmp_path):
+    """bench_moe.py --methods ours: our kernel alone (the anchors left out, their bf16 weights
+    never made); an unknown method is refused by name."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(ROOT, "benchmarks", "bench_moe.py")
+    out = tmp_path / "moe"
+    run = subprocess.run([sys.executable, script, "--tiny", "--gemms", "down", "--tokens", "16",
+                          "--formats", "mxfp4", "--methods", "ours", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+    (row,) = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert row["ours_us"] > 0, row
+    assert not any(k.startswith(("bf16_ragged_dot", "deq_ragged_dot", "ours_qact",
+                                 "tokamax_int4")) for k in row), row
+    bad = subprocess.run([sys.executable, script, "--tiny", "--methods", "ours,bogus"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "--methods: unknown ['bogus']" in bad.stderr, bad.stderr
+
+
 def test_bench_moe_peers_pairs_rows_and_refuses_without_a_peer(tmp_path):
     """benchmarks/bench_moe_peers.py (needs a GPU to time): the peer's MoE rows are paired with
     ours by (model, tokens) and the ratio is the peer's time over ours; each row's bytes' floor
