@@ -323,6 +323,22 @@ def decode_mx_fold(b_kind: str, nt: int) -> bool:
     return b_kind == "mxfp4" and nt in MX_FOLD_NTS
 
 
+# The grouped decode kernel's items seldom fill their n8 tiles: with the rows spread over the
+# experts, most experts of a call planned for 16-row items hold 8 rows or fewer, and an n8 tile of
+# zero rows costs its MMAs and activation reads all the same (at 2-8 rows per expert, 16-row
+# items took 11-21 % longer than 8-row ones on the same items). So a grouped variant of nt n8
+# tiles also carries the main loop of each narrower item height here, on the same CTA and ring,
+# and each CTA runs the narrowest one that holds its item's rows (one comparison per CTA, as
+# the MXFP4 fold's loops; docs/design/sm90_ragged_decode.md, "Narrow loops").
+GROUPED_ITEM_NTS = {2: (1, 2), 4: (2, 4)}
+
+
+def grouped_item_nts(nt: int) -> tuple[int, ...]:
+    """The item heights (n8 tiles, ascending; the last is `nt`) whose main loops the grouped
+    decode variant of `nt` n8 tiles carries."""
+    return GROUPED_ITEM_NTS.get(nt, (nt,))
+
+
 def tuning_for(nt: int, b_kind: str, grouped: bool = False) -> Tuning:
     """The tuning the library builds a decode variant with n8-tile count `nt` and weight kind
     `b_kind` with, for the dense decode kernel or (`grouped`) the grouped one."""

@@ -84,7 +84,7 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DECODE_B_KINDS as B_KINDS, DECODE_PAIRS as PAIRS, DECODE_STEP_BYTES as STEP_BYTES,
     DECODE_THREADS as THREADS, DECODE_VARIANTS as VARIANTS, DECODE_WARPS as WARPS,
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
-    decode_mx_fold, steps_elems)
+    decode_mx_fold, grouped_item_nts, steps_elems)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
 from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
@@ -138,6 +138,10 @@ class Sm90DecodeGemm:
         # apart and skips the steps past K (_sub_chunk_compute); with 2-step sub-chunks (the wide
         # tuning) there is one step at most to skip, and the second path spilled registers
         self.skip_steps = tuning.pipeline == "tma" and self.sub >= 4 and not tuning.probe
+        # grouped: the main loops of the narrower item heights too, each CTA running the
+        # narrowest that holds its item's rows (catalog/sm90.py: GROUPED_ITEM_NTS)
+        self.item_nts = (grouped_item_nts(v.nt) if self.grouped and not tuning.probe
+                         else (v.nt,))
         # chained (DecodeVariant.chained): launched with programmatic dependent launch behind the
         # activation's producer; waits for it after the first weight copies are issued
         self.chained = v.chained
@@ -733,20 +737,43 @@ class Sm90DecodeGemm:
             past = self._scales_past_fold(sb_addr, bx, tiles[0] if tiles is not None else 1, li,
                                           nb128, k, k_begin, k_end, n_sub, tid)
             if sync_threads_or(past) == 0:
-                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, True)
+                self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                      True, m0, m_end)
             else:
-                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, False)
+                self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                      False, m0, m_end)
         else:
-            self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, self.fold)
+            self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                  self.fold, m0, m_end)
 
     @cute.jit
-    def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold):
+    def _tma_stream_rows(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold,
+                         m0, m_end):
+        """_tma_stream on the main loop of the narrowest item height of self.item_nts that holds
+        the CTA's rows [m0, m_end) (the same for every thread: one branch per CTA, each path
+        its own loop)."""
+        nts = self.item_nts
+        if cutlass.const_expr(len(nts) == 1):
+            self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold)
+        else:
+            assert len(nts) == 2, nts
+            if m_end - m0 <= 8 * nts[0]:
+                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                 fold, nts[0])
+            else:
+                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                 fold)
+
+    @cute.jit
+    def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold,
+                    nt=None):
         """_mainloop_tma's `total` sub-chunks (run: its state), converted with `fold`
-        (_step_compute): one tile's, or (tiles) each tile's n_sub followed by its outputs."""
+        (_step_compute) and multiplied into the first `nt` n8 tiles (default all): one tile's,
+        or (tiles) each tile's n_sub followed by its outputs."""
         if cutlass.const_expr(tiles is None):
-            self._tma_sub_chunks(run, total, k_begin, k_end, chunk, fold)
+            self._tma_sub_chunks(run, total, k_begin, k_end, chunk, fold, nt)
         elif tiles[0] == 1:  # one tile: the dense kernel's loop, then the tile's outputs
-            self._tma_sub_chunks(run, total, k_begin, k_end, chunk, fold)
+            self._tma_sub_chunks(run, total, k_begin, k_end, chunk, fold, nt)
             self._grouped_epilogue(acc, bx, *tiles[1])
         else:
             # tile by tile: each tile's outputs are written between its last sub-chunk and the
@@ -756,28 +783,29 @@ class Sm90DecodeGemm:
                 for sub in range(n_sub - partial):
                     nxt = self._next_sub_chunk((sub, tile), n_sub)
                     self._tma_sub_chunk(run, tile * n_sub + sub, k_begin + sub * chunk,
-                                        k_begin + nxt[0] * chunk, nxt, fold)
+                                        k_begin + nxt[0] * chunk, nxt, fold, nt=nt)
                 if cutlass.const_expr(self.skip_steps):
                     if partial > 0:  # the tile's last sub-chunk holds fewer steps of K
                         sub = n_sub - 1
                         nxt = self._next_sub_chunk((sub, tile), n_sub)
                         self._tma_sub_chunk(run, tile * n_sub + sub, k_begin + sub * chunk,
-                                            k_begin + nxt[0] * chunk, nxt, fold, last=True)
+                                            k_begin + nxt[0] * chunk, nxt, fold, last=True,
+                                            nt=nt)
                 self._grouped_epilogue(acc, bx + tile, *tiles[1])
                 acc.fill(0.0)
 
     @cute.jit
-    def _tma_sub_chunks(self, run, total, k_begin, k_end, chunk, fold):
+    def _tma_sub_chunks(self, run, total, k_begin, k_end, chunk, fold, nt=None):
         """Sub-chunks 0 .. total - 1 of one tile of N, one after the other (_tma_sub_chunk); a
         last one that holds fewer steps of K than a sub-chunk runs apart, skipping the rest."""
         partial = self._partial_last(k_begin, k_end, total, chunk)
         for it in range(total - partial):
             kc = k_begin + it * chunk
-            self._tma_sub_chunk(run, it, kc, kc + chunk, fold=fold)
+            self._tma_sub_chunk(run, it, kc, kc + chunk, fold=fold, nt=nt)
         if cutlass.const_expr(self.skip_steps):
             if partial > 0:
                 kc = k_begin + (total - 1) * chunk
-                self._tma_sub_chunk(run, total - 1, kc, kc + chunk, fold=fold, last=True)
+                self._tma_sub_chunk(run, total - 1, kc, kc + chunk, fold=fold, last=True, nt=nt)
 
     def _partial_last(self, k_begin, k_end, n_sub, chunk):
         """1 when there are sub-chunks (n_sub > 0) and the last of them from k_begin ends past
@@ -791,14 +819,14 @@ class Sm90DecodeGemm:
         return cutlass.Int32(k_begin + n_sub * chunk > k_end) * cutlass.Int32(n_sub > 0)
 
     @cute.jit
-    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None, fold=None, last=False):
+    def _tma_sub_chunk(self, run, it, kc, kn, nxt=None, fold=None, last=False, nt=None):
         """Sub-chunk `it` of the TMA main loop (_mainloop_tma's state in `run`): stage its
         activation (loaded one sub-chunk ago) and load the next one's (K offset kn), wait for its
         weights, refill the slot the sub-chunk before it used with sub-chunk it + S - 1, and
         compute. nxt = the position (sub-chunk in its tile, tile) of sub-chunk it + 1 when the
         CTA runs several tiles of N. fold: _step_compute's (default self.fold). last: the last
         sub-chunk of a tile's K range, whose steps past the range's end (TMA zeros) are
-        skipped."""
+        skipped. nt: the n8 tiles multiplied (_step_compute)."""
         (views, ring_w, ring_s, bars, act_raw, act_base, acc, a_addr, a_scales, li_a, m, m0, k,
          k_begin, k_end, m_end, bx, li, nb128, n_sub, total, tid, lane, warp, g, t, a_fp8,
          b_fp8) = run
@@ -823,11 +851,11 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(last):  # steps holding elements of the K range (1 .. self.sub)
             steps = (k_end - kc + self.se - 1) // self.se
         self._sub_chunk_compute(ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold,
-                                steps)
+                                steps, nt)
 
     @cute.jit
     def _sub_chunk_compute(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold,
-                           steps=None):
+                           steps=None, nt=None):
         """The steps of the sub-chunk in ring stage `stage` (fold: the scales carry the bit
         trick's offset, _step_compute). steps: how many hold elements of K (None: all); each
         later one runs as a loop of zero or one pass whose count the compiler cannot see, so it
@@ -835,18 +863,19 @@ class Sm90DecodeGemm:
         for c in cutlass.range_constexpr(self.sub):
             if cutlass.const_expr(steps is None or c == 0):
                 self._sub_chunk_step(ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8,
-                                     fold, c)
+                                     fold, c, nt)
             else:
                 for _ in cutlass.range(opaque_i32(cutlass.Int32(c < steps)), unroll=1):
                     self._sub_chunk_step(ring_w, ring_s, stage, buf, warp, g, t, lane, acc,
-                                         b_fp8, fold, c)
+                                         b_fp8, fold, c, nt)
 
     @cute.jit
-    def _sub_chunk_step(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold, c):
+    def _sub_chunk_step(self, ring_w, ring_s, stage, buf, warp, g, t, lane, acc, b_fp8, fold, c,
+                        nt=None):
         """Step c of the sub-chunk in ring stage `stage` (_sub_chunk_compute)."""
         w, sw = self._tma_words(ring_w, ring_s, stage, c, warp, g, t)
         if cutlass.const_expr(self.tuning.probe != "nocompute"):
-            self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8, fold=fold)
+            self._step_compute(w, sw, t, buf, c, lane, acc, b_fp8, fold=fold, nt=nt)
         else:  # keep the shared-memory reads: fold them into one accumulator
             acc[0] += cutlass.Float32(w[0][0] ^ w[1][1] ^ w[2][2] ^ w[3][3] ^ sw[0])
 
@@ -1070,16 +1099,21 @@ class Sm90DecodeGemm:
             sts_v4(buf + j * 16, permute_fp4_order(lds_v4(buf + j * 16)))
 
     @cute.jit
-    def _step_compute(self, w, sw, t, buf, c, lane, acc, b_fp8, win=None, fold=None):
+    def _step_compute(self, w, sw, t, buf, c, lane, acc, b_fp8, win=None, fold=None, nt=None):
         """Step c of a sub-chunk for the thread's rows: w[j] = 4 weight words of row j, sw[j] = the
         scale word of row j (4 scale columns); t = the thread's quarter of the step. fold: the
         scales carry the bit trick's offset (default self.fold, NVFP4's; MXFP4's where the CTA's
         scales allow it, _mainloop_tma).
         Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
         per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
-        sub-chunk's first item)."""
+        sub-chunk's first item).
+        nt: multiply into the first nt n8 tiles only (default all v.nt): a grouped item of at
+        most 8 nt rows leaves the others zero (GROUPED_ITEM_NTS); the staging and accumulator
+        layouts stay the variant's."""
         v = self.v
-        nt, Q = v.nt, self.q
+        NT, Q = v.nt, self.q
+        if cutlass.const_expr(nt is None):
+            nt = NT
         if cutlass.const_expr(fold is None):
             fold = self.fold
         col = self._scale_block(c, t) & 3  # the thread's first scale column (byte) in the word
@@ -1100,7 +1134,7 @@ class Sm90DecodeGemm:
             act = []
             for i in cutlass.range_constexpr(nt):
                 if cutlass.const_expr(win is None):
-                    act.append(lds_v4(buf + (((c * nt + i) * Q + q) * 32 + lane) * 16))
+                    act.append(lds_v4(buf + (((c * NT + i) * Q + q) * 32 + lane) * 16))
                 else:
                     lane_off, q_stride = win
                     act.append(lds_v4(buf + (c * Q + q) * q_stride + lane_off[i]))
@@ -1108,11 +1142,11 @@ class Sm90DecodeGemm:
             for rt in cutlass.range_constexpr(self.RT):
                 wg = [w[2 * rt][q * wpg + x] for x in range(wpg)]
                 wh = [w[2 * rt + 1][q * wpg + x] for x in range(wpg)]
-                a_in = [acc[(rt * nt) * 4 + x] for x in range(4 * nt)]
+                a_in = [acc[(rt * NT) * 4 + x] for x in range(4 * nt)]
                 res = dequant_mma(v.b_kind, nt, wg, wh, sc[2 * rt][blk], sc[2 * rt + 1][blk], act,
                                   a_in, b_fp8, fold)
                 for x in cutlass.range_constexpr(4 * nt):
-                    acc[(rt * nt) * 4 + x] = res[x]
+                    acc[(rt * NT) * 4 + x] = res[x]
 
     def _group_of(self, warp):
         """The warp's 128-row group in the CTA: a warp holds 8 R rows, so 16 / R warps fill a

@@ -519,16 +519,51 @@ def test_mx_fold_loops(variant, tmp_path):
         assert "BAR.RED.OR" not in main and per_hmma == {8}, per_hmma
 
 
-def _sub_chunk_blocks(sass):
-    """(HMMA, HMUL2) counts of the SASS blocks (runs without a branch or barrier) that hold a
-    whole sub-chunk's MMAs: the most HMMAs of any block."""
+@needs_dsl
+@pytest.mark.parametrize("variant", [
+    cat.DecodeVariant("bf16", "nvfp4", "bf16", 2, grouped=True),
+    cat.DecodeVariant("bf16", "mxfp4", "bf16", 2, grouped=True),
+    cat.DecodeVariant("mxfp4", "mxfp4", "bf16", 4, grouped=True),
+    cat.DecodeVariant("bf16", "mxfp8", "f32", 2, grouped=True),
+    cat.DecodeVariant("bf16", "nvfp4", "bf16", 2)], ids=lambda v: v.name)
+def test_grouped_variants_carry_a_loop_per_item_height(variant, tmp_path):
+    """A grouped decode variant holds one main loop per item height of grouped_item_nts: whole
+    sub-chunks (no branch or barrier inside) with the same weight conversion (HMUL2s) and MMAs
+    in proportion to the height, the MMAs unpredicated (one branch per CTA picks the loop, not
+    one per step). The dense variant keeps its one height: its rows are the call's, not an
+    item's."""
+    h, o = dec.export_variant(variant, str(tmp_path), variant.name)
+    main = _main_kernel_sass(o, str(tmp_path))
+    assert not re.search(r"@!?P\d+ HMMA", main)
+    blocks = _mma_blocks(main)
+    most = max(hmma for hmma, _ in blocks)
+    widest = {hmul2 for hmma, hmul2 in blocks if hmma == most}
+    nts = cat.grouped_item_nts(variant.nt) if variant.grouped else (variant.nt,)
+    assert len(nts) > 1 or not variant.grouped
+    for nt in nts:
+        assert {hmul2 for hmma, hmul2 in blocks if hmma == most * nt // variant.nt} == widest
+    if not variant.grouped:
+        assert not [hmma for hmma, _ in blocks if hmma == most // 2]
+
+
+def _mma_blocks(sass):
+    """(HMMA, HMUL2) counts of the SASS blocks (runs without a branch or barrier) that hold
+    MMAs."""
     blocks, hmma, hmul2 = [], 0, 0
     for line in sass.splitlines():
         hmma += "HMMA.16816" in line
         hmul2 += "HMUL2" in line
         if re.search(r"\bBRA\b|BAR\.", line):
-            blocks.append((hmma, hmul2))
+            if hmma:
+                blocks.append((hmma, hmul2))
             hmma = hmul2 = 0
+    return blocks
+
+
+def _sub_chunk_blocks(sass):
+    """(HMMA, HMUL2) counts of the SASS blocks (runs without a branch or barrier) that hold a
+    whole sub-chunk's MMAs: the most HMMAs of any block."""
+    blocks = _mma_blocks(sass)
     most = max(b[0] for b in blocks)
     return [b for b in blocks if b[0] == most]
 

@@ -291,6 +291,34 @@ def test_sixteen_row_items_at_twelve_rows_per_expert(fmt_lhs, fmt_rhs):
         assert p.kernel == "ragged_decode" and p.nt == 2, p
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("nt", sorted(cat.GROUPED_ITEM_NTS))
+@pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
+                                             ("nvfp4", "nvfp4"), (None, "mxfp8_e4m3")])
+def test_items_on_both_sides_of_the_narrow_loop(fmt_lhs, fmt_rhs, nt, splits, monkeypatch):
+    """Items of 8 nt rows (nt forced) whose CTAs run the narrower main loop of GROUPED_ITEM_NTS
+    where the item's rows fit it: experts of 1 row, of exactly the narrow height, one more, a
+    whole item, one more (a full item and a short one), an empty expert, several items and
+    a short last one, rows past the groups; K unsplit and split in two. Against the
+    reference: a narrow loop that dropped or misplaced a row's products, or a wide one taken
+    by a short item's neighbour, shows."""
+    narrow = 8 * cat.grouped_item_nts(nt)[0]
+    rows = 8 * nt
+    sizes = [1, narrow, narrow + 1, rows, rows + 1, rows + narrow, rows + narrow + 1, 0,
+             2 * rows + 5, 3]
+    m = sum(sizes) + 5
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
+    choose = cat.choose_ragged_decode_variant
+
+    def forced(mm, n, k, groups, *args, **kw):
+        v, _, _ = choose(mm, n, k, groups, *args, **kw)
+        return dataclasses.replace(v, nt=nt), splits, cat.ragged_decode_items(mm, groups, nt)
+    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
+    lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 384, 1024)
+    p = _compare(lhs, rhs, gs, "f32")
+    assert (p.kernel, p.nt, p.splits) == ("ragged_decode", nt, splits), p
+
+
 @pytest.mark.parametrize("k", [512, 576])
 @pytest.mark.parametrize("tile_m", [t for t, _ in cat.RAGGED_PREFILL_TILES])
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs,out", [(None, "nvfp4", "bf16"), (None, "mxfp4", "f32"),
