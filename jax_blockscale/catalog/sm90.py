@@ -506,10 +506,11 @@ RAGGED_DECODE_MIN_SPLIT_CHUNKS = 3
 RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
 # Items hold twice the average rows per expert (below). Per GPU model where it differs: on the
 # H200 16-row items run up to this many rows per expert on average, where twice the average
-# would take 32-row items: those were slower there on every long-tile expert shape measured,
-# even counting the second item the busiest experts need with 16-row items, and tied or lost on
-# short tiles (numbers: docs/design/sm90_ragged_decode.md).
-RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD = {"h200": 15}
+# would take 32-row items: to 12 rows those were slower there on every expert shape measured
+# but one, even counting the second item the busiest experts need with 16-row items; from 14
+# rows they were faster (the threshold sits between the two; numbers:
+# docs/design/sm90_ragged_decode.md).
+RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD = {"h200": 13}
 
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
@@ -613,11 +614,12 @@ RAGGED_PREFILL_FP4_MIN_ROWS = 26  # between two measured points (the design note
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 # Per GPU model where it differs (Device.card): (rows per expert from which, rows per item) for
-# those long-tile experts. On the H200 the decode kernel's 16-row items beat both item heights
-# here as long as it runs them (RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD), and past that the 64-row
-# items beat the 32-row ones on every long-tile shape measured
+# those long-tile experts. On the H200 the decode kernel (16-row items, then 32-row ones, each
+# CTA on the loop of its item's height: GROUPED_ITEM_NTS) beat or tied the 64-row items here on
+# every long-tile shape measured at 16 rows per expert; at 18-20 rows one shape gained and one
+# lost either way, at 24 the 64-row items won; the 32-row items here never won
 # (docs/design/sm90_ragged_prefill.md).
-RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD["h200"] + 1, 64)}
+RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (20, 64)}
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
