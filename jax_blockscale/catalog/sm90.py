@@ -614,12 +614,16 @@ RAGGED_PREFILL_FP4_MIN_ROWS = 26  # between two measured points (the design note
 RAGGED_PREFILL_NARROW_TILE_M = 32
 RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 # Per GPU model where it differs (Device.card): (rows per expert from which, rows per item) for
-# those long-tile experts. On the H200 the decode kernel (16-row items, then 32-row ones, each
-# CTA on the loop of its item's height: GROUPED_ITEM_NTS) beat or tied the 64-row items here on
-# every long-tile shape measured at 16 rows per expert; at 18-20 rows one shape gained and one
-# lost either way, at 24 the 64-row items won; the 32-row items here never won
-# (docs/design/sm90_ragged_prefill.md).
-RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (20, 64)}
+# those long-tile experts. On the H200 the 64-row items beat the 32-row ones on every long-tile
+# shape measured from 16 rows per expert, and the decode kernel below that (16-row items, then
+# 32-row ones, each CTA on the loop of its item's height: GROUPED_ITEM_NTS). Weight-only MXFP4
+# experts stay on the decode kernel longer there (RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD):
+# this kernel converts an MX weight pair with two multiplies where NVFP4 takes one (the decode
+# kernel folds MX scales too), and at 16-18 rows per expert the decode kernel's 32-row items
+# beat its 64-row ones on five of six MXFP4 shapes, while NVFP4 ones and quantized activations
+# ran faster here (docs/design/sm90_ragged_prefill.md).
+RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (16, 64)}
+RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD = {"h200": 20}
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
@@ -652,11 +656,15 @@ def ragged_items(m: int, groups: int, rows_per_item: int) -> int:
     return _ceil_div(m, rows_per_item) + min(groups, m) + 2
 
 
-def ragged_prefill_long_tiles(card=None) -> tuple[int, int]:
+def ragged_prefill_long_tiles(card=None, fmt_a=None, fmt_b=None) -> tuple[int, int]:
     """(rows per expert on average from which, rows per item) of this kernel for FP4 experts
-    whose tiles the decode kernel would stream one per CTA over all of K, on `card`."""
-    return RAGGED_PREFILL_LONG_TILES_BY_CARD.get(
+    whose tiles the decode kernel would stream one per CTA over all of K, on `card`, for an
+    activation of format fmt_a (None: bf16) times weights of fmt_b."""
+    rows, tile_m = RAGGED_PREFILL_LONG_TILES_BY_CARD.get(
         card, (RAGGED_PREFILL_NARROW_MIN_ROWS, RAGGED_PREFILL_NARROW_TILE_M))
+    if KIND_OF_FORMAT.get(fmt_a, fmt_a) == "bf16" and KIND_OF_FORMAT.get(fmt_b, fmt_b) == "mxfp4":
+        rows = RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD.get(card, rows)
+    return rows, tile_m
 
 
 def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf16",
@@ -680,7 +688,7 @@ def choose_ragged_prefill_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="
     tiles = dict(RAGGED_PREFILL_TILES)
     if tile_m is None:
         long_tiles = early and not force and avg < RAGGED_PREFILL_FP4_MIN_ROWS
-        tile_m = (ragged_prefill_long_tiles(card)[1] if long_tiles
+        tile_m = (ragged_prefill_long_tiles(card, fmt_a, fmt_b)[1] if long_tiles
                   else 64 if avg < RAGGED_PREFILL_WIDE_ROWS
                   else 128 if avg < RAGGED_PREFILL_WIDEST_ROWS else 256)
     tile_n = tiles[tile_m]
@@ -701,7 +709,7 @@ def register_weights_win_early(m, n, k, groups, fmt_a, fmt_b, sm_count, out="bf1
     avg = _ceil_div(m, groups)
     if avg >= RAGGED_PREFILL_FP4_MIN_ROWS:
         return True
-    if avg < ragged_prefill_long_tiles(card)[0]:
+    if avg < ragged_prefill_long_tiles(card, fmt_a, fmt_b)[0]:
         return False
     decode = choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out, card)
     if decode is None:

@@ -275,7 +275,7 @@ def test_narrow_items_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
                                           cat.DEFAULT_SM_COUNT, card=card)
     p = _compare(lhs, rhs, gs, "bf16")
     assert p.kernel == "ragged_prefill", p
-    assert p.tile == (cat.ragged_prefill_long_tiles(card)[1], 128), p
+    assert p.tile == (cat.ragged_prefill_long_tiles(card, fmt_lhs, fmt_rhs)[1], 128), p
 
 
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),

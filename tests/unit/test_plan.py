@@ -595,11 +595,12 @@ def test_grouped_decode_split_rule_follows_the_card():
 
 def test_grouped_item_heights_follow_the_card():
     """On the H200 FP4 experts averaging 9-13 rows run the grouped decode kernel's 16-row items
-    (twice the average would give 32-row ones), 14-19 rows its 32-row items, and from 20 rows
-    long tiles go to the register-weight kernel's 64-row items, not its 32-row ones; short
-    tiles keep the decode kernel's 32-row items until RAGGED_PREFILL_FP4_MIN_ROWS. The H100 and
-    cards without a rule keep the measured defaults: 32-row decode items from 9 rows, 32-row
-    register-weight items for long tiles from RAGGED_PREFILL_NARROW_MIN_ROWS."""
+    (twice the average would give 32-row ones), then its 32-row items; long tiles go to the
+    register-weight kernel's 64-row items (not its 32-row ones) from 16 rows, weight-only MXFP4
+    ones from 20; short tiles keep the decode kernel's 32-row items until
+    RAGGED_PREFILL_FP4_MIN_ROWS. The H100 and cards without a rule keep the measured defaults:
+    32-row decode items from 9 rows, 32-row register-weight items for long tiles from
+    RAGGED_PREFILL_NARROW_MIN_ROWS, whatever the formats."""
     from jax_blockscale.lowering.specs import RaggedSpec
     bf16 = np.dtype("bfloat16")
     h200 = dataclasses.replace(H100, card="h200")
@@ -613,29 +614,33 @@ def test_grouped_item_heights_follow_the_card():
 
     long_tile, short_tile = (128, 5760, 2880), (128, 1536, 2048)  # gpt-oss-120b, Qwen3-30B-A3B
     assert cat90.RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD["h200"] == 13
-    for rows, h100_want, h200_want in [
-            (8, ("ragged_decode", 16), ("ragged_decode", 16)),
-            (9, ("ragged_decode", 32), ("ragged_decode", 16)),
-            (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, ("ragged_prefill", 32), ("ragged_decode", 16)),
-            (13, ("ragged_prefill", 32), ("ragged_decode", 16)),
-            (14, ("ragged_prefill", 32), ("ragged_decode", 32)),
-            (19, ("ragged_prefill", 32), ("ragged_decode", 32)),
-            (20, ("ragged_prefill", 32), ("ragged_prefill", 64)),
-            (cat90.RAGGED_PREFILL_FP4_MIN_ROWS - 1, ("ragged_prefill", 32),
-             ("ragged_prefill", 64))]:
-        for fmt in ("mxfp4", "nvfp4"):
-            assert plan(H100, rows, *long_tile, fmt_rhs=fmt) == h100_want, (rows, fmt)
-            assert plan(h200, rows, *long_tile, fmt_rhs=fmt) == h200_want, (rows, fmt)
-            # the activation quantized like the weights takes the same kernel and item height
-            assert plan(h200, rows, *long_tile, fmt, fmt) == h200_want, (rows, fmt)
+    decode16, decode32, rw64 = ("ragged_decode", 16), ("ragged_decode", 32), ("ragged_prefill", 64)
+    # rows per expert: H100, H200 weight-only MXFP4, H200 NVFP4 or a quantized activation
+    for rows, h100_want, h200_mx, h200_want in [
+            (8, decode16, decode16, decode16),
+            (9, decode32, decode16, decode16),
+            (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, ("ragged_prefill", 32), decode16, decode16),
+            (13, ("ragged_prefill", 32), decode16, decode16),
+            (14, ("ragged_prefill", 32), decode32, decode32),
+            (16, ("ragged_prefill", 32), decode32, rw64),
+            (19, ("ragged_prefill", 32), decode32, rw64),
+            (20, ("ragged_prefill", 32), rw64, rw64),
+            (cat90.RAGGED_PREFILL_FP4_MIN_ROWS - 1, ("ragged_prefill", 32), rw64, rw64)]:
+        assert plan(H100, rows, *long_tile) == h100_want, rows
+        assert plan(h200, rows, *long_tile) == h200_mx, rows
+        for fmt_lhs, fmt_rhs in [(None, "nvfp4"), ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4")]:
+            assert plan(H100, rows, *long_tile, fmt_lhs, fmt_rhs) == h100_want, (rows, fmt_rhs)
+            assert plan(h200, rows, *long_tile, fmt_lhs, fmt_rhs) == h200_want, (rows, fmt_lhs)
     # short tiles: 16-row decode items to 13 rows on the H200, then 32-row ones as on the H100
     for rows, h100_want, h200_want in [(12, 32, 16), (13, 32, 16), (14, 32, 32), (25, 32, 32)]:
         assert plan(H100, rows, *short_tile) == ("ragged_decode", h100_want), rows
         assert plan(h200, rows, *short_tile) == ("ragged_decode", h200_want), rows
     for card in (None, "h100", "h200"):
-        assert cat90.ragged_prefill_long_tiles(card) == (
-            (20, 64) if card == "h200"
-            else (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, cat90.RAGGED_PREFILL_NARROW_TILE_M))
+        default = (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, cat90.RAGGED_PREFILL_NARROW_TILE_M)
+        assert cat90.ragged_prefill_long_tiles(card, "nvfp4", "nvfp4") == (
+            (16, 64) if card == "h200" else default)
+        assert cat90.ragged_prefill_long_tiles(card, None, "mxfp4") == (
+            (20, 64) if card == "h200" else default)
 
 
 def test_the_device_names_its_card(monkeypatch):
