@@ -620,8 +620,8 @@ RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 # experts stay on the decode kernel longer there (RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD):
 # this kernel converts an MX weight pair with two multiplies where NVFP4 takes one (the decode
 # kernel folds MX scales too), and at 16-18 rows per expert the decode kernel's 32-row items
-# beat its 64-row ones on five of six MXFP4 shapes, while NVFP4 ones and quantized activations
-# ran faster here (docs/design/sm90_ragged_prefill.md).
+# beat its 64-row ones on five of six MXFP4 shapes, while NVFP4 ones split and quantized
+# activations ran faster here (docs/design/sm90_ragged_prefill.md).
 RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (16, 64)}
 RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD = {"h200": 20}
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
