@@ -509,8 +509,18 @@ RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
 # would take 32-row items: to 12 rows those were slower there on every expert shape measured
 # but one, even counting the second item the busiest experts need with 16-row items; from 14
 # rows they were faster (the threshold sits between the two; numbers:
-# docs/design/sm90_ragged_decode.md).
+# docs/design/sm90_ragged_decode.md). MXFP8 weights keep 16-row items to 15 rows there: at 14
+# rows per expert their 32-row items were 1-4 % slower, at 16 they tied before.
 RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD = {"h200": 13}
+RAGGED_DECODE_16_ROW_MAX_AVG_MXFP8_BY_CARD = {"h200": 15}
+
+
+def ragged_decode_16_row_max_avg(card, b_kind: str) -> int:
+    """Rows per expert on average up to which the grouped decode kernel runs 16-row items where
+    twice the average would give 32-row ones, on `card` for weights of kind `b_kind` (0: none)."""
+    if b_kind == "mxfp8":
+        return RAGGED_DECODE_16_ROW_MAX_AVG_MXFP8_BY_CARD.get(card, 0)
+    return RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD.get(card, 0)
 
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
@@ -550,7 +560,7 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     `groups` experts of (N, K), or None if the grouped decode kernel cannot run it.
 
     The item height follows twice the average rows per expert (the card's
-    RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD keeps 16-row items longer); splits fill about one wave
+    ragged_decode_16_row_max_avg keeps 16-row items longer); splits fill about one wave
     with the CTAs of the experts that can be hit (at most min(G, M) of them), as for the dense
     kernel, in ranges of the card's RAGGED_DECODE_MIN_SPLIT_CHUNKS at least (card:
     Device.card)."""
@@ -568,7 +578,7 @@ def choose_ragged_decode_variant(m, n, k, groups, fmt_a, fmt_b, sm_count, out="b
     # their weights), but 64-row items only past 32 rows per expert (their wide tiles cost more
     # than a second pass); the item heights compared: docs/design/sm90_ragged_decode.md.
     rows = max(avg, min(2 * avg, 32))
-    if avg <= RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD.get(card, 0):
+    if avg <= ragged_decode_16_row_max_avg(card, b_kind):
         rows = min(rows, 16)
     v = DecodeVariant(a_kind, b_kind, out, nt_for(rows), grouped=True)
     min_chunks = RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD.get(card, RAGGED_DECODE_MIN_SPLIT_CHUNKS)

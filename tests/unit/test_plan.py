@@ -598,9 +598,10 @@ def test_grouped_item_heights_follow_the_card():
     (twice the average would give 32-row ones), then its 32-row items; long tiles go to the
     register-weight kernel's 64-row items (not its 32-row ones) from 16 rows, weight-only MXFP4
     ones from 20; short tiles keep the decode kernel's 32-row items until
-    RAGGED_PREFILL_FP4_MIN_ROWS. The H100 and cards without a rule keep the measured defaults:
-    32-row decode items from 9 rows, 32-row register-weight items for long tiles from
-    RAGGED_PREFILL_NARROW_MIN_ROWS, whatever the formats."""
+    RAGGED_PREFILL_FP4_MIN_ROWS; MXFP8 weights keep 16-row items to 15 rows. The H100 and cards
+    without a rule keep the measured defaults: 32-row decode items from 9 rows, 32-row
+    register-weight items for long tiles from RAGGED_PREFILL_NARROW_MIN_ROWS, whatever the
+    formats."""
     from jax_blockscale.lowering.specs import RaggedSpec
     bf16 = np.dtype("bfloat16")
     h200 = dataclasses.replace(H100, card="h200")
@@ -631,10 +632,18 @@ def test_grouped_item_heights_follow_the_card():
         for fmt_lhs, fmt_rhs in [(None, "nvfp4"), ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4")]:
             assert plan(H100, rows, *long_tile, fmt_lhs, fmt_rhs) == h100_want, (rows, fmt_rhs)
             assert plan(h200, rows, *long_tile, fmt_lhs, fmt_rhs) == h200_want, (rows, fmt_lhs)
-    # short tiles: 16-row decode items to 13 rows on the H200, then 32-row ones as on the H100
-    for rows, h100_want, h200_want in [(12, 32, 16), (13, 32, 16), (14, 32, 32), (25, 32, 32)]:
+    # short tiles: 16-row decode items to 13 rows on the H200, then 32-row ones as on the H100;
+    # MXFP8 weights (on the decode kernel at any tile) keep 16-row items to 15 rows there
+    for rows, h100_want, h200_want, h200_mxfp8 in [(12, 32, 16, 16), (13, 32, 16, 16),
+                                                   (14, 32, 32, 16), (15, 32, 32, 16),
+                                                   (16, 32, 32, 32), (25, 32, 32, 32)]:
         assert plan(H100, rows, *short_tile) == ("ragged_decode", h100_want), rows
         assert plan(h200, rows, *short_tile) == ("ragged_decode", h200_want), rows
+        for fmt_lhs in (None, "mxfp8_e4m3"):
+            assert plan(h200, rows, *long_tile, fmt_lhs, "mxfp8_e4m3") == (
+                "ragged_decode", h200_mxfp8), (rows, fmt_lhs)
+            assert plan(H100, rows, *long_tile, fmt_lhs, "mxfp8_e5m2") == (
+                "ragged_decode", h100_want), (rows, fmt_lhs)
     for card in (None, "h100", "h200"):
         default = (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, cat90.RAGGED_PREFILL_NARROW_TILE_M)
         assert cat90.ragged_prefill_long_tiles(card, "nvfp4", "nvfp4") == (
