@@ -14,6 +14,9 @@ table built by XLA (what an expert-parallel shard runs) instead of the kernel's 
     python benchmarks/ragged_decode_probe.py --sweep --nts 2 --splits 1 --out /tmp/probe
         # 16-row items, one split, beside the plan (JAX_BLOCKSCALE_SM90_RAGGED_KERNEL=decode
         # keeps the planner off the register-weight kernel where it would take over)
+    ncu -k regex:kernel_grouped --launch-skip 2 --launch-count 1 --set full -o /tmp/r \
+        python benchmarks/ragged_decode_probe.py --no-timing --cases gpt-oss-120b:gate_up:256
+        # only the calls, for a profiler that holds the GPU's profiling interface itself
 
 Needs an sm90 GPU and the library. Shapes: benchmarks/bench_moe.py's models (mxfp4; --cases),
 its routing and weight rotation. Writes <out>.json.
@@ -75,6 +78,14 @@ def measure(x, weights, gs, hit_bytes, copy_tbps):
                 kernels_us=dict(sorted(per.items(), key=lambda kv: -kv[1])))
 
 
+def run_calls(x, weights, gs, calls=4):
+    """`calls` calls of the jitted grouped GEMM, untimed (--no-timing)."""
+    f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+    for i in range(calls):
+        out = f(x, weights[i % len(weights)], gs)
+    jax.block_until_ready(out)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="also every nt x splits")
@@ -87,13 +98,18 @@ def main():
                    help="also each configuration with XLA's work table (no sizes mode)")
     p.add_argument("--per-cta", help="also these tiles of N per CTA (comma-separated)")
     p.add_argument("--out", default="ragged_decode_probe", help="output path prefix (.json)")
+    p.add_argument("--no-timing", action="store_true",
+                   help="only run each configuration's calls, untimed (under ncu or nsys, which "
+                        "hold the profiling interface JAX's profiler times with)")
     args = p.parse_args()
     rows = []
     choose = cat.choose_ragged_decode_variant
     device = plan.device_for("cuda")
     sm_count = device.sm_count
-    copy_tbps = copy_bandwidth_TBps(True, {})  # this GPU's, measured here: the share's base
-    print(f"{jax.devices()[0].device_kind}: copy bandwidth {copy_tbps:.2f} TB/s")
+    copy_tbps = None
+    if not args.no_timing:
+        copy_tbps = copy_bandwidth_TBps(True, {})  # this GPU's, measured here: the share's base
+        print(f"{jax.devices()[0].device_kind}: copy bandwidth {copy_tbps:.2f} TB/s")
     cases = CASES if not args.cases else [
         (c.split(":")[0], c.split(":")[1], int(c.split(":")[2])) for c in args.cases.split(",")]
     nts = [int(x) for x in args.nts.split(",")] if args.nts else cat.DECODE_NTS
@@ -131,7 +147,10 @@ def main():
             if fields:
                 ragged_sm90.plan_ragged_sm90 = replanned(planner, **fields)
             try:
-                row.update(measure(x, weights, gs, hit_bytes, copy_tbps))
+                if args.no_timing:
+                    run_calls(x, weights, gs)
+                else:
+                    row.update(measure(x, weights, gs, hit_bytes, copy_tbps))
             except Exception as e:  # noqa: BLE001  (a split count the problem cannot take)
                 row["err"] = bm.short_error(e)
             finally:
@@ -144,7 +163,8 @@ def main():
             print(f"{model:<14}{gemm:<8}{tokens:>4}  nt={nt} splits={s} "
                   f"per_cta={row['tiles_per_cta']} {work:<5}{plan_mark:<7}"
                   + (f"{row['device_us']:8.1f} us {row['copy_bw_share']:6.1%}  {top}"
-                     if "device_us" in row else f"  error: {row['err']}"), flush=True)
+                     if "device_us" in row else f"  error: {row['err']}" if "err" in row
+                     else "  ran (untimed)"), flush=True)
     out = os.path.splitext(args.out)[0] + ".json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

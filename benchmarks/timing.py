@@ -65,12 +65,21 @@ def time_us(f, *args, arg_sets=None, iters=20, trials=5, warmup=2):
     return statistics.median(samples)
 
 
+# Why a trace on a GPU can hold no kernel: the profiler's CUPTI interface takes one subscriber,
+# and a process run under ncu or nsys has one already.
+NO_GPU_TRACE = ("the profiler's trace holds no GPU kernel: is another profiler (ncu, nsys) "
+                "holding the GPU's profiling interface (CUPTI)? Device times need JAX's profiler")
+
+
 def device_time_us(f, *args, arg_sets=None, calls=8):
     """GPU kernel time per call (microseconds) of `calls` calls of f, from a profiler trace: the
-    union of the kernel intervals on the GPU's streams, divided by `calls`. None when the trace
-    holds no GPU activity (CPU runs). Same argument conventions as time_us."""
+    union of the kernel intervals on the GPU's streams, divided by `calls`. None where JAX has
+    no GPU (CPU runs); on a GPU an empty trace raises RuntimeError (NO_GPU_TRACE). Same
+    argument conventions as time_us."""
     events = gpu_kernel_events(f, *args, arg_sets=arg_sets, calls=calls)
     if not events:
+        if any(d.platform == "gpu" for d in jax.devices()):
+            raise RuntimeError(NO_GPU_TRACE)
         return None
     return union_length([(s, e) for _, s, e in events]) / calls / 1e3
 

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import jax_blockscale as jbs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -76,6 +78,20 @@ def test_device_time_is_none_without_a_gpu_in_the_trace():
         return  # covered by the GPU sweep runs
     timing = _timing_module()
     assert timing.device_time_us(jax.jit(lambda x: x * 2), jnp.ones(8), calls=2) is None
+
+
+def test_device_time_on_a_gpu_with_an_empty_trace_says_why(monkeypatch):
+    """On a GPU a trace without kernels (a process under ncu or nsys, which hold the profiling
+    interface) raises, naming the likely cause, instead of a None the caller would divide by or
+    drop silently."""
+    timing = _timing_module()
+
+    class Gpu:
+        platform = "gpu"
+    monkeypatch.setattr(timing, "gpu_kernel_events", lambda *args, **kw: [])
+    monkeypatch.setattr(timing.jax, "devices", lambda *args: [Gpu()])
+    with pytest.raises(RuntimeError, match=r"another profiler \(ncu, nsys\)"):
+        timing.device_time_us(lambda x: x, 1.0)
 
 
 def test_bench_sm90_runs_and_says_why_a_forced_path_cannot(tmp_path):
