@@ -66,8 +66,14 @@ def replanned(planner, **fields):
     return pick
 
 
+def fresh_gemm():
+    """The grouped GEMM jitted anew: each configuration patches the planner, which a jitted
+    function traced before would not consult again."""
+    return jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+
+
 def measure(x, weights, gs, hit_bytes, copy_tbps):
-    f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+    f = fresh_gemm()
     sets = [(x, q, gs) for q in weights]
     jax.block_until_ready(f(*sets[0]))
     us = device_time_us(f, arg_sets=sets)
@@ -80,7 +86,7 @@ def measure(x, weights, gs, hit_bytes, copy_tbps):
 
 def run_calls(x, weights, gs, calls=4):
     """`calls` calls of the jitted grouped GEMM, untimed (--no-timing)."""
-    f = jax.jit(lambda x, q, gs: jbs.ragged_gemm(x, q, gs))
+    f = fresh_gemm()
     for i in range(calls):
         out = f(x, weights[i % len(weights)], gs)
     jax.block_until_ready(out)

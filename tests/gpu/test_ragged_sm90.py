@@ -165,17 +165,20 @@ def test_decode_kernel_makes_its_items_from_the_raw_sizes(g, m, nt_rows, h200_ro
             assert p.tile[0] == (h200_rows if card == "h200" else nt_rows), p
 
 
-def _force_decode_plan(monkeypatch, splits, per_cta):
-    """The grouped decode kernel, with its split count and tiles of N per CTA forced (its item
-    height as the catalogue chooses it)."""
+def _force_decode_plan(monkeypatch, splits, per_cta=None, nt=None):
+    """The grouped decode kernel, with its split count forced, and its tiles of N per CTA and
+    item height (n8 tiles) where given (else as the catalogue chooses them)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
     choose = cat.choose_ragged_decode_variant
 
-    def forced(*args, **kw):
-        v, _, items = choose(*args, **kw)
+    def forced(m, n, k, groups, *args, **kw):
+        v, _, items = choose(m, n, k, groups, *args, **kw)
+        if nt is not None:
+            v, items = dataclasses.replace(v, nt=nt), cat.ragged_decode_items(m, groups, nt)
         return v, splits, items
     monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
-    monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+    if per_cta is not None:
+        monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
 
 
 @pytest.mark.parametrize("per_cta", [2, 3, 16])
@@ -307,13 +310,7 @@ def test_items_on_both_sides_of_the_narrow_loop(fmt_lhs, fmt_rhs, nt, splits, mo
     sizes = [1, narrow, narrow + 1, rows, rows + 1, rows + narrow, rows + narrow + 1, 0,
              2 * rows + 5, 3]
     m = sum(sizes) + 5
-    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
-    choose = cat.choose_ragged_decode_variant
-
-    def forced(mm, n, k, groups, *args, **kw):
-        v, _, _ = choose(mm, n, k, groups, *args, **kw)
-        return dataclasses.replace(v, nt=nt), splits, cat.ragged_decode_items(mm, groups, nt)
-    monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
+    _force_decode_plan(monkeypatch, splits, nt=nt)
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 384, 1024)
     p = _compare(lhs, rhs, gs, "f32")
     assert (p.kernel, p.nt, p.splits) == ("ragged_decode", nt, splits), p
