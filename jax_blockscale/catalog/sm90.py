@@ -325,8 +325,7 @@ def decode_mx_fold(b_kind: str, nt: int) -> bool:
 
 # The grouped decode kernel's items seldom fill their n8 tiles: with the rows spread over the
 # experts, most experts of a call planned for 16-row items hold 8 rows or fewer, and an n8 tile of
-# zero rows costs its MMAs and activation reads all the same (at 2-8 rows per expert, 16-row
-# items took 11-21 % longer than 8-row ones on the same items). So a grouped variant of nt n8
+# zero rows costs its MMAs and activation reads all the same. So a grouped variant of nt n8
 # tiles also carries the main loop of each narrower item height here, on the same CTA and ring,
 # and each CTA runs the narrowest one that holds its item's rows (one comparison per CTA, as
 # the MXFP4 fold's loops; docs/design/sm90_ragged_decode.md, "Narrow loops").
@@ -510,7 +509,7 @@ RAGGED_DECODE_MIN_SPLIT_CHUNKS_BY_CARD = {"h200": 4}
 # but one, even counting the second item the busiest experts need with 16-row items; from 14
 # rows they were faster (the threshold sits between the two; numbers:
 # docs/design/sm90_ragged_decode.md). MXFP8 weights keep 16-row items to 15 rows there: at 14
-# rows per expert their 32-row items were 1-4 % slower, at 16 they tied before.
+# rows per expert their 32-row items were the slower ones.
 RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD = {"h200": 13}
 RAGGED_DECODE_16_ROW_MAX_AVG_MXFP8_BY_CARD = {"h200": 15}
 
