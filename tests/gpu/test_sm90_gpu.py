@@ -187,9 +187,44 @@ def test_register_weights_split_k(monkeypatch, fmt_b, batch_a, batch_b, m, n, k,
 
 
 @needs_sm90
-def test_register_weights_split_k_keeps_non_finite_blocks_in_place(monkeypatch):
+@pytest.mark.parametrize("m,splits", [(13, None), (45, None), (45, "3"), (200, None),
+                                      (64, "2")])
+def test_register_weights_mxfp4_large_block_scales(monkeypatch, m, splits):
+    """MXFP4 weights some of whose blocks are scaled up by 2^5 to 2^20 (e8m0 codes far over
+    128, beside ordinary blocks of the same tiles) on the register-weight variants: equal to the
+    reference. A tile (or a split's K range of one) whose block scales hold such a code runs the
+    unfolded conversion, the others the folded one (Sm90BlockScaledGemm.mx_fold): the blocks
+    sit in the first N tile's second k-tile, across the last two k-tiles of a middle tile, in a
+    whole row, and alone in the last row's last block; 17 k-tiles, so split ranges share a
+    scale tile. 16-row tiles (two k-groups), 64-row tiles (split), 128-row tiles."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
+            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=splits)
+    n, k = 777, 17 * 64
+    ka, kb = jax.random.split(_key())
+    x = jax.random.normal(ka, (m, k), jnp.float32)
+    w = np.array(jax.random.normal(kb, (n, k), jnp.float32)) * 0.5
+    w[3:40:7, 64:128] *= 2.0 ** 12
+    w[300:303, 960:1088] *= 2.0 ** 5
+    w[600, :] *= 2.0 ** 20
+    w[n - 1, k - 32:] *= 2.0 ** 9
+    a, b = x.astype(jnp.bfloat16), jbs.quantize(jnp.asarray(w), "mxfp4")
+    assert int(np.max(np.asarray(b.scales).view(np.uint8))) > 128
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
+    (call,) = [ln for ln in f.lower(a, b).as_text().splitlines()
+               if "custom_call @" + _plugin.SM90_TARGET in ln]
+    assert f"a_kind = {KPERM} : i32" in call, call
+    if splits is not None:
+        assert f"splits = {splits} : i32" in call, call
+    _check(a, b, "f32", f)
+    _check(a, b, "bf16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4"])
+def test_register_weights_split_k_keeps_non_finite_blocks_in_place(monkeypatch, fmt_b):
     """A NaN / Inf block in one split's K range: its row (activation) or column (weight) is
-    NaN / Inf after the splits are added, every other output equals the reference's."""
+    NaN / Inf after the splits are added, every other output equals the reference's (MXFP4: a
+    tile with a NaN scale runs the unfolded conversion, the others the folded one)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
             JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="4")
     ka, kb = jax.random.split(_key())
@@ -197,7 +232,7 @@ def test_register_weights_split_k_keeps_non_finite_blocks_in_place(monkeypatch):
     w = np.array(jax.random.normal(kb, (136, 1024), jnp.float32)) * 0.5
     x[1, 5], x[2, 700] = np.nan, np.inf    # splits 0 and 2
     w[3, 300], w[7, 1000] = np.nan, -np.inf  # splits 1 and 3
-    a, b = jnp.asarray(x, jnp.bfloat16), jbs.quantize(w, "nvfp4")
+    a, b = jnp.asarray(x, jnp.bfloat16), jbs.quantize(w, fmt_b)
     f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32, backend="sm90"))
     assert "splits = 4 : i32" in f.lower(a, b).as_text()
     _poison()
