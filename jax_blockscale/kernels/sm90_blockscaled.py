@@ -1163,8 +1163,8 @@ class Sm90BlockScaledGemm:
         """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
         stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the
         four k16 MMAs' A registers (mx_fold: folded where the tile's answer `fold_sel` is 0) and
-        issue them (acc += W A^T) over the tile's first `an` columns (acc[:an // 2]). Returns once the previous k-tile's MMAs are done; this one's
-        may still run. The caller advances rs (the tracer only sees state rebound in the loop
+        issue them (acc += W A^T) over the tile's first `an` columns (acc[:an // 2]). Returns
+        once the previous k-tile's MMAs are done; this one's may still run. The caller advances rs (the tracer only sees state rebound in the loop
         body itself) and releases the stages."""
         pipe.consumer_wait(slot)
         stage = slot.index
