@@ -323,19 +323,6 @@ def decode_mx_fold(b_kind: str, nt: int) -> bool:
     return b_kind == "mxfp4" and nt in MX_FOLD_NTS
 
 
-# MXFP4 weights in the register-weight kernels (dense and grouped) take the same fold, chosen per
-# persistent tile: a warp of the producer warp group checks each tile's block scales ahead of the
-# consumers (its loads hidden behind the ring), and the consumers run the folded or the unfolded
-# k-loop of that tile (Sm90BlockScaledGemm.mx_fold; docs/design/sm90_fused.md).
-REGISTER_WEIGHT_MX_FOLD_KINDS = frozenset({"mxfp4"})
-
-
-def register_weight_mx_fold(b_kind: str) -> bool:
-    """Whether the register-weight variants of weight kind `b_kind` carry the MXFP4 fold's
-    second k-loop and its per-tile check."""
-    return b_kind in REGISTER_WEIGHT_MX_FOLD_KINDS
-
-
 # The grouped decode kernel's items seldom fill their n8 tiles: with the rows spread over the
 # experts, most experts of a call planned for 16-row items hold 8 rows or fewer, and an n8 tile of
 # zero rows costs its MMAs and activation reads all the same. So a grouped variant of nt n8

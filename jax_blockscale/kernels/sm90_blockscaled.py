@@ -35,8 +35,6 @@ pointers; K a multiple of the block and of 32 (fp4: row pitch K/2 bytes must be 
 """
 from __future__ import annotations
 
-import re
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -50,12 +48,10 @@ from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
 from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx
 from .export import compile_for_arch, placeholder_ptr
-from .sm90_ptx import (
-    OUT_DTYPES, SCALE_BYTE_SEL, bytes_above_mx_fold, lds_uniform_then_arrive, ldg_v4, mbar_init,
-    mbar_wait, scale_bf16x2, scale_ptx, sts_then_arrive, warp_any)
+from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
-    REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths, register_weight_mx_fold)
+    REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths)
 
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
@@ -72,10 +68,6 @@ BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom w
 SPLITS_SHIFT = 8
 MAX_SPLITS = 255
 SCALE_CHUNK = 512  # bytes of one blocked scale tile: 128 rows x 4 scale columns
-# The MXFP4 fold's answers for the tiles ahead (mx_fold): how many the checking warp may be ahead
-# of the consumers by, and the 16-byte scale loads each of its lanes keeps in flight
-FOLD_SLOTS = 4
-FOLD_CHECK_LOADS = 2
 
 
 def _i32(x, loc, ip):
@@ -203,57 +195,16 @@ def _rw_load_row(words, addr, scale_addr, *, loc=None, ip=None):
 
 def rw_fp4_pairs_ptx(fold: bool) -> str:
     """PTX: $8, $9 = a row's two fp4 words, $10 = its bf16x2 block scale -> $0..$7 = pairs
-    (j, j+4) of word 0, then of word 1, times the scale (fold: the scale carries the bit trick's
-    2^126: NVFP4 as s * 2^119, alpha taking the 2^7; MXFP4 as 2^(code - 1), exact)."""
+    (j, j+4) of word 0, then of word 1, times the scale (fold: NVFP4, the scale carries 2^126)."""
     body = "".join(fp4_perm_pairs_ptx(f"${8 + w}", "$10", [f"${4 * w + j}" for j in range(4)],
                                       "t", "y", "k", fold) for w in range(2))
     return "{\n.reg .b32 t, y, k;\n" + body + "}"
 
 
-def _operands(ptx: str, mapping: dict) -> str:
-    """`ptx` with its operands $i renamed to mapping[i] (registers or other operands)."""
-    return re.sub(r"\$(\d+)", lambda mt: mapping[int(mt.group(1))], ptx)
-
-
-def rw_mx_fold_two_rows_ptx() -> str:
-    """PTX of _rw_convert_mx_fold: $16, $17 / $19, $20 = rows 0 / 1's two fp4 words, $18 / $21
-    their scale words, $22 the byte selector, $23 the tile's answer (0: fold) -> $0..$7 / $8..$15
-    = each row's pairs as rw_fp4_pairs_ptx gives them. One uniform branch picks the folded form
-    (the e8m0 scale as 2^(code - 1), one multiply per pair) or the unfolded one (NaN codes
-    kept, two multiplies per pair)."""
-    def rows(fold):
-        code = ""
-        for r in range(2):
-            w0, sw = 16 + 3 * r, 18 + 3 * r
-            code += _operands(scale_ptx("mxfp4", fold), {0: f"s{r}", 1: f"${sw}", 2: "$22"})
-            code += "\n"
-            code += "".join(fp4_perm_pairs_ptx(f"${w0 + w}", f"s{r}",
-                                               [f"${8 * r + 4 * w + j}" for j in range(4)],
-                                               "t", "y", "k", fold) for w in range(2))
-        return code
-    return ("{\n.reg .pred pu;\n.reg .b32 s0, s1, t, y, k;\nsetp.ne.b32 pu, $23, 0;\n"
-            "@pu bra UNFOLDED;\n" + rows(True) + "bra.uni DONE;\nUNFOLDED:\n" + rows(False)
-            + "DONE:\n}")
-
-
 @dsl_user_op
-def _rw_convert_mx_fold(ws, sel, fold_sel, *, loc=None, ip=None):
-    """Both rows' 16 MXFP4 elements (ws[r] = two words and the scale word) and byte `sel` of the
-    scale words -> 8 bf16x2 words per row, folded where `fold_sel` is 0 (the tile's scales are
-    all at most MX_FOLD_MAX_CODE), else unfolded (rw_mx_fold_two_rows_ptx)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 16),
-        [_i32(x, loc, ip) for x in (*ws[0][:3], *ws[1][:3], sel, fold_sel)],
-        rw_mx_fold_two_rows_ptx(), ",".join(["=r"] * 16 + ["r"] * 8), has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    vals = [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(16)]
-    return [vals[:8], vals[8:]]
-
-
-@dsl_user_op
-def _rw_convert(kind, w0, w1, sword, sel, fold, *, loc=None, ip=None):
-    """A row's 16 fp4 elements (two words) and byte `sel` of its scale word -> 8 bf16x2 words
-    (fold: rw_fp4_pairs_ptx)."""
+def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
+    """A row's 16 fp4 elements (two words) and byte `sel` of its scale word -> 8 bf16x2 words."""
+    fold = kind == "nvfp4"
     scale = scale_bf16x2(kind, sword, sel, fold, loc=loc, ip=ip)
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 8),
@@ -312,10 +263,6 @@ class Sm90BlockScaledGemm:
         # partial sums in the weights' true scale to C[split, l] (an f32 workspace); the caller
         # adds them in split order and applies alpha
         self.splittable = self.reg_w and not self.grouped
-        # MXFP4 weights: each tile converted folded (one multiply per pair) where the checking
-        # warp found its block scales all at most MX_FOLD_MAX_CODE, else unfolded (_fold_checker,
-        # _rw_convert_mx_fold); NVFP4 is always folded
-        self.mx_fold = self.reg_w and register_weight_mx_fold(b_kind)
         # tile: (activation rows = the wgmma N, weight rows = 64 per consumer warp group)
         # (the grouped kernel's are RAGGED_PREFILL_TILES, 256-row tiles among them)
         tiles = RAGGED_PREFILL_TILES if self.grouped else REGISTER_WEIGHT_TILES
@@ -493,9 +440,6 @@ class Sm90BlockScaledGemm:
             red: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, bm * bn if self.k_groups > 1 else 4], 16
             ]
-            # mx_fold: each slot's full and empty mbarriers, and its answer (_fold_checker)
-            fold_bars: cute.struct.MemRange[cutlass.Int64, 2 * FOLD_SLOTS]
-            fold_flags: cute.struct.MemRange[cutlass.Int32, FOLD_SLOTS]
 
         self.storage = Storage
 
@@ -504,11 +448,11 @@ class Sm90BlockScaledGemm:
             kern = self.kernel_grouped(
                 tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
                 b_e5m2, self.tiled_mma, sched, mItems, l, narrow_a[0][0], narrow_a[0][1],
-                narrow_a[1][0], narrow_a[1][1], sb_ptr)
+                narrow_a[1][0], narrow_a[1][1])
         else:
             kern = self.kernel(
                 tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-                b_e5m2, self.tiled_mma, sched, sb_ptr)
+                b_e5m2, self.tiled_mma, sched)
         kern.launch(grid=grid, block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     def _make_smem_layouts(self):
@@ -560,17 +504,15 @@ class Sm90BlockScaledGemm:
         b_e5m2: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         sched: utils.PersistentTileSchedulerParams,
-        sb_ptr: cute.Pointer,
     ):
         self._body(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-                   b_e5m2, tiled_mma, sched, sb_ptr)
+                   b_e5m2, tiled_mma, sched)
 
     @cute.jit
     def _body(self, tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-              b_e5m2, tiled_mma, sched, sb_ptr, table=None, narrow_a=()):
+              b_e5m2, tiled_mma, sched, table=None, narrow_a=()):
         """The kernel (traced inline). table = (the work table, G) for the grouped kernel;
-        narrow_a: its (TMA atom, tensor) of the activation box of each narrower width; sb_ptr:
-        B's block scales in global memory (mx_fold's check)."""
+        narrow_a: its (TMA atom, tensor) of the activation box of each narrower width."""
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -586,16 +528,6 @@ class Sm90BlockScaledGemm:
         self._make_smem_layouts()
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(self.storage)
-        fold_bars = st.fold_bars.data_ptr().toint()
-        fold_flags = st.fold_flags.data_ptr().toint()
-        if cutlass.const_expr(self.mx_fold):
-            # slot j: full (the checking warp's one arrival) at fold_bars + 8 j, empty (every
-            # consumer thread's) at fold_bars + 8 (FOLD_SLOTS + j); the pipeline's creation
-            # below fences the inits and syncs the CTA
-            if tidx == 0:
-                for j in cutlass.range_constexpr(FOLD_SLOTS):
-                    mbar_init(fold_bars + 8 * j, 1)
-                    mbar_init(fold_bars + 8 * (FOLD_SLOTS + j), self.num_consumer_threads)
 
         # full/empty mbarrier ring between the TMA producer and the 8 consumer warps
         pipe = pipeline.PipelineTmaAsync.create(
@@ -740,14 +672,10 @@ class Sm90BlockScaledGemm:
                         ps.advance()
                         pipe.sync_object_empty.wait(ps1.index + ring, ps1.phase)
                         ps1.advance()
-            if cutlass.const_expr(self.mx_fold):
-                if warp_idx == 1:
-                    self._fold_checker(sb_ptr.toint(), fold_bars, fold_flags, sched, m, n, k,
-                                       splits, mC, table)
         elif cutlass.const_expr(self.reg_w):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._register_weight_consumer(pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
-                                           splits, (fold_bars, fold_flags), table=table)
+                                           splits, table=table)
         else:
             # ============================ consumers ===========================================
             cute.arch.setmaxregister_increase(232)
@@ -912,61 +840,6 @@ class Sm90BlockScaledGemm:
         count = cutlass.max(cutlass.min(k_tiles - kt0, per), 0)
         return tl % l_ab, kt0, count
 
-    @cute.jit
-    def _fold_checker(self, sb_addr, fold_bars, fold_flags, sched, m, n, k, splits, mC, table):
-        """mx_fold's check (warp 1 of the producer warp group, otherwise idle): for every tile of
-        the CTA's persistent schedule, in the consumers' order, whether a block scale of the
-        weight rows and K range it streams is above MX_FOLD_MAX_CODE (its 128-row groups' runs of
-        512-byte scale tiles, 16 bytes a lane at a time, FOLD_CHECK_LOADS in flight), published
-        in slot u % FOLD_SLOTS of a ring of answers (nonzero: unfolded) with its own full /
-        empty mbarriers. The warp runs up to FOLD_SLOTS tiles ahead of the consumers, so the
-        loads' latency hides behind their work; only the first tile's waits beside the ring's
-        first copies."""
-        lane = cute.arch.lane_idx()
-        b_blk = KINDS[self.b_kind]["block"]
-        k_tiles = (k + BK - 1) // BK
-        sk4_b = (k // b_blk + 3) // 4
-        scale_tiles_n = (n + 127) // 128
-        sch = utils.StaticPersistentTileScheduler.create(
-            sched, cute.arch.block_idx(), cute.arch.grid_dim()
-        )
-        work = sch.initial_work_tile_info()
-        u = cutlass.Int32(0)  # tiles answered
-        while work.is_valid_tile:
-            tm, tn, tl = work.tile_idx
-            kt0 = cutlass.Int32(0)
-            count = k_tiles
-            if cutlass.const_expr(self.splittable):
-                tl, kt0, count = self._split_range(tl, splits, mC, k_tiles)
-            if cutlass.const_expr(self.grouped):  # tile (N tile, item), as the producer's
-                tl, _, _, count = self._work_item(table, tn, m, k_tiles)
-                tn = tm
-            # the scale tiles of k-tiles [kt0, kt0 + count): 4 blocks of K each
-            t0 = (kt0 * (BK // b_blk)) // 4
-            t1 = ((kt0 + count) * (BK // b_blk) + 3) // 4
-            per_group = (t1 - t0) * 32 * cutlass.Int32(count > 0)  # 16-byte entries
-            total = per_group * self.nsb
-            g0 = (tn * self.bn) // 128
-            past = cutlass.Int32(0)
-            for j0 in range(lane, total, FOLD_CHECK_LOADS * 32):
-                words = []
-                for q in cutlass.range_constexpr(FOLD_CHECK_LOADS):
-                    j = j0 + q * 32
-                    grp = j // per_group
-                    g128 = cutlass.min(g0 + grp, scale_tiles_n - 1)
-                    addr = sb_addr + (cutlass.Int64(tl * scale_tiles_n + g128) * sk4_b + t0) * (
-                        SCALE_CHUNK) + (j - grp * per_group) * 16
-                    words += ldg_v4(addr, cutlass.Int32(j < total))
-                past = past | bytes_above_mx_fold(words)
-            past = warp_any(past)
-            slot = u % FOLD_SLOTS
-            mbar_wait(fold_bars + 8 * (FOLD_SLOTS + slot), ((u // FOLD_SLOTS) & 1) ^ 1)
-            sts_then_arrive(fold_flags + 4 * slot, past, fold_bars + 8 * slot,
-                            cutlass.Int32(lane == 0))
-            u = u + 1
-            sch.advance_to_next_work()
-            work = sch.get_current_work()
-
     def _width_level(self, rows):
         """The narrowest wgmma width that holds an item of `rows` rows: 0 for the whole tile, i
         for self.narrow[i - 1] (plain Python, traced inline; the producer's activation box and
@@ -995,7 +868,7 @@ class Sm90BlockScaledGemm:
 
     @cute.jit
     def _register_weight_consumer(self, pipe, st, mC, mAlpha, m, n, k, b_e5m2, tidx, sched,
-                                  splits, fold_ring, table=None):
+                                  splits, table=None):
         """Consumers of the register-weight mode. Thread (k-group kg, warp group wg of it, warp
         wq, lane = 4 g + t) owns weight rows r0 = 64 wg + 16 wq + g and r0 + 8 of the CTA's bn
         and the accumulator of the transposed tile: acc[4 j + x] = C^T[row r0 + 8 (x // 2),
@@ -1003,11 +876,8 @@ class Sm90BlockScaledGemm:
         each has its own ring of stages; the second adds its sums into the first's through
         shared memory at a tile's end, and the first stores the tile. With several splits
         (`splits`, dense variants) a tile covers its split's k-tiles and stores its sums in the
-        weights' true scale (alpha is the caller's) to C[split * L + l]. fold_ring: the shared
-        addresses of mx_fold's mbarriers and answers (_fold_checker): an MXFP4 tile runs the
-        folded k-loop or the unfolded one, as its answer says."""
+        weights' true scale (alpha is the caller's) to C[split * L + l]."""
         bm, bn = self.bm, self.bn
-        fold_bars, fold_flags = fold_ring
         kgs = self.k_groups
         group_threads = self.num_consumer_threads // kgs
         ctid = tidx - 128
@@ -1049,7 +919,6 @@ class Sm90BlockScaledGemm:
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ring)
         # the k-group's own k-tiles of every tile
         own_k_tiles = (k_tiles - kg + kgs - 1) // kgs
-        u = cutlass.Int32(0)  # tiles run (mx_fold: the slot of the tile's answer)
         while work.is_valid_tile:
             tm, tn, tl = work.tile_idx
             tile_k_tiles = own_k_tiles
@@ -1064,13 +933,6 @@ class Sm90BlockScaledGemm:
                 tn, c_l = tm, 0
                 tile_k_tiles = (item_k_tiles - kg + kgs - 1) // kgs
                 level = self._width_level(m_end - m0)
-            fold_sel = cutlass.Int32(0)  # mx_fold: the tile's answer, 0 where it folds
-            if cutlass.const_expr(self.mx_fold):
-                slot = u % FOLD_SLOTS
-                mbar_wait(fold_bars + 8 * slot, (u // FOLD_SLOTS) & 1)
-                fold_sel = cutlass.Int32(lds_uniform_then_arrive(
-                    fold_flags + 4 * slot, fold_bars + 8 * (FOLD_SLOTS + slot)) != 0)
-                u = u + 1
             acc.fill(0.0)
             # the rows' scale words inside the stage's 128-row scale tile (a 64-row tile may
             # be its second half)
@@ -1082,29 +944,25 @@ class Sm90BlockScaledGemm:
             # ptxas keeps distinct values apart, tests/test_sm90_register_weights_build.py.)
             # One copy of the loop per wgmma width (grouped: an item of few rows runs on a
             # narrower one, self.narrow), each waiting for its last MMAs before the copies join.
-            # (MXFP4: the fold is chosen per k-tile, inside the conversion, on the tile's answer;
-            # a second copy of these loops made ptxas serialize the wgmmas.)
             for wi in cutlass.range_constexpr(len(widths)):
                 if level == wi:
                     an = widths[wi]
                     for kp in range(tile_k_tiles // 2):
                         self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
-                                                     s_off, kt0 + kg + kgs * (2 * kp), an,
-                                                     fold_sel)
+                                                     s_off, kt0 + kg + kgs * (2 * kp), an)
                         rs.advance()
                         if kp > 0:  # the previous pair's second k-tile's MMAs are done
                             pipe.consumer_release(self._slot(rel, ring_base))
                             rel.advance()
                         self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
-                                                     s_off, kt0 + kg + kgs * (2 * kp + 1), an,
-                                                     fold_sel)
+                                                     s_off, kt0 + kg + kgs * (2 * kp + 1), an)
                         rs.advance()
                         pipe.consumer_release(self._slot(rel, ring_base))  # the pair's first
                         rel.advance()
                     if tile_k_tiles % 2 == 1:
                         self._register_weight_k_tile(pipe, self._slot(rs, ring_base), acc, kw,
                                                      s_off, kt0 + kg + kgs * (tile_k_tiles - 1),
-                                                     an, fold_sel)
+                                                     an)
                         rs.advance()
                         if tile_k_tiles > 1:
                             pipe.consumer_release(self._slot(rel, ring_base))
@@ -1159,12 +1017,12 @@ class Sm90BlockScaledGemm:
         one ring)."""
         return state if self.k_groups == 1 else _Slot(state, ring_base)
 
-    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt, an, fold_sel):
+    def _register_weight_k_tile(self, pipe, slot, acc, kw, s_off, kt, an):
         """One k-tile of the register-weight consumer (plain Python, traced inline): wait for the
         stage at `slot`, convert the thread's 16 weight elements of each of its two rows into the
-        four k16 MMAs' A registers (mx_fold: folded where the tile's answer `fold_sel` is 0) and
-        issue them (acc += W A^T) over the tile's first `an` columns (acc[:an // 2]). Returns
-        once the previous k-tile's MMAs are done; this one's may still run. The caller advances rs (the tracer only sees state rebound in the loop
+        four k16 MMAs' A registers and issue them (acc += W A^T) over the tile's first `an`
+        columns (acc[:an // 2]). Returns once the previous k-tile's MMAs are done; this one's
+        may still run. The caller advances rs (the tracer only sees state rebound in the loop
         body itself) and releases the stages."""
         pipe.consumer_wait(slot)
         stage = slot.index
@@ -1177,24 +1035,18 @@ class Sm90BlockScaledGemm:
         else:
             byte = (kt * (BK // b_blk) + t // 2) % 4
         sel = SCALE_BYTE_SEL + 0x101 * byte
-        def load_row(r):
-            return _rw_load_row(
+        pairs = []
+        for r in range(2):
+            ws = _rw_load_row(
                 self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
                 + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
-        if cutlass.const_expr(self.mx_fold):
-            pairs = _rw_convert_mx_fold([load_row(r) for r in range(2)], sel, fold_sel)
-        else:
-            pairs = []
-            for r in range(2):
-                ws = load_row(r)
-                if KINDS[self.b_kind]["bits"] == 4:
-                    pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel,
-                                             self.b_kind == "nvfp4"))
-                else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
-                    sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
-                    pairs.append(
-                        _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
-                        + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte], *kw["fp8"]))
+            if KINDS[self.b_kind]["bits"] == 4:
+                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
+            else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
+                sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
+                pairs.append(
+                    _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
+                    + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte], *kw["fp8"]))
         # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
         a_regs = []
         for b in range(4):
@@ -1280,10 +1132,9 @@ class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
         tA1: cute.Tensor,
         tma_a2: cute.CopyAtom,
         tA2: cute.Tensor,
-        sb_ptr: cute.Pointer,
     ):
         self._body(tma_a, tA, tma_b, tB, tma_sa, tSA, tma_sb, tSB, mC, mAlpha, m, n, k, a_e5m2,
-                   b_e5m2, tiled_mma, sched, sb_ptr, table=(mItems, groups),
+                   b_e5m2, tiled_mma, sched, table=(mItems, groups),
                    narrow_a=((tma_a1, tA1), (tma_a2, tA2)))
 
 

@@ -153,39 +153,6 @@ def sync_threads_or(flag, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def warp_any(flag, *, loc=None, ip=None):
-    """1 in every lane of the (converged) warp where any lane's `flag` is nonzero, else 0."""
-    return _asm(1, "r", [cutlass.Int32(flag)],
-                "{\n.reg .pred p, q;\nsetp.ne.b32 p, $1, 0;\n"
-                "vote.sync.any.pred q, p, 0xffffffff;\nselp.b32 $0, 1, 0, q;\n}",
-                ["r"], loc, ip)[0]
-
-
-@dsl_user_op
-def sts_then_arrive(addr, value, bar, pred, *, loc=None, ip=None):
-    """Where `pred`: store `value` to shared `addr`, then one arrival on mbarrier `bar`. The
-    arrival releases the store: a thread that waits on the phase it completes reads `value`."""
-    body = ("{\n.reg .pred p;\n.reg .b64 st;\nsetp.ne.b32 p, $3, 0;\n"
-            "@p st.shared.b32 [$0], $1;\n@p mbarrier.arrive.shared::cta.b64 st, [$2];\n}")
-    _asm(0, "r", [cutlass.Int32(addr), cutlass.Int32(value), cutlass.Int32(bar),
-                  cutlass.Int32(pred)], body, ["r", "r", "r", "r"], loc, ip)
-
-
-@dsl_user_op
-def lds_uniform_then_arrive(addr, bar, *, loc=None, ip=None):
-    """Read the shared word at `addr`, then one arrival on mbarrier `bar` (the word may be
-    rewritten once every expected thread has arrived). Returns nonzero iff the word is, as a warp
-    ballot: ptxas then knows it is the same in every lane (a uniform register), so a branch on
-    it needs no divergence handling around the MMAs it selects. Every lane of the warp calls it,
-    and the caller has made sure they all read the same word."""
-    body = ("{\n.reg .pred p;\n.reg .b32 v;\n.reg .b64 st;\nld.shared.b32 v, [$1];\n"
-            "mbarrier.arrive.shared::cta.b64 st, [$2];\nsetp.ne.b32 p, v, 0;\n"
-            "vote.sync.ballot.b32 $0, p, 0xffffffff;\n}")
-    return _asm(1, "r", [cutlass.Int32(addr), cutlass.Int32(bar)], body, ["r", "r"], loc,
-                ip)[0]
-
-
-@dsl_user_op
 def sts_v4(addr, v, *, loc=None, ip=None):
     _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in v],
          "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", ["r", "r", "r", "r", "r"], loc, ip)
@@ -336,15 +303,6 @@ selp.b32 t, 0x00400040, t, p;    // 2^-127 is a bf16 subnormal
 selp.b32 $0, {BF16X2_NAN:#x}, t, pn;
 }}"""
 
-# MXFP4 with the fold (a single scale; _SCALE_PAIR_E8M0_FOLDED below says when it is exact):
-# exponent field code + 126, 2^(code - 1) = the scale times the bit trick's 2^126
-_SCALE_E8M0_FOLDED = """{
-.reg .b32 t;
-prmt.b32 t, $1, 0, $2;
-shl.b32 t, t, 7;
-add.u32 $0, t, 0x3F003F00;
-}"""
-
 
 # Two scale bytes at once (the decode kernel: an NVFP4 thread's two blocks of a row, or an MX
 # thread's block of two rows). `prmt` puts byte A in the low byte of the low half and byte B in
@@ -426,18 +384,17 @@ def scale_pair_bf16x2(kind, word_a, word_b, sel, fold=False, *, loc=None, ip=Non
 
 
 def scale_ptx(kind: str, fold: bool = False) -> str:
-    """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale. fold: an
-    e4m3 scale times 2^119, an e8m0 one times 2^126 (codes up to MX_FOLD_MAX_CODE only)."""
+    """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale."""
     if KINDS[kind]["scale"] == "e4m3":
         return _SCALE_E4M3_FOLDED if fold else _SCALE_E4M3
-    return _SCALE_E8M0_FOLDED if fold else _SCALE_E8M0
+    assert not fold, "only e4m3 scales are folded"
+    return _SCALE_E8M0
 
 
 @dsl_user_op
 def scale_bf16x2(kind, word, sel=SCALE_BYTE_SEL, fold=False, *, loc=None, ip=None):
     """Block-scale byte `sel` picks of a scale word (default: the low byte) -> bf16x2 with the
-    scale in both halves (when `fold`, times 2^119 for e4m3 and 2^126 for e8m0, whose codes the
-    caller has checked to be at most MX_FOLD_MAX_CODE: scale_ptx)."""
+    scale in both halves (times 2^119 when `fold`: NVFP4 weights converted with fold=True)."""
     return _asm(1, "r", [cutlass.Int32(word), cutlass.Int32(sel)], scale_ptx(kind, fold),
                 ["r", "r"], loc, ip, side_effects=False)[0]
 

@@ -376,9 +376,8 @@ def test_register_weight_kernel_mxfp4_large_block_scales(tile_m, monkeypatch):
     by 2^9 to 2^14 (e8m0 scales far over 1, beside ordinary blocks of the same tiles): equal to
     the reference on every wgmma width. The scaled blocks sit in an expert of 5 rows (a narrow
     item), one of 130 (a whole item and a narrow one), and alone in the last expert's last row
-    and K block. A tile whose block scales hold such a code runs the unfolded conversion, the
-    others (most tiles, and an empty expert's) the folded one (Sm90BlockScaledGemm.mx_fold);
-    32-row tiles split their k-tiles between two k-groups."""
+    and K block; 32-row tiles split their k-tiles between two k-groups, 256-row ones take a
+    whole expert of 130 rows."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
             JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
     rng = _rng()

@@ -192,11 +192,11 @@ def test_register_weights_split_k(monkeypatch, fmt_b, batch_a, batch_b, m, n, k,
 def test_register_weights_mxfp4_large_block_scales(monkeypatch, m, splits):
     """MXFP4 weights some of whose blocks are scaled up by 2^5 to 2^20 (e8m0 codes far over
     128, beside ordinary blocks of the same tiles) on the register-weight variants: equal to the
-    reference. A tile (or a split's K range of one) whose block scales hold such a code runs the
-    unfolded conversion, the others the folded one (Sm90BlockScaledGemm.mx_fold): the blocks
-    sit in the first N tile's second k-tile, across the last two k-tiles of a middle tile, in a
-    whole row, and alone in the last row's last block; 17 k-tiles, so split ranges share a
-    scale tile. 16-row tiles (two k-groups), 64-row tiles (split), 128-row tiles."""
+    reference. The blocks sit in the first N tile's second k-tile, across the last two k-tiles
+    of a middle tile, in a whole row, and alone in the last row's last block; 17 k-tiles, so
+    split ranges share a scale tile. 16-row tiles (two k-groups), 64-row tiles (split),
+    128-row tiles. (A kernel that folds the scales where they allow it, as the decode kernel
+    does, must keep these exact: docs/design/sm90_fused.md, "What was tried".)"""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
             JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS=splits)
     n, k = 777, 17 * 64
@@ -223,8 +223,8 @@ def test_register_weights_mxfp4_large_block_scales(monkeypatch, m, splits):
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4"])
 def test_register_weights_split_k_keeps_non_finite_blocks_in_place(monkeypatch, fmt_b):
     """A NaN / Inf block in one split's K range: its row (activation) or column (weight) is
-    NaN / Inf after the splits are added, every other output equals the reference's (MXFP4: a
-    tile with a NaN scale runs the unfolded conversion, the others the folded one)."""
+    NaN / Inf after the splits are added, every other output equals the reference's (NVFP4's
+    e4m3 NaN scale and MXFP4's e8m0 one)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0",
             JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="4")
     ka, kb = jax.random.split(_key())
