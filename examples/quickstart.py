@@ -15,13 +15,20 @@ import numpy as np
 import jax_blockscale as jbs
 
 
-def time_call(f, *args, iters=10):
+def time_call(f, *args, iters=20, trials=5):
+    """Seconds per call: the median over `trials` of back-to-back calls' mean (host included).
+    One short loop alone can catch a stall of the host (a garbage collection, the first calls
+    of a new program) and read several times too slow."""
     jax.block_until_ready(f(*args))  # compile and warm up
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters
+    jax.block_until_ready(f(*args))
+    means = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        means.append((time.perf_counter() - start) / iters)
+    return float(np.median(means))
 
 
 def main():
@@ -55,9 +62,10 @@ def main():
 
     print(f"\nM={args.m} N={args.n} K={args.k}. quant. error: vs x @ w.T in float64 on the "
           "unquantized inputs;\ngemm error: vs float64 on the dequantized operands (the kernel's "
-          "own error)")
+          "own error);\nwall us: per jitted call, the host's dispatch included (the GPU's own "
+          "time: benchmarks/)")
     print(f"{'format':12s} {'mode':12s} {'quant. error':>12s} {'gemm error':>11s} "
-          f"{'time (us)':>10s}")
+          f"{'wall us':>10s}")
     for fmt in args.formats.split(","):
         wq = jbs.quantize(w, fmt, layout="blocked")  # once, at load time
         w_vals = np.asarray(jbs.dequantize(wq), np.float64)
