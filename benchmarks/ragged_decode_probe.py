@@ -149,7 +149,7 @@ def main():
                 row["planned"] = False
             else:
                 row["tiles_per_cta"] = cat.ragged_decode_tiles_per_cta(
-                    m, n, k, g, "mxfp4", nt, s, sm_count)
+                    m, n, k, g, "mxfp4", nt, s, sm_count, card=device.card)
             if fields:
                 ragged_sm90.plan_ragged_sm90 = replanned(planner, **fields)
             try:

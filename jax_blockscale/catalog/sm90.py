@@ -521,6 +521,18 @@ def ragged_decode_16_row_max_avg(card, b_kind: str) -> int:
         return RAGGED_DECODE_16_ROW_MAX_AVG_MXFP8_BY_CARD.get(card, 0)
     return RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD.get(card, 0)
 
+# Per GPU model where it was measured (Device.card): at 8-row items (nt = 1), where the rule
+# above leaves the CTAs of the experts expected to be hit between one and two waves, their second
+# wave runs on few SMs. There a CTA takes more short tiles (up to
+# RAGGED_DECODE_ONE_WAVE_MAX_TILES) if that puts all its item's CTAs in one wave filled to
+# RAGGED_DECODE_ONE_WAVE_FILL at least: on the H200 faster on every call measured (1-64 tokens of
+# Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3, FP4 and MXFP8 weights; at items of 16 and 32
+# rows it tied or lost; numbers: docs/design/sm90_ragged_decode.md, "Tiles per CTA: one wave").
+RAGGED_DECODE_ONE_WAVE_CARDS = frozenset({"h200"})
+RAGGED_DECODE_ONE_WAVE_NTS = (1,)
+RAGGED_DECODE_ONE_WAVE_FILL = 0.8
+RAGGED_DECODE_ONE_WAVE_MAX_TILES = 8  # the most measured
+
 # Long tiles run one per CTA: every grouped tuning runs 2 CTAs per SM, whose second CTA hides a
 # tile's ring fill and tail, and there several long tiles per CTA lose (with 1 CTA per SM, the
 # dense kernel's 256-row CTAs the grouped kernel once took at 16-row items, they gained:
@@ -533,9 +545,10 @@ def expected_hit_groups(m: int, groups: int) -> float:
 
 
 def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str, nt: int,
-                                splits: int, sm_count: int) -> int:
+                                splits: int, sm_count: int, card=None) -> int:
     """Adjacent tiles of N per CTA for a grouped decode call of M rows over `groups` experts
-    of (N, K) weights of `b_kind` on `splits` K ranges (1: a CTA per tile)."""
+    of (N, K) weights of `b_kind` on `splits` K ranges (1: a CTA per tile), on `card`
+    (Device.card; its one-wave rule where RAGGED_DECODE_ONE_WAVE_CARDS has it)."""
     tuning = tuning_for(nt, b_kind, grouped=True)
     tiles = _ceil_div(n, tuning.bn)
     chunk = decode_chunk_elems(b_kind, tuning)
@@ -550,6 +563,12 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
            and per < min(tiles, RAGGED_DECODE_MAX_TILES_PER_CTA)
            and work * _ceil_div(tiles, per + 1) >= min_ctas):
         per += 1
+    if card in RAGGED_DECODE_ONE_WAVE_CARDS and nt in RAGGED_DECODE_ONE_WAVE_NTS:
+        wave = tuning.ctas_per_sm * sm_count
+        if wave < work * _ceil_div(tiles, per) < 2 * wave:
+            for more in range(per + 1, min(tiles, RAGGED_DECODE_ONE_WAVE_MAX_TILES) + 1):
+                if RAGGED_DECODE_ONE_WAVE_FILL * wave <= work * _ceil_div(tiles, more) <= wave:
+                    return more
     return per
 
 

@@ -548,7 +548,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
     # shard's come from its own rows, experts and N: the unsharded call's would leave a shard
     # with half the experts half the CTAs it needs to fill the GPU.
     per_cta = 1 if layer is not None else cat90.ragged_decode_tiles_per_cta(
-        spec.m, spec.n, spec.k, spec.groups, kb, v.nt, splits, device.sm_count)
+        spec.m, spec.n, spec.k, spec.groups, kb, v.nt, splits, device.sm_count, card=device.card)
     return RaggedPlan("sm90", "ragged_decode", spec, "cuda", variant=name, a_kind=ka, b_kind=kb,
                       nt=v.nt, tile=(8 * v.nt, v.tuning.bn), splits=splits,
                       items=items, a_scales_plain=a_scales_plain, raw_sizes=raw_sizes,

@@ -178,7 +178,7 @@ def _force_decode_plan(monkeypatch, splits, per_cta=None, nt=None):
         return v, splits, items
     monkeypatch.setattr(cat, "choose_ragged_decode_variant", forced)
     if per_cta is not None:
-        monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args: per_cta)
+        monkeypatch.setattr(cat, "ragged_decode_tiles_per_cta", lambda *args, **kw: per_cta)
 
 
 @pytest.mark.parametrize("per_cta", [2, 3, 16])

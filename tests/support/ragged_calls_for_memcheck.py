@@ -34,7 +34,7 @@ for label, kernel, per_cta, (fmt, act, m, n, k) in [
         os.environ["JAX_BLOCKSCALE_SM90_RAGGED_TILE_M"] = str(cat.RAGGED_PREFILL_NARROW_TILE_M)
     config.reload()
     if per_cta is not None:
-        cat.ragged_decode_tiles_per_cta = lambda *args, per_cta=per_cta: per_cta
+        cat.ragged_decode_tiles_per_cta = lambda *args, per_cta=per_cta, **kw: per_cta
     kw = dict(global_scale="per_matrix") if fmt == "nvfp4" else {}
     w = jbs.quantize(rng.standard_normal((8, n, k)).astype(np.float32), fmt,
                      layout="blocked", **kw)

@@ -652,6 +652,54 @@ def test_grouped_item_heights_follow_the_card():
             (20, 64) if card == "h200" else default)
 
 
+def test_short_tiles_fill_one_wave_on_the_h200():
+    """On the H200, 8-row items whose CTAs the tiles-per-CTA rule leaves between one and two
+    waves take more short tiles per CTA, so that all of them run in one wave filled to
+    RAGGED_DECODE_ONE_WAVE_FILL (Qwen3-30B-A3B at 4-64 tokens, Qwen3-235B-A22B's and
+    DeepSeek-V3's down projections at 1-8 tokens); 16- and 32-row items, long tiles, calls of
+    more waves and other cards keep the rule; the planner passes its card."""
+    from jax_blockscale.lowering.specs import RaggedSpec
+    bf16 = np.dtype("bfloat16")
+    h200 = dataclasses.replace(H100, card="h200")
+    models = {"q30_gate_up": (128, 1536, 2048, 8), "q30_down": (128, 2048, 768, 8),
+              "q235_down": (128, 4096, 1536, 8), "dsv3_down": (256, 7168, 2048, 8),
+              "gpt_oss_120b_down": (128, 2880, 2880, 4)}
+
+    def per(model, tokens, device, fmt="mxfp4"):
+        g, n, k, top_k = models[model]
+        p = P.plan_ragged_sm90(RaggedSpec(None, fmt, None, "blocked", bf16, bf16, tokens * top_k,
+                                          n, k, g), device, library=FullLibrary())
+        assert p.kernel == "ragged_decode", p
+        return p.nt, p.tiles_per_cta
+
+    # (model, tokens): (nt, the rule's tiles per CTA, the H200's)
+    for (model, tokens), (nt, rule, one_wave) in {
+            ("q30_gate_up", 16): (1, 2, 4), ("q30_gate_up", 64): (1, 3, 6),
+            ("q30_down", 4): (1, 1, 2), ("q30_down", 16): (1, 3, 6), ("q30_down", 64): (1, 4, 8),
+            ("q235_down", 4): (1, 2, 4), ("q235_down", 8): (1, 4, 7),
+            ("dsv3_down", 1): (1, 1, 2), ("dsv3_down", 2): (1, 2, 4),
+            ("q30_gate_up", 1): (1, 1, 1),        # under one wave
+            ("dsv3_down", 16): (1, 3, 3),         # over two waves
+            ("q30_gate_up", 128): (2, 3, 3),      # 16-row items
+            ("q30_down", 256): (4, 4, 4),         # 32-row items
+            ("gpt_oss_120b_down", 16): (1, 1, 1),  # long tiles
+    }.items():
+        for fmt in ("mxfp4", "nvfp4"):
+            assert per(model, tokens, H100, fmt) == (nt, rule), (model, tokens, fmt)
+            assert per(model, tokens, dataclasses.replace(H100, card="h100"), fmt) == (
+                nt, rule), (model, tokens, fmt)
+            assert per(model, tokens, h200, fmt) == (nt, one_wave), (model, tokens, fmt)
+        g, n, k, top_k = models[model]
+        tuning = cat90.tuning_for(nt, "mxfp4", grouped=True)
+        wave = tuning.ctas_per_sm * H100.sm_count
+        ctas = cat90.expected_hit_groups(tokens * top_k, g) * -(-(-(-n // tuning.bn)) // one_wave)
+        if one_wave != rule:  # the CTAs now fill one wave
+            assert cat90.RAGGED_DECODE_ONE_WAVE_FILL * wave <= ctas <= wave, (model, tokens)
+            assert one_wave <= cat90.RAGGED_DECODE_ONE_WAVE_MAX_TILES
+    # MXFP8 weights (twice the bytes a tile): the same rule
+    assert per("q30_down", 16, h200, "mxfp8_e4m3") == (1, 6)
+
+
 def test_the_device_names_its_card(monkeypatch):
     """_gpu_device reads the card from every GPU's device_kind; GPUs of two models have none."""
     class Gpu:
