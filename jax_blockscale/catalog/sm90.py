@@ -521,8 +521,9 @@ def ragged_decode_16_row_max_avg(card, b_kind: str) -> int:
         return RAGGED_DECODE_16_ROW_MAX_AVG_MXFP8_BY_CARD.get(card, 0)
     return RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD.get(card, 0)
 
-# Per GPU model where it was measured (Device.card): at 8-row items (nt = 1), where the rule
-# above leaves the CTAs of the experts expected to be hit between one and two waves, their second
+# Per GPU model where it was measured (Device.card): at 8-row items (nt = 1), where the
+# tiles-per-CTA rule (RAGGED_DECODE_CTA_BYTES, RAGGED_DECODE_MIN_WAVES) leaves the CTAs of the
+# experts expected to be hit between one and two waves (a wave: 2 CTAs per SM), their second
 # wave runs on few SMs. There a CTA takes more short tiles (up to
 # RAGGED_DECODE_ONE_WAVE_MAX_TILES) if that puts all its item's CTAs in one wave filled to
 # RAGGED_DECODE_ONE_WAVE_FILL at least: on the H200 faster on every call measured (1-64 tokens of
@@ -564,6 +565,7 @@ def ragged_decode_tiles_per_cta(m: int, n: int, k: int, groups: int, b_kind: str
            and work * _ceil_div(tiles, per + 1) >= min_ctas):
         per += 1
     if card in RAGGED_DECODE_ONE_WAVE_CARDS and nt in RAGGED_DECODE_ONE_WAVE_NTS:
+        # a second wave the rule's CTAs only start: the fewest more tiles that fit one wave
         wave = tuning.ctas_per_sm * sm_count
         if wave < work * _ceil_div(tiles, per) < 2 * wave:
             for more in range(per + 1, min(tiles, RAGGED_DECODE_ONE_WAVE_MAX_TILES) + 1):
