@@ -521,6 +521,7 @@ def ragged_decode_16_row_max_avg(card, b_kind: str) -> int:
         return RAGGED_DECODE_16_ROW_MAX_AVG_MXFP8_BY_CARD.get(card, 0)
     return RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD.get(card, 0)
 
+
 # Per GPU model where it was measured (Device.card): at 8-row items (nt = 1), where the
 # tiles-per-CTA rule (RAGGED_DECODE_CTA_BYTES, RAGGED_DECODE_MIN_WAVES) leaves the CTAs of the
 # experts expected to be hit between one and two waves (a wave: 2 CTAs per SM), their second

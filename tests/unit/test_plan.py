@@ -692,7 +692,8 @@ def test_short_tiles_fill_one_wave_on_the_h200():
         g, n, k, top_k = models[model]
         tuning = cat90.tuning_for(nt, "mxfp4", grouped=True)
         wave = tuning.ctas_per_sm * H100.sm_count
-        ctas = cat90.expected_hit_groups(tokens * top_k, g) * -(-(-(-n // tuning.bn)) // one_wave)
+        tiles = -(-n // tuning.bn)  # tiles of N per expert
+        ctas = cat90.expected_hit_groups(tokens * top_k, g) * -(-tiles // one_wave)
         if one_wave != rule:  # the CTAs now fill one wave
             assert cat90.RAGGED_DECODE_ONE_WAVE_FILL * wave <= ctas <= wave, (model, tokens)
             assert one_wave <= cat90.RAGGED_DECODE_ONE_WAVE_MAX_TILES
