@@ -328,8 +328,10 @@ def decode_mx_fold(b_kind: str, nt: int) -> bool:
 # zero rows costs its MMAs and activation reads all the same. So a grouped variant of nt n8
 # tiles also carries the main loop of each narrower item height here, on the same CTA and ring,
 # and each CTA runs the narrowest one that holds its item's rows (one comparison per CTA, as
-# the MXFP4 fold's loops; docs/design/sm90_ragged_decode.md, "Narrow loops").
-GROUPED_ITEM_NTS = {2: (1, 2), 4: (2, 4)}
+# the MXFP4 fold's loops; docs/design/sm90_ragged_decode.md, "Narrow loops"). 32-row items
+# carry a 24-row loop too: where they are planned (14-26 rows per expert on average) the experts
+# past 16 rows mostly hold 17-24, whose fourth n8 tile is empty.
+GROUPED_ITEM_NTS = {2: (1, 2), 4: (2, 3, 4)}
 
 
 def grouped_item_nts(nt: int) -> tuple[int, ...]:
@@ -647,14 +649,17 @@ RAGGED_PREFILL_NARROW_MIN_ROWS = 12
 # Per GPU model where it differs (Device.card): (rows per expert from which, rows per item) for
 # those long-tile experts. On the H200 the 64-row items beat the 32-row ones on every long-tile
 # shape measured from 16 rows per expert, and the decode kernel below that (16-row items, then
-# 32-row ones, each CTA on the loop of its item's height: GROUPED_ITEM_NTS). Weight-only MXFP4
-# experts stay on the decode kernel longer there (RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD):
-# this kernel converts an MX weight pair with two multiplies where NVFP4 takes one (the decode
-# kernel folds MX scales too), and at 16-18 rows per expert the decode kernel's 32-row items
-# beat its 64-row ones on five of six MXFP4 shapes, while NVFP4 ones split and quantized
-# activations ran faster here (docs/design/sm90_ragged_prefill.md).
+# 32-row ones, each CTA on the loop of its item's height: GROUPED_ITEM_NTS); with a quantized
+# activation from 16 rows. Weight-only FP4 experts stay on the decode kernel longer there
+# (RAGGED_PREFILL_WEIGHT_ONLY_LONG_TILES_MIN_ROWS_BY_CARD, per weight kind): since the decode
+# kernel's 32-row items run 17-24-row experts on a 24-row loop, its calls at 16 rows per expert
+# tied or beat this kernel's 64-row items on the three shapes measured with NVFP4 weights, and
+# at 20 rows on all three with MXFP4 ones (this kernel converts an MX weight pair with two
+# multiplies where NVFP4 takes one; the decode kernel folds MX scales), while at 20 (NVFP4) and
+# 24 rows (MXFP4) this kernel won two of three; each edge sits between those measured points
+# (docs/design/sm90_ragged_prefill.md, "The H200").
 RAGGED_PREFILL_LONG_TILES_BY_CARD = {"h200": (16, 64)}
-RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD = {"h200": 20}
+RAGGED_PREFILL_WEIGHT_ONLY_LONG_TILES_MIN_ROWS_BY_CARD = {"h200": {"nvfp4": 18, "mxfp4": 22}}
 RAGGED_PREFILL_FP4_KINDS = ("mxfp4", "nvfp4")
 
 
@@ -693,8 +698,9 @@ def ragged_prefill_long_tiles(card=None, fmt_a=None, fmt_b=None) -> tuple[int, i
     activation of format fmt_a (None: bf16) times weights of fmt_b."""
     rows, tile_m = RAGGED_PREFILL_LONG_TILES_BY_CARD.get(
         card, (RAGGED_PREFILL_NARROW_MIN_ROWS, RAGGED_PREFILL_NARROW_TILE_M))
-    if KIND_OF_FORMAT.get(fmt_a, fmt_a) == "bf16" and KIND_OF_FORMAT.get(fmt_b, fmt_b) == "mxfp4":
-        rows = RAGGED_PREFILL_MXFP4_LONG_TILES_MIN_ROWS_BY_CARD.get(card, rows)
+    if KIND_OF_FORMAT.get(fmt_a, fmt_a) == "bf16":
+        by_kind = RAGGED_PREFILL_WEIGHT_ONLY_LONG_TILES_MIN_ROWS_BY_CARD.get(card, {})
+        rows = by_kind.get(KIND_OF_FORMAT.get(fmt_b, fmt_b), rows)
     return rows, tile_m
 
 

@@ -756,13 +756,21 @@ class Sm90DecodeGemm:
         if cutlass.const_expr(len(nts) == 1):
             self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold)
         else:
-            assert len(nts) == 2, nts
+            assert len(nts) in (2, 3), nts
             if m_end - m0 <= 8 * nts[0]:
                 self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
                                  fold, nts[0])
             else:
-                self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
-                                 fold)
+                if cutlass.const_expr(len(nts) == 3):
+                    if m_end - m0 <= 8 * nts[1]:
+                        self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end,
+                                         chunk, fold, nts[1])
+                    else:
+                        self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end,
+                                         chunk, fold)
+                else:
+                    self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                     fold)
 
     @cute.jit
     def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold,

@@ -266,12 +266,12 @@ def test_prefill_sizes_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
                                              ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")])
 def test_narrow_items_take_the_register_weight_kernel(fmt_lhs, fmt_rhs):
-    """With no forcing, ~20 rows per expert of long weight tiles (N = 2880, K = 2880, as
+    """With no forcing, ~24 rows per expert of long weight tiles (N = 2880, K = 2880, as
     gpt-oss's down projection) go to the register-weight kernel's items for long tiles on this
     card (32 rows; 64 on the H200) (uneven routing: experts past one item, an empty one, rows
     past the groups), weight-only or with the activation quantized too."""
-    sizes = [40, 10, 16, 0, 24, 22, 18, 21]  # 151 of 160 rows; expert 0 takes two items
-    m, g = 160, len(sizes)
+    sizes = [48, 12, 20, 0, 28, 26, 22, 25]  # 181 of 192 rows; expert 0 takes two 32-row items
+    m, g = 192, len(sizes)
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 2880, 2880)
     card = planner.device_for("cuda").card
     assert cat.register_weights_win_early(m, 2880, 2880, g, fmt_lhs, fmt_rhs,
@@ -299,16 +299,16 @@ def test_sixteen_row_items_at_twelve_rows_per_expert(fmt_lhs, fmt_rhs):
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs", [(None, "mxfp4"), (None, "nvfp4"),
                                              ("nvfp4", "nvfp4"), (None, "mxfp8_e4m3")])
 def test_items_on_both_sides_of_the_narrow_loop(fmt_lhs, fmt_rhs, nt, splits, monkeypatch):
-    """Items of 8 nt rows (nt forced) whose CTAs run the narrower main loop of GROUPED_ITEM_NTS
-    where the item's rows fit it: experts of 1 row, of exactly the narrow height, one more, a
-    whole item, one more (a full item and a short one), an empty expert, several items and
+    """Items of 8 nt rows (nt forced) whose CTAs run the narrower main loops of GROUPED_ITEM_NTS
+    where the item's rows fit one: experts of 1 row, of exactly each narrower height, one more,
+    a whole item, one more (a full item and a short one), an empty expert, several items and
     a short last one, rows past the groups; K unsplit and split in two. Against the
     reference: a narrow loop that dropped or misplaced a row's products, or a wide one taken
     by a short item's neighbour, shows."""
-    narrow = 8 * cat.grouped_item_nts(nt)[0]
+    narrower = [8 * h for h in cat.grouped_item_nts(nt)[:-1]]
     rows = 8 * nt
-    sizes = [1, narrow, narrow + 1, rows, rows + 1, rows + narrow, rows + narrow + 1, 0,
-             2 * rows + 5, 3]
+    sizes = ([1] + [s for h in narrower for s in (h, h + 1, rows + h, rows + h + 1)]
+             + [rows, rows + 1, 0, 2 * rows + 5, 3])
     m = sum(sizes) + 5
     _force_decode_plan(monkeypatch, splits, nt=nt)
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, m, 384, 1024)
@@ -351,20 +351,29 @@ def _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert):
     return rhs
 
 
-@pytest.mark.parametrize("m", [8, 40])
-def test_decode_kernel_mxfp4_large_block_scales(m, monkeypatch):
+@pytest.mark.parametrize("m,nt", [(8, None), (40, None), (150, 4)])
+def test_decode_kernel_mxfp4_large_block_scales(m, nt, monkeypatch):
     """The grouped decode kernel with MXFP4 experts some of whose blocks are scaled up by 2^9 to
     2^14 (e8m0 scales far over 1, beside ordinary blocks of the same items): equal to the
     reference. A CTA whose tiles hold such a scale runs the unfolded loop, the others the
     folded one (Sm90DecodeGemm.mx_fold); one block alone in the last expert's last row and K
-    block checks the far end of a CTA's scale check."""
-    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
+    block checks the far end of a CTA's scale check. With 32-row items forced (nt = 4), the
+    experts' rows reach each item height's loop (16, 24 and 32 rows), folded and unfolded."""
+    if nt is None:
+        set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="decode")
+    else:
+        _force_decode_plan(monkeypatch, 1, nt=nt)
     rng = _rng()
     g, n, k = 8, 384, 512
     sizes = np.bincount(rng.integers(0, g, m - 3), minlength=g)
+    if nt is not None:  # items of 1-16, 17-24 and 25-32 rows, each on its own loop
+        sizes = np.array([16, 24, 20, 32, 30, 3, 17, 5])
+        m = int(sizes.sum()) + 3
     sizes[g - 1] += 1  # the last expert owns a row
     x = rng.standard_normal((m, k)).astype(np.float32)
-    rhs = _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert=6)
+    # nt = 4: the CTAs of expert 1 (24 rows) and 3 (32) whose tiles of N hold the scaled weight
+    # rows run unfolded loops; their other tiles and experts 6 (17) and 4 (30) folded ones
+    rhs = _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert=6 if nt is None else 3)
     p = _compare(jnp.asarray(x, jnp.bfloat16), rhs, jnp.asarray(sizes.astype(np.int32)), "f32",
                  "decode")
     assert p.kernel == "ragged_decode", p

@@ -596,8 +596,8 @@ def test_grouped_decode_split_rule_follows_the_card():
 def test_grouped_item_heights_follow_the_card():
     """On the H200 FP4 experts averaging 9-13 rows run the grouped decode kernel's 16-row items
     (twice the average would give 32-row ones), then its 32-row items; long tiles go to the
-    register-weight kernel's 64-row items (not its 32-row ones) from 16 rows, weight-only MXFP4
-    ones from 20; short tiles keep the decode kernel's 32-row items until
+    register-weight kernel's 64-row items (not its 32-row ones) from 16 rows with a quantized
+    activation, weight-only NVFP4 ones from 18 and MXFP4 ones from 22; short tiles keep the decode kernel's 32-row items until
     RAGGED_PREFILL_FP4_MIN_ROWS; MXFP8 weights keep 16-row items to 15 rows. The H100 and cards
     without a rule keep the measured defaults: 32-row decode items from 9 rows, 32-row
     register-weight items for long tiles from RAGGED_PREFILL_NARROW_MIN_ROWS, whatever the
@@ -616,22 +616,27 @@ def test_grouped_item_heights_follow_the_card():
     long_tile, short_tile = (128, 5760, 2880), (128, 1536, 2048)  # gpt-oss-120b, Qwen3-30B-A3B
     assert cat90.RAGGED_DECODE_16_ROW_MAX_AVG_BY_CARD["h200"] == 13
     decode16, decode32, rw64 = ("ragged_decode", 16), ("ragged_decode", 32), ("ragged_prefill", 64)
-    # rows per expert: H100, H200 weight-only MXFP4, H200 NVFP4 or a quantized activation
-    for rows, h100_want, h200_mx, h200_want in [
-            (8, decode16, decode16, decode16),
-            (9, decode32, decode16, decode16),
-            (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, ("ragged_prefill", 32), decode16, decode16),
-            (13, ("ragged_prefill", 32), decode16, decode16),
-            (14, ("ragged_prefill", 32), decode32, decode32),
-            (16, ("ragged_prefill", 32), decode32, rw64),
-            (19, ("ragged_prefill", 32), decode32, rw64),
-            (20, ("ragged_prefill", 32), rw64, rw64),
-            (cat90.RAGGED_PREFILL_FP4_MIN_ROWS - 1, ("ragged_prefill", 32), rw64, rw64)]:
+    # rows per expert: H100, H200 weight-only MXFP4, weight-only NVFP4, a quantized activation
+    for rows, h100_want, h200_mx, h200_nv, h200_qact in [
+            (8, decode16, decode16, decode16, decode16),
+            (9, decode32, decode16, decode16, decode16),
+            (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, ("ragged_prefill", 32), decode16, decode16,
+             decode16),
+            (13, ("ragged_prefill", 32), decode16, decode16, decode16),
+            (14, ("ragged_prefill", 32), decode32, decode32, decode32),
+            (16, ("ragged_prefill", 32), decode32, decode32, rw64),
+            (17, ("ragged_prefill", 32), decode32, decode32, rw64),
+            (18, ("ragged_prefill", 32), decode32, rw64, rw64),
+            (21, ("ragged_prefill", 32), decode32, rw64, rw64),
+            (22, ("ragged_prefill", 32), rw64, rw64, rw64),
+            (cat90.RAGGED_PREFILL_FP4_MIN_ROWS - 1, ("ragged_prefill", 32), rw64, rw64, rw64)]:
         assert plan(H100, rows, *long_tile) == h100_want, rows
         assert plan(h200, rows, *long_tile) == h200_mx, rows
+        assert plan(h200, rows, *long_tile, None, "nvfp4") == h200_nv, rows
         for fmt_lhs, fmt_rhs in [(None, "nvfp4"), ("nvfp4", "nvfp4"), ("mxfp4", "mxfp4")]:
             assert plan(H100, rows, *long_tile, fmt_lhs, fmt_rhs) == h100_want, (rows, fmt_rhs)
-            assert plan(h200, rows, *long_tile, fmt_lhs, fmt_rhs) == h200_want, (rows, fmt_lhs)
+            if fmt_lhs is not None:
+                assert plan(h200, rows, *long_tile, fmt_lhs, fmt_rhs) == h200_qact, (rows, fmt_lhs)
     # short tiles: 16-row decode items to 13 rows on the H200, then 32-row ones as on the H100;
     # MXFP8 weights (on the decode kernel at any tile) keep 16-row items to 15 rows there
     for rows, h100_want, h200_want, h200_mxfp8 in [(12, 32, 16, 16), (13, 32, 16, 16),
@@ -648,8 +653,10 @@ def test_grouped_item_heights_follow_the_card():
         default = (cat90.RAGGED_PREFILL_NARROW_MIN_ROWS, cat90.RAGGED_PREFILL_NARROW_TILE_M)
         assert cat90.ragged_prefill_long_tiles(card, "nvfp4", "nvfp4") == (
             (16, 64) if card == "h200" else default)
+        assert cat90.ragged_prefill_long_tiles(card, None, "nvfp4") == (
+            (18, 64) if card == "h200" else default)
         assert cat90.ragged_prefill_long_tiles(card, None, "mxfp4") == (
-            (20, 64) if card == "h200" else default)
+            (22, 64) if card == "h200" else default)
 
 
 def test_short_tiles_fill_one_wave_on_the_h200():
