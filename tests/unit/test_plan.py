@@ -597,11 +597,11 @@ def test_grouped_item_heights_follow_the_card():
     """On the H200 FP4 experts averaging 9-13 rows run the grouped decode kernel's 16-row items
     (twice the average would give 32-row ones), then its 32-row items; long tiles go to the
     register-weight kernel's 64-row items (not its 32-row ones) from 16 rows with a quantized
-    activation, weight-only NVFP4 ones from 18 and MXFP4 ones from 22; short tiles keep the decode kernel's 32-row items until
-    RAGGED_PREFILL_FP4_MIN_ROWS; MXFP8 weights keep 16-row items to 15 rows. The H100 and cards
-    without a rule keep the measured defaults: 32-row decode items from 9 rows, 32-row
-    register-weight items for long tiles from RAGGED_PREFILL_NARROW_MIN_ROWS, whatever the
-    formats."""
+    activation, weight-only NVFP4 ones from 18 and MXFP4 ones from 22; short tiles keep the
+    decode kernel's 32-row items until RAGGED_PREFILL_FP4_MIN_ROWS; MXFP8 weights keep 16-row
+    items to 15 rows. The H100 and cards without a rule keep the measured defaults: 32-row
+    decode items from 9 rows, 32-row register-weight items for long tiles from
+    RAGGED_PREFILL_NARROW_MIN_ROWS, whatever the formats."""
     from jax_blockscale.lowering.specs import RaggedSpec
     bf16 = np.dtype("bfloat16")
     h200 = dataclasses.replace(H100, card="h200")
