@@ -340,6 +340,17 @@ def grouped_item_nts(nt: int) -> tuple[int, ...]:
     return GROUPED_ITEM_NTS.get(nt, (nt,))
 
 
+# The dense decode variants of 32-row passes carry the 24-row loop too, which a call of 17-24
+# rows runs (its fourth n8 tile would hold no row; one comparison per CTA picks the loop).
+DENSE_PASS_NTS = {4: (3, 4)}
+
+
+def decode_loop_nts(nt: int, grouped: bool) -> tuple[int, ...]:
+    """The row heights (n8 tiles, ascending; the last is `nt`) whose main loops the decode
+    variant of `nt` n8 tiles carries: an item's (grouped) or a pass's of the call's rows."""
+    return grouped_item_nts(nt) if grouped else DENSE_PASS_NTS.get(nt, (nt,))
+
+
 def tuning_for(nt: int, b_kind: str, grouped: bool = False) -> Tuning:
     """The tuning the library builds a decode variant with n8-tile count `nt` and weight kind
     `b_kind` with, for the dense decode kernel or (`grouped`) the grouped one."""

@@ -84,7 +84,7 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DECODE_B_KINDS as B_KINDS, DECODE_PAIRS as PAIRS, DECODE_STEP_BYTES as STEP_BYTES,
     DECODE_THREADS as THREADS, DECODE_VARIANTS as VARIANTS, DECODE_WARPS as WARPS,
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
-    decode_mx_fold, grouped_item_nts, steps_elems)
+    decode_loop_nts, decode_mx_fold, grouped_item_nts, steps_elems)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
 from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
@@ -138,10 +138,11 @@ class Sm90DecodeGemm:
         # apart and skips the steps past K (_sub_chunk_compute); with 2-step sub-chunks (the wide
         # tuning) there is one step at most to skip, and the second path spilled registers
         self.skip_steps = tuning.pipeline == "tma" and self.sub >= 4 and not tuning.probe
-        # grouped: the main loops of the narrower item heights too, each CTA running the
-        # narrowest that holds its item's rows (catalog/sm90.py: GROUPED_ITEM_NTS)
-        self.item_nts = (grouped_item_nts(v.nt) if self.grouped and not tuning.probe
-                         else (v.nt,))
+        # the main loops of the narrower row heights too, each CTA running the narrowest that
+        # holds its rows: a grouped item's, or the call's in a pass (catalog/sm90.py:
+        # GROUPED_ITEM_NTS, DENSE_PASS_NTS)
+        self.item_nts = (decode_loop_nts(v.nt, self.grouped)
+                         if tuning.pipeline == "tma" and not tuning.probe else (v.nt,))
         # chained (DecodeVariant.chained): launched with programmatic dependent launch behind the
         # activation's producer; waits for it after the first weight copies are issued
         self.chained = v.chained
@@ -729,6 +730,9 @@ class Sm90DecodeGemm:
         run = (views, ring_w.toint(), ring_s.toint(), bars, act_raw, act_base, acc, a_addr,
                a_scales, li_a, m, m0, k, k_begin, k_end, m_end, bx, li, nb128, n_sub, total,
                tid, lane, warp, g, t, a_fp8, b_fp8)
+        rows_end = m_end  # the CTA's rows are [m0, rows_end): a grouped item's, or the call's
+        if cutlass.const_expr(m_end is None):
+            rows_end = m
         if cutlass.const_expr(self.mx_fold):
             # the whole stream on one of two loops, the same for every thread of the CTA (one
             # check of its block scales, their loads in flight beside the ring's first copies;
@@ -738,13 +742,13 @@ class Sm90DecodeGemm:
                                           nb128, k, k_begin, k_end, n_sub, tid)
             if sync_threads_or(past) == 0:
                 self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
-                                      True, m0, m_end)
+                                      True, m0, rows_end)
             else:
                 self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
-                                      False, m0, m_end)
+                                      False, m0, rows_end)
         else:
             self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
-                                  self.fold, m0, m_end)
+                                  self.fold, m0, rows_end)
 
     @cute.jit
     def _tma_stream_rows(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold,

@@ -525,21 +525,23 @@ def test_mx_fold_loops(variant, tmp_path):
     cat.DecodeVariant("bf16", "mxfp4", "bf16", 2, grouped=True),
     cat.DecodeVariant("mxfp4", "mxfp4", "bf16", 4, grouped=True),
     cat.DecodeVariant("bf16", "mxfp8", "f32", 2, grouped=True),
-    cat.DecodeVariant("bf16", "nvfp4", "bf16", 2)], ids=lambda v: v.name)
-def test_grouped_variants_carry_a_loop_per_item_height(variant, tmp_path):
-    """A grouped decode variant holds one main loop per item height of grouped_item_nts: whole
-    sub-chunks (no branch or barrier inside) with the same weight conversion (HMUL2s) and MMAs
-    in proportion to the height, the MMAs unpredicated (one branch per CTA picks the loop, not
-    one per step). The dense variant keeps its one height: its rows are the call's, not an
-    item's."""
+    cat.DecodeVariant("bf16", "nvfp4", "bf16", 2),
+    cat.DecodeVariant("bf16", "mxfp4", "bf16", 4),
+    cat.DecodeVariant("nvfp4", "nvfp4", "f32", 4)], ids=lambda v: v.name)
+def test_variants_carry_a_loop_per_row_height(variant, tmp_path):
+    """A decode variant holds one main loop per row height of decode_loop_nts (a grouped one's
+    item heights, a dense 32-row one's 24-row pass): whole sub-chunks (no branch or barrier
+    inside) with the same weight conversion (HMUL2s) and MMAs in proportion to the height, the
+    MMAs unpredicated (one branch per CTA picks the loop, not one per step). A dense 16-row
+    variant keeps its one height (a call of 9-16 rows fills both n8 tiles)."""
     h, o = dec.export_variant(variant, str(tmp_path), variant.name)
     main = _main_kernel_sass(o, str(tmp_path))
     assert not re.search(r"@!?P\d+ HMMA", main)
     blocks = _mma_blocks(main)
     most = max(hmma for hmma, _ in blocks)
     widest = {hmul2 for hmma, hmul2 in blocks if hmma == most}
-    nts = cat.grouped_item_nts(variant.nt) if variant.grouped else (variant.nt,)
-    assert len(nts) > 1 or not variant.grouped
+    nts = cat.decode_loop_nts(variant.nt, variant.grouped)
+    assert len(nts) > 1 or (not variant.grouped and variant.nt == 2)
     for nt in nts:
         assert {hmul2 for hmma, hmul2 in blocks if hmma == most * nt // variant.nt} == widest
     if not variant.grouped:

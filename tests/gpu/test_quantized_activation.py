@@ -71,14 +71,16 @@ def _check(x, w, out_dtype=jnp.bfloat16, fused=True):
 
 # the quantizer on one CTA up to 2,048 blocks (8 x 4096 would be its limit); past it the amax
 # kernel and the one-block-per-thread kernel (16 x 4096, 1 x 65536, 3 x 21856 with a partial
-# last amax CTA, 16 x 16384, 32 x 8192, 32 x 16384); from 33 rows the register-weight kernel
+# last amax CTA, 16 x 16384, 32 x 8192, 32 x 16384; 20 x 4096 on the 32-row variant's 24-row
+# loop, 32 x 8192 on its whole one); from 33 rows the register-weight kernel
 # reading the activation dequantized in its K order (64 x 4096 x 14336 with split K, 64 x 28672
 # x 4096, 40 x 1000 x 2048 a partial tile, 128 x 512 x 8192)
 @pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1, 4096, 14336), (2, 512, 2048),
                                    (7, 1000, 1024), (16, 3072, 4096), (16, 4096, 16384),
                                    (5, 256, 64), (32, 512, 8192), (1, 256, 65536),
                                    (3, 256, 21856), (32, 4096, 16384), (64, 4096, 14336),
-                                   (64, 28672, 4096), (40, 1000, 2048), (128, 512, 8192)])
+                                   (64, 28672, 4096), (40, 1000, 2048), (128, 512, 8192),
+                                   (20, 3072, 4096)])
 def test_equals_quantize_then_gemm(m, n, k):
     rng = _rng()
     x, w = _activation(m, k, rng), _weight(n, k, rng)

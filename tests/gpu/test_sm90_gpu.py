@@ -477,9 +477,12 @@ def _assert_decode_lowering(a, b, out_dtype=jnp.float32):
 
 @needs_sm90
 @pytest.mark.parametrize("fmt_a,fmt_b", DECODE_PAIRS)
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 24, 25, 32])
 def test_decode_pairs(fmt_a, fmt_b, m):
     # odd N (not a multiple of the 256-row CTA), K a multiple of 32 but of no tile/sub-chunk
+    # (nor of the register-weight kernels' k-tile: the decode kernel at every M here); 17-24
+    # rows run the 32-row variant's 24-row loop (catalog/sm90.py: DENSE_PASS_NTS), 25-32 its
+    # whole one
     a, b = _operands(fmt_a, fmt_b, (), (), m, 777, 1056)
     _assert_decode_lowering(a, b)
     _check(a, b, "f32", jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.float32,
@@ -487,7 +490,7 @@ def test_decode_pairs(fmt_a, fmt_b, m):
 
 
 @needs_sm90
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 20, 30])
 @pytest.mark.parametrize("fmt_a", [None, "mxfp4"])
 def test_decode_mxfp4_large_block_scales(m, fmt_a):
     """MXFP4 weights whose block scales span 2^-1 to 2^21 (blocks scaled up by 2^5 to 2^20 in a
