@@ -327,8 +327,8 @@ def decode_mx_fold(b_kind: str, nt: int) -> bool:
 # experts, most experts of a call planned for 16-row items hold 8 rows or fewer, and an n8 tile of
 # zero rows costs its MMAs and activation reads all the same. So a grouped variant of nt n8
 # tiles also carries the main loop of each narrower item height here, on the same CTA and ring,
-# and each CTA runs the narrowest one that holds its item's rows (one comparison per CTA, as
-# the MXFP4 fold's loops; docs/design/sm90_ragged_decode.md, "Narrow loops"). 32-row items
+# and each CTA runs the narrowest one that holds its item's rows (a comparison or two per CTA,
+# as the MXFP4 fold's loops; docs/design/sm90_ragged_decode.md, "Narrow loops"). 32-row items
 # carry a 24-row loop too: where they are planned (14-26 rows per expert on average) the experts
 # past 16 rows mostly hold 17-24, whose fourth n8 tile is empty.
 GROUPED_ITEM_NTS = {2: (1, 2), 4: (2, 3, 4)}

@@ -1119,9 +1119,9 @@ class Sm90DecodeGemm:
         Activations: staged in fragment order in `buf`, or with `win` = (the lane's item offset
         per n8 tile, the stride of q) in the window layout of _mainloop_window (`buf` = the
         sub-chunk's first item).
-        nt: multiply into the first nt n8 tiles only (default all v.nt): a grouped item of at
-        most 8 nt rows leaves the others zero (GROUPED_ITEM_NTS); the staging and accumulator
-        layouts stay the variant's."""
+        nt: multiply into the first nt n8 tiles only (default all v.nt): rows of at most 8 nt
+        (a grouped item's, a dense pass's: decode_loop_nts) leave the others zero; the staging
+        and accumulator layouts stay the variant's."""
         v = self.v
         NT, Q = v.nt, self.q
         if cutlass.const_expr(nt is None):
