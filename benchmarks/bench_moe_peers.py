@@ -7,17 +7,19 @@ distinct random experts by the peer script's own `routing` (the same draw on bot
     python benchmarks/bench_moe_peers.py --out benchmarks/results --tag bench_moe_peers_h200
     python benchmarks/bench_moe_peers.py --peer-dir /path/to/anchors --gemms gate_up,down ...
 
-Ours: `jbs.ragged_gemm` on the rows already sorted by expert (bf16 activations, MXFP4 weights
-in the blocked scale layout), device time from the profiler (benchmarks/timing.py), weights
-rotated through copies past L2. The peer runs as child processes with torch and triton (the lent
-GPU machines have both), from --peer-dir (default ../shared/anchors beside the repository: the
-project's anchors, with the vendored triton_kernels/ beside them): `peer_triton_kernels.py`, the
-anchor, for the gate+up rows of its three models (it gathers the rows in the kernel and times
-with torch's profiler; its dense rows are kept in the JSON as it wrote them), and
-`peer_moe_gemms.py` (this folder) for the rest: down projections (rows already grouped by
-expert, as ours) and other models' shapes. Prints a table with the time ratio triton_kernels /
-ours (above 1: ours is faster); writes <tag>.json and <tag>.png. Needs a GPU; without torch or
-the peer folder it stops with a message naming what is missing.
+Ours: `jbs.ragged_gemm` on the rows already sorted by expert (bf16 activations, MXFP4 weights in
+the blocked scale layout), device time from the profiler (benchmarks/timing.py), weights rotated
+through copies past L2; beside the call's time, our grouped kernel's own ("ours kernel": without
+the small XLA kernels around it, of which the register-weight kernel's K-order pass over the
+activation is the large one at prefill sizes). The peer runs as child processes with torch and
+triton (the lent GPU machines have both), from --peer-dir (default ../shared/anchors beside the
+repository: the project's anchors, with the vendored triton_kernels/ beside them):
+`peer_triton_kernels.py`, the anchor, for the gate+up rows of its three models (it gathers the rows
+in the kernel and times with torch's profiler; its dense rows are kept in the JSON as it wrote
+them), and `peer_moe_gemms.py` (this folder) for the rest: down projections (rows already grouped
+by expert, as ours) and other models' shapes. Prints a table with the time ratio triton_kernels /
+ours (above 1: ours is faster); writes <tag>.json and <tag>.png. Needs a GPU; without torch or the
+peer folder it stops with a message naming what is missing.
 
 The bytes' floor: the same run measures the copy bandwidth (`e2e_decode.copy_bandwidth_TBps`,
 sweep's copy probe), and each row gets `floor_us`, the hit experts' bytes at that bandwidth,
@@ -43,13 +45,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe as bm  # noqa: E402
 from e2e_decode import copy_bandwidth_TBps  # noqa: E402
 from plotting import pyplot  # noqa: E402
-from timing import device_time_us  # noqa: E402
+from timing import gpu_kernel_events, union_length  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_SCRIPT = "peer_triton_kernels.py"  # the anchor: gate+up of its MODELS
 OTHER_PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_moe_gemms.py")
 FMT = "mxfp4"  # the peer's weight format
 EXPERTS_PER_CHUNK = 16  # experts quantized at a time (a large model's f32 draw stays small)
+# Our grouped kernels' names in the trace (CuTeDSL's kernel_cutlass_*): their own time, beside the
+# call's, leaves out the small XLA kernels around them (the work table; the K-order pass of the
+# register-weight kernel's activation, which a model fuses into the op that makes its rows)
+OUR_KERNEL_PREFIX = "kernel_cutlass"
 
 
 def load_peer(peer_dir):
@@ -73,8 +79,19 @@ def mxfp4_experts(key, e, n, k):
     return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
+def call_and_kernel_us(events, calls):
+    """(the call's device time, our grouped kernels' own) per call in us, from the (name, start
+    ns, end ns) kernel events of `calls` calls: each the union of its kernels' intervals."""
+    if not events:
+        raise SystemExit("bench_moe_peers.py: no GPU kernel in the profiler's trace")
+    ours = [(s, f) for name, s, f in events if name.startswith(OUR_KERNEL_PREFIX)]
+    return (union_length([(s, f) for _, s, f in events]) / calls / 1e3,
+            union_length(ours) / calls / 1e3)
+
+
 def ours_rows(peer, cases, tokens, calls):
-    """Our device time per (model, gemm, tokens) on the peer's routing draw."""
+    """Our device time per (model, gemm, tokens) on the peer's routing draw: the call's
+    (`ours_us`) and our grouped kernel's own (`ours_kernel_us`, OUR_KERNEL_PREFIX)."""
     rows = []
     gemm = bm.ours  # jitted jbs.ragged_gemm
     for model, which in cases:
@@ -87,12 +104,14 @@ def ours_rows(peer, cases, tokens, calls):
             sel = peer.routing(t, e, top_k)
             gs = jnp.asarray(np.bincount(sel.reshape(-1), minlength=e), jnp.int32)
             x = bm.normal(jax.random.fold_in(key, t), (t * top_k, k), jnp.bfloat16)
-            us = device_time_us(gemm, arg_sets=[(x, q, gs) for q in sets], calls=calls)
+            us, kernel_us = call_and_kernel_us(
+                gpu_kernel_events(gemm, arg_sets=[(x, q, gs) for q in sets], calls=calls), calls)
             hit = int(np.count_nonzero(np.asarray(gs)))
             rows.append(dict(model=model, gemm=which, tokens=t, experts=e, n=n, k=k,
-                             top_k=top_k, experts_hit=hit, ours_us=us,
+                             top_k=top_k, experts_hit=hit, ours_us=us, ours_kernel_us=kernel_us,
                              hit_bytes=hit * bm.quantized_bytes(FMT, n, k)))
-            print(f"ours  {model:<16}{which:<8}{t:>6}  {us:9.1f} us", flush=True)
+            print(f"ours  {model:<16}{which:<8}{t:>6}  {us:9.1f} us (kernel {kernel_us:.1f})",
+                  flush=True)
         del sets, w
     return rows
 
@@ -240,11 +259,12 @@ def main():
     rows = merge(rows, peer_out, copy_tbps)
     print(f"\n{device}; MXFP4 expert GEMMs, bf16 activations; device time (us); copy bandwidth "
           f"{copy_tbps:.2f} TB/s; floor: the hit experts' bytes at it")
-    print(f"{'model':<17}{'gemm':<9}{'tokens':>7}{'ours':>10}{'triton_kernels':>16}"
-          f"{'tk / ours':>11}{'floor':>9}{'tk / floor':>12}")
+    print(f"{'model':<17}{'gemm':<9}{'tokens':>7}{'ours':>10}{'ours kernel':>13}"
+          f"{'triton_kernels':>16}{'tk / ours':>11}{'floor':>9}{'tk / floor':>12}")
     for r in rows:
         tk = r.get("triton_kernels_us")
         print(f"{r['model']:<17}{r['gemm']:<9}{r['tokens']:>7}{r['ours_us']:>10.1f}"
+              f"{r['ours_kernel_us']:>13.1f}"
               + (f"{tk:>16.1f}{r['triton_over_ours']:>11.2f}{r['floor_us']:>9.1f}"
                  f"{r['triton_over_floor']:>12.2f}" if tk is not None else
                  f"  {r.get('triton_kernels_error', 'no peer row')}"))
@@ -254,7 +274,8 @@ def main():
     meta = dict(device=device, jax=jax.__version__, copy_TBps=copy_tbps,
                 peer_device=peer_out.get("device"),
                 torch=peer_out.get("torch"), triton=peer_out.get("triton"),
-                method="ours: jbs.ragged_gemm on sorted rows, device time (benchmarks/timing.py);"
+                method="ours: jbs.ragged_gemm on sorted rows, device time (benchmarks/timing.py;"
+                " ours_kernel_us: our grouped kernel's own, without the XLA kernels around it);"
                 " triton_kernels: matmul_ogs (gate+up: rows gathered in the kernel, by "
                 "peer_triton_kernels.py for its models and peer_moe_gemms.py for others; "
                 "down: rows grouped by expert, peer_moe_gemms.py), torch profiler kernel time; "

@@ -235,6 +235,25 @@ def test_bench_moe_peers_pairs_rows_and_refuses_without_a_peer(tmp_path):
         bp.load_peer(str(tmp_path))
 
 
+def test_bench_moe_peers_times_the_call_and_our_kernel_apart():
+    """bench_moe_peers.py: from a trace's kernel events, the call's time per call is the union
+    of all its kernels (overlaps counted once) and "ours kernel" that of our grouped kernels
+    alone (the K-order pass and the work table's XLA kernels left out); an empty trace stops
+    with a message."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_moe_peers as bp
+    ours = bp.OUR_KERNEL_PREFIX + "_kernel_grouped_x"
+    events = [("wrapped_gather", 0, 80_000), ("input_reduce_fusion", 70_000, 81_000),
+              (ours, 81_000, 481_000),  # call 1
+              ("wrapped_gather", 500_000, 580_000), (ours, 580_000, 990_000),
+              (bp.OUR_KERNEL_PREFIX + "_finalize", 985_000, 1_000_000)]  # call 2
+    call_us, kernel_us = bp.call_and_kernel_us(events, 2)
+    assert call_us == pytest.approx((481_000 + 500_000) / 2 / 1e3)
+    assert kernel_us == pytest.approx((400_000 + 420_000) / 2 / 1e3)
+    with pytest.raises(SystemExit, match="no GPU kernel"):
+        bp.call_and_kernel_us([], 2)
+
+
 def test_bench_moe_peers_splits_cases_between_the_anchor_and_our_peer_script():
     """bench_moe_peers.py: the anchor times gate+up of its own models only; every other case
     (down projections, other models) goes to peer_moe_gemms.py at bench_moe's shapes; rows are
