@@ -84,7 +84,7 @@ from jax_blockscale.catalog.sm90 import (  # noqa: F401  (re-exported for the te
     DECODE_B_KINDS as B_KINDS, DECODE_PAIRS as PAIRS, DECODE_STEP_BYTES as STEP_BYTES,
     DECODE_THREADS as THREADS, DECODE_VARIANTS as VARIANTS, DECODE_WARPS as WARPS,
     DEFAULT_TUNING, KINDS, OUTS, WIDE_TUNING, DecodeVariant, Tuning, choose_decode_variant,
-    decode_loop_nts, decode_mx_fold, grouped_item_nts, steps_elems)
+    decode_loop_nts, decode_mx_fold, steps_elems)
 from jax_blockscale.kernels.export import compile_for_arch, export_compiled, placeholder_ptr
 from jax_blockscale.kernels.grouped_work import item_from_sizes
 from jax_blockscale.kernels.sm90_dequant_ptx import BF16X2_2P120 as _K120
@@ -752,29 +752,22 @@ class Sm90DecodeGemm:
 
     @cute.jit
     def _tma_stream_rows(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold,
-                         m0, m_end):
-        """_tma_stream on the main loop of the narrowest item height of self.item_nts that holds
-        the CTA's rows [m0, m_end) (the same for every thread: one branch per CTA, each path
-        its own loop)."""
-        nts = self.item_nts
+                         m0, m_end, nts=None):
+        """_tma_stream on the main loop of the narrowest row height of `nts` (default
+        self.item_nts; ascending, the last the variant's own) that holds the CTA's rows
+        [m0, m_end): the same for every thread, one comparison per narrower height, each path
+        its own loop."""
+        if cutlass.const_expr(nts is None):
+            nts = self.item_nts
         if cutlass.const_expr(len(nts) == 1):
             self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold)
         else:
-            assert len(nts) in (2, 3), nts
             if m_end - m0 <= 8 * nts[0]:
                 self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
                                  fold, nts[0])
             else:
-                if cutlass.const_expr(len(nts) == 3):
-                    if m_end - m0 <= 8 * nts[1]:
-                        self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end,
-                                         chunk, fold, nts[1])
-                    else:
-                        self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end,
-                                         chunk, fold)
-                else:
-                    self._tma_stream(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
-                                     fold)
+                self._tma_stream_rows(run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk,
+                                      fold, m0, m_end, nts[1:])
 
     @cute.jit
     def _tma_stream(self, run, acc, bx, n_sub, total, tiles, k_begin, k_end, chunk, fold,
