@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe as bm  # noqa: E402
 from e2e_decode import copy_bandwidth_TBps  # noqa: E402
 from plotting import pyplot  # noqa: E402
-from timing import gpu_kernel_events, union_length  # noqa: E402
+from timing import NO_GPU_TRACE, events_time_us, gpu_kernel_events  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_SCRIPT = "peer_triton_kernels.py"  # the anchor: gate+up of its MODELS
@@ -83,10 +83,8 @@ def call_and_kernel_us(events, calls):
     """(the call's device time, our grouped kernels' own) per call in us, from the (name, start
     ns, end ns) kernel events of `calls` calls: each the union of its kernels' intervals."""
     if not events:
-        raise SystemExit("bench_moe_peers.py: no GPU kernel in the profiler's trace")
-    ours = [(s, f) for name, s, f in events if name.startswith(OUR_KERNEL_PREFIX)]
-    return (union_length([(s, f) for _, s, f in events]) / calls / 1e3,
-            union_length(ours) / calls / 1e3)
+        raise SystemExit(f"bench_moe_peers.py: {NO_GPU_TRACE}")
+    return events_time_us(events, calls), events_time_us(events, calls, OUR_KERNEL_PREFIX)
 
 
 def ours_rows(peer, cases, tokens, calls):

@@ -81,7 +81,14 @@ def device_time_us(f, *args, arg_sets=None, calls=8):
         if any(d.platform == "gpu" for d in jax.devices()):
             raise RuntimeError(NO_GPU_TRACE)
         return None
-    return union_length([(s, e) for _, s, e in events]) / calls / 1e3
+    return events_time_us(events, calls)
+
+
+def events_time_us(events, calls, name_prefix=""):
+    """Per call (microseconds), the union of the intervals of the (name, start ns, end ns)
+    kernel events of `calls` calls whose name starts with `name_prefix` (all by default)."""
+    return union_length([(s, e) for name, s, e in events
+                         if name.startswith(name_prefix)]) / calls / 1e3
 
 
 def gpu_kernel_events(f, *args, arg_sets=None, calls=8, with_device=False):
