@@ -73,6 +73,8 @@ FUSED_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("mxf
 FUSED_TILES = ((128, 64), (128, 128), (128, 256))
 
 REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+# The register-weight variants read the activation in natural K order (no permutation pass)
+REGISTER_WEIGHT_NATURAL_K = True
 # (activation rows, weight rows) per tile
 REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128),
                          (128, 64), (128, 128))

@@ -46,12 +46,15 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_dequant_ptx import FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx
+from .sm90_dequant_ptx import (FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_gather_sel,
+                               fp4_natural_pairs_ptx, fp4_perm_pairs_ptx, fp8_natural_pairs_ptx,
+                               fp8_natural_sels)
 from .export import compile_for_arch, placeholder_ptr
-from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2
+from .sm90_ptx import (OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2, scale_pair_bf16x2,
+                       scale_pair_sel)
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
-    REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths)
+    REGISTER_WEIGHT_NATURAL_K, REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths)
 
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
@@ -181,13 +184,19 @@ def _rw_wait_all(acc, *, loc=None, ip=None):
 
 @dsl_user_op
 def _rw_load_row(words, addr, scale_addr, *, loc=None, ip=None):
-    """A thread's 16 weight elements of one row (2 words of fp4, 4 of fp8) and the row's scale
-    word."""
-    vec = f"v{words}.b32 {{{', '.join(f'${i}' for i in range(words))}}}"
+    """`words` weight words of one row from `addr` (vector loads of up to 4 words) and the row's
+    scale word: the thread's 16 elements (2 words of fp4, 4 of fp8), or in natural K order the
+    row's whole k-tile (8 words of fp4, 16 of fp8)."""
+    loads = []
+    for v in range(0, words, 4):
+        n = min(4, words - v)
+        regs = ", ".join(f"${v + i}" for i in range(n))
+        vec = f"v{n}.b32 {{{regs}}}" if n > 1 else f"b32 {regs}"
+        loads.append(f"ld.shared.{vec}, [${words + 1} + {4 * v}];")
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * (words + 1)),
         [_i32(addr, loc, ip), _i32(scale_addr, loc, ip)],
-        f"ld.shared.{vec}, [${words + 1}];\nld.shared.b32 ${words}, [${words + 2}];",
+        "\n".join(loads) + f"\nld.shared.b32 ${words}, [${words + 2}];",
         ",".join(["=r"] * (words + 1) + ["r", "r"]),
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(words + 1)]
@@ -210,6 +219,35 @@ def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
         llvm.StructType.get_literal([T.i32()] * 8),
         [_i32(x, loc, ip) for x in (w0, w1, scale)], rw_fp4_pairs_ptx(fold),
         ",".join(["=r"] * 8 + ["r"] * 3), has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
+
+
+@dsl_user_op
+def _rw_convert_natural(kind, words, scales, sels, fp8, *, loc=None, ip=None):
+    """A row's whole k-tile in natural K order (8 fp4 words or 16 fp8 words), the bf16x2 scales
+    of its two halves' or four quarters' blocks and the lane's prmt selectors (fp4_gather_sel,
+    or fp8_natural_sels) -> 8 bf16x2 words, word i = MMA i // 2's K slots (2t, 2t + 1) for even
+    i, (2t + 8, 2t + 9) for odd i. fp8: the run-time (shift, mask, fix)."""
+    fold = kind == "nvfp4"
+    nw = len(words)
+    sc = [f"${nw + 8 + j}" for j in range(len(scales))]
+    sc_of = [sc[i * len(scales) // 8] for i in range(8)]
+    sel0 = nw + 8 + len(scales)
+    outs = [f"${i}" for i in range(8)]
+    ins = [_i32(x, loc, ip) for x in (*words, *scales, *sels)]
+    win = [f"${8 + j}" for j in range(nw)]
+    if KINDS[kind]["bits"] == 4:
+        body = ".reg .b32 x, y, xl, xh, t, k126;\n" + fp4_natural_pairs_ptx(
+            win, f"${sel0}", sc_of, outs, fold)
+    else:
+        ins += [_i32(x, loc, ip) for x in fp8]
+        f0 = sel0 + len(sels)
+        body = ".reg .b32 t, g;\n" + fp8_natural_pairs_ptx(
+            win, f"${sel0}", f"${sel0 + 1}", sc_of, outs, f"${f0}", f"${f0 + 1}", f"${f0 + 2}")
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 8), ins, "{\n" + body + "}",
+        ",".join(["=r"] * 8 + ["r"] * len(ins)), has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
 
@@ -902,11 +940,18 @@ class Sm90BlockScaledGemm:
         fp8_params = [cutlass.Int32(x) for x in FP8_E4M3]
         if b_e5m2 != 0:
             fp8_params = [cutlass.Int32(x) for x in FP8_E5M2]
-        # this thread's weight bytes inside a stage (rows r0, r0 + 8)
-        w_off = [r * self.b_row_bytes + t * (self.b_row_bytes // 4) for r in (r0, r0 + 8)]
+        # this thread's weight bytes inside a stage (rows r0, r0 + 8): in natural K order the
+        # rows' whole k-tiles, else its quarter of them
+        own = 0 if cutlass.const_expr(REGISTER_WEIGHT_NATURAL_K) else t * (self.b_row_bytes // 4)
+        w_off = [r * self.b_row_bytes + own for r in (r0, r0 + 8)]
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
         kw = dict(t=t, a_raw_base=a_raw_base, b_raw_base=b_raw_base, sb_base=sb_base,
                   w_off=w_off, fp8=fp8_params)
+        if cutlass.const_expr(REGISTER_WEIGHT_NATURAL_K):  # the lane's byte selectors
+            if cutlass.const_expr(KINDS[self.b_kind]["bits"] == 4):
+                kw["sels"] = [fp4_gather_sel(cutlass.Int32(t))]
+            else:
+                kw["sels"] = list(fp8_natural_sels(cutlass.Int32(t)))
         sums_ready = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
         sums_read = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         sch = utils.StaticPersistentTileScheduler.create(
@@ -1026,33 +1071,70 @@ class Sm90BlockScaledGemm:
         body itself) and releases the stages."""
         pipe.consumer_wait(slot)
         stage = slot.index
-        b_blk = KINDS[self.b_kind]["block"]
-        t = kw["t"]
-        # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX: block
-        # 2 kt + t // 2): a byte of the row's scale word
-        if cutlass.const_expr(b_blk == 16):
-            byte = t
+        if cutlass.const_expr(REGISTER_WEIGHT_NATURAL_K):
+            self._register_weight_natural_mmas(stage, acc, kw, s_off, kt, an)
         else:
-            byte = (kt * (BK // b_blk) + t // 2) % 4
-        sel = SCALE_BYTE_SEL + 0x101 * byte
+            b_blk = KINDS[self.b_kind]["block"]
+            t = kw["t"]
+            # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX: block
+            # 2 kt + t // 2): a byte of the row's scale word
+            if cutlass.const_expr(b_blk == 16):
+                byte = t
+            else:
+                byte = (kt * (BK // b_blk) + t // 2) % 4
+            sel = SCALE_BYTE_SEL + 0x101 * byte
+            pairs = []
+            for r in range(2):
+                ws = _rw_load_row(
+                    self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
+                    + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
+                if KINDS[self.b_kind]["bits"] == 4:
+                    pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
+                else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
+                    sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
+                    pairs.append(
+                        _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
+                        + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte], *kw["fp8"]))
+            # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
+            a_regs = []
+            for b in range(4):
+                s_, h = b // 2, b % 2
+                a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
+                           pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
+            d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
+            n_acc = an // 2
+            res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, an)
+            for i in range(n_acc):
+                acc[i] = res[i]
+
+
+    def _register_weight_natural_mmas(self, stage, acc, kw, s_off, kt, an):
+        """_register_weight_k_tile's conversion and MMAs with the activation in natural K order:
+        each row's whole k-tile is read (the quad's four lanes read the same bytes), its block
+        scales converted two at a time (NVFP4: the k-tile's four blocks, MX: its two), and
+        rw_convert_natural picks the lane's K slots."""
+        kind = self.b_kind
+        fold = kind == "nvfp4"
+        words = self.b_row_bytes // 4
         pairs = []
         for r in range(2):
             ws = _rw_load_row(
-                self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
-                + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
-            if KINDS[self.b_kind]["bits"] == 4:
-                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
-            else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
-                sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
-                pairs.append(
-                    _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
-                    + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte], *kw["fp8"]))
-        # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
+                words, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes) + kw["w_off"][r],
+                kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
+            sword = ws[words]
+            if cutlass.const_expr(KINDS[kind]["block"] == 16):
+                scales = (list(scale_pair_bf16x2(kind, sword, sword, scale_pair_sel(0, 1), fold))
+                          + list(scale_pair_bf16x2(kind, sword, sword, scale_pair_sel(2, 3),
+                                                   fold)))
+            else:  # the k-tile's two blocks: bytes 2 kt, 2 kt + 1 (mod 4) of the scale word
+                b0 = (kt * 2) % 4
+                scales = list(scale_pair_bf16x2(kind, sword, sword, b0 + (b0 + 1) * 256))
+            pairs.append(_rw_convert_natural(kind, ws[:words], scales, kw["sels"], kw["fp8"]))
+        # k16 MMA b takes words 2b (K slots 2t, 2t + 1) and 2b + 1 (2t + 8, 2t + 9) of both rows
         a_regs = []
         for b in range(4):
-            s_, h = b // 2, b % 2
-            a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
-                       pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
+            a_regs += [pairs[0][2 * b], pairs[1][2 * b], pairs[0][2 * b + 1],
+                       pairs[1][2 * b + 1]]
         d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
         n_acc = an // 2
         res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, an)

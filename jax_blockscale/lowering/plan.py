@@ -413,7 +413,9 @@ class _Sm90:
             return f"the library has no variant {variant}"
         return Plan("sm90", kernel, variant=variant, a_kind=ka, b_kind=kb, tile=(tile_m, tile_n),
                     splits=splits, workspace=splits * l * m * spec.n,
-                    dequantize_a=dequantize_a, permute_k=kernel == "register_weights", k=k,
+                    dequantize_a=dequantize_a,
+                    permute_k=kernel == "register_weights" and not cat90.REGISTER_WEIGHT_NATURAL_K,
+                    k=k,
                     **common)
 
     def register_weight_splits(self, k: int, tile: tuple[int, int]) -> int:

@@ -153,7 +153,7 @@ def _activation(lhs, sl, sb8, plan: RaggedPlan):
     spec = plan.spec
     if plan.kernel == "ragged_prefill":
         x = operand_values(lhs, sl, spec.fmt_lhs, spec.layout_lhs, jnp.bfloat16)
-        return permute_activation_k(x), sb8, False
+        return (x if cat.REGISTER_WEIGHT_NATURAL_K else permute_activation_k(x)), sb8, False
     if spec.fmt_lhs is None:
         return lhs, sb8, False
     return (element_bytes(lhs), lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1),

@@ -46,12 +46,14 @@ def _mul_bf16x2(a, b):
 
 
 def _prmt(a, b, sel):
+    """prmt.b32's default mode, per lane (`sel` may differ across lanes), with the
+    sign-replicate selectors (msb set: the byte's bit 7 copied to all 8 bits)."""
     src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
     out = np.zeros_like(a)
     for i in range(4):
         s = (sel >> (4 * i)) & 0xF
-        assert np.all(s < 8), "sign-replicate prmt mode not emulated"
         byte = np.choose(s & 7, src)
+        byte = np.where(s & 8, np.where(byte & 0x80, 0xFF, 0x00), byte).astype(a.dtype)
         out |= byte << (8 * i)
     return out
 
