@@ -73,13 +73,18 @@ FUSED_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("mxf
 FUSED_TILES = ((128, 64), (128, 128), (128, 256))
 
 REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
-# The register-weight variants read the activation in natural K order (no permutation pass)
-REGISTER_WEIGHT_NATURAL_K = True
+# Weight kinds whose register-weight variants read the activation in natural K order, so no
+# pass permutes it. A lane's K slots (2t, 2t + 1) of an MMA are two adjacent weight bytes: for
+# fp8 one prmt with the lane's selector picks them, at the permuted order's cost. For fp4 they
+# are the two nibbles of byte t of every word, and gathering those cost enough conversion
+# instructions to make the FP4 kernels about 11 % slower than the pass they save
+# (docs/design/sm90_fused.md, "What was tried"): FP4 weights keep the permuted order below.
+REGISTER_WEIGHT_NATURAL_K_KINDS = ("mxfp8",)
 # (activation rows, weight rows) per tile
 REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128),
                          (128, 64), (128, 128))
 
-# The K order of the activations the register-weight variants read. In those variants a thread
+# The K order of the activations the FP4 register-weight variants read. In those variants a thread
 # converts the 16 contiguous weight elements 16t .. 16t + 15 (t = lane % 4) of each 64-element
 # k-tile straight into the A registers of four k16 wgmmas. The fp4 bit trick yields pairs of
 # elements (j, j + 4) of each 8-element chunk s, and an A register pair must hold K slots
@@ -100,6 +105,12 @@ SLOT_ORDER = (1, 3, 4, 0, 2)  # slot = digits (s, h, hi, t, q): a transpose of K
 # 64 rows) as a transpose of K's digits, whose fusions were the faster there. The threshold lies
 # between those measured sizes (docs/design/sm90_ragged_prefill.md, "Limits").
 K_PERMUTE_GATHER_MIN_ELEMENTS = 1 << 21
+
+
+def register_weights_permute_k(b_kind: str) -> bool:
+    """Whether the register-weight variants of weight kind `b_kind` read the activation in
+    activation_k_order (else in natural K order: REGISTER_WEIGHT_NATURAL_K_KINDS)."""
+    return b_kind not in REGISTER_WEIGHT_NATURAL_K_KINDS
 
 
 def activation_k_order() -> list[int]:

@@ -46,15 +46,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
-from .sm90_dequant_ptx import (FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_gather_sel,
-                               fp4_natural_pairs_ptx, fp4_perm_pairs_ptx, fp8_natural_pairs_ptx,
-                               fp8_natural_sels)
+from .sm90_dequant_ptx import (FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx,
+                               fp8_natural_pairs_ptx, fp8_natural_sel)
 from .export import compile_for_arch, placeholder_ptr
-from .sm90_ptx import (OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2, scale_pair_bf16x2,
-                       scale_pair_sel)
+from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2, scale_pair_packed_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
-    REGISTER_WEIGHT_NATURAL_K, REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths)
+    REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths, register_weights_permute_k)
 
 # most raw stages of the register-weight ring by activation rows: small tiles stream the weights
 # (more bytes in flight), 128-row tiles are bound by the MMAs
@@ -121,8 +119,9 @@ def _store_chunk(dst, vals, ok, *, loc=None, ip=None):
 # The MMA runs transposed, C^T = W @ A^T: the weight tile is wgmma's A operand, converted from the
 # TMA'd packed bytes straight into registers, and the bf16 activation tile (TMA, 128B swizzle) is
 # its B operand read from shared memory. No bf16 weight tile is written to shared memory and no
-# barrier sits between the conversion and the MMA. The activations arrive with K permuted inside
-# each 64-element k-tile (catalog/sm90.py: activation_k_order says which order and why).
+# barrier sits between the conversion and the MMA. For fp4 weights the activations arrive with K
+# permuted inside each 64-element k-tile (catalog/sm90.py: activation_k_order says which order
+# and why); for fp8 weights in natural K order (REGISTER_WEIGHT_NATURAL_K_KINDS).
 
 # shared-memory descriptor of a K-major, 128B-swizzled bf16 tile (wgmma B operand): high word =
 # stride between 8-row groups (1024 bytes, >> 4) | swizzle mode 1 (128B) << 62; low word =
@@ -183,23 +182,27 @@ def _rw_wait_all(acc, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _rw_load_row(words, addr, scale_addr, *, loc=None, ip=None):
-    """`words` weight words of one row from `addr` (vector loads of up to 4 words) and the row's
-    scale word: the thread's 16 elements (2 words of fp4, 4 of fp8), or in natural K order the
-    row's whole k-tile (8 words of fp4, 16 of fp8)."""
+def _rw_load_row(words, addr, scale_addr=None, *, loc=None, ip=None):
+    """`words` weight words of one row from `addr` (vector loads of up to 4 words), then the
+    row's scale word unless `scale_addr` is None: the thread's 16 elements (2 words of fp4, 4 of
+    fp8), or in natural K order a quarter of the row's fp8 k-tile (4 words)."""
     loads = []
     for v in range(0, words, 4):
         n = min(4, words - v)
         regs = ", ".join(f"${v + i}" for i in range(n))
         vec = f"v{n}.b32 {{{regs}}}" if n > 1 else f"b32 {regs}"
         loads.append(f"ld.shared.{vec}, [${words + 1} + {4 * v}];")
+    outs, ins = words, [_i32(addr, loc, ip)]
+    if scale_addr is not None:
+        loads.append(f"ld.shared.b32 ${words}, [${words + 2}];")
+        outs, ins = words + 1, ins + [_i32(scale_addr, loc, ip)]
+    else:  # the address operand follows the outputs either way
+        loads = [x.replace(f"[${words + 1} +", f"[${words} +") for x in loads]
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * (words + 1)),
-        [_i32(addr, loc, ip), _i32(scale_addr, loc, ip)],
-        "\n".join(loads) + f"\nld.shared.b32 ${words}, [${words + 2}];",
-        ",".join(["=r"] * (words + 1) + ["r", "r"]),
+        llvm.StructType.get_literal([T.i32()] * outs), ins, "\n".join(loads),
+        ",".join(["=r"] * outs + ["r"] * len(ins)),
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(words + 1)]
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(outs)]
 
 
 def rw_fp4_pairs_ptx(fold: bool) -> str:
@@ -224,32 +227,24 @@ def _rw_convert(kind, w0, w1, sword, sel, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _rw_convert_natural(kind, words, scales, sels, fp8, *, loc=None, ip=None):
-    """A row's whole k-tile in natural K order (8 fp4 words or 16 fp8 words), the bf16x2 scales
-    of its two halves' or four quarters' blocks and the lane's prmt selectors (fp4_gather_sel,
-    or fp8_natural_sels) -> 8 bf16x2 words, word i = MMA i // 2's K slots (2t, 2t + 1) for even
-    i, (2t + 8, 2t + 9) for odd i. fp8: the run-time (shift, mask, fix)."""
-    fold = kind == "nvfp4"
-    nw = len(words)
-    sc = [f"${nw + 8 + j}" for j in range(len(scales))]
-    sc_of = [sc[i * len(scales) // 8] for i in range(8)]
-    sel0 = nw + 8 + len(scales)
-    outs = [f"${i}" for i in range(8)]
-    ins = [_i32(x, loc, ip) for x in (*words, *scales, *sels)]
-    win = [f"${8 + j}" for j in range(nw)]
-    if KINDS[kind]["bits"] == 4:
-        body = ".reg .b32 x, y, xl, xh, t, k126;\n" + fp4_natural_pairs_ptx(
-            win, f"${sel0}", sc_of, outs, fold)
-    else:
-        ins += [_i32(x, loc, ip) for x in fp8]
-        f0 = sel0 + len(sels)
-        body = ".reg .b32 t, g;\n" + fp8_natural_pairs_ptx(
-            win, f"${sel0}", f"${sel0 + 1}", sc_of, outs, f"${f0}", f"${f0 + 1}", f"${f0 + 2}")
+def _rw_convert_fp8_natural(words, scales, half, sel, fp8, *, loc=None, ip=None):
+    """A quarter of a row's fp8 k-tile in natural K order (4 words: 16 elements, MMA b's), the
+    row's two block scales packed in one bf16x2 (scale_pair_packed_bf16x2) of which `half`
+    (0: low, 1: high) is this quarter's, the lane's prmt selector (fp8_natural_sel) and the
+    run-time (shift, mask, fix) (the mask unused: an immediate here) -> 2 bf16x2 words: MMA b's
+    K slots (2t, 2t + 1), then (2t + 8, 2t + 9)."""
+    shift, _, fix = fp8
+    ins = [_i32(x, loc, ip) for x in (*words, scales, sel, shift, fix)]
+    pick = "{slo, slo}" if half == 0 else "{shi, shi}"
+    body = (".reg .b32 t, g, s;\n.reg .b16 slo, shi;\n"
+            f"mov.b32 {{slo, shi}}, $6;\nmov.b32 s, {pick};\n"
+            + fp8_natural_pairs_ptx([f"${2 + j}" for j in range(4)], "$7", ["s"] * 2,
+                                    ["$0", "$1"], "$8", "$9"))
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 8), ins, "{\n" + body + "}",
-        ",".join(["=r"] * 8 + ["r"] * len(ins)), has_side_effects=False, is_align_stack=False,
+        llvm.StructType.get_literal([T.i32()] * 2), ins, "{\n" + body + "}",
+        ",".join(["=r"] * 2 + ["r"] * len(ins)), has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(8)]
+    return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(2)]
 
 
 def split_count(a_e5m2):
@@ -294,9 +289,11 @@ class Sm90BlockScaledGemm:
         assert out in OUT_DTYPES
         self.a_kind, self.b_kind, self.out = a_kind, b_kind, out
         self.a_quant = a_kind != "bf16"
-        # register-weight mode: bf16 activations (K-permuted, activation_k_order) x quantized
-        # weights (REGISTER_WEIGHT_KINDS)
+        # register-weight mode: bf16 activations x quantized weights (REGISTER_WEIGHT_KINDS),
+        # the activations K-permuted (activation_k_order) for fp4 weights, in natural K order
+        # for fp8 (catalog.sm90.REGISTER_WEIGHT_NATURAL_K_KINDS)
         self.reg_w = weights_in_registers
+        self.natural_k = self.reg_w and not register_weights_permute_k(b_kind)
         # dense register-weight variants split K at run time (split_count): each split stores its
         # partial sums in the weights' true scale to C[split, l] (an f32 workspace); the caller
         # adds them in split order and applies alpha
@@ -940,18 +937,15 @@ class Sm90BlockScaledGemm:
         fp8_params = [cutlass.Int32(x) for x in FP8_E4M3]
         if b_e5m2 != 0:
             fp8_params = [cutlass.Int32(x) for x in FP8_E5M2]
-        # this thread's weight bytes inside a stage (rows r0, r0 + 8): in natural K order the
-        # rows' whole k-tiles, else its quarter of them
-        own = 0 if cutlass.const_expr(REGISTER_WEIGHT_NATURAL_K) else t * (self.b_row_bytes // 4)
+        # this thread's weight bytes inside a stage (rows r0, r0 + 8): its quarter of the rows'
+        # k-tiles, or in natural K order the whole k-tiles
+        own = 0 if cutlass.const_expr(self.natural_k) else t * (self.b_row_bytes // 4)
         w_off = [r * self.b_row_bytes + own for r in (r0, r0 + 8)]
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
         kw = dict(t=t, a_raw_base=a_raw_base, b_raw_base=b_raw_base, sb_base=sb_base,
                   w_off=w_off, fp8=fp8_params)
-        if cutlass.const_expr(REGISTER_WEIGHT_NATURAL_K):  # the lane's byte selectors
-            if cutlass.const_expr(KINDS[self.b_kind]["bits"] == 4):
-                kw["sels"] = [fp4_gather_sel(cutlass.Int32(t))]
-            else:
-                kw["sels"] = list(fp8_natural_sels(cutlass.Int32(t)))
+        if cutlass.const_expr(self.natural_k):  # the lane's byte selector
+            kw["sel"] = fp8_natural_sel(cutlass.Int32(t))
         sums_ready = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
         sums_read = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         sch = utils.StaticPersistentTileScheduler.create(
@@ -1071,7 +1065,7 @@ class Sm90BlockScaledGemm:
         body itself) and releases the stages."""
         pipe.consumer_wait(slot)
         stage = slot.index
-        if cutlass.const_expr(REGISTER_WEIGHT_NATURAL_K):
+        if cutlass.const_expr(self.natural_k):
             self._register_weight_natural_mmas(stage, acc, kw, s_off, kt, an)
         else:
             b_blk = KINDS[self.b_kind]["block"]
@@ -1101,45 +1095,45 @@ class Sm90BlockScaledGemm:
                 s_, h = b // 2, b % 2
                 a_regs += [pairs[0][4 * s_ + 2 * h], pairs[1][4 * s_ + 2 * h],
                            pairs[0][4 * s_ + 2 * h + 1], pairs[1][4 * s_ + 2 * h + 1]]
-            d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
-            n_acc = an // 2
-            res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, an)
-            for i in range(n_acc):
-                acc[i] = res[i]
+            self._rw_issue(stage, acc, a_regs, kw, an)
 
-
-    def _register_weight_natural_mmas(self, stage, acc, kw, s_off, kt, an):
-        """_register_weight_k_tile's conversion and MMAs with the activation in natural K order:
-        each row's whole k-tile is read (the quad's four lanes read the same bytes), its block
-        scales converted two at a time (NVFP4: the k-tile's four blocks, MX: its two), and
-        rw_convert_natural picks the lane's K slots."""
-        kind = self.b_kind
-        fold = kind == "nvfp4"
-        words = self.b_row_bytes // 4
-        pairs = []
-        for r in range(2):
-            ws = _rw_load_row(
-                words, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes) + kw["w_off"][r],
-                kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
-            sword = ws[words]
-            if cutlass.const_expr(KINDS[kind]["block"] == 16):
-                scales = (list(scale_pair_bf16x2(kind, sword, sword, scale_pair_sel(0, 1), fold))
-                          + list(scale_pair_bf16x2(kind, sword, sword, scale_pair_sel(2, 3),
-                                                   fold)))
-            else:  # the k-tile's two blocks: bytes 2 kt, 2 kt + 1 (mod 4) of the scale word
-                b0 = (kt * 2) % 4
-                scales = list(scale_pair_bf16x2(kind, sword, sword, b0 + (b0 + 1) * 256))
-            pairs.append(_rw_convert_natural(kind, ws[:words], scales, kw["sels"], kw["fp8"]))
-        # k16 MMA b takes words 2b (K slots 2t, 2t + 1) and 2b + 1 (2t + 8, 2t + 9) of both rows
-        a_regs = []
-        for b in range(4):
-            a_regs += [pairs[0][2 * b], pairs[1][2 * b], pairs[0][2 * b + 1],
-                       pairs[1][2 * b + 1]]
+    def _rw_issue(self, stage, acc, a_regs, kw, an):
+        """The k-tile's four k16 wgmmas on A registers `a_regs` against the stage's activation
+        tile, over its first `an` columns (acc[:an // 2])."""
         d_lo = ((kw["a_raw_base"] + stage * (self.bm * BK * 2)) >> 4) | (1 << 16)
         n_acc = an // 2
         res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, an)
         for i in range(n_acc):
             acc[i] = res[i]
+
+
+    def _register_weight_natural_mmas(self, stage, acc, kw, s_off, kt, an):
+        """_register_weight_k_tile's conversion and MMAs for fp8 weights with the activation in
+        natural K order: each row's whole k-tile is read, a quarter at a time (the quad's four
+        lanes read the same bytes), its two block scales converted together, and
+        _rw_convert_fp8_natural picks the lane's K slots."""
+        # the k-tile's two blocks: bytes 2 kt and 2 kt + 1 (mod 4) of the row's scale word
+        b0 = (kt * 2) % 4
+        pairs = []
+        for r in range(2):
+            row = kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes) + kw["w_off"][r]
+            # a quarter k-tile (one MMA's 16 bytes) at a time: 4 words live, not 16 (the 16-
+            # and 32-row tiles have 104 registers)
+            pairs.append([])
+            for b in range(4):
+                if b == 0:  # with the row's scale word
+                    ws = _rw_load_row(4, row, kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
+                    scales = scale_pair_packed_bf16x2(self.b_kind, ws[4], ws[4],
+                                                      b0 + (b0 + 1) * 256)
+                else:
+                    ws = _rw_load_row(4, row + 16 * b)
+                pairs[r] += _rw_convert_fp8_natural(ws[:4], scales, b // 2, kw["sel"], kw["fp8"])
+        # k16 MMA b takes words 2b (K slots 2t, 2t + 1) and 2b + 1 (2t + 8, 2t + 9) of both rows
+        a_regs = []
+        for b in range(4):
+            a_regs += [pairs[0][2 * b], pairs[1][2 * b], pairs[0][2 * b + 1],
+                       pairs[1][2 * b + 1]]
+        self._rw_issue(stage, acc, a_regs, kw, an)
 
 
 class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):

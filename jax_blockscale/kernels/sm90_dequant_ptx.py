@@ -157,58 +157,31 @@ def element_order(perm: bool) -> list[int]:
     return [0, 4, 1, 5, 2, 6, 3, 7] if perm else list(range(8))
 
 
-# --- the register-weight kernel's natural K order ----------------------------------------------
+# --- the register-weight kernel's natural K order (fp8 weights) ---------------------------------
 # wgmma's A fragment gives lane (g, t) the K slots (2t, 2t + 1) and (2t + 8, 2t + 9) of each k16
-# MMA. With the activation in natural K order those are the two nibbles of one weight byte: byte
-# t of each word of the row's k-tile (fp4: 8 words, word 2b + h = MMA b's slots 8h .. 8h + 7), or
-# bytes 2t, 2t + 1 of each 8-byte pair of words (fp8: 16 words, pair 2b + h).
-def fp4_gather_sel(t):
-    """fp4_natural_pairs_ptx's prmt selector for the lane's `t` (lane % 4; an int or a traced
-    integer): byte t of two words -> result bytes 0 and 1."""
-    return t * 0x11 + 0x40
+# MMA. With the activation in natural K order those are bytes 2t and 2t + 1 of each 8-byte pair of
+# words of the row's fp8 k-tile (16 words; pair 2b + h holds MMA b's slots 8h .. 8h + 7).
+def fp8_natural_sel(t):
+    """fp8_natural_pairs_ptx's prmt selector for the lane's `t` (lane % 4; an int or a traced
+    integer): bytes 2t and 2t + 1 of a word pair to bytes 0 and 2, each one's sign bit
+    replicated into the byte above it (prmt's sign mode: nibble 8 | index)."""
+    return t * 0x2222 + 0x9180  # (8|2t+1) << 12 | (2t+1) << 8 | (8|2t) << 4 | 2t
 
 
-def fp4_natural_pairs_ptx(words, gsel, scales, outs, fold=False):
-    """8 words of e2m1 nibbles (a row's k-tile) -> outs[i] = bf16x2 (low nibble, high nibble) of
-    byte t of word i, times the bf16x2 scales[i]. gsel: fp4_gather_sel's register. Per 4 words:
-    three prmt gather their bytes t into one register x, whose low and high nibbles are split
-    into xl / xh, and one prmt per pair puts a byte's two nibbles alone in the low nibble of
-    each half (as cvt_asm's natural order does). Scratch registers: x, y, xl, xh, t, k126."""
-    code = "" if fold else f"mov.b32 k126, {BF16X2_2P126:#x};\n"
-    for q in range(2):
-        w = words[4 * q: 4 * q + 4]
-        code += (f"prmt.b32 x, {w[0]}, {w[1]}, {gsel};\nprmt.b32 y, {w[2]}, {w[3]}, {gsel};\n"
-                 "prmt.b32 x, x, y, 0x5410;\n"
-                 "and.b32 xl, x, 0x0F0F0F0F;\nshr.b32 xh, x, 4;\nand.b32 xh, xh, 0x0F0F0F0F;\n")
-        for j in range(4):
-            sel = 0x8080 | ((4 + j) << 8) | j  # 0x8_: sign mode on a byte with bit 7 clear -> 0
-            code += f"prmt.b32 t, xl, xh, {sel:#x};" + _fp4_place(
-                "t", outs[4 * q + j], fold, scale=scales[4 * q + j])
-    return code
-
-
-def fp8_natural_sels(t):
-    """fp8_natural_pairs_ptx's prmt selectors for the lane's `t` (lane % 4; an int or a traced
-    integer): (smag, ssgn). smag puts bytes 2t and 2t + 1 of a word pair on bytes 0 and 2
-    (what lands on bytes 1 and 3 is masked off), ssgn their sign bits on bytes 1 and 3 (prmt's
-    sign mode)."""
-    smag = t * 0x202 + 0x100  # (2t + 1) << 8 | 2t
-    return smag, smag * 16 + 0x8080  # (8 | 2t + 1) << 12 | (8 | 2t) << 4
-
-
-def fp8_natural_pairs_ptx(words, smag, ssgn, scales, outs, shift, mask, fix):
-    """16 words of e4m3/e5m2 bytes (a row's k-tile) -> outs[i] = bf16x2 of bytes 2t, 2t + 1 of
-    the word pair (2i, 2i + 1), times the bf16x2 scales[i]; smag / ssgn: registers holding
-    fp8_natural_sels; shift, mask, fix: the run-time flavour (FP8_E4M3 / FP8_E5M2). Scratch
-    registers: t, g."""
+def fp8_natural_pairs_ptx(words, sel, scales, outs, shift, fix):
+    """16 words of e4m3/e5m2 bytes (a row's k-tile; fewer for part of it) -> outs[i] = bf16x2
+    of bytes 2t, 2t + 1 of the word pair (2i, 2i + 1), times the bf16x2 scales[i]. sel: a
+    register holding fp8_natural_sel; shift, fix: the run-time flavour's (FP8_E4M3 /
+    FP8_E5M2). One prmt gives [byte, its sign x 8, byte, its sign x 8]: masked to the two
+    magnitudes and shifted, they sit on the bf16 exponent / mantissa bits; the unmasked word
+    holds the two signs on bits 15 and 31. Scratch registers: t, g."""
     code = ""
     for i, out in enumerate(outs):
         a, b = words[2 * i], words[2 * i + 1]
         code += f"""
-    prmt.b32 t, {a}, {b}, {smag};
+    prmt.b32 g, {a}, {b}, {sel};
+    and.b32 t, g, 0x007F007F;
     shl.b32 t, t, {shift};
-    and.b32 t, t, {mask};
-    prmt.b32 g, {a}, {b}, {ssgn};
     lop3.b32 t, t, g, 0x80008000, 0xF8;
     mul.rn.bf16x2 t, t, {fix};
     mul.rn.bf16x2 {out}, t, {scales[i]};

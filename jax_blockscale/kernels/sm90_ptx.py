@@ -383,6 +383,25 @@ def scale_pair_bf16x2(kind, word_a, word_b, sel, fold=False, *, loc=None, ip=Non
                 scale_pair_ptx(kind, fold), ["r", "r", "r"], loc, ip, side_effects=False)
 
 
+def scale_pair_packed_ptx(kind: str) -> str:
+    """PTX of scale_pair_packed_bf16x2, operands as scale_pair_ptx's (unfolded), without the
+    split: $0 = one bf16x2 holding scale A in its low half and scale B in its high half ($1 the
+    same, unused)."""
+    body = scale_pair_ptx(kind)
+    assert body.endswith(_PAIR_SPLIT)
+    return body[: -len(_PAIR_SPLIT)] + "\nmov.b32 $0, t;\nmov.b32 $1, t;\n}"
+
+
+@dsl_user_op
+def scale_pair_packed_bf16x2(kind, word_a, word_b, sel, *, loc=None, ip=None):
+    """Two block-scale bytes (as scale_pair_bf16x2 picks them) -> ONE bf16x2 holding both, scale
+    A low and scale B high: half the registers of the broadcast pair. Each half is broadcast
+    where it is used (`mov.b32 {lo, hi}, s; mov.b32 x, {lo, lo}`), which ptxas folds into the
+    multiply's operand selector."""
+    return _asm(2, "r", [cutlass.Int32(word_a), cutlass.Int32(word_b), cutlass.Int32(sel)],
+                scale_pair_packed_ptx(kind), ["r", "r", "r"], loc, ip, side_effects=False)[0]
+
+
 def scale_ptx(kind: str, fold: bool = False) -> str:
     """PTX of scale_bf16x2: $1 = scale word, $2 = byte selector -> $0 = bf16x2 scale."""
     if KINDS[kind]["scale"] == "e4m3":

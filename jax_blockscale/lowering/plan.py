@@ -414,7 +414,8 @@ class _Sm90:
         return Plan("sm90", kernel, variant=variant, a_kind=ka, b_kind=kb, tile=(tile_m, tile_n),
                     splits=splits, workspace=splits * l * m * spec.n,
                     dequantize_a=dequantize_a,
-                    permute_k=kernel == "register_weights" and not cat90.REGISTER_WEIGHT_NATURAL_K,
+                    permute_k=(kernel == "register_weights"
+                               and cat90.register_weights_permute_k(kb)),
                     k=k,
                     **common)
 

@@ -145,15 +145,17 @@ class Sm90RaggedBackend:
 
 def _activation(lhs, sl, sb8, plan: RaggedPlan):
     """(elements, scales, e5m2 flag) of the activation as plan's kernel reads them. The grouped
-    register-weight kernel reads a bf16 activation in its K order: a quantized one is
-    dequantized first (exact; its global scale is in alpha) and the permutation fuses into that
-    pass. The decode kernel reads a quantized activation's bytes and scales (plain or blocked)
+    register-weight kernel reads a bf16 activation, for FP4 weights in its K order: a quantized
+    one is dequantized first (exact; its global scale is in alpha) and the permutation fuses into
+    that pass. The decode kernel reads a quantized activation's bytes and scales (plain or blocked)
     as they are. A plain activation has no scales: B's (sb8, a buffer that exists already)
     stand in for them."""
     spec = plan.spec
     if plan.kernel == "ragged_prefill":
         x = operand_values(lhs, sl, spec.fmt_lhs, spec.layout_lhs, jnp.bfloat16)
-        return (x if cat.REGISTER_WEIGHT_NATURAL_K else permute_activation_k(x)), sb8, False
+        if cat.register_weights_permute_k(cat.KIND_OF_FORMAT[spec.fmt_rhs]):
+            x = permute_activation_k(x)
+        return x, sb8, False
     if spec.fmt_lhs is None:
         return lhs, sb8, False
     return (element_bytes(lhs), lax.bitcast_convert_type(sl, jnp.uint8).reshape(-1),

@@ -996,6 +996,32 @@ def test_activation_k_order():
         permute_activation_k(jnp.zeros((2, 96)))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_register_weight_activation_order_per_weight_kind(monkeypatch, fmt):
+    """The register-weight kernels, dense (128 rows) and grouped (4096 rows over 16 experts):
+    FP4 weights get the activation K-permuted (a transpose or a gather along K before the call),
+    fp8 weights read it in natural K order, so nothing moves it (the weights' scales may be
+    swizzled: a transpose of bytes)."""
+    import jax_blockscale as jbs
+
+    kind = cat.KIND_OF_FORMAT[fmt]
+    permuted = cat.register_weights_permute_k(kind)
+    assert permuted == (kind != "mxfp8")
+    key = jax.random.PRNGKey(3)
+    dense = jbs.quantize(jax.random.normal(key, (4096, 1024)), fmt)
+    grouped = jbs.quantize(jax.random.normal(key, (16, 256, 1024)), fmt, layout="blocked")
+    x, xs = jnp.ones((128, 1024), jnp.bfloat16), jnp.ones((4096, 1024), jnp.bfloat16)
+    gs = jnp.full((16,), 256, jnp.int32)
+    for text, target in (
+            (lower_for_cuda(monkeypatch, lambda x: jbs.gemm(x, dense), x), _plugin.SM90_TARGET),
+            (lower_for_cuda(monkeypatch, lambda x, g: jbs.ragged_gemm(x, grouped, g), xs, gs),
+             _plugin.RAGGED_SM90_TARGET)):
+        (call,) = [ln for ln in text.splitlines() if "stablehlo.custom_call @" + target in ln]
+        assert f"a_kind = {cat.KIND_CODES['bf16_kperm']} : i32" in call, call[:600]
+        moved = re.search(r"stablehlo\.(transpose|gather)\b.*bf16", text) is not None
+        assert moved == permuted, (fmt, target)
+
+
 def test_kernel_row_limits():
     """Where the fused kernel hands over to dequantize + a bf16 GEMM: higher with the
     register-weight variants (K % 64 == 0), by weight size and activation format (measured

@@ -74,3 +74,20 @@ def register_a_hazards(sass: str) -> tuple[int, list[str]]:
                     break
                 k += 1
     return groups, found
+
+
+def local_memory_in_mma_loops(sass: str) -> list[str]:
+    """Local-memory accesses (LDL / STL: spills) inside a loop that issues HGMMAs, i.e. between
+    a backward branch's target and the branch where that range holds an HGMMA: the k-tile loops,
+    where a spill would cost per k-tile. One line per access."""
+    ins = _instructions(sass)
+    found = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", _GUARD.sub("", text))
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [(a, t) for a, t in ins if int(m.group(1), 16) <= a <= addr]
+        if any("HGMMA" in t for _, t in body):
+            found += [f"{a:#06x}: {t}" for a, t in body
+                      if re.match(r"(@!?P\w+\s+)?(LDL|STL)\b", t)]
+    return sorted(set(found))

@@ -187,6 +187,12 @@ def test_plan_fields_describe_the_call():
     assert p.kernel == "xla_dot" and p.variant is None
 
 
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
+def test_register_weights_permute_the_activation_for_fp4_weights_only(fmt_b):
+    p = _plan(_w(m=128, n=16384, k=16384, fmt_b=fmt_b))
+    assert (p.kernel, p.permute_k) == ("register_weights", not fmt_b.startswith("mxfp8"))
+
+
 @pytest.mark.parametrize("fmt_b, bn", [("nvfp4", 256), ("mxfp4", 256), ("mxfp8_e4m3", 128),
                                         ("mxfp8_e5m2", 128)])
 def test_decode_tiles_at_16_rows_follow_the_weight_kind(fmt_b, bn):
