@@ -494,9 +494,10 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
         layer = as_shard(whole, own)
         if not library.has_layer_gemm():  # both ways below run through the layer target
             return "the library has no layer target (built before gemm(..., layer=) found layers)"
-        if pm > cat90.INDEX_MODE_MAX_ROWS or whole.permute_k:
-            # No index mode past its rows, nor where the layer's plan K-permutes the activation
-            # (index mode would need it in K order as well: one more write of it per call).
+        if pm > cat90.INDEX_MODE_MAX_ROWS or whole.kernel == "register_weights":
+            # No index mode past its rows, nor where the layer's plan is the register-weight
+            # kernel: index mode runs the decode kernel, which that plan beat (and for FP4
+            # weights it would need the activation in K order as well: one more write of it).
             if spec.alpha_is_one:  # the sliced layer needs nothing else
                 return (f"gemm runs M={spec.m} N={spec.n} K={spec.k} on its {whole.kernel} "
                         "kernel with no global scale: the layer is sliced and that kernel runs it")
