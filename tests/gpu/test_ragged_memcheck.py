@@ -14,5 +14,5 @@ pytestmark = [pytest.mark.gpu, pytest.mark.memcheck, needs_sm90]
 
 def test_ragged_calls_pass_memcheck():
     out = run_under_memcheck("ragged_calls_for_memcheck.py")
-    for mode in ("decode", "prefill", "decode3", "prefill32"):
+    for mode in ("decode", "prefill", "decode3", "prefill32", "prefill8"):
         assert sum(ln.startswith(mode + " ") for ln in out.splitlines()) == 5, out[-3000:]

@@ -23,15 +23,19 @@ SIZES = ([5, -3, 40, 9, 2, 0, 1, 1], [2**30, 2**30, 5, 0, 0, 0, 0, 1], [1, 2, 3,
 # one problem per kernel (each call compiles and runs slowly under the sanitizer): the decode
 # kernel with a plain activation, the prefill kernel with a quantized one (dequantized first);
 # the decode kernel again with three tiles of N per CTA (N = 1000: 8-row items on 128-row tiles);
-# the prefill kernel's 32-row items (two k-groups of warp groups, an odd number of k-tiles)
+# the prefill kernel's 32-row items (two k-groups of warp groups, an odd number of k-tiles);
+# the prefill kernel with fp8 weights (its rows' whole k-tiles read, natural K order)
 for label, kernel, per_cta, (fmt, act, m, n, k) in [
         ("decode", "decode", None, ("nvfp4", None, 64, 256, 256)),
         ("prefill", "prefill", None, ("mxfp4", "mxfp4", 200, 320, 192)),
         ("decode3", "decode", 3, ("mxfp4", None, 12, 1000, 512)),
-        ("prefill32", "prefill", None, ("nvfp4", None, 100, 320, 192))]:
+        ("prefill32", "prefill", None, ("nvfp4", None, 100, 320, 192)),
+        ("prefill8", "prefill", None, ("mxfp8_e4m3", None, 200, 320, 192))]:
     os.environ["JAX_BLOCKSCALE_SM90_RAGGED_KERNEL"] = kernel
     if label == "prefill32":
         os.environ["JAX_BLOCKSCALE_SM90_RAGGED_TILE_M"] = str(cat.RAGGED_PREFILL_NARROW_TILE_M)
+    else:
+        os.environ.pop("JAX_BLOCKSCALE_SM90_RAGGED_TILE_M", None)
     config.reload()
     if per_cta is not None:
         cat.ragged_decode_tiles_per_cta = lambda *args, per_cta=per_cta, **kw: per_cta
