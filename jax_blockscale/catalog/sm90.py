@@ -8,8 +8,9 @@ Three kernels share one FFI target (`jax_blockscale_gemm_sm90`):
   * **fused**: kernels/sm90_blockscaled.py, TMA + in-register dequantize + wgmma, a persistent
     grid of 128-row tiles; any pair in FUSED_PAIRS.
   * **register_weights**: the same kernel with the weight tile converted straight into wgmma's
-    register operand (`weights_in_registers`); a bf16 activation stored in the K order of
-    `activation_k_order` (operand kind "bf16_kperm"), weight kinds REGISTER_WEIGHT_KINDS.
+    register operand (`weights_in_registers`); a bf16 activation (operand kind "bf16_kperm")
+    stored in the K order of `activation_k_order` for fp4 weights, in natural K order for fp8
+    ones (REGISTER_WEIGHT_NATURAL_K_KINDS), weight kinds REGISTER_WEIGHT_KINDS.
   * **decode**: kernels/sm90_decode.py, split-K weight streaming for M <= DECODE_MAX_ROWS, an f32
     workspace of one L*M*N slice per split; pairs DECODE_PAIRS.
 
@@ -39,8 +40,8 @@ KINDS = {
     "mxfp8": dict(block=32, bits=8, scale="e8m0"),  # e4m3 or e5m2 chosen at run time
     "bf16": dict(block=None, bits=16, scale=None),  # weight-only activation, no scales
 }
-# "bf16_kperm": a bf16 activation stored in the register-weight variants' K order, which only
-# those variants read.
+# "bf16_kperm": a bf16 activation as the register-weight variants read it (for fp4 weights in
+# their K order, activation_k_order; for fp8 weights in natural order), which only they read.
 KIND_CODES = {"nvfp4": 1, "mxfp4": 2, "mxfp8": 3, "bf16": 4, "bf16_kperm": 5}
 OUT_CODES = {"bf16": 1, "f16": 2, "f32": 3}
 OUTS = ("bf16", "f16", "f32")

@@ -7,9 +7,9 @@ decides; this module prepares what the kernel reads and emits the call to the FF
     activation passes through; the experts' weights (G, N, K) keep G as the kernel's L;
   * scales -> raw bytes: the experts' in the blocked layout (plain ones are tiled here), the
     activation's as they are (plain: the kernel reads them directly; blocked: one (M, K) tile set);
-  * the grouped register-weight kernel ("ragged_prefill") reads a bf16 activation in the K order
-    of catalog/sm90.py: activation_k_order (a quantized one dequantized first: exact, its global
-    scale is in alpha); no split-K workspace;
+  * the grouped register-weight kernel ("ragged_prefill") reads a bf16 activation, for fp4
+    weights in the K order of catalog/sm90.py: activation_k_order (a quantized one dequantized
+    first: exact, its global scale is in alpha); no split-K workspace;
   * the work table (`work_items`): int32 (items, 3) rows of (expert, first row, end row), at most
     8 nt rows (prefill: tile_m rows) each, an expert's items adjacent, built on the device from the group sizes, so
     only the experts that own rows cost weight traffic; entries with expert -1, of as many rows
