@@ -59,10 +59,10 @@ def dot_alpha(a, b, alpha, out_dtype):
 
 
 def permute_activation_k(a):
-    """[..., K] -> the same values with K in the FP4 register-weight variants' order (K % 64
-    == 0): a gather along K with a constant index from cat.K_PERMUTE_GATHER_MIN_ELEMENTS elements (it
-    fuses into the loop of an elementwise producer), a transpose of K's digits below (the
-    catalogue says why)."""
+    """[..., K] -> the same values with K in the FP4 register-weight variants' order
+    (K % 64 == 0): a gather along K with a constant index from
+    cat.K_PERMUTE_GATHER_MIN_ELEMENTS elements (it fuses into the loop of an elementwise
+    producer), a transpose of K's digits below (the catalogue says why)."""
     lead, k = a.shape[:-1], a.shape[-1]
     if k % cat.K_TILE:
         raise ValueError(f"permute_activation_k: K = {k} is not a multiple of {cat.K_TILE}")
@@ -89,9 +89,10 @@ def kernel_elements(x, fmt, rows, plan: Plan, spec):
 
 def activation_operands(a, sa, plan: Plan, spec, unused_scales):
     """(elements, scales) of the activation as plan's kernel reads them: K-permuted for the FP4
-    register-weight variants (plan.permute_k); plain scales for the decode kernel where it reads them so, else
-    blocked. A plain activation has no scales: `unused_scales` (a buffer that exists already;
-    a fresh zeros array would be a kernel launch per call) stands in for them."""
+    register-weight variants (plan.permute_k); plain scales for the decode kernel where it
+    reads them so, else blocked. A plain activation has no scales: `unused_scales` (a buffer
+    that exists already; a fresh zeros array would be a kernel launch per call) stands in for
+    them."""
     a8 = kernel_elements(a, spec.fmt_a, plan.m, plan, spec)
     if plan.permute_k:
         a8 = permute_activation_k(a8)
