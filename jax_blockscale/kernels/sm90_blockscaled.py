@@ -69,6 +69,9 @@ BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom w
 SPLITS_SHIFT = 8
 MAX_SPLITS = 255
 SCALE_CHUNK = 512  # bytes of one blocked scale tile: 128 rows x 4 scale columns
+# The swizzle (bits, base, shift) of the fp8 weight tile the natural-K-order register-weight
+# variants read: 16-byte chunk (bits 4-5 of the byte offset) ^= bits 7-8 (TMA's 64-byte mode)
+B_NATURAL_SWIZZLE = (2, 4, 3)
 
 
 def _i32(x, loc, ip):
@@ -514,6 +517,12 @@ class Sm90BlockScaledGemm:
             (bn, self.b_row_bytes, self.stages),
             stride=(self.b_row_bytes, 1, bn * self.b_row_bytes),
         )
+        if cutlass.const_expr(self.natural_k):
+            # a warp reads one 16-byte quarter of 8 rows' 64-byte k-tiles at a time: TMA's
+            # 64-byte swizzle (16-byte chunk ^= bits 7-8 of the offset, i.e. (row >> 1) & 3)
+            # spreads them over all banks (unswizzled, rows r, r + 2, r + 4, r + 6 collide)
+            self.b_raw_layout = cute.make_composed_layout(
+                cute.make_swizzle(*B_NATURAL_SWIZZLE), 0, self.b_raw_layout)
         self.s_layout = cute.make_layout((4, 128, self.stages), stride=(128, 1, SCALE_CHUNK))
         self.sb_layout = cute.make_layout(
             (4, 128, self.stages * self.nsb), stride=(128, 1, SCALE_CHUNK))
@@ -580,7 +589,10 @@ class Sm90BlockScaledGemm:
             sA_raw = st.a_raw.get_tensor(self.a_raw_layout)
         else:
             sA_raw = st.a_raw.get_tensor(self.a_raw_layout.outer, swizzle=self.a_raw_layout.inner)
-        sB_raw = st.b_raw.get_tensor(self.b_raw_layout)
+        if cutlass.const_expr(self.natural_k):
+            sB_raw = st.b_raw.get_tensor(self.b_raw_layout.outer, swizzle=self.b_raw_layout.inner)
+        else:
+            sB_raw = st.b_raw.get_tensor(self.b_raw_layout)
         sSA = st.sa.get_tensor(self.s_layout)
         sSB = st.sb.get_tensor(self.sb_layout)
         sB16 = st.b16.get_tensor(self.b16_layout.outer, swizzle=self.b16_layout.inner)
@@ -944,8 +956,9 @@ class Sm90BlockScaledGemm:
         acc = cute.make_rmem_tensor((n_acc,), self.acc_dtype)
         kw = dict(t=t, a_raw_base=a_raw_base, b_raw_base=b_raw_base, sb_base=sb_base,
                   w_off=w_off, fp8=fp8_params)
-        if cutlass.const_expr(self.natural_k):  # the lane's byte selector
+        if cutlass.const_expr(self.natural_k):  # the lane's byte selector and swizzle
             kw["sel"] = fp8_natural_sel(cutlass.Int32(t))
+            kw["chunk0"] = ((r0 >> 1) & 3) * 16  # B_NATURAL_SWIZZLE of rows r0, r0 + 8
         sums_ready = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
         sums_read = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         sch = utils.StaticPersistentTileScheduler.create(
@@ -1110,13 +1123,17 @@ class Sm90BlockScaledGemm:
     def _register_weight_natural_mmas(self, stage, acc, kw, s_off, kt, an):
         """_register_weight_k_tile's conversion and MMAs for fp8 weights with the activation in
         natural K order: each row's whole k-tile is read, a quarter at a time (the quad's four
-        lanes read the same bytes), its two block scales converted together, and
-        _rw_convert_fp8_natural picks the lane's K slots."""
+        lanes read the same bytes; the tile's 64-byte swizzle puts a warp's 8 rows on distinct
+        banks), its two block scales converted together, and _rw_convert_fp8_natural picks the
+        lane's K slots."""
         # the k-tile's two blocks: bytes 2 kt and 2 kt + 1 (mod 4) of the row's scale word
         b0 = (kt * 2) % 4
         pairs = []
         for r in range(2):
-            row = kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes) + kw["w_off"][r]
+            # the row's first 16-byte chunk where the swizzle put it (rows r0 and r0 + 8 share
+            # bits 7-8); chunk b is at that address ^ 16 b (a row's offset has bits 4-5 clear)
+            row = (kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes) + kw["w_off"][r]
+                   + kw["chunk0"])
             # a quarter k-tile (one MMA's 16 bytes) at a time: 4 words live, not 16 (the 16-
             # and 32-row tiles have 104 registers)
             pairs.append([])
@@ -1126,7 +1143,7 @@ class Sm90BlockScaledGemm:
                     scales = scale_pair_packed_bf16x2(self.b_kind, ws[4], ws[4],
                                                       b0 + (b0 + 1) * 256)
                 else:
-                    ws = _rw_load_row(4, row + 16 * b)
+                    ws = _rw_load_row(4, row ^ (16 * b))
                 pairs[r] += _rw_convert_fp8_natural(ws[:4], scales, b // 2, kw["sel"], kw["fp8"])
         # k16 MMA b takes words 2b (K slots 2t, 2t + 1) and 2b + 1 (2t + 8, 2t + 9) of both rows
         a_regs = []
