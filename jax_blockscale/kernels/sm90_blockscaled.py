@@ -1162,14 +1162,14 @@ class Sm90RaggedRegisterWeightGemm(Sm90BlockScaledGemm):
     fp8 weights in natural order), rows sorted by expert; B holds G experts' weights (G, N, K)
     with blocked scales; alpha one f32 per expert; C is (M, N). The rows come as a work table
     (`items`, int32 [num_items, 3]: expert, first row, end row; at most bm rows per item, built
-    by the caller; see _work_item for how every entry is clamped). The persistent tiles are (tile of N, item), N fastest. A tile loads the
-    bm activation rows from the item's first row with TMA (rows of the next expert compute
-    values that are not stored; rows past M arrive as zeros), or, for an item of at most a
-    narrower width's rows, that width's rows and wgmma (ragged_prefill_narrow_widths), streams
-    its expert's weight tile and scales, and stores the item's rows only. Expert -1 items write
-    zeros. Everything else
-    (ring, conversion, MMAs, and the 32-row tile's two k-groups, each taking its share of the
-    item's k-tiles) is the dense register-weight kernel's."""
+    by the caller; see _work_item for how every entry is clamped). The persistent tiles are
+    (tile of N, item), N fastest. A tile loads the bm activation rows from the item's first row
+    with TMA (rows of the next expert compute values that are not stored; rows past M arrive as
+    zeros), or, for an item of at most a narrower width's rows, that width's rows and wgmma
+    (ragged_prefill_narrow_widths), streams its expert's weight tile and scales, and stores the
+    item's rows only. Expert -1 items write zeros. Everything else (ring, conversion, MMAs, and
+    the 32-row tile's two k-groups, each taking its share of the item's k-tiles) is the dense
+    register-weight kernel's."""
 
     grouped = True
 
