@@ -48,7 +48,7 @@ def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
     spills to local memory (the 256-row tile holds 128 accumulators per thread), but the
     grouped 32-row MXFP8 tile (104 registers; its natural-K-order conversion holds a row's
     two block scales and the lane's byte selector), which keeps one per-tile value in local
-    memory outside its k-tile loops. (The planner gives MXFP8 experts that tile only when
+    memory, outside its k-tile loops (reloaded once a tile). (The planner gives MXFP8 experts that tile only when
     JAX_BLOCKSCALE_SM90_RAGGED_TILE_M forces it.)"""
     sass = _sass(tmp_path, b_kind, tile, kernel)
     assert not local_memory_in_mma_loops(sass), local_memory_in_mma_loops(sass)
@@ -85,14 +85,19 @@ SYNTHETIC = """
 
 
 def test_the_loop_check_finds_a_spill_in_a_k_loop():
-    """local_memory_in_mma_loops: a spill between an HGMMA loop's target and its backward
-    branch is reported, one before the loop is not."""
+    """local_memory_in_mma_loops: a spill inside the innermost HGMMA loop is reported; one
+    before it, or in an outer loop around it (once a tile), is not."""
     loop = SYNTHETIC.format(w=4, w2=8)
     assert not local_memory_in_mma_loops(loop)
     inside = loop.replace("LDS.64 R8, [R3]", "LDL R8, [R1]")
     assert local_memory_in_mma_loops(inside) == ["0x0160: LDL R8, [R1]"]
     before = loop.replace("/*0100*/", "/*00f0*/                   STL [R1], R6 ;\n        /*0100*/")
     assert not local_memory_in_mma_loops(before)
+    outer = before.replace("/*0190*/                   EXIT ;",
+                           "/*0190*/               @P1 BRA 0xf0 ;\n        /*01a0*/   EXIT ;")
+    assert not local_memory_in_mma_loops(outer)  # the tile loop: its spill pays once a tile
+    assert local_memory_in_mma_loops(outer.replace("LDS.64 R8, [R3]", "LDL R8, [R1]")) == [
+        "0x0160: LDL R8, [R1]"]
 
 
 def test_the_check_finds_a_rewrite():

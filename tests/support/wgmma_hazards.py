@@ -77,17 +77,20 @@ def register_a_hazards(sass: str) -> tuple[int, list[str]]:
 
 
 def local_memory_in_mma_loops(sass: str) -> list[str]:
-    """Local-memory accesses (LDL / STL: spills) inside a loop that issues HGMMAs, i.e. between
-    a backward branch's target and the branch where that range holds an HGMMA: the k-tile loops,
-    where a spill would cost per k-tile. One line per access."""
+    """Local-memory accesses (LDL / STL: spills) inside an innermost loop that issues HGMMAs (a
+    backward branch's range holding an HGMMA and no smaller such range): the k-tile loops, where
+    a spill costs every k-tile (an outer loop over tiles pays once a tile). One line per
+    access."""
     ins = _instructions(sass)
-    found = []
+    loops = []  # (start, end) of each backward branch's range that holds an HGMMA
     for addr, text in ins:
         m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", _GUARD.sub("", text))
-        if not m or int(m.group(1), 16) >= addr:
-            continue
-        body = [(a, t) for a, t in ins if int(m.group(1), 16) <= a <= addr]
-        if any("HGMMA" in t for _, t in body):
-            found += [f"{a:#06x}: {t}" for a, t in body
-                      if re.match(r"(@!?P\w+\s+)?(LDL|STL)\b", t)]
-    return sorted(set(found))
+        if m and int(m.group(1), 16) < addr:
+            start = int(m.group(1), 16)
+            if any("HGMMA" in t for a, t in ins if start <= a <= addr):
+                loops.append((start, addr))
+    inner = [(s0, e0) for s0, e0 in loops
+             if not any((s1, e1) != (s0, e0) and s0 <= s1 and e1 <= e0 for s1, e1 in loops)]
+    found = {f"{a:#06x}: {t}" for s0, e0 in inner for a, t in ins
+             if s0 <= a <= e0 and re.match(r"(@!?P\w+\s+)?(LDL|STL)\b", t)}
+    return sorted(found)
