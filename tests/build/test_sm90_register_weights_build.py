@@ -48,8 +48,8 @@ def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
     spills to local memory (the 256-row tile holds 128 accumulators per thread), but the
     grouped 32-row MXFP8 tile (104 registers; its natural-K-order conversion holds a row's
     two block scales and the lane's byte selector), which keeps one per-tile value in local
-    memory, outside its k-tile loops (reloaded once a tile). (The planner gives MXFP8 experts that tile only when
-    JAX_BLOCKSCALE_SM90_RAGGED_TILE_M forces it.)"""
+    memory, outside its k-tile loops (reloaded once a tile). (The planner gives MXFP8 experts
+    that tile only when JAX_BLOCKSCALE_SM90_RAGGED_TILE_M forces it.)"""
     sass = _sass(tmp_path, b_kind, tile, kernel)
     assert not local_memory_in_mma_loops(sass), local_memory_in_mma_loops(sass)
     if (b_kind, tile, kernel) != ("mxfp8", (32, 128), "ragged_prefill"):
