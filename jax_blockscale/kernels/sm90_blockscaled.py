@@ -187,20 +187,17 @@ def _rw_wait_all(acc, *, loc=None, ip=None):
 @dsl_user_op
 def _rw_load_row(words, addr, scale_addr=None, *, loc=None, ip=None):
     """`words` weight words of one row from `addr` (vector loads of up to 4 words), then the
-    row's scale word unless `scale_addr` is None: the thread's 16 elements (2 words of fp4, 4 of
-    fp8), or in natural K order a quarter of the row's fp8 k-tile (4 words)."""
-    loads = []
-    for v in range(0, words, 4):
-        n = min(4, words - v)
-        regs = ", ".join(f"${v + i}" for i in range(n))
-        vec = f"v{n}.b32 {{{regs}}}" if n > 1 else f"b32 {regs}"
-        loads.append(f"ld.shared.{vec}, [${words + 1} + {4 * v}];")
-    outs, ins = words, [_i32(addr, loc, ip)]
+    row's scale word unless `scale_addr` is None: the thread's 16 fp4 elements (2 words), or in
+    natural K order a quarter of the row's fp8 k-tile (4 words)."""
+    assert words in (2, 4), words
+    outs = words + (scale_addr is not None)
+    loads = [f"ld.shared.v{min(4, words - v)}.b32 "
+             f"{{{', '.join(f'${v + i}' for i in range(min(4, words - v)))}}}, [${outs} + {4 * v}];"
+             for v in range(0, words, 4)]
+    ins = [_i32(addr, loc, ip)]
     if scale_addr is not None:
-        loads.append(f"ld.shared.b32 ${words}, [${words + 2}];")
-        outs, ins = words + 1, ins + [_i32(scale_addr, loc, ip)]
-    else:  # the address operand follows the outputs either way
-        loads = [x.replace(f"[${words + 1} +", f"[${words} +") for x in loads]
+        loads.append(f"ld.shared.b32 ${words}, [${outs + 1}];")
+        ins.append(_i32(scale_addr, loc, ip))
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * outs), ins, "\n".join(loads),
         ",".join(["=r"] * outs + ["r"] * len(ins)),
@@ -297,6 +294,8 @@ class Sm90BlockScaledGemm:
         # for fp8 (catalog.sm90.REGISTER_WEIGHT_NATURAL_K_KINDS)
         self.reg_w = weights_in_registers
         self.natural_k = self.reg_w and not register_weights_permute_k(b_kind)
+        assert not self.reg_w or self.natural_k or KINDS[b_kind]["bits"] == 4, (
+            "the permuted-order register-weight path converts fp4 weights only")
         # dense register-weight variants split K at run time (split_count): each split stores its
         # partial sums in the weights' true scale to C[split, l] (an f32 workspace); the caller
         # adds them in split order and applies alpha
@@ -1083,8 +1082,9 @@ class Sm90BlockScaledGemm:
         else:
             b_blk = KINDS[self.b_kind]["block"]
             t = kw["t"]
-            # the thread's 16 elements share one block (NVFP4: block t of the k-tile; MX: block
-            # 2 kt + t // 2): a byte of the row's scale word
+            # fp4 weights (fp8 ones read natural K order): the thread's 16 elements share one
+            # block (NVFP4: block t of the k-tile; MX: block 2 kt + t // 2), a byte of the row's
+            # scale word
             if cutlass.const_expr(b_blk == 16):
                 byte = t
             else:
@@ -1093,15 +1093,9 @@ class Sm90BlockScaledGemm:
             pairs = []
             for r in range(2):
                 ws = _rw_load_row(
-                    self.b_row_bytes // 16, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes)
-                    + kw["w_off"][r], kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
-                if KINDS[self.b_kind]["bits"] == 4:
-                    pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
-                else:  # fp8: chunk s = words 2s, 2s + 1, pairs (j, j + 4) across them
-                    sbyte = (cutlass.Int32(ws[4]) >> (8 * byte)) & 0xFF
-                    pairs.append(
-                        _convert_chunk(self.b_kind, True, [ws[0], ws[1], sbyte], *kw["fp8"])
-                        + _convert_chunk(self.b_kind, True, [ws[2], ws[3], sbyte], *kw["fp8"]))
+                    2, kw["b_raw_base"] + stage * (self.bn * self.b_row_bytes) + kw["w_off"][r],
+                    kw["sb_base"] + stage * SCALE_CHUNK + s_off[r])
+                pairs.append(_rw_convert(self.b_kind, ws[0], ws[1], ws[2], sel))
             # k16 MMA b = 2 s + h takes pairs (2h, 2h+1) of word s of both rows
             a_regs = []
             for b in range(4):
@@ -1118,7 +1112,6 @@ class Sm90BlockScaledGemm:
         res = _rw_wgmma([acc[i] for i in range(n_acc)], a_regs, d_lo, an)
         for i in range(n_acc):
             acc[i] = res[i]
-
 
     def _register_weight_natural_mmas(self, stage, acc, kw, s_off, kt, an):
         """_register_weight_k_tile's conversion and MMAs for fp8 weights with the activation in
