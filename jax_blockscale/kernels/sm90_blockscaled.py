@@ -47,7 +47,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .sm90_dequant_ptx import BF16X2_2P112 as _BF16X2_2P112
 from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
 from .sm90_dequant_ptx import (FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx,
-                               fp8_natural_pairs_ptx, fp8_natural_sel)
+                               fp8_natural_quarter_ptx, fp8_natural_sel)
 from .export import compile_for_arch, placeholder_ptr
 from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2, scale_pair_packed_bf16x2
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
@@ -232,16 +232,11 @@ def _rw_convert_fp8_natural(words, scales, half, sel, fp8, *, loc=None, ip=None)
     row's two block scales packed in one bf16x2 (scale_pair_packed_bf16x2) of which `half`
     (0: low, 1: high) is this quarter's, the lane's prmt selector (fp8_natural_sel) and the
     run-time (shift, mask, fix) (the mask unused: an immediate here) -> 2 bf16x2 words: MMA b's
-    K slots (2t, 2t + 1), then (2t + 8, 2t + 9)."""
+    K slots (2t, 2t + 1), then (2t + 8, 2t + 9) (fp8_natural_quarter_ptx)."""
     shift, _, fix = fp8
     ins = [_i32(x, loc, ip) for x in (*words, scales, sel, shift, fix)]
-    pick = "{slo, slo}" if half == 0 else "{shi, shi}"
-    body = (".reg .b32 t, g, s;\n.reg .b16 slo, shi;\n"
-            f"mov.b32 {{slo, shi}}, $6;\nmov.b32 s, {pick};\n"
-            + fp8_natural_pairs_ptx([f"${2 + j}" for j in range(4)], "$7", ["s"] * 2,
-                                    ["$0", "$1"], "$8", "$9"))
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 2), ins, "{\n" + body + "}",
+        llvm.StructType.get_literal([T.i32()] * 2), ins, fp8_natural_quarter_ptx(half),
         ",".join(["=r"] * 2 + ["r"] * len(ins)), has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
     return [llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip) for i in range(2)]

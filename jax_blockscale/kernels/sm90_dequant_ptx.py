@@ -187,3 +187,17 @@ def fp8_natural_pairs_ptx(words, sel, scales, outs, shift, fix):
     mul.rn.bf16x2 {out}, t, {scales[i]};
 """
     return code
+
+
+def fp8_natural_quarter_ptx(half: int) -> str:
+    """PTX of the register-weight kernel's conversion of a quarter of a row's fp8 k-tile
+    (natural K order): $0, $1 = MMA b's A-register pairs of the row (K slots 2t, 2t + 1, then
+    2t + 8, 2t + 9), from $2..$5 (the quarter's 4 words), $6 (the row's two block scales packed
+    in one bf16x2, sm90_ptx.scale_pair_packed_ptx; `half` 0 / 1 picks the low / high one,
+    broadcast by a 16-bit move ptxas folds into the multiplies), $7 (fp8_natural_sel), $8, $9
+    (the flavour's shift and fix)."""
+    pick = "{slo, slo}" if half == 0 else "{shi, shi}"
+    return ("{\n.reg .b32 t, g, s;\n.reg .b16 slo, shi;\n"
+            f"mov.b32 {{slo, shi}}, $6;\nmov.b32 s, {pick};\n"
+            + fp8_natural_pairs_ptx([f"${2 + j}" for j in range(4)], "$7", ["s"] * 2,
+                                    ["$0", "$1"], "$8", "$9") + "}")

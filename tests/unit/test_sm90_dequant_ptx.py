@@ -135,6 +135,46 @@ def test_register_weight_fp8_natural_order(elem):
             np.testing.assert_array_equal(got[exact & ~nan], want[exact & ~nan])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_register_weight_fp8_quarter_with_packed_scales(elem):
+    """What the kernel runs per quarter k-tile: scale_pair_packed_ptx converts the row's two
+    e8m0 codes (0, 127, 254 and the NaN code among them) into one bf16x2, and
+    fp8_natural_quarter_ptx picks its half and converts MMA b's bytes: exact, NaN for a NaN
+    scale."""
+    from jax_blockscale.kernels.sm90_ptx import scale_pair_packed_ptx, scale_pair_sel
+
+    rng = np.random.default_rng(zlib.crc32(repr(("quarter", elem)).encode()))
+    lane = np.arange(LANES, dtype=np.uint32)
+    t = lane % 4
+    shift, _, fix = ptx.FP8_E5M2 if elem == "e5m2" else ptx.FP8_E4M3
+    full = lambda v: np.full(LANES, v, np.uint32)  # noqa: E731
+    for b0 in (0, 2):  # the k-tile's two blocks: bytes b0, b0 + 1 of the scale word
+        codes = np.concatenate([_codes(elem, rng) for _ in range(8)], 1)[lane // 4 * 4]
+        sbits = [_scales("e8m0", rng)[0] for _ in range(4)]  # the word's four scale bytes
+        word = sum(sbits[i] << (8 * i) for i in range(4)).astype(np.uint32)
+        packed = emu.run(scale_pair_packed_ptx("mxfp8"), {
+            "$2": word, "$3": word, "$4": full(scale_pair_sel(b0, b0 + 1))})["$0"]
+        for b in range(4):  # MMA b of the k-tile: its block is b // 2
+            q = codes[:, 16 * b: 16 * b + 16]
+            ops = {f"${2 + j}": sum(q[:, 4 * j + i] << (8 * i) for i in range(4)).astype(
+                np.uint32) for j in range(4)}
+            ops.update({"$6": packed, "$7": ptx.fp8_natural_sel(t).astype(np.uint32),
+                        "$8": full(shift), "$9": full(fix)})
+            regs = emu.run(ptx.fp8_natural_quarter_ptx(b // 2), ops)
+            code = sbits[b0 + b // 2]
+            sv = np.where(code == 255, np.nan, 2.0 ** (code.astype(np.float64) - 127))
+            for h, out in enumerate(("$0", "$1")):
+                got = np.stack([(regs[out] >> (16 * x)) & 0xFFFF for x in (0, 1)], 1)
+                got = emu.bf16_to_f64(got.astype(np.uint16))
+                el = (8 * h + 2 * t[:, None] + np.arange(2)[None, :]).astype(np.int64)
+                want = _decode(np.take_along_axis(q, el, 1), elem) * sv[:, None]
+                nan = np.isnan(want)
+                assert np.isnan(got[nan]).all() and nan.any()
+                exact = want.astype(ml_dtypes.bfloat16).astype(np.float64) == want
+                np.testing.assert_array_equal(got[exact & ~nan], want[exact & ~nan])
+
+
 def _bf16x2_of(v):
     """bf16x2 words with the float64 value `v` (per lane) in both halves."""
     b = emu.f64_to_bf16_exact(v).astype(np.uint32)
