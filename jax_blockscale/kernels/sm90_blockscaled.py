@@ -186,14 +186,12 @@ def _rw_wait_all(acc, *, loc=None, ip=None):
 
 @dsl_user_op
 def _rw_load_row(words, addr, scale_addr=None, *, loc=None, ip=None):
-    """`words` weight words of one row from `addr` (vector loads of up to 4 words), then the
-    row's scale word unless `scale_addr` is None: the thread's 16 fp4 elements (2 words), or in
-    natural K order a quarter of the row's fp8 k-tile (4 words)."""
+    """`words` weight words of one row from `addr` (one vector load), then the row's scale word
+    unless `scale_addr` is None: the thread's 16 fp4 elements (2 words), or in natural K order a
+    quarter of the row's fp8 k-tile (4 words)."""
     assert words in (2, 4), words
     outs = words + (scale_addr is not None)
-    loads = [f"ld.shared.v{min(4, words - v)}.b32 "
-             f"{{{', '.join(f'${v + i}' for i in range(min(4, words - v)))}}}, [${outs} + {4 * v}];"
-             for v in range(0, words, 4)]
+    loads = [f"ld.shared.v{words}.b32 {{{', '.join(f'${i}' for i in range(words))}}}, [${outs}];"]
     ins = [_i32(addr, loc, ip)]
     if scale_addr is not None:
         loads.append(f"ld.shared.b32 ${words}, [${outs + 1}];")
