@@ -35,6 +35,12 @@ def _written(text: str) -> set:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
+def _branch_target(text: str):
+    """The target address of a (possibly predicated) BRA, else None."""
+    body = _GUARD.sub("", text)
+    return int(re.search(r"0x([0-9a-f]+)", body).group(1), 16) if body.startswith("BRA") else None
+
+
 def register_a_hazards(sass: str) -> tuple[int, list[str]]:
     """(HGMMA groups found, one line per write to a running group's A registers)."""
     ins = _instructions(sass)
@@ -63,14 +69,13 @@ def register_a_hazards(sass: str) -> tuple[int, list[str]]:
                 hit = _written(t2) & regs
                 if hit:
                     found.append(f"group at {addr:#x}: `{t2}` at {a2:#x} writes R{sorted(hit)}")
-                body = _GUARD.sub("", t2)
-                if body.startswith("BRA"):
-                    target = int(re.search(r"0x([0-9a-f]+)", body).group(1), 16)
+                target = _branch_target(t2)
+                if target is not None:
                     if target in at:
                         stack.append((at[target], depbars))
                     if not t2.startswith("@"):
                         break
-                if body.startswith("EXIT") and not t2.startswith("@"):
+                if _GUARD.sub("", t2).startswith("EXIT") and not t2.startswith("@"):
                     break
                 k += 1
     return groups, found
@@ -84,11 +89,10 @@ def local_memory_in_mma_loops(sass: str) -> list[str]:
     ins = _instructions(sass)
     loops = []  # (start, end) of each backward branch's range that holds an HGMMA
     for addr, text in ins:
-        m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", _GUARD.sub("", text))
-        if m and int(m.group(1), 16) < addr:
-            start = int(m.group(1), 16)
-            if any("HGMMA" in t for a, t in ins if start <= a <= addr):
-                loops.append((start, addr))
+        start = _branch_target(text)
+        if start is not None and start < addr and any(
+                "HGMMA" in t for a, t in ins if start <= a <= addr):
+            loops.append((start, addr))
     inner = [(s0, e0) for s0, e0 in loops
              if not any((s1, e1) != (s0, e0) and s0 <= s1 and e1 <= e0 for s1, e1 in loops)]
     found = {f"{a:#06x}: {t}" for s0, e0 in inner for a, t in ins
