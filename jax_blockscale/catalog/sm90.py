@@ -77,9 +77,9 @@ REGISTER_WEIGHT_KINDS = ("nvfp4", "mxfp4", "mxfp8")
 # Weight kinds whose register-weight variants read the activation in natural K order, so no
 # pass permutes it. A lane's K slots (2t, 2t + 1) of an MMA are two adjacent weight bytes: for
 # fp8 one prmt with the lane's selector picks them, at the permuted order's cost. For fp4 they
-# are the two nibbles of byte t of every word, and gathering those cost enough conversion
-# instructions to make the FP4 kernels about 11 % slower than the pass they save
-# (docs/design/sm90_fused.md, "What was tried"): FP4 weights keep the permuted order below.
+# are the two nibbles of byte t of every word, and gathering those costs the FP4 kernels more
+# conversion time than the pass saves (measured: docs/design/sm90_fused.md, "What was tried"):
+# FP4 weights keep the permuted order below.
 REGISTER_WEIGHT_NATURAL_K_KINDS = ("mxfp8",)
 # (activation rows, weight rows) per tile
 REGISTER_WEIGHT_TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128),
