@@ -208,18 +208,35 @@ def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None) 
     return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
 
 
+# Rows up to which the register-weight variants beat dequantize + a library GEMM (measured
+# crossovers): by the weights' size, N K at least 2^28 or else at least 2^26 (smaller weights
+# keep the shared-memory variants' limits below), as (weight-only, quantized activation) rows.
+# Measured on the H100 with NVFP4 weights (docs/design/sm90_fused.md, "Row limits").
+REGISTER_WEIGHT_MAX_ROWS = {28: (2048, 2048), 26: (1024, 2048)}
+# Per GPU model and weight kind where that card's crossovers were measured apart (Device.card):
+# on the H200 dequantize + GEMM (memory passes and cuBLAS) gains on the kernels, which are bound
+# by their issue rate on both cards, and MXFP8 weights (the slowest to convert) lose from 1280
+# rows at 2^28 and from 1536 at 2^26 (docs/design/sm90_fused.md says by how much)
+REGISTER_WEIGHT_MAX_ROWS_BY_CARD = {"h200": {
+    "nvfp4": {28: (1536, 2048), 26: (1536, 2048)},
+    "mxfp4": {28: (1536, 2048), 26: (1536, 1536)},
+    "mxfp8": {28: (1024, 1024), 26: (1024, 1024)},
+}}
+
+
 def fused_max_rows(n: int, k: int, *, weight_only: bool, register_weights: bool,
-                   two_operand: bool) -> int:
+                   two_operand: bool, b_kind: str | None = None, card: str | None = None) -> int:
     """Rows up to which the fused kernel beats dequantize + a bf16 GEMM (measured crossovers).
 
     weight_only: the activation is plain (else quantized, dequantized first unless two_operand);
     register_weights: the call runs a register-weight variant; two_operand: a quantized
-    activation stays quantized (the two-operand fused kernel)."""
-    if register_weights:
-        if n * k >= 2**28:
-            return 2048
-        if n * k >= 2**26:
-            return 1024 if weight_only else 2048
+    activation stays quantized (the two-operand fused kernel); b_kind: the weights' kind and
+    card: the GPU model (Device.card), for the register-weight limits measured per card."""
+    if register_weights and n * k >= 2**26:
+        size = 28 if n * k >= 2**28 else 26
+        limits = REGISTER_WEIGHT_MAX_ROWS_BY_CARD.get(card, {}).get(b_kind,
+                                                                    REGISTER_WEIGHT_MAX_ROWS)
+        return limits[size][0 if weight_only else 1]
     if n * k >= 2**28:  # large weights amortize better
         return 512
     if weight_only:

@@ -340,7 +340,9 @@ class _Sm90:
             return self.cfg.sm90_max_rows or None
         return cat90.fused_max_rows(self.spec.n, self.spec.k, weight_only=self.spec.fmt_a is None,
                                     register_weights=self.register_weights_reachable(),
-                                    two_operand=self.cfg.sm90_dequant_a == "0")
+                                    two_operand=self.cfg.sm90_dequant_a == "0",
+                                    b_kind=cat90.KIND_OF_FORMAT.get(self.spec.fmt_b),
+                                    card=self.device.card)
 
     def decode_choice(self, spec: GemmSpec):
         """(DecodeVariant, splits) when the decode kernel runs `spec` (A as given), else None."""

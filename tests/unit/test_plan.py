@@ -417,6 +417,43 @@ def test_forced_tile_n_and_dequantize_modes():
     assert not _plan(small).dequantize_a and _plan(small, sm90_dequant_a="all").dequantize_a
 
 
+# (N, K, weight format, activation format, the last rows the kernels run on the H200, on the H100)
+ROW_LIMIT_CASES = [
+    (16384, 16384, "mxfp8_e4m3", None, 1024, 2048),
+    (16384, 16384, "mxfp8_e4m3", "mxfp8_e4m3", 1024, 2048),
+    (8192, 8192, "mxfp8_e4m3", None, 1024, 1024),
+    (28672, 4096, "mxfp8_e4m3", "mxfp8_e4m3", 1024, 2048),
+    (16384, 16384, "nvfp4", None, 1536, 2048),
+    (16384, 16384, "mxfp4", None, 1536, 2048),
+    (16384, 16384, "nvfp4", "nvfp4", 2048, 2048),
+    (8192, 8192, "nvfp4", None, 1536, 1024),
+    (8192, 8192, "nvfp4", "nvfp4", 2048, 2048),
+    (8192, 8192, "mxfp4", "mxfp4", 1536, 2048),
+    (4096, 4096, "mxfp8_e4m3", None, 256, 256),  # below 2^26: the shared-memory limits
+]
+
+
+@pytest.mark.parametrize("n,k,fmt_b,fmt_a,h200,h100", ROW_LIMIT_CASES)
+def test_register_weight_row_limits_follow_the_card_and_weight_kind(n, k, fmt_b, fmt_a, h200,
+                                                                   h100):
+    """Past the row limit dequantize + cuBLASLt runs: on the H200 per weight kind (its measured
+    crossovers: MXFP8 weights from 1025 rows), on the H100 and any other card the H100's rule."""
+    def last_kernel_rows(device):
+        kernels = [m for m in (256, 512, 1024, 1536, 2048, 2560)
+                   if P.plan_sm90(_w(m=m, n=n, k=k, fmt_a=fmt_a, fmt_b=fmt_b), device,
+                                  cfg=Config(), library=FullLibrary()).kernel
+                   not in ("dot_alpha", "xla_dot")]
+        return max(kernels)
+
+    assert last_kernel_rows(dataclasses.replace(H100, card="h200")) == h200
+    assert last_kernel_rows(dataclasses.replace(H100, card="h100")) == h100
+    assert last_kernel_rows(H100) == h100
+    one_past = _w(m=h200 + 1, n=n, k=k, fmt_a=fmt_a, fmt_b=fmt_b)
+    p = P.plan_sm90(one_past, dataclasses.replace(H100, card="h200"), cfg=Config(),
+                    library=FullLibrary())
+    assert p.kernel in ("dot_alpha", "xla_dot") and p.variant is None
+
+
 def test_a_partial_library_declines_rather_than_runs_another_kernel():
     class NoRegisterWeights(FullLibrary):
         names = frozenset(n for n in FullLibrary.names if "kperm" not in n)
