@@ -209,18 +209,21 @@ def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None) 
 
 
 # Rows up to which the register-weight variants beat dequantize + a library GEMM (measured
-# crossovers): by the weights' size, N K at least 2^28 or else at least 2^26 (smaller weights
-# keep the shared-memory variants' limits below), as (weight-only, quantized activation) rows.
-# Measured on the H100 with NVFP4 weights (docs/design/sm90_fused.md, "Row limits").
-REGISTER_WEIGHT_MAX_ROWS = {28: (2048, 2048), 26: (1024, 2048)}
+# crossovers), by the weights' size class c (N K at least 2^c, the largest class that holds;
+# smaller weights keep the shared-memory variants' limits below), as (weight-only, quantized
+# activation) rows. 2^26 and 2^28 were measured on the H100 with NVFP4 weights, 2^24 (Llama-3-8B's
+# QKV, O and down projections) on the H200 with every weight kind, where from 384 to 1024 rows the
+# kernels beat dequantize + cuBLASLt or tie with it (docs/design/sm90_fused.md, "Row limits";
+# dequantizing costs an H100 more, the kernels the same).
+REGISTER_WEIGHT_MAX_ROWS = {28: (2048, 2048), 26: (1024, 2048), 24: (1024, 1024)}
 # Per GPU model and weight kind where that card's crossovers were measured apart (Device.card):
 # on the H200 dequantize + GEMM (memory passes and cuBLAS) gains on the kernels, which are bound
 # by their issue rate on both cards, and MXFP8 weights (the slowest to convert) lose from 1280
 # rows at 2^28 and from 1536 at 2^26 (docs/design/sm90_fused.md says by how much)
 REGISTER_WEIGHT_MAX_ROWS_BY_CARD = {"h200": {
-    "nvfp4": {28: (1536, 2048), 26: (1536, 2048)},
-    "mxfp4": {28: (1536, 2048), 26: (1536, 1536)},
-    "mxfp8": {28: (1024, 1024), 26: (1024, 1024)},
+    "nvfp4": {28: (1536, 2048), 26: (1536, 2048), 24: (1024, 1024)},
+    "mxfp4": {28: (1536, 2048), 26: (1536, 1536), 24: (1024, 1024)},
+    "mxfp8": {28: (1024, 1024), 26: (1024, 1024), 24: (1024, 1024)},
 }}
 
 
@@ -232,11 +235,11 @@ def fused_max_rows(n: int, k: int, *, weight_only: bool, register_weights: bool,
     register_weights: the call runs a register-weight variant; two_operand: a quantized
     activation stays quantized (the two-operand fused kernel); b_kind: the weights' kind and
     card: the GPU model (Device.card), for the register-weight limits measured per card."""
-    if register_weights and n * k >= 2**26:
-        size = 28 if n * k >= 2**28 else 26
+    classes = [c for c in REGISTER_WEIGHT_MAX_ROWS if n * k >= 2**c]
+    if register_weights and classes:
         limits = REGISTER_WEIGHT_MAX_ROWS_BY_CARD.get(card, {}).get(b_kind,
                                                                     REGISTER_WEIGHT_MAX_ROWS)
-        return limits[size][0 if weight_only else 1]
+        return limits[max(classes)][0 if weight_only else 1]
     if n * k >= 2**28:  # large weights amortize better
         return 512
     if weight_only:

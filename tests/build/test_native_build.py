@@ -1040,6 +1040,7 @@ def test_kernel_row_limits():
     assert not past(1024, 8192, 8192) and past(1025, 8192, 8192)
     assert not past(2048, 8192, 8192, "nvfp4")
     assert not past(512, 16384, 16384 + 32) and past(513, 16384, 16384 + 32)
-    assert not past(256, 4096, 4096) and past(257, 4096, 4096)
+    assert not past(1024, 4096, 4096) and past(1025, 4096, 4096)  # from 2^24 elements
+    assert not past(256, 2048, 4096) and past(257, 2048, 4096)
     assert past(129, 8192, 8192, "nvfp4", sm90_dequant_a="0")
     assert not past(8192, 16384, 16384, sm90_max_rows=0)
