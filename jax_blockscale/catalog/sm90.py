@@ -190,20 +190,26 @@ def register_weight_splits(m: int, n: int, k: int, l: int, tile: tuple[int, int]
 # the weights' 64-row tiles give ~every SM one (WEIGHT_TILE_SM_FRACTION); with fewer tiles the
 # decode kernel's split-K keeps more SMs busy, and they take over from the larger count. MXFP8
 # weights (twice an FP4 tile's bytes, converted at the same cost) never do with few tiles: the
-# split-K decode kernel stays ahead up to its 64 rows (docs/design/sm90_decode.md).
+# split-K decode kernel stays ahead up to its 64 rows (docs/design/sm90_decode.md; measured on
+# the H100 before the MXFP8 variants read the activation in natural K order). On the H200 those
+# variants now beat the decode kernel at 40-64 rows of few-tile weights as well (every weight
+# kind takes FP4's rule there: DECODE_KEEPS_FEW_TILES_BY_CARD; docs/design/sm90_decode.md).
 REGISTER_WEIGHT_MIN_ROWS = 17
 REGISTER_WEIGHT_MIN_ROWS_FEW_TILES = 33
 WEIGHT_TILE_SM_FRACTION = 0.9
 DECODE_KEEPS_FEW_TILES = frozenset({"mxfp8"})  # weight kinds the decode kernel keeps to 64 rows
+DECODE_KEEPS_FEW_TILES_BY_CARD = {"h200": frozenset()}  # per GPU model (Device.card)
 
 
-def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None) -> int:
+def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None,
+                             card: str | None = None) -> int:
     """Rows from which a call in the decode kernel's rows runs a register-weight variant
-    instead (past DECODE_MAX_ROWS: never the decode kernel); b_kind: the weight's kind."""
+    instead (past DECODE_MAX_ROWS: never the decode kernel); b_kind: the weight's kind, card:
+    the GPU model (Device.card)."""
     weight_tiles = _ceil_div(n, 64) * l
     if weight_tiles >= WEIGHT_TILE_SM_FRACTION * sm_count:
         return REGISTER_WEIGHT_MIN_ROWS
-    if b_kind in DECODE_KEEPS_FEW_TILES:
+    if b_kind in DECODE_KEEPS_FEW_TILES_BY_CARD.get(card, DECODE_KEEPS_FEW_TILES):
         return DECODE_MAX_ROWS + 1
     return REGISTER_WEIGHT_MIN_ROWS_FEW_TILES
 

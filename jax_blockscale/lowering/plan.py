@@ -330,7 +330,8 @@ class _Sm90:
     def register_weights_take_decode_rows(self) -> bool:
         """Whether a call in the decode kernel's rows goes to a register-weight variant."""
         min_rows = cat90.register_weight_min_rows(self.spec.n, self.l, self.device.sm_count,
-                                                  cat90.KIND_OF_FORMAT.get(self.spec.fmt_b))
+                                                  cat90.KIND_OF_FORMAT.get(self.spec.fmt_b),
+                                                  card=self.device.card)
         return self.m >= min_rows and self.register_weights_reachable()
 
     # -- limits ------------------------------------------------------------------------------

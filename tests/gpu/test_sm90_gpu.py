@@ -105,11 +105,12 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
     rows = m * int(np.prod(batch_a))
     # past the decode kernel's rows; an mxfp8 activation in its wide rows; a register-weight
     # variant's rows when K is whole 64-element k-tiles (the weights' tiles here are few: 33 rows)
-    sm_count = planner.device_for("cuda").sm_count
+    device = planner.device_for("cuda")
     bf16_activation = (rows > cat.DECODE_MAX_ROWS
                        or (fmt_a.startswith("mxfp8") and rows >= cat.DECODE_DEQUANT_MXFP8_FROM)
-                       or (rows >= cat.register_weight_min_rows(n, 1, sm_count,
-                                                                cat.KIND_OF_FORMAT.get(fmt_b))
+                       or (rows >= cat.register_weight_min_rows(n, 1, device.sm_count,
+                                                                cat.KIND_OF_FORMAT.get(fmt_b),
+                                                                card=device.card)
                            and k % cat.K_TILE == 0))
     bf16_kinds = [str(cat.KIND_CODES[kind]) for kind in ("bf16", "bf16_kperm")]
     a_kind = next(c for c in "12345" if f"a_kind = {c} : i32" in calls[0])

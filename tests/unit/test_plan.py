@@ -431,6 +431,26 @@ def test_forced_tile_n_and_dequantize_modes():
     assert not _plan(small).dequantize_a and _plan(small, sm90_dequant_a="all").dequantize_a
 
 
+@pytest.mark.parametrize("fmt_a", [None, "mxfp8_e4m3"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336)])
+def test_mxfp8_few_tile_weights_leave_the_decode_kernel_from_33_rows_on_the_h200(n, k, fmt_a):
+    """Few 64-row weight tiles (fewer than ~the SMs): on the H200 MXFP8 weights take the
+    register-weight variants from 33 rows as FP4 ones do (measured since they read the activation
+    in natural K order); the H100 keeps them on the decode kernel to its 64 rows."""
+    def kernel(m, card):
+        spec = _w(m=m, n=n, k=k, fmt_a=fmt_a, fmt_b="mxfp8_e4m3")
+        return P.plan_sm90(spec, dataclasses.replace(H100, card=card), cfg=Config(),
+                           library=FullLibrary()).kernel
+
+    assert [kernel(m, "h200") for m in (32, 33, 64)] == ["decode", "register_weights",
+                                                         "register_weights"]
+    assert [kernel(m, "h100") for m in (32, 33, 64)] == ["decode"] * 3
+    assert [kernel(m, None) for m in (32, 33, 64)] == ["decode"] * 3
+    # many tiles: the register-weight variants from 17 rows on every card
+    assert P.plan_sm90(_w(m=17, n=28672, k=4096, fmt_b="mxfp8_e4m3"), H100, cfg=Config(),
+                       library=FullLibrary()).kernel == "register_weights"
+
+
 # (N, K, weight format, activation format, the last rows the kernels run on the H200, on the H100)
 ROW_LIMIT_CASES = [
     (16384, 16384, "mxfp8_e4m3", None, 1024, 2048),
