@@ -120,6 +120,34 @@ def test_dequantized_activation(monkeypatch, fmt_a, fmt_b, batch_a, m, n, k):
 
 
 @needs_sm90
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp8_e4m3"),
+                                         ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4", "mxfp4")])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_default_plan_edges_on_this_card(monkeypatch, fmt_a, fmt_b, n, k):
+    """The default plan on the GPU that runs this (its card's catalogue rules) on both sides of
+    each hand-over: the decode kernel to the register-weight variants
+    (register_weight_min_rows), and those to dequantize + a library GEMM (fused_max_rows), each
+    call against the reference backend and lowered to the path the rules name."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_MAX_ROWS=None, JAX_BLOCKSCALE_SM90_DEQUANT_A=None)
+    device = planner.device_for("cuda")
+    kind = cat.KIND_OF_FORMAT[fmt_b]
+    first = cat.register_weight_min_rows(n, 1, device.sm_count, kind, card=device.card)
+    limit = cat.fused_max_rows(n, k, weight_only=fmt_a is None, register_weights=True,
+                               two_operand=False, b_kind=kind, card=device.card)
+    f = jax.jit(lambda a, b: jbs.gemm(a, b, out_dtype=jnp.bfloat16, backend="sm90"))
+    for m in sorted({min(first, cat.DECODE_MAX_ROWS + 1) - 1, first, limit, limit + 1}):
+        a, b = _operands(fmt_a, fmt_b, (), (), m, n, k)
+        calls = [ln for ln in f.lower(a, b).as_text().splitlines()
+                 if "custom_call @" + _plugin.SM90_TARGET in ln]
+        if m > limit:  # dequantize + cuBLASLt / XLA's dot: no block-scaled kernel
+            assert not calls, (m, calls)
+        else:
+            register_weights = f"a_kind = {KPERM} : i32" in calls[0]
+            assert len(calls) == 1 and register_weights == (m >= first), (m, first, calls)
+        _check(a, b, "bf16", f)
+
+
+@needs_sm90
 @pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("batch_a,batch_b,m,n,k", [
     ((), (), 65, 128, 64), ((), (), 128, 128, 128), ((), (), 200, 300, 192),
