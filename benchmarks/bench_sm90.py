@@ -29,7 +29,13 @@ result is the median per path over the rounds, so a clock drift during the run a
 alike (an H100 running a large GEMM moves its clock by several %). Weights rotate through copies
 (about 3x L2) as in sweep.py. Without a GPU in the trace the Python-loop time is used instead.
 Every path's output is compared with the reference backend (relative Frobenius error, bf16 output).
-`--kernels` lists each path's GPU kernels with their mean duration per call.
+`--kernels` lists each path's GPU kernels with their mean duration per call. Where `kernels` and
+`dequant_dot` both ran at several M of one weight shape, the run ends with each shape's
+crossover (the faster path at each M, and with `default` the planner's kernel there), also in the
+JSON: the measurement behind the catalogue's row limits, to check a card's rule against, e.g.
+
+    python benchmarks/bench_sm90.py --shapes 1024x16384x16384,1536x16384x16384,2048x16384x16384 \
+        --formats w:nvfp4,w:mxfp8_e4m3,nvfp4 --paths default,kernels,dequant_dot
 """
 from __future__ import annotations
 
@@ -150,6 +156,43 @@ def print_row(r):
         print(f"  {name:12s} not run: {e}")
 
 
+def crossovers(rows, faster="kernels", slower="dequant_dot"):
+    """Per (format, N, K) measured at several M with both paths: which path was faster at each
+    M, the last M up to which `faster` won without a loss in between, and the default plan's
+    kernel at each M where the "default" path ran. The catalogue's row limits
+    (catalog/sm90.py: fused_max_rows) are such crossovers; this states them for the GPU that
+    ran, to check a card's rule against."""
+    groups = collections.defaultdict(list)
+    for r in rows:
+        if faster in r["us"] and slower in r["us"]:
+            groups[(r["format"], r["N"], r["K"])].append(r)
+    out = []
+    for (fmt, n, k), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["M"])
+        wins = [r["us"][faster] <= r["us"][slower] for r in rs]
+        last = None
+        for r, won in zip(rs, wins):
+            if not won:
+                break
+            last = r["M"]
+        cells = [f"{r['M']}: {faster if won else slower}"
+                 + (f" (default: {r['plans']['default'].split(' ')[0]})"
+                    if "default" in r.get("plans", {}) else "")
+                 for r, won in zip(rs, wins)]
+        out.append(dict(format=fmt, N=n, K=k, faster=faster, slower=slower,
+                        last_m_faster=last, per_m=cells))
+    return out
+
+
+def print_crossovers(summary):
+    if not summary:
+        return
+    print("\ncrossovers (the faster path at each M; the last M up to which the first one won):")
+    for c in summary:
+        print(f"  {c['format']} N x K = {c['N']} x {c['K']}: {c['faster']} up to "
+              f"M = {c['last_m_faster']}; " + ", ".join(c["per_m"]))
+
+
 def plot(rows, path):
     plt = pyplot()
     if plt is None:
@@ -201,6 +244,12 @@ def main():
                 with open(args.json, "w") as f:
                     json.dump(dict(jax=jax.__version__, device=device.device_kind, rows=rows), f,
                               indent=1)
+    summary = crossovers(rows)
+    print_crossovers(summary)
+    if args.json and summary:
+        with open(args.json, "w") as f:
+            json.dump(dict(jax=jax.__version__, device=device.device_kind, rows=rows,
+                           crossovers=summary), f, indent=1)
     if args.png and rows:
         plot(rows, args.png)
 

@@ -106,6 +106,37 @@ def test_bench_sm90_runs_and_says_why_a_forced_path_cannot(tmp_path):
     assert "default" in out
 
 
+def test_bench_sm90_states_each_shape_s_crossover():
+    """bench_sm90.crossovers: per format and weight shape, the faster path at each M and the
+    last M up to which the kernels won without a loss before it (a later win does not count)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_sm90
+    finally:
+        sys.path.pop(0)
+
+    def row(fmt, m, n, kernels, dequant, default=None):
+        r = dict(format=fmt, M=m, N=n, K=n, us=dict(kernels=kernels, dequant_dot=dequant),
+                 plans={})
+        if default:
+            r["plans"]["default"] = default + " some_variant"
+        return r
+
+    rows = [row("w:mxfp8", 1536, 64, 14.0, 13.0, "sm90/dot_alpha"),
+            row("w:mxfp8", 1024, 64, 9.0, 9.5, "sm90/register_weights"),
+            row("w:mxfp8", 2048, 64, 17.0, 18.0),  # a win past a loss: not counted
+            row("w:nvfp4", 1024, 64, 8.0, 9.0),
+            dict(format="w:nvfp4", M=512, N=64, K=64, us=dict(kernels=5.0), plans={})]
+    got = {(c["format"], c["N"]): c for c in bench_sm90.crossovers(rows)}
+    assert set(got) == {("w:mxfp8", 64), ("w:nvfp4", 64)}
+    mx = got[("w:mxfp8", 64)]
+    assert mx["last_m_faster"] == 1024
+    assert mx["per_m"] == ["1024: kernels (default: sm90/register_weights)",
+                           "1536: dequant_dot (default: sm90/dot_alpha)", "2048: kernels"]
+    assert got[("w:nvfp4", 64)]["last_m_faster"] == 1024  # the row without both paths: left out
+    assert bench_sm90.crossovers([row("w:nvfp4", 64, 64, 2.0, 1.0)])[0]["last_m_faster"] is None
+
+
 def test_e2e_decode_writes_steps_gemms_json_and_plot(tmp_path):
     """benchmarks/e2e_decode.py (tiny shapes, CPU): every variant's step, unrolled and scanned
     with layer=, one row per GEMM shape, rows and variant; the outputs agree in shape."""
