@@ -565,7 +565,7 @@ def plan_ragged_sm90(spec, device: Device, *, library=LIBRARY):
 def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):
     """The sm90 RaggedPlan of the grouped register-weight kernel (prefill sizes; the catalogue
     chose variant v): the activation dequantized to bf16 first where it is quantized (exact),
-    K-permuted; its own work table of at most tile_m rows per item."""
+    K-permuted for FP4 weights; its own work table of at most tile_m rows per item."""
 
     if (max(spec.m * spec.n, spec.m * 2 * spec.k) > _INT32_MAX
             or not weights_fit_32bit_indexing(spec.n, spec.k, v.b_kind, spec.groups)):
@@ -575,7 +575,8 @@ def _ragged_prefill_plan(spec, v: cat90.Variant, device: Device, library):
         return why
     return RaggedPlan("sm90", "ragged_prefill", spec, "cuda", variant=v.name, a_kind=v.a_kind,
                       b_kind=v.b_kind, tile=(v.tile_m, v.tile_n),
-                      items=cat90.ragged_items(spec.m, spec.groups, v.tile_m))
+                      items=cat90.ragged_items(spec.m, spec.groups, v.tile_m),
+                      permute_k=cat90.register_weights_permute_k(v.b_kind))
 
 
 def _layer_slice_plan(spec, layer: Plan):

@@ -153,7 +153,7 @@ def _activation(lhs, sl, sb8, plan: RaggedPlan):
     spec = plan.spec
     if plan.kernel == "ragged_prefill":
         x = operand_values(lhs, sl, spec.fmt_lhs, spec.layout_lhs, jnp.bfloat16)
-        if cat.register_weights_permute_k(cat.KIND_OF_FORMAT[spec.fmt_rhs]):
+        if plan.permute_k:
             x = permute_activation_k(x)
         return x, sb8, False
     if spec.fmt_lhs is None:

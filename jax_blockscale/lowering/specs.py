@@ -113,6 +113,9 @@ class RaggedPlan:
     splits: int = 0
     items: int = 0
     a_scales_plain: bool = False
+    # the grouped register-weight kernel reads the activation in activation_k_order (FP4
+    # weights; catalog/sm90.py: register_weights_permute_k), as Plan.permute_k for gemm
+    permute_k: bool = False
     # the kernel makes its work items from the raw group sizes (groups from row 0): the lowering
     # hands the backend the sizes as they are (no clamping kernels before the call) and the
     # kernel applies `clamp_group_sizes`'s semantics itself (kernels/grouped_work.py)

@@ -205,6 +205,11 @@ def test_plan_fields_describe_the_call():
 def test_register_weights_permute_the_activation_for_fp4_weights_only(fmt_b):
     p = _plan(_w(m=128, n=16384, k=16384, fmt_b=fmt_b))
     assert (p.kernel, p.permute_k) == ("register_weights", not fmt_b.startswith("mxfp8"))
+    from jax_blockscale.lowering.specs import RaggedSpec
+    bf16 = np.dtype("bfloat16")  # the grouped kernel's plan: 256 rows per expert
+    g = P.plan_ragged_sm90(RaggedSpec(None, fmt_b, None, "blocked", bf16, bf16, 256 * 128, 1536,
+                                      2048, 128), H100, library=FullLibrary())
+    assert (g.kernel, g.permute_k) == ("ragged_prefill", not fmt_b.startswith("mxfp8")), g
 
 
 @pytest.mark.parametrize("fmt_b, bn", [("nvfp4", 256), ("mxfp4", 256), ("mxfp8_e4m3", 128),
