@@ -222,14 +222,15 @@ def register_weight_min_rows(n: int, l: int, sm_count: int, b_kind: str | None,
 # kernels beat dequantize + cuBLASLt or tie with it (docs/design/sm90_fused.md, "Row limits";
 # dequantizing costs an H100 more, the kernels the same).
 REGISTER_WEIGHT_MAX_ROWS = {28: (2048, 2048), 26: (1024, 2048), 24: (1024, 1024)}
-# Per GPU model and weight kind where that card's crossovers were measured apart (Device.card):
-# on the H200 dequantize + GEMM (memory passes and cuBLAS) gains on the kernels, which are bound
-# by their issue rate on both cards, and MXFP8 weights (the slowest to convert) lose from 1280
-# rows at 2^28 and from 1536 at 2^26 (docs/design/sm90_fused.md says by how much)
+# Per GPU model and weight kind, the size classes whose crossovers that card measured apart
+# (Device.card; the other classes keep the limits above): on the H200 dequantize + GEMM (memory
+# passes and cuBLAS) gains on the kernels, which are bound by their issue rate on both cards,
+# and MXFP8 weights (the slowest to convert) lose from 1280 rows at 2^28 and from 1536 at 2^26
+# (docs/design/sm90_fused.md says by how much)
 REGISTER_WEIGHT_MAX_ROWS_BY_CARD = {"h200": {
-    "nvfp4": {28: (1536, 2048), 26: (1536, 2048), 24: (1024, 1024)},
-    "mxfp4": {28: (1536, 2048), 26: (1536, 1536), 24: (1024, 1024)},
-    "mxfp8": {28: (1024, 1024), 26: (1024, 1024), 24: (1024, 1024)},
+    "nvfp4": {28: (1536, 2048), 26: (1536, 2048)},
+    "mxfp4": {28: (1536, 2048), 26: (1536, 1536)},
+    "mxfp8": {28: (1024, 1024), 26: (1024, 1024)},
 }}
 
 
@@ -243,8 +244,8 @@ def fused_max_rows(n: int, k: int, *, weight_only: bool, register_weights: bool,
     card: the GPU model (Device.card), for the register-weight limits measured per card."""
     classes = [c for c in REGISTER_WEIGHT_MAX_ROWS if n * k >= 2**c]
     if register_weights and classes:
-        limits = REGISTER_WEIGHT_MAX_ROWS_BY_CARD.get(card, {}).get(b_kind,
-                                                                    REGISTER_WEIGHT_MAX_ROWS)
+        limits = {**REGISTER_WEIGHT_MAX_ROWS,
+                  **REGISTER_WEIGHT_MAX_ROWS_BY_CARD.get(card, {}).get(b_kind, {})}
         return limits[max(classes)][0 if weight_only else 1]
     if n * k >= 2**28:  # large weights amortize better
         return 512
