@@ -49,7 +49,8 @@ from .sm90_dequant_ptx import BF16X2_2P120 as _BF16X2_2P120
 from .sm90_dequant_ptx import (FOLD_FACTOR, FP8_E4M3, FP8_E5M2, cvt_asm, fp4_perm_pairs_ptx,
                                fp8_natural_quarter_ptx, fp8_natural_sel)
 from .export import compile_for_arch, placeholder_ptr
-from .sm90_ptx import OUT_DTYPES, SCALE_BYTE_SEL, scale_bf16x2, scale_pair_packed_bf16x2
+from .sm90_ptx import (OUT_DTYPES, SCALE_BYTE_SEL, lds_v4, pack_f32x2, scale_bf16x2,
+                       scale_pair_packed_bf16x2, stg_v4, stmatrix_x4_trans)
 from ..catalog.sm90 import (  # noqa: F401  (re-exported for the tests)
     FUSED_PAIRS as PAIRS, KINDS, OUTS, RAGGED_PREFILL_TILES, REGISTER_WEIGHT_KINDS,
     REGISTER_WEIGHT_TILES, ragged_prefill_narrow_widths, register_weights_permute_k)
@@ -62,6 +63,10 @@ REGISTER_WEIGHT_MAX_STAGES = {16: 12, 32: 12, 64: 12, 128: 6, 256: 6}
 # the conversion's latency where the accumulators are few enough for the smaller register share
 REGISTER_WEIGHT_K_SPLIT_ROWS = (16, 32)
 PRODUCER_REGS = 40
+# The register-weight tiles' staged epilogue (16-bit outputs, one k-group): activation rows per
+# pass through each consumer warp group's shared-memory buffer of EPILOGUE_ROWS x 64 outputs
+EPILOGUE_ROWS = 128
+EPILOGUE_BARRIER = 3  # named barrier id of the consumers' staged epilogue (1, 2: k-groups)
 
 BK = 64  # K elements per k-tile: one 128-byte bf16 row, the 128B-swizzle atom width
 # The dense register-weight variants take a run-time split-K count in bits 8-15 of a_e5m2 (their
@@ -331,6 +336,13 @@ class Sm90BlockScaledGemm:
         max_stages = REGISTER_WEIGHT_MAX_STAGES[self.bm] if self.reg_w else 8
         if self.k_groups > 1:
             bufs += 4 * self.bm * self.bn  # the second k-group's sums, added at a tile's end
+        # register-weight tiles with 16-bit outputs and one k-group store a tile through shared
+        # memory (_staged_epilogue): each consumer warp group's EPILOGUE_ROWS x 64 outputs
+        self.staged_epilogue = self.reg_w and out != "f32" and self.k_groups == 1
+        self.epi_rows = min(self.bm, EPILOGUE_ROWS)
+        self.epi_bytes = (self.num_consumer_wg * self.epi_rows * 64 * 2 if self.staged_epilogue
+                          else 0)
+        bufs += self.epi_bytes
         self.stages = max(2, min(max_stages, (smem_cap - bufs) // raw_stage))
         self.stages -= self.stages % self.k_groups  # one ring of stages per k-group
         self.tx_bytes = raw_stage
@@ -469,6 +481,9 @@ class Sm90BlockScaledGemm:
             ]
             red: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, bm * bn if self.k_groups > 1 else 4], 16
+            ]
+            epi: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, max(16, self.epi_bytes)], 128
             ]
 
         self.storage = Storage
@@ -953,6 +968,10 @@ class Sm90BlockScaledGemm:
             kw["chunk0"] = ((r0 >> 1) & 3) * 16  # B_NATURAL_SWIZZLE of rows r0, r0 + 8
         sums_ready = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
         sums_read = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
+        epi_bar = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
+                                        num_threads=self.num_consumer_threads)
+        epi_base = st.epi.data_ptr().toint()
+        c_addr = mC.iterator.toint()
         sch = utils.StaticPersistentTileScheduler.create(
             sched, cute.arch.block_idx(), cute.arch.grid_dim()
         )
@@ -1039,11 +1058,15 @@ class Sm90BlockScaledGemm:
             if cutlass.const_expr(self.splittable):
                 if splits > 1:  # partials in true scale: only the NVFP4 fold's correction
                     alpha = cutlass.Float32(self.alpha_fix)
-            for i in cutlass.range_constexpr(n_acc):
-                row = n0 + r0 + 8 * ((i % 4) // 2)
-                col = m0 + 8 * (i // 4) + 2 * t + i % 2
-                if col < m_end and row < n and kg == 0:
-                    mC[col, row, c_l] = self.c_dtype(acc[i] * alpha)
+            if cutlass.const_expr(self.staged_epilogue):
+                if n % 8 == 0:  # whole 16-byte runs of N (else the outputs one by one)
+                    self._staged_epilogue(acc, alpha, epi_base + wg * (self.epi_rows * 128),
+                                          epi_bar, c_addr, n0 + 64 * wg, m0, m_end, m, n, c_l,
+                                          wq, gtid % 128)
+                else:
+                    self._element_epilogue(acc, alpha, mC, n0 + r0, m0, m_end, n, t, kg, c_l)
+            else:
+                self._element_epilogue(acc, alpha, mC, n0 + r0, m0, m_end, n, t, kg, c_l)
             if cutlass.const_expr(self.grouped):
                 # a zero item's rows past the tile's first bm (only zero items have more)
                 for base in range(m0 + bm, m_end, bm):
@@ -1055,6 +1078,52 @@ class Sm90BlockScaledGemm:
             sch.advance_to_next_work()
             work = sch.get_current_work()
 
+
+    @cute.jit
+    def _element_epilogue(self, acc, alpha, mC, row0, m0, m_end, n, t, kg, c_l):
+        """A tile's outputs one by one: C[l, m, n] = alpha * C^T[n, m] for the thread's
+        accumulators (weight rows row0 and row0 + 8, activation rows m0 + 8 j + 2 t + {0, 1}),
+        predicated for the M / N tails; k-group 0 stores."""
+        for i in cutlass.range_constexpr(self.bm // 2):
+            row = row0 + 8 * ((i % 4) // 2)
+            col = m0 + 8 * (i // 4) + 2 * t + i % 2
+            if col < m_end and row < n and kg == 0:
+                mC[col, row, c_l] = self.c_dtype(acc[i] * alpha)
+
+    @cute.jit
+    def _staged_epilogue(self, acc, alpha, buf, bar, c_addr, n_wg, m0, m_end, m, n, c_l, wq,
+                         wtid):
+        """A tile's 16-bit outputs through shared memory (one k-group): the warp group's 64
+        weight rows from n_wg, in passes of epi_rows activation rows. Each warp stores its
+        accumulators as 8 x 8 blocks transposed (stmatrix .trans: a block's column, one
+        activation row's 8 outputs of N, becomes 16 contiguous bytes), into buf's rows of 128
+        bytes (64 outputs of N per activation row) with 16-byte chunk c of row r at c ^ (r % 8)
+        (no bank conflicts either side); then each thread stores whole 16-byte runs of output
+        rows, a warp four rows of 128 bytes at a time. Instead of one 2-byte store per
+        accumulator, which kept the tensor cores idle behind the store queue at every tile's
+        end. The bar (all consumers) before a pass keeps the buffer until the last pass (or
+        tile) is read; the one after makes the blocks visible. Rounding as _element_epilogue."""
+        lane = wtid % 32
+        q, i = lane // 8, lane % 8  # the stmatrix block and row this lane addresses
+        for p in cutlass.range_constexpr(self.bm // self.epi_rows):
+            bar.arrive_and_wait()
+            for jj in cutlass.range_constexpr(self.epi_rows // 16):
+                j = p * (self.epi_rows // 8) + 2 * jj  # accumulator blocks j, j + 1 (8 rows each)
+                regs = []
+                for dj, h in ((0, 0), (0, 1), (1, 0), (1, 1)):  # block q = 2 dj + h
+                    a = 4 * (j + dj) + 2 * h  # weight rows + 8 h, activation rows 2 t, 2 t + 1
+                    regs.append(pack_f32x2(self.out, acc[a] * alpha, acc[a + 1] * alpha))
+                row = 16 * jj + 8 * (q // 2) + i
+                stmatrix_x4_trans(buf + row * 128 + (((2 * wq + q % 2) ^ i) * 16), regs)
+            bar.arrive_and_wait()
+            for sweep in cutlass.range_constexpr(self.epi_rows // 16):
+                idx = wtid + 128 * sweep
+                row, c = idx // 8, idx % 8
+                v = lds_v4(buf + row * 128 + ((c ^ (row % 8)) * 16))
+                out_m = m0 + p * self.epi_rows + row
+                out_n = n_wg + 8 * c
+                addr = c_addr + ((cutlass.Int64(c_l) * m + out_m) * n + out_n) * 2
+                stg_v4(addr, v, cutlass.Int32((out_m < m_end) & (out_n < n)))
 
     def _slot(self, state, ring_base):
         """The pipeline position of `state` in its k-group's ring (the state itself when there is

@@ -159,6 +159,33 @@ def sts_v4(addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def pack_f32x2(out, lo, hi, *, loc=None, ip=None):
+    """lo and hi rounded to nearest-even into one word of two `out` halves ("bf16" / "f16"),
+    lo in the low half (the lower address once stored)."""
+    return _asm(1, "r", [cutlass.Float32(lo), cutlass.Float32(hi)],
+                f"cvt.rn.{out}x2.f32 $0, $2, $1;", ["f", "f"], loc, ip, side_effects=False)[0]
+
+
+@dsl_user_op
+def stmatrix_x4_trans(addr, regs, *, loc=None, ip=None):
+    """Four 8 x 8 matrices of 16-bit values, stored transposed: register q of lane 4 r + c holds
+    row r, columns 2 c and 2 c + 1 of matrix q, and lane 8 q + i gives the shared address of
+    the 16 bytes that receive column i of matrix q (its 8 rows in order)."""
+    _asm(0, "r", [cutlass.Int32(addr)] + [cutlass.Int32(x) for x in regs],
+         "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};",
+         ["r"] * 5, loc, ip)
+
+
+@dsl_user_op
+def stg_v4(addr, v, pred, *, loc=None, ip=None):
+    """16 bytes (four words) to global memory at addr (16-byte aligned) if pred."""
+    body = ("{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+            "@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}")
+    _asm(0, "r", [cutlass.Int64(addr)] + [cutlass.Int32(x) for x in v] + [cutlass.Int32(pred)],
+         body, ["l", "r", "r", "r", "r", "r"], loc, ip)
+
+
+@dsl_user_op
 def stg_f32(addr, val, pred, *, loc=None, ip=None):
     body = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}"
     _asm(0, "r", [cutlass.Int64(addr), cutlass.Float32(val), cutlass.Int32(pred)], body,

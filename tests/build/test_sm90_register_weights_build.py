@@ -26,9 +26,9 @@ aot = importlib.import_module("jax_blockscale.kernels.aot_sm90")
 kern = importlib.import_module("jax_blockscale.kernels.sm90_blockscaled")
 
 
-def _sass(tmp_path, b_kind, tile, kernel="register_weights"):
+def _sass(tmp_path, b_kind, tile, kernel="register_weights", out="bf16"):
     native.need_sass_tools()
-    v = cat.Variant(kernel, "bf16_kperm", b_kind, "bf16", *tile)
+    v = cat.Variant(kernel, "bf16_kperm", b_kind, out, *tile)
     aot._build_one((str(tmp_path), v))
     (sass,) = _cubins.sass_of_object(str(tmp_path / f"{v.name}.o"), str(tmp_path / "cubins"))
     return sass
@@ -68,6 +68,26 @@ def test_in_flight_registers_are_not_rewritten(tmp_path, b_kind, tile, kernel):
         widths = (tile[0],) + cat.ragged_prefill_narrow_widths(tile[0])
         found = {int(w) for w in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
         assert found == set(widths), (found, widths)
+
+
+@pytest.mark.parametrize("tile,kernel,out", [((128, 128), "register_weights", "bf16"),
+                                              ((64, 64), "register_weights", "f16"),
+                                              ((128, 128), "register_weights", "f32"),
+                                              ((32, 128), "register_weights", "bf16"),
+                                              ((256, 128), "ragged_prefill", "bf16"),
+                                              ((64, 128), "ragged_prefill", "f32")])
+def test_16_bit_outputs_leave_through_shared_memory(tmp_path, tile, kernel, out):
+    """The staged epilogue (kernels/sm90_blockscaled.py: _staged_epilogue): tiles with 16-bit
+    outputs and one k-group store their accumulators transposed into shared memory (STSM) and
+    whole 16-byte runs of output rows (STG.128), bm / 16 of each per thread (two passes of 128
+    rows at bm = 256); they keep the one-by-one stores only for N % 8 != 0. f32 outputs (the
+    split partials' workspace too) and the 16- / 32-row tiles, whose two k-groups add their
+    sums through shared memory first, store one by one."""
+    sass = _sass(tmp_path, "nvfp4", tile, kernel, out)
+    staged = out != "f32" and tile[0] not in (16, 32)
+    assert sass.count("STSM.16.MT88.4") == (tile[0] // 16 if staged else 0)
+    assert sass.count("STG.E.128") == (tile[0] // 16 if staged else 0)
+    assert "STG.E.U16" in sass or out == "f32"
 
 
 SYNTHETIC = """

@@ -338,6 +338,30 @@ def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rh
     assert p.tile == (tile_m, 128), p
 
 
+@pytest.mark.parametrize("tile_m", [t for t, _ in cat.RAGGED_PREFILL_TILES])
+@pytest.mark.parametrize("out,n", [("bf16", 384), ("f16", 384), ("bf16", 300)])
+def test_register_weight_kernel_16_bit_outputs_are_its_f32_outputs_rounded(tile_m, out, n,
+                                                                          monkeypatch):
+    """A bf16 / f16 call of the grouped register-weight kernel writes, bit for bit, its own f32
+    result rounded to nearest-even: the same tiles sum the same k-tiles, and only the epilogue
+    differs (16-bit outputs go through shared memory in whole 16-byte runs of N where N % 8 == 0,
+    one by one otherwise; docs/design/sm90_fused.md, "The staged epilogue"). Items of 1 to 600
+    rows, so that a tile's last rows, the narrower wgmma widths and the 256-row tile's two passes
+    are all stored; rows past the groups must be zeros."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
+            JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
+    sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33, 64, 65, 32, 160]  # 2027 rows
+    lhs, rhs, gs = _problem(None, "nvfp4", sizes, 2060, n, 512)
+    dtype = OUTS[out][0]
+    p = _compare(lhs, rhs, gs, out, "prefill")
+    assert p.tile == (tile_m, 128), p
+    f = jax.jit(lambda a, b, g, d: jbs.ragged_gemm(a, b, g, out_dtype=d), static_argnums=3)
+    poison()
+    got = np.asarray(f(lhs, rhs, gs, dtype))
+    want = np.asarray(f(lhs, rhs, gs, jnp.float32).astype(dtype))
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def _mxfp4_experts_with_large_scales(rng, g, n, k, whole_row_expert):
     """G MXFP4 experts (N, K), blocked scales, some of whose blocks are scaled up by 2^9 to 2^14
     beside ordinary ones: rows of expert 1 over one K range, a whole row of `whole_row_expert`,

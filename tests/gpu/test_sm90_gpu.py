@@ -7,6 +7,7 @@ differs: dequantization to bf16 is exact), output rounding only for bf16/f16.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -279,6 +280,33 @@ def test_register_weights_two_operand(monkeypatch, fmt):
     assert f"a_kind = {KPERM} : i32" in f.lower(a, b).as_text()
     _check(a, b, "f32", f)
     _check(a, b, "bf16")
+
+
+@needs_sm90
+@pytest.mark.parametrize("fmt_b", ["nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("m,n,k", [(300, 1024, 512), (77, 264, 256), (128, 40000, 128),
+                                   (200, 300, 192)])
+@pytest.mark.parametrize("out", ["bf16", "f16"])
+def test_register_weights_16_bit_outputs_are_their_f32_outputs_rounded(monkeypatch, fmt_b, m, n,
+                                                                      k, out):
+    """One split (so that f32 is not the split partials' workspace): a bf16 / f16 call of the
+    register-weight variants writes, bit for bit, the same call's f32 result rounded to
+    nearest-even. Only the epilogue differs: 16-bit outputs go through shared memory in whole
+    16-byte runs of N where N % 8 == 0 (the first three shapes; M tails, CTAs that run several
+    tiles), one by one otherwise (N = 300)."""
+    set_env(monkeypatch, JAX_BLOCKSCALE_SM90_DECODE_MAX_ROWS="0", JAX_BLOCKSCALE_SM90_MAX_ROWS="0",
+            JAX_BLOCKSCALE_SM90_REGISTER_WEIGHT_SPLITS="1")
+    a, b = _operands(None, fmt_b, (), (), m, n, k)
+    dtype = OUTS[out][0]
+    f = jax.jit(lambda a, b, d: jbs.gemm(a, b, out_dtype=d, backend="sm90"), static_argnums=2)
+    calls = [ln for ln in f.lower(a, b, dtype).as_text().splitlines()
+             if "custom_call @" + _plugin.SM90_TARGET in ln]
+    assert len(calls) == 1 and "a_kind = " in calls[0], calls
+    _check(a, b, out, functools.partial(f, d=dtype))
+    _poison()
+    got = np.asarray(f(a, b, dtype))
+    want = np.asarray(f(a, b, jnp.float32).astype(dtype))
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 @needs_sm90
