@@ -301,7 +301,7 @@ def test_register_weights_16_bit_outputs_are_their_f32_outputs_rounded(monkeypat
     f = jax.jit(lambda a, b, d: jbs.gemm(a, b, out_dtype=d, backend="sm90"), static_argnums=2)
     calls = [ln for ln in f.lower(a, b, dtype).as_text().splitlines()
              if "custom_call @" + _plugin.SM90_TARGET in ln]
-    assert len(calls) == 1 and "a_kind = " in calls[0], calls
+    assert len(calls) == 1 and f"a_kind = {KPERM} : i32" in calls[0], calls  # register weights
     _check(a, b, out, functools.partial(f, d=dtype))
     _poison()
     got = np.asarray(f(a, b, dtype))
