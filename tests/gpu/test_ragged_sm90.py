@@ -316,6 +316,12 @@ def test_items_on_both_sides_of_the_narrow_loop(fmt_lhs, fmt_rhs, nt, splits, mo
     assert (p.kernel, p.nt, p.splits) == ("ragged_decode", nt, splits), p
 
 
+# Group sizes for the register-weight kernel's item heights (2027 rows): groups shorter than an
+# item, of exactly one, past one and over several (600: two 256-row items and a part), an empty
+# one, one row, and last items on both sides of each narrower wgmma width
+ITEM_HEIGHT_SIZES = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33, 64, 65, 32, 160]
+
+
 @pytest.mark.parametrize("k", [512, 576])
 @pytest.mark.parametrize("tile_m", [t for t, _ in cat.RAGGED_PREFILL_TILES])
 @pytest.mark.parametrize("fmt_lhs,fmt_rhs,out", [(None, "nvfp4", "bf16"), (None, "mxfp4", "f32"),
@@ -332,7 +338,7 @@ def test_every_item_height_of_the_register_weight_kernel(tile_m, fmt_lhs, fmt_rh
     the tile: 16, 17, 31, 32, 33, 64, 65 rows and more)."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
             JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
-    sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33, 64, 65, 32, 160]  # 2027 rows
+    sizes = ITEM_HEIGHT_SIZES
     lhs, rhs, gs = _problem(fmt_lhs, fmt_rhs, sizes, 2060, 384, k)
     p = _compare(lhs, rhs, gs, out, "prefill")
     assert p.tile == (tile_m, 128), p
@@ -350,7 +356,7 @@ def test_register_weight_kernel_16_bit_outputs_are_its_f32_outputs_rounded(tile_
     are all stored; rows past the groups must be zeros."""
     set_env(monkeypatch, JAX_BLOCKSCALE_SM90_RAGGED_KERNEL="prefill",
             JAX_BLOCKSCALE_SM90_RAGGED_TILE_M=str(tile_m))
-    sizes = [600, 0, 37, 256, 255, 1, 300, 129, 16, 17, 31, 33, 64, 65, 32, 160]  # 2027 rows
+    sizes = ITEM_HEIGHT_SIZES
     lhs, rhs, gs = _problem(None, "nvfp4", sizes, 2060, n, 512)
     dtype = OUTS[out][0]
     p = _compare(lhs, rhs, gs, out, "prefill")
